@@ -1,0 +1,445 @@
+"""The cluster file: one TOML file every component reads (`--config PATH`).
+
+`load_config(path)` is the only code that reads TOML. It validates everything at
+load time and rejects unknown keys and bad values with one message naming the key
+path and what was expected, e.g. `tables[1].dim: expected a positive integer,
+got -3`. The objects are frozen; change them with `dataclasses.replace`.
+
+See README "Configuration reference" for every key, its unit and its default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeAlias
+from urllib.parse import urlsplit
+
+from lookup_table.errors import ConfigError, KeyEncodingError
+from lookup_table.hashing import stable_hash
+from lookup_table.initializers import InitializerSpec
+from lookup_table.keys import validate_name
+
+__all__ = [
+    "AdagradConfig",
+    "AdamConfig",
+    "ClusterConfig",
+    "NodeSpec",
+    "OptimizerConfig",
+    "SGDConfig",
+    "StoreConfig",
+    "TableSpec",
+    "load_config",
+    "parse_config",
+]
+
+TOKEN_ENV = "LOOKUP_TABLE_TOKEN"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeSpec:
+    """One memcached server."""
+
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def __str__(self) -> str:
+        return self.address
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdamConfig:
+    """Adam (Kingma & Ba, 2015) with Keras' parameter names and defaults."""
+
+    name: Literal["adam"] = "adam"
+    learning_rate: float = 0.001
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-7
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SGDConfig:
+    """SGD with optional (Nesterov) momentum, Keras' names and defaults."""
+
+    name: Literal["sgd"] = "sgd"
+    learning_rate: float = 0.01
+    momentum: float = 0.0
+    nesterov: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdagradConfig:
+    """Adagrad (Duchi et al., 2011), Keras' names and defaults."""
+
+    name: Literal["adagrad"] = "adagrad"
+    learning_rate: float = 0.001
+    initial_accumulator_value: float = 0.1
+    epsilon: float = 1e-7
+
+
+OptimizerConfig: TypeAlias = AdamConfig | SGDConfig | AdagradConfig
+_OPTIMIZERS: dict[str, type[AdamConfig] | type[SGDConfig] | type[AdagradConfig]] = {
+    "adam": AdamConfig,
+    "sgd": SGDConfig,
+    "adagrad": AdagradConfig,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TableSpec:
+    """A named embedding table with a fixed dim.
+
+    `seed` defaults to a stable hash of the table name, so two tables never share
+    initial rows unless the user gives them the same seed on purpose.
+    """
+
+    name: str
+    dim: int
+    seed: int
+    id_type: Literal["int64", "string"] = "int64"
+    initializer: InitializerSpec = field(default_factory=InitializerSpec)
+    optimizer: OptimizerConfig = field(default_factory=AdamConfig)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreConfig:
+    """How clients talk to memcached (`[store]`)."""
+
+    timeout_s: float = 5.0
+    connect_timeout_s: float = 2.0
+    pool_size: int = 4
+    max_batch_keys: int = 16384
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterConfig:
+    """The whole cluster file."""
+
+    namespace: str
+    memcached: tuple[NodeSpec, ...]
+    optimizers: tuple[str, ...] = ()
+    mode: Literal["async", "sync"] = "async"
+    workers: int = 1
+    token: str = field(default="", repr=False)
+    optimizer: OptimizerConfig = field(default_factory=AdamConfig)
+    tables: tuple[TableSpec, ...] = ()
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+    def table(self, name: str) -> TableSpec:
+        """The spec of table `name`; ConfigError listing the known tables otherwise."""
+        for spec in self.tables:
+            if spec.name == name:
+                return spec
+        known = ", ".join(t.name for t in self.tables) or "none"
+        raise ConfigError(f"unknown table {name!r}; the cluster file defines: {known}")
+
+    @property
+    def node_addresses(self) -> tuple[str, ...]:
+        return tuple(n.address for n in self.memcached)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The TOML-shaped dict that `parse_config` turns back into an equal object."""
+        return {
+            "namespace": self.namespace,
+            "memcached": list(self.node_addresses),
+            "optimizers": list(self.optimizers),
+            "mode": self.mode,
+            "workers": self.workers,
+            "token": self.token,
+            "optimizer": dataclasses.asdict(self.optimizer),
+            "store": dataclasses.asdict(self.store),
+            "tables": [
+                {
+                    "name": t.name,
+                    "dim": t.dim,
+                    "seed": t.seed,
+                    "id_type": t.id_type,
+                    "initializer": t.initializer.to_dict(),
+                    "optimizer": dataclasses.asdict(t.optimizer),
+                }
+                for t in self.tables
+            ],
+        }
+
+
+# ---------------------------------------------------------------- validation
+
+
+class _Section:
+    """Take keys out of one TOML table, checking types; leftovers are unknown keys."""
+
+    def __init__(self, raw: object, path: str) -> None:
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{path or 'the file'}: expected a table, got {raw!r}")
+        self.raw = dict(raw)
+        self.path = path
+
+    def at(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def take(self, key: str, default: Any) -> Any:
+        return self.raw.pop(key, default)
+
+    def string(self, key: str, default: str | None = None) -> str:
+        value = self.take(key, default)
+        if not isinstance(value, str):
+            what = "missing" if value is None else f"got {value!r}"
+            raise ConfigError(f"{self.at(key)}: expected a string, {what}")
+        return value
+
+    def integer(self, key: str, default: int | None = None, *, minimum: int | None = None) -> int:
+        value = self.take(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            what = "missing" if value is None else f"got {value!r}"
+            expect = "a positive integer" if minimum == 1 else "an integer"
+            raise ConfigError(f"{self.at(key)}: expected {expect}, {what}")
+        if minimum is not None and value < minimum:
+            expect = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise ConfigError(f"{self.at(key)}: expected {expect}, got {value}")
+        return value
+
+    def number(
+        self, key: str, default: float, *, positive: bool = False, below_one: bool = False
+    ) -> float:
+        value = self.take(key, default)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise ConfigError(f"{self.at(key)}: expected a finite number, got {value!r}")
+        if positive and not value > 0:
+            raise ConfigError(f"{self.at(key)}: expected a positive number, got {value}")
+        if not positive and value < 0:
+            raise ConfigError(f"{self.at(key)}: expected a number >= 0, got {value}")
+        if below_one and not value < 1:
+            raise ConfigError(f"{self.at(key)}: expected a number in [0, 1), got {value}")
+        return float(value)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.take(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.at(key)}: expected true or false, got {value!r}")
+        return value
+
+    def finish(self, allowed: list[str]) -> None:
+        for key in self.raw:
+            raise ConfigError(
+                f"{self.at(key)}: unknown key; expected one of {', '.join(sorted(allowed))}"
+            )
+
+
+def _parse_node(value: object, path: str) -> NodeSpec:
+    if not isinstance(value, str) or value.count(":") != 1:
+        raise ConfigError(f"{path}: expected 'host:port', got {value!r}")
+    host, port_text = value.split(":")
+    # isascii: str.isdigit() is also true for "²" (int() refuses it) and "１２" (int() takes it)
+    digits = port_text.isascii() and port_text.isdigit()
+    if not host or not digits or not 0 < int(port_text) < 65536:
+        raise ConfigError(f"{path}: expected 'host:port' with a port in 1-65535, got {value!r}")
+    return NodeSpec(host=host, port=int(port_text))
+
+
+def _parse_url(value: object, path: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{path}: expected an http:// URL, got {value!r}")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"{path}: expected an http:// URL like 'http://127.0.0.1:8470', got {value!r}"
+        )
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ConfigError(f"{path}: bad port in URL {value!r}") from None
+    return value.rstrip("/")
+
+
+def _parse_optimizer(
+    raw: object, path: str, base: OptimizerConfig | None = None
+) -> OptimizerConfig:
+    """Parse `[optimizer]`; a table's override starts from `base` when the name matches."""
+    section = _Section(raw, path)
+    default_name = base.name if base is not None else "adam"
+    name = section.string("name", default_name)
+    if name not in _OPTIMIZERS:
+        raise ConfigError(
+            f"{section.at('name')}: unknown optimizer {name!r}; expected one of "
+            f"{', '.join(sorted(_OPTIMIZERS))}"
+        )
+    cls = _OPTIMIZERS[name]
+    start = base if base is not None and base.name == name else cls()
+    fields = [f.name for f in dataclasses.fields(cls) if f.name != "name"]
+    values: dict[str, Any] = {}
+    for key in fields:
+        current = getattr(start, key)
+        if isinstance(current, bool):
+            values[key] = section.boolean(key, current)
+        elif key == "learning_rate" or key == "epsilon":
+            values[key] = section.number(key, current, positive=True)
+        elif key in ("beta_1", "beta_2", "momentum"):
+            values[key] = section.number(key, current, below_one=True)
+        else:
+            values[key] = section.number(key, current)
+    section.finish(["name", *fields])
+    return cls(**values)
+
+
+def _parse_table(raw: object, path: str, default_optimizer: OptimizerConfig) -> TableSpec:
+    section = _Section(raw, path)
+    name = section.string("name")
+    try:
+        validate_name(name, "table name")
+    except KeyEncodingError as exc:
+        raise ConfigError(f"{section.at('name')}: {exc}") from None
+    dim = section.integer("dim", minimum=1)
+    seed = section.integer("seed", stable_hash("seed:" + name) & 0x7FFFFFFF)
+    id_type = section.string("id_type", "int64")
+    if id_type not in ("int64", "string"):
+        raise ConfigError(f"{section.at('id_type')}: expected 'int64' or 'string', got {id_type!r}")
+    init_raw = section.take("initializer", {"name": "uniform"})
+    if isinstance(init_raw, str):
+        init_raw = {"name": init_raw}
+    if not isinstance(init_raw, Mapping):
+        raise ConfigError(
+            f"{section.at('initializer')}: expected a table or a name, got {init_raw!r}"
+        )
+    try:
+        initializer = InitializerSpec.from_dict(init_raw, where=section.at("initializer"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    opt_raw = section.take("optimizer", None)
+    optimizer = (
+        default_optimizer
+        if opt_raw is None
+        else _parse_optimizer(opt_raw, section.at("optimizer"), default_optimizer)
+    )
+    section.finish(["dim", "id_type", "initializer", "name", "optimizer", "seed"])
+    return TableSpec(
+        name=name,
+        dim=dim,
+        seed=seed,
+        id_type=id_type,  # type: ignore[arg-type]
+        initializer=initializer,
+        optimizer=optimizer,
+    )
+
+
+def _parse_store(raw: object) -> StoreConfig:
+    section = _Section(raw, "store")
+    defaults = StoreConfig()
+    store = StoreConfig(
+        timeout_s=section.number("timeout_s", defaults.timeout_s, positive=True),
+        connect_timeout_s=section.number(
+            "connect_timeout_s", defaults.connect_timeout_s, positive=True
+        ),
+        pool_size=section.integer("pool_size", defaults.pool_size, minimum=1),
+        max_batch_keys=section.integer("max_batch_keys", defaults.max_batch_keys, minimum=1),
+    )
+    section.finish([f.name for f in dataclasses.fields(StoreConfig)])
+    return store
+
+
+def parse_config(raw: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> ClusterConfig:
+    """Validate a TOML-shaped dict (what `tomllib` returns) into a ClusterConfig.
+
+    The token comes from `token`, or from $LOOKUP_TABLE_TOKEN when `token` is empty.
+    """
+    env = os.environ if env is None else env
+    top = _Section(raw, "")
+    namespace = top.string("namespace")
+    try:
+        validate_name(namespace, "namespace")
+    except KeyEncodingError as exc:
+        raise ConfigError(f"namespace: {exc}") from None
+
+    nodes_raw = top.take("memcached", None)
+    if not isinstance(nodes_raw, list) or not nodes_raw:
+        raise ConfigError(f"memcached: expected a non-empty list of 'host:port', got {nodes_raw!r}")
+    nodes = tuple(_parse_node(v, f"memcached[{i}]") for i, v in enumerate(nodes_raw))
+    seen: set[str] = set()
+    for i, node in enumerate(nodes):
+        if node.address in seen:
+            raise ConfigError(f"memcached[{i}]: {node.address} is listed twice")
+        seen.add(node.address)
+
+    urls_raw = top.take("optimizers", [])
+    if not isinstance(urls_raw, list):
+        raise ConfigError(f"optimizers: expected a list of URLs, got {urls_raw!r}")
+    optimizers = tuple(_parse_url(v, f"optimizers[{i}]") for i, v in enumerate(urls_raw))
+    if len(set(optimizers)) != len(optimizers):
+        raise ConfigError(f"optimizers: a URL is listed twice in {list(optimizers)}")
+
+    mode = top.string("mode", "async")
+    if mode not in ("async", "sync"):
+        raise ConfigError(f"mode: expected 'async' or 'sync', got {mode!r}")
+    workers = top.integer("workers", 1, minimum=1)
+    token = top.string("token", "") or env.get(TOKEN_ENV, "")
+    optimizer = _parse_optimizer(top.take("optimizer", {}), "optimizer")
+    store = _parse_store(top.take("store", {}))
+
+    tables_raw = top.take("tables", [])
+    if not isinstance(tables_raw, list):
+        raise ConfigError(f"tables: expected an array of tables ([[tables]]), got {tables_raw!r}")
+    tables = tuple(_parse_table(t, f"tables[{i}]", optimizer) for i, t in enumerate(tables_raw))
+    names = [t.name for t in tables]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ConfigError(f"tables[{i}].name: table {name!r} is defined twice")
+    top.finish(
+        [
+            "memcached",
+            "mode",
+            "namespace",
+            "optimizer",
+            "optimizers",
+            "store",
+            "tables",
+            "token",
+            "workers",
+        ]
+    )
+    return ClusterConfig(
+        namespace=namespace,
+        memcached=nodes,
+        optimizers=optimizers,
+        mode=mode,  # type: ignore[arg-type]
+        workers=workers,
+        token=token,
+        optimizer=optimizer,
+        tables=tables,
+        store=store,
+    )
+
+
+def load_config(path: str | os.PathLike[str]) -> ClusterConfig:
+    """Read and validate a cluster file.
+
+    Raises:
+        ConfigError: the file is missing, not TOML, or has a bad key; the message
+            starts with the file path and names the key.
+    """
+    p = Path(path)
+    try:
+        with p.open("rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: cluster file not found") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # tomllib.load decodes UTF-8 first
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the cluster file: {exc.strerror or exc}") from None
+    try:
+        return parse_config(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from None

@@ -1,0 +1,100 @@
+"""The one error hierarchy of the lookup table.
+
+::
+
+    LookupTableError
+    ├── ConfigError (ValueError)            bad cluster file or argument: fix the config
+    ├── KeyEncodingError (ValueError)       an id or name that cannot become a memcached key
+    ├── ClusterNotInitializedError          no node has a sentinel: run `lookup-table-admin init`
+    ├── DataLossError                       a node lost its data (restart, flush): restore or reinit
+    ├── StoreError                          memcached said or did something we cannot use
+    │   ├── StoreFullError                  `-M` server out of memory: add nodes or memory
+    │   ├── CorruptValueError               a stored value of the wrong length: never a miss
+    │   ├── ProtocolError                   an unexpected reply: bug or version mismatch
+    │   └── NodeUnavailableError (OSError)  refused, reset, closed: transient, retry later
+    │       └── StoreTimeoutError (TimeoutError)  no answer within `store.timeout_s`
+    └── PushRejectedError                   the optimizer service said 4xx; carries its message
+
+Every message names the node, table, key or config key involved and, where there
+is one, what the user can do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ClusterNotInitializedError",
+    "ConfigError",
+    "CorruptValueError",
+    "DataLossError",
+    "KeyEncodingError",
+    "LookupTableError",
+    "NodeUnavailableError",
+    "ProtocolError",
+    "PushRejectedError",
+    "StoreError",
+    "StoreFullError",
+    "StoreTimeoutError",
+]
+
+
+class LookupTableError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class ConfigError(LookupTableError, ValueError):
+    """The cluster file or an argument is wrong; the message names the key path."""
+
+
+class KeyEncodingError(LookupTableError, ValueError):
+    """An id, table name or namespace cannot be encoded as a memcached key."""
+
+
+class ClusterNotInitializedError(LookupTableError):
+    """No node of the namespace has a sentinel: `lookup-table-admin init` was never run."""
+
+
+class DataLossError(LookupTableError):
+    """A node's sentinel is gone, so its rows are gone: nothing is re-created there.
+
+    Restore a checkpoint, or accept the loss with `lookup-table-admin reinit --yes`.
+    """
+
+    def __init__(self, message: str, *, nodes: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.nodes = nodes
+
+
+class StoreError(LookupTableError):
+    """memcached answered something we cannot use, or did not answer."""
+
+    def __init__(self, message: str, *, node: str | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+
+
+class StoreFullError(StoreError):
+    """A node started with `-M` is out of memory and refused a write."""
+
+
+class CorruptValueError(StoreError):
+    """A stored value has the wrong length for its table: corruption, never a cache miss."""
+
+
+class ProtocolError(StoreError):
+    """memcached's reply did not follow the protocol we spoke (bug or version mismatch)."""
+
+
+class NodeUnavailableError(StoreError, OSError):
+    """A node refused, reset or closed the connection (transient: retry later)."""
+
+
+class StoreTimeoutError(NodeUnavailableError, TimeoutError):
+    """A node did not answer within the configured timeout."""
+
+
+class PushRejectedError(LookupTableError):
+    """The optimizer service refused a push with a 4xx; `.status` and the message say why."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status

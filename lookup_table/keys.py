@@ -1,0 +1,273 @@
+"""The key codec: ids <-> memcached keys (pure; numpy + stdlib).
+
+Key format, version 1 (stored data depends on it; see README "Wire formats")::
+
+    {namespace}/{table}/{kind}/{encoded id}
+
+* `namespace` and `table` match `[A-Za-z0-9][A-Za-z0-9_.-]{0,63}`; names starting
+  with `_` are reserved for bookkeeping (`_meta`).
+* `kind` is a short lowercase tag: `w` row, `s` slots, `d` dense chunk, `m` meta,
+  `p` push record, `j` journal.
+* An int64 id is `i` + 16 lowercase hex digits of its two's complement
+  (`7` -> `i0000000000000007`, `-1` -> `iffffffffffffffff`). Fixed width, so a
+  batch of int keys is built as one uint8 matrix without a Python loop.
+* A str id is `s` + its UTF-8 bytes percent-encoded (everything but
+  `A-Za-z0-9_.~-` becomes `%XX`), so spaces, slashes, `\\r\\n` and control
+  characters never reach memcached raw (`"banana"` -> `sbanana`, `"a b"` -> `sa%20b`).
+
+The tags make `7` and `"7"` different ids, and the encoding is reversible:
+`decode_key` recovers the id (checkpoints rely on it). Keys are at most 250 bytes;
+an id that cannot fit raises `KeyEncodingError` naming the id.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, TypeAlias
+from urllib.parse import quote, unquote
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lookup_table.errors import KeyEncodingError
+
+__all__ = [
+    "INT_ID_BYTES",
+    "MAX_KEY_BYTES",
+    "DecodedKey",
+    "IdArray",
+    "as_ids",
+    "decode_key",
+    "encode_key",
+    "encode_keys",
+    "int_key_matrix",
+    "key_prefix",
+    "validate_name",
+]
+
+MAX_KEY_BYTES = 250
+INT_ID_BYTES = 17  # "i" + 16 hex digits
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
+_RESERVED_RE = re.compile(r"_[A-Za-z0-9_.-]{0,63}\Z")
+_KIND_RE = re.compile(r"[a-z]{1,4}\Z")
+_SAFE_RE = re.compile(r"[A-Za-z0-9_.~-]*\Z")
+_HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+IdArray: TypeAlias = "NDArray[np.int64] | NDArray[np.object_]"
+"""A batch of ids: int64 (n,), or an object array (n,) of str."""
+
+
+def validate_name(name: object, what: str, *, reserved_ok: bool = False) -> str:
+    """Check a namespace or table name; return it.
+
+    Raises:
+        KeyEncodingError: the name would not make a safe, parseable key.
+    """
+    if isinstance(name, str) and (
+        _NAME_RE.match(name) or (reserved_ok and _RESERVED_RE.match(name))
+    ):
+        return name
+    raise KeyEncodingError(
+        f"{what} must be 1-64 characters of A-Z a-z 0-9 _ . - starting with a letter or "
+        f"digit; got {name!r}"
+    )
+
+
+@lru_cache(maxsize=1024)
+def key_prefix(namespace: str, table: str, kind: str) -> bytes:
+    """`b"{namespace}/{table}/{kind}/"`, validated once and cached."""
+    validate_name(namespace, "namespace")
+    validate_name(table, "table name", reserved_ok=True)
+    if not _KIND_RE.match(kind):
+        raise KeyEncodingError(f"key kind must be 1-4 lowercase letters; got {kind!r}")
+    prefix = f"{namespace}/{table}/{kind}/".encode("ascii")
+    if len(prefix) + INT_ID_BYTES > MAX_KEY_BYTES:  # unreachable with 64-char names; kept honest
+        raise KeyEncodingError(f"key prefix {prefix!r} leaves no room for an id")
+    return prefix
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def as_ids(ids: Any, *, table: str | None = None) -> IdArray:
+    """Normalize a batch of ids to int64 (n,) or an object array (n,) of str.
+
+    Accepts numpy arrays (any integer dtype that fits int64, str, bytes, object),
+    lists and tuples. bytes ids are decoded as UTF-8, so a `tf.string` tensor's
+    b"banana" is the same id as "banana". Floats, bools and mixtures of ints and
+    strs are refused: silently casting 1.5 to 1 would alias two features.
+
+    Raises:
+        KeyEncodingError: with the offending value and its position.
+    """
+    where = f" for table {table!r}" if table else ""
+    if isinstance(ids, str | bytes):
+        ids = [ids]
+    if isinstance(ids, list | tuple) and any(
+        issubclass(t, str | bytes | bool | np.bool_) for t in set(map(type, ids))
+    ):
+        # np.asarray would read [1, "a"] as strs and [1, True] as ints, and strip the
+        # trailing NULs of strs ("a\x00" -> "a"): check such lists value by value.
+        return _object_ids(list(ids), where)
+    arr = np.asarray(ids) if not isinstance(ids, np.ndarray) else ids
+    if arr.ndim != 1:
+        if arr.ndim == 0:
+            arr = arr.reshape(1)
+        else:
+            raise KeyEncodingError(f"ids{where} must be 1-D; got shape {arr.shape}")
+    kind = arr.dtype.kind
+    if kind == "i":
+        return arr.astype(np.int64, copy=False)
+    if kind == "u":
+        if arr.size and arr.max() > _INT64_MAX:
+            bad = int(arr[arr > _INT64_MAX][0])
+            raise KeyEncodingError(f"id {bad}{where} does not fit in int64")
+        return arr.astype(np.int64)
+    if kind == "U":
+        return np.array(arr.tolist(), dtype=object) if arr.size else arr.astype(object)
+    if kind in "SO":
+        return _object_ids(arr.tolist(), where)
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    sample = arr.reshape(-1)[0]
+    raise KeyEncodingError(
+        f"ids{where} must be int64 or str; got dtype {arr.dtype} (e.g. {_describe(sample)})"
+    )
+
+
+def _object_ids(values: list[Any], where: str) -> IdArray:
+    if not values:
+        return np.empty(0, dtype=np.int64)
+    first = values[0]
+    if isinstance(first, str | bytes):
+        out: list[str] = []
+        for i, v in enumerate(values):
+            if isinstance(v, str):
+                out.append(v)
+            elif isinstance(v, bytes):
+                try:
+                    out.append(v.decode("utf-8"))
+                except UnicodeDecodeError as exc:
+                    raise KeyEncodingError(
+                        f"id {_describe(v)} at position {i}{where} is bytes that are not UTF-8"
+                    ) from exc
+            else:
+                raise KeyEncodingError(
+                    f"ids{where} mix str and {type(v).__name__}: {_describe(v)} at position {i}"
+                )
+        arr = np.empty(len(out), dtype=object)
+        arr[:] = out
+        return arr
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int | np.integer):
+            raise KeyEncodingError(
+                f"ids{where} must be all int64 or all str; got {_describe(v)} "
+                f"({type(v).__name__}) at position {i}"
+            )
+        if not _INT64_MIN <= int(v) <= _INT64_MAX:
+            raise KeyEncodingError(f"id {int(v)} at position {i}{where} does not fit in int64")
+    return np.array(values, dtype=np.int64)
+
+
+def int_key_matrix(prefix: bytes, ids: NDArray[np.int64]) -> NDArray[np.uint8]:
+    """Keys of int ids as a uint8 matrix (n, len(prefix) + 17), one key per row. No loop."""
+    n = ids.shape[0]
+    be = np.ascontiguousarray(ids, dtype=np.int64).astype(">i8").view(np.uint8).reshape(n, 8)
+    out = np.empty((n, len(prefix) + INT_ID_BYTES), dtype=np.uint8)
+    out[:, : len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+    out[:, len(prefix)] = ord("i")
+    digits = out[:, len(prefix) + 1 :]
+    digits[:, 0::2] = _HEX_DIGITS[be >> 4]
+    digits[:, 1::2] = _HEX_DIGITS[be & 15]
+    return out
+
+
+def _encode_str_id(value: str, prefix: bytes, table: str) -> bytes:
+    try:
+        body = value if _SAFE_RE.match(value) else quote(value, safe="", errors="strict")
+        key = prefix + b"s" + body.encode("ascii")
+    except UnicodeEncodeError as exc:
+        raise KeyEncodingError(
+            f"id {_describe(value)} of table {table!r} is not valid Unicode text "
+            f"(it cannot be encoded as UTF-8: {exc.reason})"
+        ) from exc
+    if len(key) > MAX_KEY_BYTES:
+        raise KeyEncodingError(
+            f"id {_describe(value)} of table {table!r} is too long for a memcached key: the key "
+            f"would be {len(key)} bytes, over the limit of {MAX_KEY_BYTES}; shorten or hash long "
+            f"ids (e.g. hashlib.blake2b(id).hexdigest()) before looking them up"
+        )
+    return key
+
+
+def encode_keys(namespace: str, table: str, kind: str, ids: IdArray) -> list[bytes]:
+    """Keys of a batch of ids, in order."""
+    prefix = key_prefix(namespace, table, kind)
+    if ids.dtype == np.int64:
+        matrix = int_key_matrix(prefix, ids)
+        width = matrix.shape[1]
+        flat = matrix.tobytes()
+        return [flat[i : i + width] for i in range(0, len(flat), width)]
+    return [_encode_str_id(s, prefix, table) for s in ids.tolist()]
+
+
+def encode_key(namespace: str, table: str, kind: str, id_: int | str) -> bytes:
+    """The key of one id."""
+    return encode_keys(namespace, table, kind, as_ids([id_], table=table))[0]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedKey:
+    """The parts of a key; `id` is an int or a str, exactly as it was encoded."""
+
+    namespace: str
+    table: str
+    kind: str
+    id: int | str
+
+
+def decode_key(key: bytes | str) -> DecodedKey:
+    """Invert the key codec.
+
+    Raises:
+        KeyEncodingError: the key was not produced by this codec.
+    """
+    raw = key.encode("ascii", "replace") if isinstance(key, str) else bytes(key)
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise KeyEncodingError(f"not a lookup-table key (non-ASCII): {raw!r}") from None
+    parts = text.split("/", 3)
+    if len(parts) != 4:
+        raise KeyEncodingError(f"not a lookup-table key (expected 4 '/'-separated parts): {raw!r}")
+    namespace, table, kind, body = parts
+    try:
+        key_prefix(namespace, table, kind)
+    except KeyEncodingError as exc:
+        raise KeyEncodingError(f"not a lookup-table key ({exc}): {raw!r}") from None
+    id_: int | str
+    if body.startswith("i") and len(body) == INT_ID_BYTES and _is_lower_hex(body[1:]):
+        id_ = int(body[1:], 16)
+        if id_ > _INT64_MAX:
+            id_ -= 2**64
+    elif body.startswith("s"):
+        try:
+            id_ = unquote(body[1:], errors="strict")
+        except UnicodeDecodeError:
+            raise KeyEncodingError(
+                f"not a lookup-table key (str id is not UTF-8): {raw!r}"
+            ) from None
+        if _encode_str_id(id_, b"", table) != b"s" + body[1:].encode("ascii"):
+            raise KeyEncodingError(f"not a lookup-table key (bad str id encoding): {raw!r}")
+    else:
+        raise KeyEncodingError(f"not a lookup-table key (unknown id tag): {raw!r}")
+    return DecodedKey(namespace=namespace, table=table, kind=kind, id=id_)
+
+
+def _is_lower_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)

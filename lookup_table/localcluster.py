@@ -1,0 +1,340 @@
+"""Start and stop local memcached processes (tests, benchmarks, `deploy/cluster.sh`).
+
+Every server runs with `-M` (return an error instead of evicting: a cache that
+drops an embedding row loses training) and listens on 127.0.0.1 unless told
+otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["MemcachedProcess", "free_port", "memcached_binary", "start_memcached", "wait_for_port"]
+
+
+def memcached_binary() -> str:
+    """Path of the memcached server; a clear error when it is not installed."""
+    path = shutil.which("memcached") or (
+        "/usr/bin/memcached" if os.path.exists("/usr/bin/memcached") else None
+    )
+    if path is None:
+        raise FileNotFoundError(
+            "memcached is not installed or not on PATH: run `apt-get install memcached` "
+            "(deploy/test.sh and deploy/demo.sh do it for you)"
+        )
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (bind to 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(
+    host: str, port: int, *, timeout_s: float, proc: subprocess.Popen[bytes] | None = None
+) -> bool:
+    """Poll until something accepts on host:port; False on timeout or if `proc` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return False
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@dataclass
+class MemcachedProcess:
+    """One memcached server we started; `stop()` always cleans up."""
+
+    host: str
+    port: int
+    memory_mb: int
+    extra_args: Sequence[str] = ()
+    log_path: Path | None = None
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def command(self) -> list[str]:
+        cmd = [
+            memcached_binary(),
+            "-l",
+            self.host,
+            "-p",
+            str(self.port),
+            "-U",
+            "0",
+            "-m",
+            str(self.memory_mb),
+            "-M",
+            "-c",
+            "4096",
+            "-t",
+            "2",
+            *self.extra_args,
+        ]
+        if os.geteuid() == 0:
+            cmd += ["-u", "root"]  # memcached refuses to run as root without -u
+        return cmd
+
+    def start(self, *, timeout_s: float = 10.0) -> None:
+        """Spawn the server and wait until it accepts connections.
+
+        Raises:
+            RuntimeError: it exited (port taken?) or did not accept in time.
+        """
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="memcached-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        if not wait_for_port(self.host, self.port, timeout_s=timeout_s, proc=self.proc):
+            code = self.proc.poll()
+            self.stop()
+            tail = self.log_path.read_text(errors="replace")[-500:].strip()
+            raise RuntimeError(
+                f"memcached on {self.address} did not start (exit code {code}): "
+                f"{tail or 'no output; is the port taken?'}"
+            )
+
+    def kill(self) -> None:
+        """SIGKILL: the server and all its data are gone at once."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s; safe to call twice."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def restart_empty(self) -> None:
+        """Kill -9 and start again on the same port: the node comes back with no data."""
+        self.kill()
+        self.start()
+
+
+def start_memcached(
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    memory_mb: int = 64,
+    extra_args: Sequence[str] = (),
+    log_path: Path | None = None,
+    attempts: int = 5,
+) -> MemcachedProcess:
+    """Start one memcached with `-M`; with no port, pick a free one (retrying if taken)."""
+    last: Exception | None = None
+    for _ in range(attempts if port is None else 1):
+        server = MemcachedProcess(
+            host=host,
+            port=port or free_port(host),
+            memory_mb=memory_mb,
+            extra_args=extra_args,
+            log_path=log_path,
+        )
+        try:
+            server.start()
+            return server
+        except RuntimeError as exc:
+            last = exc
+    raise RuntimeError(f"could not start memcached: {last}") from last
+
+
+@contextlib.contextmanager
+def memcached_cluster(count: int, *, memory_mb: int = 64) -> Iterator[list[MemcachedProcess]]:
+    """`count` local servers on free ports, stopped on exit whatever happens."""
+    servers: list[MemcachedProcess] = []
+    try:
+        for _ in range(count):
+            # one at a time, so the ones started are stopped if a later one fails
+            servers.append(start_memcached(memory_mb=memory_mb))  # noqa: PERF401
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+# ------------------------------------------------------------ deploy/cluster.sh
+
+_LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1"}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        pid = int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+    return pid if _pid_alive(pid) else None
+
+
+def _node_files(run_dir: Path, address: str) -> tuple[Path, Path]:
+    name = "memcached-" + address.replace(":", "-")
+    return run_dir / f"{name}.pid", run_dir / f"{name}.log"
+
+
+def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
+    """Start every local memcached of the cluster file (not twice), then init sentinels."""
+    from lookup_table.admin import init_cluster
+    from lookup_table.config import load_config
+
+    config = load_config(config_path)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for node in config.memcached:
+        pid_path, log_path = _node_files(run_dir, node.address)
+        pid = _read_pid(pid_path)
+        if pid is not None:
+            print(f"memcached {node.address}: already running (pid {pid})")
+            continue
+        if node.host not in _LOCAL_HOSTS:
+            print(f"memcached {node.address}: not a local address, expecting it to be running")
+            continue
+        if wait_for_port(node.host, node.port, timeout_s=0.2):
+            print(
+                f"memcached {node.address}: the port is taken by a process we did not start; "
+                f"stop it or change the address in {config_path}",
+                file=sys.stderr,
+            )
+            return 1
+        server = MemcachedProcess(
+            host=node.host, port=node.port, memory_mb=memory_mb, log_path=log_path
+        )
+        try:
+            server.start()
+        except RuntimeError as exc:
+            print(f"memcached {node.address}: {exc}", file=sys.stderr)
+            return 1
+        pid_path.write_text(f"{server.pid}\n")
+        print(
+            f"memcached {node.address}: started (pid {server.pid}, {memory_mb} MiB, -M, "
+            f"log {log_path})"
+        )
+    states = asyncio.run(init_cluster(config))
+    for address, state in states.items():
+        print(f"memcached {address}: {state} (namespace {config.namespace!r})")
+    return 0
+
+
+def cluster_down(config_path: str, run_dir: Path) -> int:
+    """Stop exactly the processes `up` started (by pid file)."""
+    from lookup_table.config import load_config
+
+    config = load_config(config_path)
+    for node in config.memcached:
+        pid_path, _ = _node_files(run_dir, node.address)
+        pid = _read_pid(pid_path)
+        if pid is None:
+            print(f"memcached {node.address}: not running (no live pid file)")
+            pid_path.unlink(missing_ok=True)
+            continue
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while _pid_alive(pid) and time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.05)
+        if _pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        pid_path.unlink(missing_ok=True)
+        print(f"memcached {node.address}: stopped (pid {pid})")
+    return 0
+
+
+def cluster_status(config_path: str, run_dir: Path) -> int:
+    """Each node: pid, reachable, items, bytes, fill, sentinel. Exit 1 if any is down."""
+    from lookup_table.admin import node_stats
+    from lookup_table.config import load_config
+    from lookup_table.errors import LookupTableError
+
+    config = load_config(config_path)
+    healthy = True
+    for node in config.memcached:
+        pid_path, _ = _node_files(run_dir, node.address)
+        pid = _read_pid(pid_path)
+        up = wait_for_port(node.host, node.port, timeout_s=0.5)
+        healthy &= up
+        print(f"memcached {node.address}: pid {pid or '-'}, {'up' if up else 'DOWN'}")
+    if healthy:
+        try:
+            stats = asyncio.run(node_stats(config))
+        except LookupTableError as exc:
+            print(f"stats failed: {exc}", file=sys.stderr)
+            return 1
+        for address, s in stats.items():
+            print(
+                f"  {address}: {s['curr_items']} items, {int(s['bytes']) / 2**20:.1f} MiB of "
+                f"{int(s['limit_maxbytes']) / 2**20:.0f} MiB ({float(s['fill_ratio']):.1%}), "
+                f"evictions {s['evictions']}, sentinel {'ok' if s['sentinel'] else 'MISSING'}"
+            )
+            healthy &= bool(s["sentinel"])
+    return 0 if healthy else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="deploy/cluster.sh", description="start, stop or inspect a local cluster"
+    )
+    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument("--config", required=True, help="the cluster file (TOML)")
+    parser.add_argument("--run-dir", default="run", help="pid files and logs (default ./run)")
+    parser.add_argument("--memory-mb", type=int, default=1024, help="memcached -m (default 1024)")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    try:
+        if args.command == "up":
+            return cluster_up(args.config, run_dir, memory_mb=args.memory_mb)
+        if args.command == "down":
+            return cluster_down(args.config, run_dir)
+        return cluster_status(args.config, run_dir)
+    except Exception as exc:  # the CLI boundary: one clear line, not a traceback
+        print(f"cluster {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

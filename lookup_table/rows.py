@@ -1,0 +1,54 @@
+"""The row codec (pure): a row is exactly `width` little-endian float32, nothing else.
+
+Row format, version 1: the value of a `w` key is `dim` x `<f4` (4*dim bytes); the
+value of an `s` key is the optimizer's slot width x `<f4`. No header, no padding.
+A value of any other length is corruption: `CorruptValueError`, never a reshape,
+a pad, or a cache miss (a miss would make us create a fresh row over it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lookup_table.errors import CorruptValueError
+
+__all__ = ["ROW_DTYPE", "decode_row", "encode_rows", "row_bytes"]
+
+ROW_DTYPE = np.dtype("<f4")
+
+
+def row_bytes(width: int) -> int:
+    """Bytes of one stored value of `width` floats."""
+    return width * ROW_DTYPE.itemsize
+
+
+def encode_rows(values: NDArray[np.float32], width: int) -> NDArray[np.uint8]:
+    """Rows (n, width) as a uint8 matrix (n, 4*width) in the stored byte order.
+
+    Raises:
+        ValueError: values is not (n, width).
+    """
+    arr = np.asarray(values)
+    if arr.ndim != 2 or arr.shape[1] != width:
+        raise ValueError(f"expected rows of shape (n, {width}), got {arr.shape}")
+    return np.ascontiguousarray(arr, dtype=ROW_DTYPE).view(np.uint8)
+
+
+def decode_row(
+    value: bytes | bytearray | memoryview, width: int, *, key: bytes, node: str | None = None
+) -> NDArray[np.float32]:
+    """One stored value -> a writable float32 row (width,).
+
+    Raises:
+        CorruptValueError: the value is not exactly 4*width bytes; names the key.
+    """
+    if len(value) != row_bytes(width):
+        where = f" on node {node}" if node else ""
+        raise CorruptValueError(
+            f"value of key {key.decode('ascii', 'replace')!r}{where} has {len(value)} bytes, "
+            f"expected {row_bytes(width)} ({width} float32): the table's dim changed or the "
+            f"value is corrupt; restore the table's dim or use a new table name",
+            node=node,
+        )
+    return np.frombuffer(value, dtype=ROW_DTYPE).astype(np.float32)

@@ -1,0 +1,84 @@
+"""Shared fixtures: real memcached processes on free 127.0.0.1 ports, always cleaned up.
+
+`--memcached host:port` (repeatable) uses outside servers instead of starting
+our own for the session-wide cluster; tests that kill or restart nodes always
+start their own.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from lookup_table.config import ClusterConfig, parse_config
+from lookup_table.localcluster import MemcachedProcess, memcached_cluster
+from lookup_table.store import EmbeddingStore
+
+settings.register_profile(
+    "ci", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", max_examples=50, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--memcached", action="append", default=[],
+        help="use this memcached host:port instead of starting servers (repeatable)",
+    )
+
+
+@pytest.fixture(scope="session")
+def memcached_nodes(request: pytest.FixtureRequest) -> Iterator[list[str]]:
+    """Addresses of a 2-node memcached cluster shared by the whole session."""
+    outside: list[str] = request.config.getoption("--memcached")
+    if outside:
+        yield outside
+        return
+    with memcached_cluster(2, memory_mb=256) as servers:
+        yield [s.address for s in servers]
+
+
+@pytest.fixture
+def own_nodes() -> Iterator[list[MemcachedProcess]]:
+    """Two memcached servers of this test alone (to kill, restart or fill)."""
+    with memcached_cluster(2, memory_mb=64) as servers:
+        yield servers
+
+
+DEFAULT_TABLES: list[dict[str, Any]] = [
+    {"name": "user", "dim": 16, "seed": 1},
+    {"name": "item", "dim": 64, "seed": 2, "initializer": {"name": "normal", "stddev": 0.1}},
+    {"name": "word", "dim": 8, "seed": 3, "id_type": "string"},
+]
+
+
+def make_config(nodes: list[str], *, tables: list[dict[str, Any]] | None = None,
+                **overrides: Any) -> ClusterConfig:
+    """A cluster config over `nodes` with a fresh namespace (tests never share rows)."""
+    raw: dict[str, Any] = {
+        "namespace": "t" + uuid.uuid4().hex[:12],
+        "memcached": nodes,
+        "tables": DEFAULT_TABLES if tables is None else tables,
+        "store": {"timeout_s": 5.0},
+    }
+    raw.update(overrides)
+    return parse_config(raw, env={})
+
+
+@pytest.fixture
+def config(memcached_nodes: list[str]) -> ClusterConfig:
+    return make_config(memcached_nodes)
+
+
+@pytest.fixture
+async def store(config: ClusterConfig) -> AsyncIterator[EmbeddingStore]:
+    """An initialized store (sentinels written) on the shared cluster, fresh namespace."""
+    async with EmbeddingStore(config) as s:
+        await s.write_sentinels()
+        yield s
