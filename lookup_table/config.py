@@ -32,6 +32,7 @@ __all__ = [
     "NodeSpec",
     "OptimizerConfig",
     "SGDConfig",
+    "ServiceConfig",
     "StoreConfig",
     "TableSpec",
     "load_config",
@@ -122,6 +123,16 @@ class StoreConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ServiceConfig:
+    """How the optimizer service runs (`[service]`)."""
+
+    max_body_bytes: int = 64 * 2**20
+    push_record_ttl_s: int = 86_400
+    long_poll_timeout_s: float = 30.0
+    request_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterConfig:
     """The whole cluster file."""
 
@@ -134,6 +145,7 @@ class ClusterConfig:
     optimizer: OptimizerConfig = field(default_factory=AdamConfig)
     tables: tuple[TableSpec, ...] = ()
     store: StoreConfig = field(default_factory=StoreConfig)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
 
     def table(self, name: str) -> TableSpec:
         """The spec of table `name`; ConfigError listing the known tables otherwise."""
@@ -158,6 +170,7 @@ class ClusterConfig:
             "token": self.token,
             "optimizer": dataclasses.asdict(self.optimizer),
             "store": dataclasses.asdict(self.store),
+            "service": dataclasses.asdict(self.service),
             "tables": [
                 {
                     "name": t.name,
@@ -350,6 +363,25 @@ def _parse_store(raw: object) -> StoreConfig:
     return store
 
 
+def _parse_service(raw: object) -> ServiceConfig:
+    section = _Section(raw, "service")
+    defaults = ServiceConfig()
+    service = ServiceConfig(
+        max_body_bytes=section.integer("max_body_bytes", defaults.max_body_bytes, minimum=1024),
+        push_record_ttl_s=section.integer(
+            "push_record_ttl_s", defaults.push_record_ttl_s, minimum=1
+        ),
+        long_poll_timeout_s=section.number(
+            "long_poll_timeout_s", defaults.long_poll_timeout_s, positive=True
+        ),
+        request_timeout_s=section.number(
+            "request_timeout_s", defaults.request_timeout_s, positive=True
+        ),
+    )
+    section.finish([f.name for f in dataclasses.fields(ServiceConfig)])
+    return service
+
+
 def parse_config(raw: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> ClusterConfig:
     """Validate a TOML-shaped dict (what `tomllib` returns) into a ClusterConfig.
 
@@ -387,6 +419,7 @@ def parse_config(raw: Mapping[str, Any], *, env: Mapping[str, str] | None = None
     token = top.string("token", "") or env.get(TOKEN_ENV, "")
     optimizer = _parse_optimizer(top.take("optimizer", {}), "optimizer")
     store = _parse_store(top.take("store", {}))
+    service = _parse_service(top.take("service", {}))
 
     tables_raw = top.take("tables", [])
     if not isinstance(tables_raw, list):
@@ -403,6 +436,7 @@ def parse_config(raw: Mapping[str, Any], *, env: Mapping[str, str] | None = None
             "namespace",
             "optimizer",
             "optimizers",
+            "service",
             "store",
             "tables",
             "token",
@@ -419,6 +453,7 @@ def parse_config(raw: Mapping[str, Any], *, env: Mapping[str, str] | None = None
         optimizer=optimizer,
         tables=tables,
         store=store,
+        service=service,
     )
 
 

@@ -80,13 +80,16 @@ def build_mg(keys: Keys) -> bytes:
     return b"mg " + b" v\r\nmg ".join(keys) + b" v\r\n"
 
 
-def build_ms(keys: Keys, values: NDArray[np.uint8] | list[bytes], *, add: bool = False) -> bytes:
-    """`ms <key> <len> [ME]\\r\\n<value>\\r\\n` for every key (ME = add: set if absent).
+def build_ms(
+    keys: Keys, values: NDArray[np.uint8] | list[bytes], *, add: bool = False, ttl_s: int = 0
+) -> bytes:
+    """`ms <key> <len> [ME] [T<ttl>]\\r\\n<value>\\r\\n` for every key.
 
-    Fixed-width keys with a fixed-width value matrix (n, nbytes) are laid out
-    with numpy; anything else is joined in Python.
+    `add` (mode E) stores only if the key is absent; `ttl_s` > 0 makes the item
+    expire after that many seconds. Fixed-width keys with a fixed-width value
+    matrix (n, nbytes) are laid out with numpy; anything else is joined in Python.
     """
-    mode = b" ME" if add else b""
+    mode = (b" ME" if add else b"") + (b" T%d" % ttl_s if ttl_s > 0 else b"")
     if isinstance(keys, np.ndarray) and isinstance(values, np.ndarray):
         n, width = keys.shape
         nbytes = values.shape[1]

@@ -40,7 +40,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import aiomcache
 import numpy as np
@@ -220,7 +220,7 @@ class _Node:
 def _keys_for(namespace: str, table: str, kind: str, ids: IdArray) -> Keys:
     """Fixed-width int keys as one uint8 matrix; str keys as a list of bytes."""
     if ids.dtype == np.int64:
-        return int_key_matrix(key_prefix(namespace, table, kind), ids)
+        return int_key_matrix(key_prefix(namespace, table, kind), cast("NDArray[np.int64]", ids))
     return encode_keys(namespace, table, kind, ids)
 
 
@@ -321,7 +321,8 @@ class EmbeddingStore:
         id_array = self._table_ids(table, ids)
         if id_array.shape[0] == 0:
             return np.zeros((0, spec.dim), dtype=np.float32)
-        uniq, inverse = np.unique(id_array, return_inverse=True)
+        uniq_any, inverse = np.unique(id_array, return_inverse=True)
+        uniq = cast(IdArray, uniq_any)
         values, found = await self.get(table, uniq, width=spec.dim, unique=True)
         missing = np.flatnonzero(~found)
         if missing.size:
@@ -426,9 +427,19 @@ class EmbeddingStore:
         return out
 
     async def set_blobs(
-        self, table: str, ids: Any, values: Sequence[bytes], *, kind: str, add: bool = False
+        self,
+        table: str,
+        ids: Any,
+        values: Sequence[bytes],
+        *,
+        kind: str,
+        add: bool = False,
+        ttl_s: int = 0,
     ) -> NDArray[np.bool_]:
-        """Write variable-length values of unique `ids`; returns which were stored."""
+        """Write variable-length values of unique `ids`; returns which were stored.
+
+        `add` stores only absent keys; `ttl_s` > 0 lets the values expire.
+        """
         id_array = as_ids(ids, table=table)
         if len(values) != id_array.shape[0]:
             raise ValueError(f"{id_array.shape[0]} ids but {len(values)} values")
@@ -436,7 +447,9 @@ class EmbeddingStore:
         stored = np.zeros(id_array.shape[0], dtype=bool)
 
         async def one(node: _Node, index: NDArray[np.intp], keys: Keys) -> None:
-            stored[index] = await self._ms(node, keys, [values[i] for i in index.tolist()], add=add)
+            stored[index] = await self._ms(
+                node, keys, [values[i] for i in index.tolist()], add=add, ttl_s=ttl_s
+            )
 
         await self._fan_out(table, kind, id_array, one, check_sentinel=True)
         if not add and not stored.all():
@@ -678,11 +691,12 @@ class EmbeddingStore:
         *,
         add: bool,
         check: bool = True,
+        ttl_s: int = 0,
     ) -> NDArray[np.bool_]:
         n = _num_keys(keys)
         check = check and self._check_sentinels
         request = (self._sentinel_request() if check else b"") + protocol.build_ms(
-            keys, values, add=add
+            keys, values, add=add, ttl_s=ttl_s
         )
 
         def parse(data: bytes) -> NDArray[np.bool_] | None:
@@ -693,7 +707,7 @@ class EmbeddingStore:
             if reply is None or data[reply.end :] != protocol.END_REPLY:
                 return self._incomplete(node, data, reply)
             self._raise_reply_errors(node, keys, reply.errors)
-            ok = reply.status == protocol.STATUS_STORED
+            ok: NDArray[np.bool_] = np.equal(reply.status, protocol.STATUS_STORED)
             if not add and not ok.all():
                 i = int(np.flatnonzero(~ok)[0])
                 raise StoreError(

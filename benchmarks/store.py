@@ -1,0 +1,623 @@
+"""Benchmark `EmbeddingStore.lookup` against the raw pipelined ceiling and pymemcache.
+
+Run from the repository root::
+
+    python benchmarks/store.py                # 15 rounds, 65,536 ids per batch
+    python benchmarks/store.py --quick        # smoke run: 3 rounds, 8,192 ids
+
+It starts 2 local memcached nodes (`-M`, 1024 MB each), writes the sentinels,
+and for a dim-16 and a dim-64 table measures rows/s of, per batch of unique
+random int64 ids:
+
+* `ceiling`: the raw meta-protocol pipeline over plain asyncio streams. One
+  connection per node; every `mg <key> v` of the node in one write, then `mn`;
+  the reply read until its known end and parsed with numpy at a fixed stride
+  (all hits; the `VA`/CRLF framing of every row is still checked). The keys come
+  from `lookup_table.keys.int_key_matrix` and the node split from
+  `lookup_table.sharding.node_of`, so they are exactly the store's keys. Key
+  building, node split and request building are timed, as the store does them too.
+* `lookup`: `await store.lookup(table, ids)` on rows that exist.
+* `create`: `await store.lookup(table, ids)` on ids never seen before (a fresh id
+  block per round): a read of all misses, the initializer, and an `add` per row.
+* `pymemcache`: what a user would write: `Client.get_many` with one client per
+  node, the nodes queried one after the other (the client is synchronous), keys
+  from `encode_keys`, values decoded with `np.frombuffer` over the joined values
+  (the fastest simple decoding, so the baseline is not flattered down).
+
+All four run on the same process, cluster and keys, interleaved round by round
+(the order rotates each round), after one untimed warm-up round that also checks
+that the three readers return identical rows. `gc.collect()` runs before each
+timed call. Figures are medians of the rounds; ratios are taken within one run
+(PERF-NOTES.md: absolute figures vary 15-30% between runs).
+
+The ceiling is a ceiling for Python, not for memcached: with 2 nodes on a 2-core
+machine, memcached's own CPU (~1.3 us per key) sets the pace, and the store, which
+splits each node's keys into `store.max_batch_keys` chunks over its pooled
+connections, overlaps parsing one chunk with memcached serving the next. So
+`lookup/ceiling` can come out near or above 1.0 there; it reads "no Python
+overhead left to win", not "faster than possible".
+
+A second, pure section times key encoding of the same ids:
+`keys.encode_keys` (vectorized) against a naive per-id f-string loop.
+
+Results go to `<out-dir>/store.json` and `<out-dir>/store.png`
+(default `benchmarks/results/`). Any failure exits non-zero; memcached is
+always stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lookup_table.config import ClusterConfig, NodeSpec, parse_config
+from lookup_table.keys import encode_keys, int_key_matrix, key_prefix
+from lookup_table.localcluster import memcached_binary, memcached_cluster
+from lookup_table.sharding import node_of
+from lookup_table.store import EmbeddingStore
+
+DIMS = (16, 64)
+NODES = 2
+MEMORY_MB = 1024
+SEED = 20240611
+METHODS = ("ceiling", "lookup", "create", "pymemcache")
+LABELS = {
+    "ceiling": "raw pipelined mg (ceiling)",
+    "lookup": "store.lookup, existing rows",
+    "create": "store.lookup, fresh rows (created)",
+    "pymemcache": "pymemcache get_many per node",
+}
+KEY_METHODS = ("encode_keys", "int_key_matrix", "naive_loop")
+ACCEPT_LOOKUP_VS_CEILING = 0.7
+ACCEPT_LOOKUP_VS_PYMEMCACHE = 2.0
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+
+_MG = np.frombuffer(b"mg ", dtype=np.uint8)
+_V_CRLF = np.frombuffer(b" v\r\n", dtype=np.uint8)
+_CRLF = np.frombuffer(b"\r\n", dtype=np.uint8)
+_END = b"mn\r\n"
+_END_REPLY = b"MN\r\n"
+_READ_CHUNK = 1 << 20
+_STREAM_LIMIT = 1 << 22
+
+
+# ---------------------------------------------------------------- the ceiling
+
+
+class RawCeiling:
+    """The fastest honest reader: one pipelined write and one numpy parse per node.
+
+    Assumes every key hits with a `4*dim`-byte value (it raises otherwise), which
+    is what lets it skip any per-reply scan.
+    """
+
+    def __init__(self, nodes: tuple[NodeSpec, ...]) -> None:
+        self._specs = nodes
+        self.addresses = tuple(n.address for n in nodes)
+        self._conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def open(self) -> None:
+        for spec in self._specs:
+            async with asyncio.timeout(5.0):
+                self._conns.append(
+                    await asyncio.open_connection(spec.host, spec.port, limit=_STREAM_LIMIT)
+                )
+
+    async def close(self) -> None:
+        conns, self._conns = self._conns, []
+        for _, writer in conns:
+            writer.close()
+            await writer.wait_closed()
+
+    async def get(
+        self, namespace: str, table: str, ids: NDArray[np.int64], dim: int
+    ) -> NDArray[np.float32]:
+        """Rows of unique `ids` in order, float32 (n, dim)."""
+        n = ids.shape[0]
+        keys = int_key_matrix(key_prefix(namespace, table, "w"), ids)
+        placement = node_of(table, ids, self.addresses)
+        order = np.argsort(placement, kind="stable")
+        bounds = np.searchsorted(placement[order], np.arange(len(self._conns) + 1))
+        out = np.empty((n, dim), dtype=np.float32)
+        nbytes = 4 * dim
+        header = np.frombuffer(b"VA %d\r\n" % nbytes, dtype=np.uint8)
+        stride = header.shape[0] + nbytes + 2
+
+        async def one(j: int) -> None:
+            index = order[bounds[j] : bounds[j + 1]]
+            m = index.shape[0]
+            if m == 0:
+                return
+            width = keys.shape[1] + 7
+            request = np.empty(m * width + len(_END), dtype=np.uint8)
+            lines = request[: m * width].reshape(m, width)
+            lines[:, :3] = _MG
+            lines[:, 3:-4] = keys[index]
+            lines[:, -4:] = _V_CRLF
+            request[m * width :] = np.frombuffer(_END, dtype=np.uint8)
+            reader, writer = self._conns[j]
+            writer.write(request.data)  # no copy of the request
+            expected = m * stride + len(_END_REPLY)
+            chunks: list[bytes] = []
+            got = 0
+            async with asyncio.timeout(30.0):
+                while got < expected:
+                    chunk = await reader.read(_READ_CHUNK)
+                    if not chunk:
+                        raise ConnectionError(f"node {self.addresses[j]} closed mid-reply")
+                    chunks.append(chunk)
+                    got += len(chunk)
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if got != expected or data[-4:] != _END_REPLY:
+                raise RuntimeError(
+                    f"ceiling: node {self.addresses[j]} sent {got} bytes, expected {expected} "
+                    f"(a miss or an error reply: the ceiling needs every key to hit)"
+                )
+            block = np.frombuffer(data, dtype=np.uint8, count=m * stride).reshape(m, stride)
+            if not (
+                (block[:, : header.shape[0]] == header).all() and (block[:, -2:] == _CRLF).all()
+            ):
+                raise RuntimeError(f"ceiling: bad reply framing from node {self.addresses[j]}")
+            out[index] = block[:, header.shape[0] : header.shape[0] + nbytes].view("<f4")
+
+        await asyncio.gather(*(one(j) for j in range(len(self._conns))))
+        return out
+
+
+# ---------------------------------------------------------------- pymemcache
+
+
+class PymemcacheReader:
+    """One `pymemcache.Client` per node, split by the store's `node_of`."""
+
+    def __init__(self, nodes: tuple[NodeSpec, ...]) -> None:
+        from pymemcache.client.base import Client
+
+        self.addresses = tuple(n.address for n in nodes)
+        self._clients = [
+            Client((n.host, n.port), connect_timeout=5.0, timeout=30.0, no_delay=True)
+            for n in nodes
+        ]
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.close()
+
+    def get(
+        self, namespace: str, table: str, ids: NDArray[np.int64], dim: int
+    ) -> NDArray[np.float32]:
+        """Rows of unique `ids` in order, float32 (n, dim); KeyError on a miss."""
+        keys = encode_keys(namespace, table, "w", ids)
+        placement = node_of(table, ids, self.addresses)
+        out = np.empty((ids.shape[0], dim), dtype=np.float32)
+        for j, client in enumerate(self._clients):
+            index = np.flatnonzero(placement == j)
+            node_keys = [keys[i] for i in index.tolist()]
+            found = client.get_many(node_keys)
+            joined = b"".join([found[k] for k in node_keys])
+            out[index] = np.frombuffer(joined, dtype="<f4").reshape(-1, dim)
+        return out
+
+
+# ---------------------------------------------------------------- key encoding
+
+
+def naive_keys(namespace: str, table: str, ids: NDArray[np.int64]) -> list[bytes]:
+    """The same bytes as `encode_keys`, one f-string per id."""
+    return [
+        f"{namespace}/{table}/w/i{i & 0xFFFFFFFFFFFFFFFF:016x}".encode("ascii")
+        for i in ids.tolist()
+    ]
+
+
+# ---------------------------------------------------------------- driver
+
+
+@dataclass(slots=True)
+class Timings:
+    """Seconds per round for each method."""
+
+    rounds: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, method: str, seconds: float) -> None:
+        self.rounds.setdefault(method, []).append(seconds)
+
+    def median(self, method: str) -> float:
+        return statistics.median(self.rounds[method])
+
+
+def unique_id_blocks(rng: np.random.Generator, blocks: int, n: int) -> list[NDArray[np.int64]]:
+    """`blocks` disjoint arrays of n unique random int64 ids (the full int64 range)."""
+    total = blocks * n
+    while True:
+        ids = rng.integers(
+            np.iinfo(np.int64).min,
+            np.iinfo(np.int64).max,
+            size=total,
+            dtype=np.int64,
+            endpoint=True,
+        )
+        if np.unique(ids).shape[0] == total:
+            return [ids[b * n : (b + 1) * n].copy() for b in range(blocks)]
+
+
+def progress(total: int, desc: str) -> Iterator[int]:
+    """tqdm on a terminal, one plain line per step otherwise."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        yield from tqdm(range(total), desc=desc, file=sys.stderr, leave=False)
+        return
+    for i in range(total):
+        print(f"  {desc}: round {i + 1}/{total}", file=sys.stderr, flush=True)
+        yield i
+
+
+async def timed(call: Callable[[], Awaitable[object]]) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    await call()
+    return time.perf_counter() - start
+
+
+def timed_sync(call: Callable[[], object]) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+async def bench_dim(
+    store: EmbeddingStore,
+    ceiling: RawCeiling,
+    pymc: PymemcacheReader,
+    *,
+    table: str,
+    dim: int,
+    existing: NDArray[np.int64],
+    fresh_blocks: list[NDArray[np.int64]],
+    rounds: int,
+) -> Timings:
+    ns = store.namespace
+    await store.lookup(table, existing)  # populate (creates every row)
+
+    # Warm-up round (untimed): connections, caches, and a correctness check.
+    rows = await store.lookup(table, existing)
+    raw = await ceiling.get(ns, table, existing, dim)
+    user = pymc.get(ns, table, existing, dim)
+    if not (np.array_equal(rows, raw) and np.array_equal(rows, user)):
+        raise RuntimeError(f"dim {dim}: store, ceiling and pymemcache read different rows")
+    created = await store.lookup(table, fresh_blocks[0])
+    if not np.array_equal(created, await ceiling.get(ns, table, fresh_blocks[0], dim)):
+        raise RuntimeError(f"dim {dim}: created rows do not read back through the ceiling")
+
+    timings = Timings()
+    for r in progress(rounds, f"dim {dim}"):
+        shift = r % len(METHODS)
+        for method in METHODS[shift:] + METHODS[:shift]:
+            ids = fresh_blocks[r + 1] if method == "create" else existing
+            if method == "ceiling":
+                seconds = await timed(partial(ceiling.get, ns, table, ids, dim))
+            elif method == "pymemcache":
+                seconds = timed_sync(partial(pymc.get, ns, table, ids, dim))
+            else:  # lookup and create: the same call, existing or fresh ids
+                seconds = await timed(partial(store.lookup, table, ids))
+            timings.add(method, seconds)
+    return timings
+
+
+def bench_keys(namespace: str, table: str, ids: NDArray[np.int64], rounds: int) -> Timings:
+    prefix = key_prefix(namespace, table, "w")
+    if encode_keys(namespace, table, "w", ids) != naive_keys(namespace, table, ids):
+        raise RuntimeError("naive key loop and encode_keys disagree")
+    calls: dict[str, Callable[[], object]] = {
+        "encode_keys": lambda: encode_keys(namespace, table, "w", ids),
+        "int_key_matrix": lambda: int_key_matrix(prefix, ids),
+        "naive_loop": lambda: naive_keys(namespace, table, ids),
+    }
+    timings = Timings()
+    for r in progress(rounds, "key encoding"):
+        shift = r % len(KEY_METHODS)
+        for method in KEY_METHODS[shift:] + KEY_METHODS[:shift]:
+            timings.add(method, timed_sync(calls[method]))
+    return timings
+
+
+def make_config(addresses: list[str]) -> ClusterConfig:
+    raw: dict[str, Any] = {
+        "namespace": "bench" + uuid.uuid4().hex[:8],
+        "memcached": addresses,
+        "tables": [{"name": f"emb{d}", "dim": d, "seed": d} for d in DIMS],
+    }
+    return parse_config(raw, env={})
+
+
+async def run_cluster(config: ClusterConfig, *, n_ids: int, rounds: int) -> dict[str, Any]:
+    rng = np.random.default_rng(SEED)
+    blocks = unique_id_blocks(rng, 1 + len(DIMS) * (rounds + 1), n_ids)
+    existing = blocks[0]
+    results: dict[str, Any] = {}
+    ceiling = RawCeiling(config.memcached)
+    pymc = PymemcacheReader(config.memcached)
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        await ceiling.open()
+        try:
+            for k, dim in enumerate(DIMS):
+                fresh = blocks[1 + k * (rounds + 1) : 1 + (k + 1) * (rounds + 1)]
+                results[f"dim{dim}"] = await bench_dim(
+                    store,
+                    ceiling,
+                    pymc,
+                    table=f"emb{dim}",
+                    dim=dim,
+                    existing=existing,
+                    fresh_blocks=fresh,
+                    rounds=rounds,
+                )
+        finally:
+            await ceiling.close()
+            pymc.close()
+    results["keys"] = bench_keys(config.namespace, f"emb{DIMS[0]}", existing, rounds)
+    return results
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def machine_info() -> dict[str, Any]:
+    import pymemcache
+
+    version = subprocess.run(
+        [memcached_binary(), "-V"], capture_output=True, text=True, check=True, timeout=10
+    ).stdout.strip()
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), ""
+            )
+    except OSError:
+        pass
+    return {
+        "nproc": os.cpu_count(),
+        "nproc_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu": cpu,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "pymemcache": pymemcache.__version__,
+        "memcached": version,
+        "loadavg_at_start": list(os.getloadavg()),
+    }
+
+
+def code_fingerprint() -> dict[str, Any]:
+    """sha256 of every lookup_table source file: which code these figures belong to."""
+    import lookup_table
+
+    root = Path(lookup_table.__file__).parent
+    files = {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in sorted(root.glob("*.py"))
+    }
+    combined = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+    return {"lookup_table": str(root), "sha256_16": combined, "files": files}
+
+
+def summarize(results: dict[str, Any], n_ids: int) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for dim in DIMS:
+        t: Timings = results[f"dim{dim}"]
+        med = {m: t.median(m) for m in METHODS}
+        rate = {m: n_ids / med[m] for m in METHODS}
+        paired = {
+            name: statistics.median(
+                a / b for a, b in zip(t.rounds[den], t.rounds[num], strict=True)
+            )
+            for name, num, den in (
+                ("lookup/ceiling", "lookup", "ceiling"),
+                ("lookup/pymemcache", "lookup", "pymemcache"),
+                ("create/ceiling", "create", "ceiling"),
+            )
+        }
+        summary[f"dim{dim}"] = {
+            "seconds_per_round": t.rounds,
+            "median_seconds": med,
+            "rows_per_s": rate,
+            "ratios": {
+                "lookup/ceiling": rate["lookup"] / rate["ceiling"],
+                "lookup/pymemcache": rate["lookup"] / rate["pymemcache"],
+                "create/ceiling": rate["create"] / rate["ceiling"],
+            },
+            "ratios_median_of_paired_rounds": paired,
+            "acceptance": {
+                "lookup/ceiling >= 0.7": rate["lookup"] / rate["ceiling"]
+                >= ACCEPT_LOOKUP_VS_CEILING,
+                "lookup/pymemcache >= 2": rate["lookup"] / rate["pymemcache"]
+                >= ACCEPT_LOOKUP_VS_PYMEMCACHE,
+            },
+        }
+    k: Timings = results["keys"]
+    kmed = {m: k.median(m) for m in KEY_METHODS}
+    summary["key_encoding"] = {
+        "seconds_per_round": k.rounds,
+        "median_seconds": kmed,
+        "ids_per_s": {m: n_ids / kmed[m] for m in KEY_METHODS},
+        "ratios": {
+            "naive_loop/encode_keys": kmed["naive_loop"] / kmed["encode_keys"],
+            "naive_loop/int_key_matrix": kmed["naive_loop"] / kmed["int_key_matrix"],
+        },
+    }
+    return summary
+
+
+def _k(rate: float) -> str:
+    return f"{rate / 1e6:.2f}M" if rate >= 1e6 else f"{rate / 1e3:.0f}k"
+
+
+def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
+    lines = [f"{n_ids:,} unique int64 ids per batch, 2 nodes, median of {rounds} rounds"]
+    for dim in DIMS:
+        s = summary[f"dim{dim}"]
+        lines.append("")
+        lines.append(f"dim {dim}")
+        lines.append(f"  {'method':<36} {'median ms':>10} {'rows/s':>9} {'vs ceiling':>10}")
+        for m in METHODS:
+            rate = s["rows_per_s"][m]
+            lines.append(
+                f"  {LABELS[m]:<36} {s['median_seconds'][m] * 1e3:>10.1f} {_k(rate):>9} "
+                f"{rate / s['rows_per_s']['ceiling']:>10.2f}"
+            )
+        r, p = s["ratios"], s["ratios_median_of_paired_rounds"]
+        ok = s["acceptance"]
+        lines.append(
+            f"  lookup/ceiling    {r['lookup/ceiling']:5.2f}  (paired {p['lookup/ceiling']:.2f})"
+            f"  target >= 0.7: {'met' if ok['lookup/ceiling >= 0.7'] else 'NOT MET'}"
+        )
+        lines.append(
+            f"  lookup/pymemcache {r['lookup/pymemcache']:5.2f}  "
+            f"(paired {p['lookup/pymemcache']:.2f})"
+            f"  target >= 2:   {'met' if ok['lookup/pymemcache >= 2'] else 'NOT MET'}"
+        )
+        lines.append(
+            f"  create/ceiling    {r['create/ceiling']:5.2f}  (paired {p['create/ceiling']:.2f})"
+        )
+    k = summary["key_encoding"]
+    lines.append("")
+    lines.append(f"key encoding of {n_ids:,} int ids")
+    lines.extend(
+        f"  {m:<36} {k['median_seconds'][m] * 1e3:>10.2f} ms {_k(k['ids_per_s'][m]):>9} ids/s"
+        for m in KEY_METHODS
+    )
+    lines.append(
+        f"  naive loop / encode_keys: {k['ratios']['naive_loop/encode_keys']:.1f}x slower; "
+        f"naive loop / int_key_matrix: {k['ratios']['naive_loop/int_key_matrix']:.1f}x slower"
+    )
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: Path, n_ids: int, rounds: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(METHODS)
+    x = np.arange(len(DIMS))
+    for i, m in enumerate(METHODS):
+        rates = [summary[f"dim{d}"]["rows_per_s"][m] / 1e3 for d in DIMS]
+        bars = ax.bar(x + (i - (len(METHODS) - 1) / 2) * width, rates, width, label=LABELS[m])
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks(x, [f"dim {d}" for d in DIMS])
+    ax.set_ylabel("thousand rows/s (median)")
+    ax.set_title(f"Reading {n_ids:,} rows from 2 memcached nodes, median of {rounds} rounds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15)")
+    parser.add_argument("--ids", type=int, default=None, help="ids per batch (default 65536)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 3 rounds of 8,192 ids (unless given)"
+    )
+    parser.add_argument(
+        "--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where store.json/png go"
+    )
+    args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 3 if args.quick else 15
+    if args.ids is None:
+        args.ids = 8192 if args.quick else 65536
+    if args.rounds < 1 or args.ids < 1:
+        parser.error("--rounds and --ids must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    machine = machine_info()
+    code = code_fingerprint()
+    started = time.time()
+    with memcached_cluster(NODES, memory_mb=MEMORY_MB) as servers:
+        config = make_config([s.address for s in servers])
+        results = asyncio.run(run_cluster(config, n_ids=args.ids, rounds=args.rounds))
+    summary = summarize(results, args.ids)
+    table = render_table(summary, args.ids, args.rounds)
+    print(table)
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "benchmark": "store",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "wall_seconds": time.time() - started,
+        "machine": machine,
+        "code": code,
+        "parameters": {
+            "rounds": args.rounds,
+            "ids_per_batch": args.ids,
+            "quick": args.quick,
+            "dims": list(DIMS),
+            "nodes": NODES,
+            "memcached_memory_mb": MEMORY_MB,
+            "id_seed": SEED,
+            "store": {
+                "pool_size": config.store.pool_size,
+                "max_batch_keys": config.store.max_batch_keys,
+                "timeout_s": config.store.timeout_s,
+            },
+            "event_loop": "asyncio default",
+            "notes": [
+                "ceiling, lookup and pymemcache time key building, node split and request "
+                "building; nothing is precomputed except the id arrays",
+                "pymemcache queries the nodes one after the other (synchronous client)",
+                "methods interleaved round by round, order rotated; gc.collect() before each",
+                "one untimed warm-up round checks that all readers return identical rows",
+            ],
+        },
+        "acceptance_targets": {
+            "lookup/ceiling": ACCEPT_LOOKUP_VS_CEILING,
+            "lookup/pymemcache": ACCEPT_LOOKUP_VS_PYMEMCACHE,
+        },
+        **summary,
+    }
+    if code_fingerprint()["sha256_16"] != code["sha256_16"]:
+        # This process kept the code it imported at start (hashed in `code.files`).
+        report["code"]["changed_on_disk_during_run"] = True
+        print(
+            "warning: lookup_table/ changed on disk during the run; the figures belong to "
+            f"the code imported at start (sha256_16 {code['sha256_16']})",
+            file=sys.stderr,
+        )
+    json_path = args.out_dir / "store.json"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    png_path = args.out_dir / "store.png"
+    plot(summary, png_path, args.ids, args.rounds)
+    print(f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""The trainer <-> optimizer service wire format (pure: msgpack + numpy).
+
+Bodies are msgpack maps (`application/msgpack`). A numeric array is the map
+`{"dtype": "<f4" | "<i8", "shape": [..], "data": <bin: raw little-endian bytes>}`
+(numpy's `dtype.str`; never a list of floats); string ids are a plain list of str.
+Errors are JSON `{"error": "what is wrong"}` with a 4xx/5xx status.
+
+Decoding validates everything a client can get wrong and raises `WireError`
+(a ValueError) whose message names the field path, e.g.
+`tables.user.grads: expected shape (3, 16), got (3, 8)`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = [
+    "CONTENT_TYPE",
+    "WireError",
+    "decode_array",
+    "decode_ids",
+    "encode_array",
+    "encode_ids",
+    "pack",
+    "unpack",
+]
+
+CONTENT_TYPE = "application/msgpack"
+_ALLOWED_DTYPES = {"<f4": np.dtype("<f4"), "<i8": np.dtype("<i8")}
+_MAX_DIMS = 8
+
+
+class WireError(ValueError):
+    """A body that does not follow the wire format; the message names the field."""
+
+
+def pack(obj: Any) -> bytes:
+    """msgpack with bin for bytes and str for str."""
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def unpack(body: bytes) -> Any:
+    """Decode a msgpack body; WireError if it is not exactly one valid msgpack object."""
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
+    except msgpack.ExtraData as exc:
+        raise WireError("body has trailing bytes after the msgpack object") from exc
+    except (ValueError, msgpack.UnpackException, TypeError, RecursionError) as exc:
+        raise WireError(f"body is not valid msgpack: {exc}") from exc
+
+
+def encode_array(array: NDArray[Any]) -> dict[str, Any]:
+    """An int64 or float32 array as its wire map (little-endian, C order)."""
+    arr = np.asarray(array)
+    if arr.dtype.kind == "f":
+        arr = np.ascontiguousarray(arr, dtype="<f4")
+    elif arr.dtype.kind in "iu":
+        arr = np.ascontiguousarray(arr, dtype="<i8")
+    else:
+        raise TypeError(f"cannot send an array of dtype {arr.dtype} (only float32 / int64)")
+    return {"dtype": arr.dtype.str, "shape": list(arr.shape), "data": arr.tobytes()}
+
+
+def encode_ids(ids: NDArray[Any] | list[str]) -> dict[str, Any] | list[str]:
+    """int ids as an `<i8` array map; str ids as a list of str."""
+    if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
+        return encode_array(ids)
+    return [str(x) for x in (ids.tolist() if isinstance(ids, np.ndarray) else ids)]
+
+
+def decode_array(
+    obj: Any, *, field: str, dtype: str | None = None, ndim: int | None = None
+) -> NDArray[Any]:
+    """Validate a wire array map and return a read-only numpy view of its data.
+
+    Raises:
+        WireError: not a map with dtype/shape/data, an unknown dtype, a shape that
+            does not match the data length, or not the expected dtype/ndim.
+    """
+    if not isinstance(obj, Mapping):
+        raise WireError(
+            f"{field}: expected an array map {{dtype, shape, data}}, got {type(obj).__name__}"
+        )
+    keys = set(obj)
+    if keys != {"dtype", "shape", "data"}:
+        raise WireError(
+            f"{field}: an array map has exactly the keys dtype, shape, data; got "
+            f"{sorted(map(str, keys))}"
+        )
+    dt, shape, data = obj["dtype"], obj["shape"], obj["data"]
+    if not isinstance(dt, str) or dt not in _ALLOWED_DTYPES:
+        raise WireError(f"{field}.dtype: expected one of {sorted(_ALLOWED_DTYPES)}, got {dt!r}")
+    if dtype is not None and dt != dtype:
+        raise WireError(f"{field}.dtype: expected {dtype!r}, got {dt!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > _MAX_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise WireError(f"{field}.shape: expected a list of non-negative ints, got {shape!r}")
+    if ndim is not None and len(shape) != ndim:
+        raise WireError(f"{field}.shape: expected {ndim} dimensions, got {shape!r}")
+    if not isinstance(data, bytes):
+        raise WireError(f"{field}.data: expected binary data, got {type(data).__name__}")
+    np_dtype = _ALLOWED_DTYPES[dt]
+    count = math.prod(shape)
+    if count * np_dtype.itemsize != len(data):
+        raise WireError(
+            f"{field}: shape {shape} of {dt} needs {count * np_dtype.itemsize} bytes, "
+            f"data has {len(data)}"
+        )
+    return np.frombuffer(data, dtype=np_dtype).reshape(shape)
+
+
+def decode_ids(obj: Any, *, field: str) -> NDArray[Any]:
+    """Ids: an `<i8` array map (1-D) -> int64, or a list of str -> object array."""
+    if isinstance(obj, list):
+        if not all(isinstance(x, str) for x in obj):
+            bad = next(x for x in obj if not isinstance(x, str))
+            raise WireError(
+                f"{field}: string ids must all be str, got {type(bad).__name__} {bad!r:.40}"
+            )
+        out = np.empty(len(obj), dtype=object)
+        out[:] = obj
+        return out
+    return decode_array(obj, field=field, dtype="<i8", ndim=1).astype(np.int64)
