@@ -1,0 +1,268 @@
+"""Benchmark the segment sum of a push: duplicate ids' gradients summed per unique id.
+
+Run from the repository root::
+
+    python benchmarks/segment_sum.py            # 15 rounds, 65,536 x 64 float32 grads
+    python benchmarks/segment_sum.py --quick    # smoke run: 3 rounds, 8,192 x 64
+
+The ids are Zipf-distributed (a=1.2, a few hot ids and a long tail of rare ones,
+as in a recommendation batch). Every method returns the sorted unique ids and
+float32 sums. Before timing, each is checked against the Python loop: the
+sequential ones (`add_at_*`, `segment_sum`) bit for bit, the `reduceat` ones
+within the float32 rounding bound, since numpy's reduceat adds the rows of a
+segment in its own blocked order, not one after another:
+
+* `add_at_2d`: `np.unique(return_inverse=True)`, then `np.add.at(out, inv, grads)`.
+* `add_at_flat`: the same inverse, then 1-D `np.add.at` on flat indices
+  `inv * dim + column`.
+* `unique_reduceat`: the same inverse, a stable argsort of it, then
+  `np.add.reduceat` over the sorted rows.
+* `argsort_reduceat`: one stable argsort of the ids themselves (no inverse), the
+  segment starts where the sorted ids change, then `np.add.reduceat`.
+* `segment_sum`: the library function (`optimizer_service.optimizers.segment_sum`).
+* `python_loop`: a dict of id -> row, `row += grad` per id: the baseline.
+
+A second section does the same for string ids (an object array of str), where
+sorting compares Python strings. Methods are interleaved round by round (order
+rotated) with `gc.collect()` before each call; figures are medians, and ratios
+are python_loop / method (higher is faster). Results go to
+`<out-dir>/segment_sum.json` (default `benchmarks/results/`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from optimizer_service.optimizers import segment_sum
+
+DIM = 64
+ZIPF_A = 1.2
+SEED = 20240611
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+
+Ids = NDArray[Any]
+Grads = NDArray[np.float32]
+Method = Callable[[Ids, Grads], tuple[Ids, Grads]]
+
+
+def add_at_2d(ids: Ids, grads: Grads) -> tuple[Ids, Grads]:
+    uniq, inv = np.unique(ids, return_inverse=True)
+    out = np.zeros((uniq.shape[0], grads.shape[1]), dtype=np.float32)
+    np.add.at(out, inv, grads)
+    return uniq, out
+
+
+def add_at_flat(ids: Ids, grads: Grads) -> tuple[Ids, Grads]:
+    uniq, inv = np.unique(ids, return_inverse=True)
+    dim = grads.shape[1]
+    out = np.zeros(uniq.shape[0] * dim, dtype=np.float32)
+    flat = (inv[:, None] * dim + np.arange(dim)).ravel()
+    np.add.at(out, flat, grads.ravel())
+    return uniq, out.reshape(-1, dim)
+
+
+def unique_reduceat(ids: Ids, grads: Grads) -> tuple[Ids, Grads]:
+    uniq, inv = np.unique(ids, return_inverse=True)
+    order = np.argsort(inv, kind="stable")
+    counts = np.bincount(inv, minlength=uniq.shape[0])
+    starts = np.zeros(uniq.shape[0], dtype=np.intp)
+    np.cumsum(counts[:-1], out=starts[1:])
+    return uniq, np.add.reduceat(grads[order], starts, axis=0)
+
+
+def argsort_reduceat(ids: Ids, grads: Grads) -> tuple[Ids, Grads]:
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    first = np.empty(sorted_ids.shape[0], dtype=bool)
+    first[:1] = True
+    np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    return sorted_ids[starts], np.add.reduceat(grads[order], starts, axis=0)
+
+
+def python_loop(ids: Ids, grads: Grads) -> tuple[Ids, Grads]:
+    acc: dict[Any, NDArray[np.float32]] = {}
+    for i, key in enumerate(ids.tolist()):
+        row = acc.get(key)
+        if row is None:
+            acc[key] = grads[i].copy()
+        else:
+            row += grads[i]
+    keys = sorted(acc)
+    out_ids = np.empty(len(keys), dtype=ids.dtype)
+    out_ids[:] = keys
+    return out_ids, np.stack([acc[k] for k in keys])
+
+
+METHODS: dict[str, Method] = {
+    "add_at_2d": add_at_2d,
+    "add_at_flat": add_at_flat,
+    "unique_reduceat": unique_reduceat,
+    "argsort_reduceat": argsort_reduceat,
+    "segment_sum": segment_sum,
+    "python_loop": python_loop,
+}
+STRING_METHODS = ("add_at_flat", "argsort_reduceat", "segment_sum", "python_loop")
+SEQUENTIAL = ("add_at_2d", "add_at_flat", "segment_sum", "python_loop")
+
+
+def make_batch(n: int, *, strings: bool) -> tuple[Ids, Grads]:
+    rng = np.random.default_rng(SEED)
+    ids = rng.zipf(ZIPF_A, size=n).astype(np.int64)
+    grads = rng.standard_normal((n, DIM), dtype=np.float32)
+    if strings:
+        obj = np.empty(n, dtype=object)
+        obj[:] = [f"item-{i}" for i in ids.tolist()]
+        return obj, grads
+    return ids, grads
+
+
+def check_agree(ids: Ids, grads: Grads, names: tuple[str, ...]) -> dict[str, bool]:
+    """Which methods equal python_loop bit for bit; exit if any is off by more than rounding."""
+    want_ids, want = python_loop(ids, grads)
+    _, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+    abs_sums = np.zeros(want.shape, dtype=np.float64)
+    np.add.at(abs_sums, inverse, np.abs(grads.astype(np.float64)))
+    # Two float32 summations of k terms in any order differ by at most
+    # 2 * (k - 1) * 2**-24 * sum|g| (each rounding error is <= 2**-24 of a partial sum).
+    bound = 2.0 * (counts[:, None] - 1) * 2.0**-24 * abs_sums
+    bitwise: dict[str, bool] = {}
+    for name in names:
+        got_ids, got = METHODS[name](ids, grads)
+        if not np.array_equal(got_ids, want_ids) or got.shape != want.shape:
+            raise SystemExit(f"{name}: different unique ids or shape than python_loop")
+        err = np.abs(got.astype(np.float64) - want)
+        if (err > bound).any():
+            raise SystemExit(f"{name}: off by {err.max()} from python_loop, beyond rounding")
+        bitwise[name] = bool(np.array_equal(got, want))
+        if name in SEQUENTIAL and not bitwise[name]:
+            raise SystemExit(f"{name}: should add in push order but differs from python_loop")
+    return bitwise
+
+
+def bench(
+    ids: Ids, grads: Grads, names: tuple[str, ...], rounds: int, bitwise: dict[str, bool]
+) -> dict[str, Any]:
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            gc.collect()
+            start = time.perf_counter()
+            METHODS[name](ids, grads)
+            seconds[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(ts) for name, ts in seconds.items()}
+    base = medians["python_loop"]
+    return {
+        "rows": int(ids.shape[0]),
+        "unique_ids": int(np.unique(ids).shape[0]),
+        "seconds_per_round": seconds,
+        "median_ms": {name: 1e3 * t for name, t in medians.items()},
+        "speedup_vs_python_loop": {name: base / t for name, t in medians.items()},
+        "bitwise_equal_to_python_loop": bitwise,
+    }
+
+
+def render(title: str, result: dict[str, Any]) -> str:
+    lines = [
+        f"{title}: {result['rows']:,} x {DIM} float32, {result['unique_ids']:,} unique ids",
+        f"  {'method':<18}{'median ms':>10}{'vs loop':>10}  sums",
+    ]
+    for name, ms in result["median_ms"].items():
+        ratio = result["speedup_vs_python_loop"][name]
+        order = "= loop" if result["bitwise_equal_to_python_loop"][name] else "~ loop (rounding)"
+        lines.append(f"  {name:<18}{ms:>10.2f}{ratio:>9.1f}x  {order}")
+    return "\n".join(lines)
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), ""
+            )
+    except OSError:
+        pass
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "loadavg_at_start": list(os.getloadavg()),
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rows", type=int, default=65_536)
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 8,192 rows")
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.rows = 3, 8192
+    if args.rounds < 1 or args.rows < 1:
+        parser.error("--rounds and --rows must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.time()
+    machine = machine_info()
+    int_names = tuple(METHODS)
+    ids, grads = make_batch(args.rows, strings=False)
+    bitwise = check_agree(ids, grads, int_names)
+    int_result = bench(ids, grads, int_names, args.rounds, bitwise)
+    print(render("int64 ids", int_result))
+
+    sids, sgrads = make_batch(args.rows, strings=True)
+    bitwise = check_agree(sids, sgrads, STRING_METHODS)
+    str_result = bench(sids, sgrads, STRING_METHODS, args.rounds, bitwise)
+    print(render("\nstring ids", str_result))
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "benchmark": "segment_sum",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "wall_seconds": time.time() - started,
+        "machine": machine,
+        "parameters": {
+            "rounds": args.rounds,
+            "rows": args.rows,
+            "dim": DIM,
+            "quick": args.quick,
+            "ids": f"numpy default_rng({SEED}).zipf({ZIPF_A}); strings 'item-<id>'",
+            "notes": [
+                "checked first: add_at_* and segment_sum equal python_loop bit for bit; "
+                "the reduceat methods within the float32 rounding bound",
+                "methods interleaved round by round, order rotated; gc.collect() before each",
+                "speedup = python_loop median / method median",
+            ],
+        },
+        "int64_ids": int_result,
+        "string_ids": str_result,
+    }
+    json_path = args.out_dir / "segment_sum.json"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The optimizer service: applies pushed gradients to rows and slots stored in memcached."""

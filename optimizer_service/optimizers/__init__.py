@@ -1,0 +1,74 @@
+"""Optimizer math on rows (pure numpy): Adam, SGD (momentum, Nesterov), Adagrad.
+
+`make_optimizer(config)` returns the `Optimizer` for a table's `OptimizerConfig`
+(lookup_table.config, Keras' names and defaults). Each computes exactly what
+Keras 3's optimizer computes, op for op in float32; the module docstrings of
+adam, sgd and adagrad give the formulas, the papers and the conventions for
+sparse rows (Adam's per-row step).
+
+Slot layout, version 1. This is a storage format: the value of a row's `s` key
+is its slots as `slot_width(dim)` little-endian float32, in this order; changing
+it is a data migration.
+
+=========================  ==========  =====================================
+optimizer                  slot_width  floats of one row's slots, in order
+=========================  ==========  =====================================
+adam                       2*dim + 1   momentum (m, dim), velocity (v, dim),
+                                       step (1: updates of this row so far)
+sgd, momentum != 0         dim         momentum (dim), lr already folded in
+sgd, momentum == 0         0           none (nothing to store)
+adagrad                    dim         accumulator (dim)
+=========================  ==========  =====================================
+
+Initial slots: adam all 0 (step 0), sgd momentum 0, adagrad every float at
+`initial_accumulator_value` (Keras: 0.1).
+
+`segment_sum` and `check_finite` prepare a push's gradients: duplicate ids are
+summed (IndexedSlices semantics, in a fixed order) and NaN/Inf is refused.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from optimizer_service.optimizers.adagrad import Adagrad
+from optimizer_service.optimizers.adam import Adam
+from optimizer_service.optimizers.base import Float32Array, Optimizer
+from optimizer_service.optimizers.gradients import check_finite, segment_sum
+from optimizer_service.optimizers.sgd import SGD
+
+if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
+    from lookup_table.config import OptimizerConfig
+
+__all__ = [
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "Float32Array",
+    "Optimizer",
+    "check_finite",
+    "make_optimizer",
+    "segment_sum",
+]
+
+
+def make_optimizer(config: OptimizerConfig) -> Optimizer:
+    """The optimizer of `config` (AdamConfig, SGDConfig or AdagradConfig).
+
+    Dispatches on `config.name`, so this package never imports lookup_table at
+    run time.
+
+    Raises:
+        ValueError: `config` is not one of the three optimizer configs.
+    """
+    name = getattr(config, "name", None)
+    if name == "adam":
+        return Adam(config)  # type: ignore[arg-type]
+    if name == "sgd":
+        return SGD(config)  # type: ignore[arg-type]
+    if name == "adagrad":
+        return Adagrad(config)  # type: ignore[arg-type]
+    raise ValueError(
+        f"unknown optimizer config {config!r}; expected an AdamConfig, SGDConfig or "
+        f"AdagradConfig (lookup_table.config)"
+    )

@@ -1,0 +1,61 @@
+"""Adagrad (Duchi, Hazan & Singer, 2011, "Adaptive Subgradient Methods", JMLR 12).
+
+The update is Keras 3's `keras.optimizers.Adagrad.update_step`, op for op in
+float32, so it matches `tf.keras.optimizers.Adagrad` to float32 rounding:
+
+    accumulator += g**2
+    w           -= lr * g / sqrt(accumulator + epsilon)
+
+Conventions (Keras'): the accumulator starts at `initial_accumulator_value`
+(default 0.1), not 0, and epsilon goes inside the sqrt. Adagrad has no step
+count, so sparse rows need no per-row convention: leaving a row out of a push
+is exactly Keras' update with a zero gradient for it (g = 0 changes nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from optimizer_service.optimizers.base import Float32Array, check_update_args
+
+if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
+    from lookup_table.config import AdagradConfig
+
+__all__ = ["Adagrad"]
+
+_F32 = np.float32
+
+
+@dataclass(frozen=True, slots=True)
+class Adagrad:
+    """Adagrad on rows; slots per row: accumulator (dim)."""
+
+    config: AdagradConfig
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        return ("accumulator",)
+
+    def slot_width(self, dim: int) -> int:
+        return dim
+
+    def initial_slots(self, n: int, dim: int) -> Float32Array:
+        """Every accumulator at float32(initial_accumulator_value)."""
+        return np.full((n, dim), _F32(self.config.initial_accumulator_value), dtype=np.float32)
+
+    def update(
+        self, weights: Float32Array, grads: Float32Array, slots: Float32Array
+    ) -> tuple[Float32Array, Float32Array]:
+        """One Adagrad step on rows (see module docstring)."""
+        check_update_args(weights, grads, slots, self.slot_width)
+        c = self.config
+        new_acc = np.square(grads)
+        new_acc += slots  # Keras: accumulator + g**2; addition commutes bit for bit
+        delta = _F32(c.learning_rate) * grads
+        denom = new_acc + _F32(c.epsilon)
+        np.sqrt(denom, out=denom)
+        delta /= denom
+        return weights - delta, new_acc

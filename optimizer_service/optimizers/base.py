@@ -1,0 +1,88 @@
+"""The Optimizer protocol and the argument checks every optimizer shares.
+
+An optimizer is pure numpy: it takes the rows of a table (n, dim), their summed
+gradients (n, dim) and their slots (n, slot_width), all float32, and returns new
+rows and new slots. It never mutates its inputs, so the service may run it in a
+worker thread whose caller was cancelled: the thread "still runs its course"
+(anyio.to_thread), and nothing it touches is shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, TypeAlias
+
+import numpy as np
+from numpy.typing import NDArray
+
+if TYPE_CHECKING:
+    from lookup_table.config import OptimizerConfig
+
+__all__ = ["Float32Array", "Optimizer"]
+
+Float32Array: TypeAlias = NDArray[np.float32]
+
+
+class Optimizer(Protocol):
+    """Updates rows and their slots; one instance per table, stateless between calls."""
+
+    @property
+    def config(self) -> OptimizerConfig:
+        """The hyperparameters, Keras names and defaults (lookup_table.config)."""
+        ...
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        """Names of the per-row state, as Keras names its optimizer variables."""
+        ...
+
+    def slot_width(self, dim: int) -> int:
+        """Floats of slots per row of a table of `dim` floats (0: no slots stored)."""
+        ...
+
+    def initial_slots(self, n: int, dim: int) -> Float32Array:
+        """Slots of `n` rows that were never updated, float32 (n, slot_width(dim))."""
+        ...
+
+    def update(
+        self, weights: Float32Array, grads: Float32Array, slots: Float32Array
+    ) -> tuple[Float32Array, Float32Array]:
+        """One step on `n` rows: (n, dim) rows and grads, (n, slot_width) slots.
+
+        Returns new (weights, slots) arrays; the inputs are left untouched.
+
+        Raises:
+            ValueError: a dtype is not float32 or the shapes do not agree.
+        """
+        ...
+
+
+def check_update_args(
+    weights: Float32Array,
+    grads: Float32Array,
+    slots: Float32Array,
+    slot_width: Callable[[int], int],
+) -> int:
+    """Return dim; ValueError unless weights, grads are float32 (n, dim), slots (n, slot_width).
+
+    float32 is required, not cast to: a float64 array would silently change the
+    rounding, and the rows are stored as float32 anyway.
+    """
+    for name, arr in (("weights", weights), ("grads", grads), ("slots", slots)):
+        if not isinstance(arr, np.ndarray) or arr.dtype != np.float32 or arr.ndim != 2:
+            what = (
+                f"{arr.dtype} array of shape {arr.shape}"
+                if isinstance(arr, np.ndarray)
+                else (type(arr).__name__)
+            )
+            raise ValueError(f"{name}: expected a float32 array of shape (n, dim), got {what}")
+    if grads.shape != weights.shape:
+        raise ValueError(f"grads: expected the shape of weights {weights.shape}, got {grads.shape}")
+    dim = int(weights.shape[1])
+    expected = (weights.shape[0], slot_width(dim))
+    if slots.shape != expected:
+        raise ValueError(
+            f"slots: expected shape {expected} for weights of shape {weights.shape}, "
+            f"got {slots.shape}"
+        )
+    return dim

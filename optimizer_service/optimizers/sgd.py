@@ -1,0 +1,69 @@
+"""SGD with optional momentum (Polyak, 1964) or Nesterov momentum (Sutskever et al., 2013).
+
+The update is Keras 3's `keras.optimizers.SGD.update_step`, op for op in float32,
+so it matches `tf.keras.optimizers.SGD` to float32 rounding:
+
+    momentum == 0:  w -= g * lr                              (no slots)
+    momentum  > 0:  m  = m * momentum - g * lr
+                    w += m                                   (nesterov=False)
+                    w += m * momentum - g * lr               (nesterov=True)
+
+`m` is a velocity that already contains the learning rate (Keras' and Sutskever's
+form, not PyTorch's); it starts at 0. SGD has no step count, so sparse rows need
+no per-row convention; a row absent from a push is not touched at all (with
+momentum, Keras' dense update would decay its m and keep moving it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from optimizer_service.optimizers.base import Float32Array, check_update_args
+
+if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
+    from lookup_table.config import SGDConfig
+
+__all__ = ["SGD"]
+
+_F32 = np.float32
+
+
+@dataclass(frozen=True, slots=True)
+class SGD:
+    """SGD on rows; slots per row: momentum (dim) when momentum != 0, else none."""
+
+    config: SGDConfig
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        # Keras builds its `momentum` variables only when momentum != 0.
+        return ("momentum",) if self.config.momentum != 0 else ()
+
+    def slot_width(self, dim: int) -> int:
+        return dim if self.config.momentum != 0 else 0
+
+    def initial_slots(self, n: int, dim: int) -> Float32Array:
+        """Zero momentum, or an (n, 0) array when there is no momentum."""
+        return np.zeros((n, self.slot_width(dim)), dtype=np.float32)
+
+    def update(
+        self, weights: Float32Array, grads: Float32Array, slots: Float32Array
+    ) -> tuple[Float32Array, Float32Array]:
+        """One SGD step on rows (see module docstring)."""
+        check_update_args(weights, grads, slots, self.slot_width)
+        c = self.config
+        lr = _F32(c.learning_rate)
+        scaled = grads * lr
+        if c.momentum == 0:
+            return weights - scaled, slots.copy()
+        momentum = _F32(c.momentum)
+        new_m = slots * momentum
+        new_m -= scaled
+        if c.nesterov:
+            step = new_m * momentum
+            step -= scaled
+            return weights + step, new_m
+        return weights + new_m, new_m
