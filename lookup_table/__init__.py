@@ -6,12 +6,14 @@ them in pipelined batches and an optimizer service applies the updates.
 
 from __future__ import annotations
 
+from lookup_table.client import OptimizerClient
 from lookup_table.config import (
     AdagradConfig,
     AdamConfig,
     ClusterConfig,
     NodeSpec,
     OptimizerConfig,
+    ServiceConfig,
     SGDConfig,
     StoreConfig,
     TableSpec,
@@ -50,10 +52,12 @@ __all__ = [
     "LookupTableError",
     "NodeSpec",
     "NodeUnavailableError",
+    "OptimizerClient",
     "OptimizerConfig",
     "ProtocolError",
     "PushRejectedError",
     "SGDConfig",
+    "ServiceConfig",
     "StoreConfig",
     "StoreError",
     "StoreFullError",

@@ -38,6 +38,7 @@ __all__ = [
     "STATUS_NOT_FOUND",
     "STATUS_NOT_STORED",
     "STATUS_STORED",
+    "build_md",
     "build_mg",
     "build_ms",
     "gather_values",
@@ -233,6 +234,14 @@ def parse_ms(buf: bytes | bytearray, pos: int, n: int) -> MsReply | None:
             raise ProtocolError(f"unexpected meta-set reply {line[:80]!r}")
         pos = nl + 2
     return MsReply(status=status, end=pos, errors=errors)
+
+
+def build_md(keys: Keys) -> bytes:
+    """`md <key>\\r\\n` for every key (answers `HD` deleted / `NF` absent, like `ms`)."""
+    key_list = [bytes(k) for k in keys] if isinstance(keys, np.ndarray) else keys
+    if not key_list:
+        return b""
+    return b"md " + b"\r\nmd ".join(key_list) + b"\r\n"
 
 
 def gather_values(buf: bytes | bytearray, reply: MgReply, nbytes: int) -> NDArray[np.uint8]:

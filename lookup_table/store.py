@@ -456,6 +456,17 @@ class EmbeddingStore:
             raise StoreError(f"memcached did not store {int((~stored).sum())} values of {table!r}")
         return stored
 
+    async def delete_blobs(self, table: str, ids: Any, *, kind: str) -> NDArray[np.bool_]:
+        """Delete the values of unique `ids`; returns which existed."""
+        id_array = as_ids(ids, table=table)
+        existed = np.zeros(id_array.shape[0], dtype=bool)
+
+        async def one(node: _Node, index: NDArray[np.intp], keys: Keys) -> None:
+            existed[index] = await self._md(node, keys)
+
+        await self._fan_out(table, kind, id_array, one, check_sentinel=True)
+        return existed
+
     # ------------------------------------------------------------ sentinels
 
     async def sentinels(self) -> dict[str, bytes | None]:
@@ -721,6 +732,23 @@ class EmbeddingStore:
                     node=node.address,
                 )
             return ok
+
+        return await node.roundtrip(request, parse)
+
+    async def _md(self, node: _Node, keys: Keys) -> NDArray[np.bool_]:
+        n = _num_keys(keys)
+        request = self._sentinel_request() + protocol.build_md(keys)
+
+        def parse(data: bytes) -> NDArray[np.bool_] | None:
+            pos = self._check_sentinel(node, data)
+            if pos is None:
+                return None
+            reply = protocol.parse_ms(data, pos, n)
+            if reply is None or data[reply.end :] != protocol.END_REPLY:
+                return self._incomplete(node, data, reply)
+            self._raise_reply_errors(node, keys, reply.errors)
+            existed: NDArray[np.bool_] = np.equal(reply.status, protocol.STATUS_STORED)
+            return existed
 
         return await node.roundtrip(request, parse)
 

@@ -1,0 +1,203 @@
+"""`OptimizerClient`: push gradients to the optimizer service replicas.
+
+    async with OptimizerClient(config, worker=0) as client:
+        await client.push({"user": (ids, grads)})
+
+One aiohttp session per client. A push is split by replica (each replica owns a
+fixed hash partition of the rows); every part carries the same `push_id`, and a
+part that fails with a connection error, a timeout or a 5xx is retried with that
+same `push_id` and exponential backoff, so a retry is applied at most once.
+A 4xx raises `PushRejectedError` with the service's message; a node that lost
+its data raises `DataLossError`, a full node `StoreFullError`, without retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import numpy as np
+from numpy.typing import NDArray
+
+from lookup_table.config import ClusterConfig
+from lookup_table.errors import (
+    DataLossError,
+    NodeUnavailableError,
+    PushRejectedError,
+    StoreFullError,
+)
+from lookup_table.keys import as_ids
+from lookup_table.sharding import owner_of
+from lookup_table.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
+
+__all__ = ["OptimizerClient"]
+
+logger = logging.getLogger(__name__)
+
+_TYPED_ERRORS: dict[str, type[Exception]] = {
+    "DataLossError": DataLossError,
+    "StoreFullError": StoreFullError,
+}
+
+
+class OptimizerClient:
+    """Async client of every optimizer replica of a cluster.
+
+    Args:
+        config: the cluster file; `optimizers` lists the replicas in partition order.
+        worker: this trainer's index (sent with every push, for the service's logs).
+        max_retries: retries of one replica part on connection errors, timeouts, 5xx.
+        backoff_s: first retry delay; doubles up to 5 s.
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        *,
+        worker: int = 0,
+        max_retries: int = 6,
+        backoff_s: float = 0.1,
+    ) -> None:
+        if not config.optimizers:
+            raise ValueError("the cluster file lists no optimizer replicas (`optimizers`)")
+        self.config = config
+        self.worker = worker
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> OptimizerClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            headers = {"Content-Type": CONTENT_TYPE}
+            if self.config.token:
+                headers["Authorization"] = f"Bearer {self.config.token}"
+            self._session = aiohttp.ClientSession(
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(
+                    total=self.config.service.request_timeout_s, sock_connect=5
+                ),
+            )
+        return self._session
+
+    async def push(
+        self,
+        tables: Mapping[str, tuple[Any, NDArray[np.float32]]],
+        *,
+        dense: Mapping[str, NDArray[np.float32]] | None = None,
+        version: int = 0,
+        push_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Push the gradients of one step: `{table: (ids, grads (n, dim))}`.
+
+        Returns a summary: `{push_id, applied, duplicate, rows, replicas}`.
+
+        Raises:
+            PushRejectedError: a replica answered 4xx (its message says why).
+            DataLossError, StoreFullError: the store refused; not retried.
+            NodeUnavailableError: a replica stayed unreachable through every retry.
+        """
+        push_id = push_id or uuid.uuid4().hex
+        n_replicas = len(self.config.optimizers)
+        parts: list[dict[str, Any]] = [{} for _ in range(n_replicas)]
+        for name, (ids, grads) in tables.items():
+            id_array = as_ids(ids, table=name)
+            g = np.asarray(grads)
+            owners = (
+                owner_of(name, id_array, n_replicas)
+                if n_replicas > 1
+                else np.zeros(id_array.shape[0], dtype=np.intp)
+            )
+            for k in range(n_replicas):
+                mine = np.flatnonzero(owners == k) if n_replicas > 1 else slice(None)
+                sub_ids = id_array[mine]
+                if sub_ids.shape[0] == 0 and n_replicas > 1:
+                    continue
+                parts[k][name] = {"ids": encode_ids(sub_ids), "grads": encode_array(g[mine])}
+        bodies: dict[int, bytes] = {}
+        for k in range(n_replicas):
+            if parts[k] or (k == 0 and dense):
+                body: dict[str, Any] = {
+                    "push_id": push_id,
+                    "worker": self.worker,
+                    "version": version,
+                    "tables": parts[k],
+                }
+                if k == 0 and dense:
+                    body["dense"] = {name: encode_array(g) for name, g in dense.items()}
+                bodies[k] = pack(body)
+        results = await asyncio.gather(
+            *(self._post(k, "/v1/gradients", body) for k, body in bodies.items())
+        )
+        return {
+            "push_id": push_id,
+            "applied": all(r.get("applied") for r in results) if results else True,
+            "duplicate": any(r.get("duplicate") for r in results),
+            "rows": sum(int(r.get("rows", 0)) for r in results),
+            "replicas": sorted(bodies),
+        }
+
+    async def tables(self) -> dict[str, Any]:
+        """`GET /v1/tables` of replica 0."""
+        return await self._request(0, "GET", "/v1/tables", None)
+
+    async def _post(self, replica: int, path: str, body: bytes) -> dict[str, Any]:
+        return await self._request(replica, "POST", path, body)
+
+    async def _request(
+        self, replica: int, method: str, path: str, body: bytes | None
+    ) -> dict[str, Any]:
+        url = self.config.optimizers[replica] + path
+        delay = self.backoff_s
+        for attempt in range(self.max_retries + 1):
+            try:
+                async with self._get_session().request(method, url, data=body) as resp:
+                    raw = await resp.read()
+                    if resp.status < 300:
+                        result: dict[str, Any] = unpack(raw)
+                        return result
+                    message, kind = _error_of(raw, resp.status)
+                    if kind in _TYPED_ERRORS:
+                        raise _TYPED_ERRORS[kind](f"replica {replica} ({url}): {message}")
+                    if resp.status < 500:
+                        raise PushRejectedError(
+                            f"replica {replica} ({url}) refused the request ({resp.status}): "
+                            f"{message}",
+                            status=resp.status,
+                        )
+                    problem = f"answered {resp.status}: {message}"
+            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            if attempt == self.max_retries:
+                break
+            logger.debug("replica %d %s; retry %d in %.2f s", replica, problem, attempt + 1, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+        raise NodeUnavailableError(
+            f"optimizer replica {replica} ({url}) failed after {self.max_retries + 1} attempts: "
+            f"{problem}; is it running? (deploy/cluster.sh status)"
+        )
+
+
+def _error_of(raw: bytes, status: int) -> tuple[str, str | None]:
+    """The message and error type of a JSON error body (or its first bytes)."""
+    try:
+        doc = json.loads(raw)
+        return str(doc.get("error", doc)), doc.get("type")
+    except (ValueError, AttributeError):
+        return raw[:200].decode("utf-8", "replace") or f"HTTP {status}", None

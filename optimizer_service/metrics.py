@@ -1,0 +1,81 @@
+"""Prometheus metrics of one replica, on an injected registry (tests pass a fresh one).
+
+Labels are table, node, endpoint, status and reason: never an id or a key.
+Per-node memcached gauges are refreshed from `stats` at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["ServiceMetrics"]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class ServiceMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.pushes = Counter(
+            "lookup_table_pushes", "Gradient pushes by outcome", ["status"], registry=registry
+        )
+        self.rows_updated = Counter(
+            "lookup_table_rows_updated",
+            "Rows updated by the optimizer",
+            ["table"],
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "lookup_table_rejected_pushes",
+            "Pushes answered 4xx, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        self.duplicates = Counter(
+            "lookup_table_duplicate_pushes",
+            "Pushes whose push_id was already applied",
+            registry=registry,
+        )
+        self.push_latency = Histogram(
+            "lookup_table_push_latency_seconds",
+            "Time to apply one push",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.requests = Counter(
+            "lookup_table_http_requests",
+            "HTTP requests",
+            ["endpoint", "status"],
+            registry=registry,
+        )
+        self.version = Gauge("lookup_table_version", "Current model version", registry=registry)
+        self.rows_locked = Gauge(
+            "lookup_table_rows_locked", "Rows held by in-flight pushes", registry=registry
+        )
+        self.node_items = Gauge(
+            "lookup_table_node_items", "memcached curr_items", ["node"], registry=registry
+        )
+        self.node_bytes = Gauge(
+            "lookup_table_node_bytes", "memcached bytes used", ["node"], registry=registry
+        )
+        self.node_limit = Gauge(
+            "lookup_table_node_limit_bytes",
+            "memcached limit_maxbytes",
+            ["node"],
+            registry=registry,
+        )
+        self.node_fill = Gauge(
+            "lookup_table_node_fill_ratio", "bytes / limit_maxbytes", ["node"], registry=registry
+        )
+        self.node_evictions = Gauge(
+            "lookup_table_node_evictions",
+            "memcached evictions (must stay 0 with -M)",
+            ["node"],
+            registry=registry,
+        )
+        self.node_up = Gauge(
+            "lookup_table_node_up",
+            "1 if the node answered stats at the last scrape",
+            ["node"],
+            registry=registry,
+        )

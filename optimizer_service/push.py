@@ -1,0 +1,168 @@
+"""Parse and validate one gradient push completely, before anything is written (pure).
+
+`parse_push(obj, config=..., replica=K)` turns the unpacked msgpack body of
+`POST /v1/gradients` into a `Push` whose table gradients are already summed per
+unique id (IndexedSlices semantics), or raises `BadRequestError` /
+`NotOwnerError` with a message naming the field. No I/O here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lookup_table.config import ClusterConfig
+from lookup_table.errors import KeyEncodingError
+from lookup_table.keys import IdArray, encode_keys
+from lookup_table.sharding import owner_of
+from lookup_table.wire import WireError, decode_array, decode_ids
+from optimizer_service.errors import BadRequestError, NotOwnerError
+from optimizer_service.optimizers import check_finite, segment_sum
+
+__all__ = ["PUSH_ID_RE", "Push", "TableGrads", "parse_push"]
+
+PUSH_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}\Z")
+_PUSH_KEYS = {"push_id", "worker", "version", "tables", "dense"}
+
+
+@dataclass(frozen=True, slots=True)
+class TableGrads:
+    """The summed gradient of one table: unique ids (n,), grads float32 (n, dim)."""
+
+    table: str
+    ids: IdArray
+    grads: NDArray[np.float32]
+
+
+@dataclass(frozen=True, slots=True)
+class Push:
+    push_id: str
+    worker: int
+    version: int
+    tables: tuple[TableGrads, ...] = ()
+    dense: Mapping[str, NDArray[np.float32]] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(t.ids.shape[0] for t in self.tables)
+
+
+def _int_field(obj: Mapping[str, Any], key: str) -> int:
+    value = obj.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadRequestError(f"{key}: expected a non-negative integer, got {value!r:.60}")
+    return value
+
+
+def parse_push(obj: Any, *, config: ClusterConfig, replica: int = 0) -> Push:
+    """Validate an unpacked push body for replica `replica`.
+
+    Raises:
+        BadRequestError: anything malformed; the message names the field.
+        NotOwnerError: some rows belong to another replica.
+    """
+    if not isinstance(obj, Mapping):
+        raise BadRequestError(f"body: expected a msgpack map, got {type(obj).__name__}")
+    unknown = set(obj) - _PUSH_KEYS
+    if unknown:
+        raise BadRequestError(
+            f"body: unknown keys {sorted(map(str, unknown))}; expected {sorted(_PUSH_KEYS)}"
+        )
+    push_id = obj.get("push_id")
+    if not isinstance(push_id, str) or not PUSH_ID_RE.match(push_id):
+        raise BadRequestError(
+            f"push_id: expected 1-128 characters of A-Z a-z 0-9 _ . : -, got {push_id!r:.80}"
+        )
+    worker = _int_field(obj, "worker")
+    version = _int_field(obj, "version")
+    tables_raw = obj.get("tables", {})
+    if not isinstance(tables_raw, Mapping):
+        raise BadRequestError(
+            f"tables: expected a map of table name -> {{ids, grads}}, got "
+            f"{type(tables_raw).__name__}"
+        )
+    num_replicas = max(len(config.optimizers), 1)
+    tables: list[TableGrads] = []
+    for name, entry in tables_raw.items():
+        tables.append(_parse_table(config, name, entry, replica, num_replicas))
+    dense_raw = obj.get("dense", {})
+    if not isinstance(dense_raw, Mapping):
+        raise BadRequestError(
+            f"dense: expected a map of name -> array, got {type(dense_raw).__name__}"
+        )
+    dense: dict[str, NDArray[np.float32]] = {}
+    for name, arr in dense_raw.items():
+        if not isinstance(name, str) or not name:
+            raise BadRequestError(f"dense: parameter names must be non-empty str, got {name!r:.40}")
+        try:
+            grad = decode_array(arr, field=f"dense.{name}", dtype="<f4")
+            check_finite(grad.reshape(1, -1), f"dense.{name}")
+        except ValueError as exc:
+            raise BadRequestError(
+                str(exc), reason="nan" if "finite" in str(exc) else None
+            ) from None
+        dense[name] = grad
+    return Push(push_id=push_id, worker=worker, version=version, tables=tuple(tables), dense=dense)
+
+
+def _parse_table(
+    config: ClusterConfig, name: Any, entry: Any, replica: int, num_replicas: int
+) -> TableGrads:
+    if not isinstance(name, str) or not any(t.name == name for t in config.tables):
+        known = ", ".join(t.name for t in config.tables) or "none"
+        raise BadRequestError(
+            f"tables: unknown table {name!r:.60}; the service knows: {known}",
+            reason="unknown_table",
+        )
+    spec = config.table(name)
+    where = f"tables.{name}"
+    if not isinstance(entry, Mapping) or set(entry) != {"ids", "grads"}:
+        got = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
+        raise BadRequestError(f"{where}: expected a map with exactly ids and grads, got {got}")
+    try:
+        ids = decode_ids(entry["ids"], field=f"{where}.ids")
+        grads = decode_array(entry["grads"], field=f"{where}.grads", dtype="<f4", ndim=2)
+    except WireError as exc:
+        raise BadRequestError(str(exc)) from None
+    is_int = ids.dtype == np.int64
+    if ids.shape[0] and is_int != (spec.id_type == "int64"):
+        raise BadRequestError(
+            f"{where}.ids: table {name!r} has id_type={spec.id_type!r} but the push has "
+            f"{'int64' if is_int else 'string'} ids",
+            reason="id_type",
+        )
+    if grads.shape != (ids.shape[0], spec.dim):
+        raise BadRequestError(
+            f"{where}.grads: expected shape ({ids.shape[0]}, {spec.dim}) for {ids.shape[0]} ids "
+            f"of dim {spec.dim}, got {tuple(grads.shape)}",
+            reason="shape",
+        )
+    try:
+        check_finite(grads, where)
+    except ValueError as exc:
+        raise BadRequestError(str(exc), reason="nan") from None
+    if not is_int:
+        try:
+            encode_keys(config.namespace, name, "w", ids)
+        except KeyEncodingError as exc:
+            raise BadRequestError(f"{where}.ids: {exc}", reason="bad_id") from None
+    if num_replicas > 1 and ids.shape[0]:
+        owners = owner_of(name, ids, num_replicas)
+        foreign = np.flatnonzero(owners != replica)
+        if foreign.size:
+            raise NotOwnerError(
+                f"{where}.ids: {foreign.size} of {ids.shape[0]} rows belong to other replicas "
+                f"(e.g. id {ids[foreign[0]]!r} -> replica {int(owners[foreign[0]])}); this is "
+                f"replica {replica}: split pushes by owner (OptimizerClient does)"
+            )
+    uniq, summed = segment_sum(ids, grads)
+    try:
+        check_finite(summed, where + " (summed over duplicate ids)")
+    except ValueError as exc:
+        raise BadRequestError(str(exc), reason="nan") from None
+    return TableGrads(table=name, ids=uniq, grads=summed)

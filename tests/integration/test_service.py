@@ -1,0 +1,325 @@
+"""The optimizer service (real aiohttp app, real memcached) and OptimizerClient."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry
+
+from lookup_table import EmbeddingStore, PushRejectedError, initial_rows
+from lookup_table.client import OptimizerClient
+from lookup_table.config import ClusterConfig
+from lookup_table.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
+from optimizer_service.app import UPDATER, make_app
+from optimizer_service.push import parse_push
+from tests.conftest import make_config
+
+pytestmark = pytest.mark.integration
+
+SGD_TABLES: list[dict[str, Any]] = [
+    {"name": "user", "dim": 8, "seed": 1, "optimizer": {"name": "sgd", "learning_rate": 0.5}},
+    {
+        "name": "word",
+        "dim": 4,
+        "seed": 2,
+        "id_type": "string",
+        "optimizer": {"name": "sgd", "learning_rate": 0.25},
+    },
+    {"name": "ads", "dim": 16, "seed": 3},  # adam, the default
+]
+
+
+def _config(nodes: list[str], **kw: Any) -> ClusterConfig:
+    return make_config(nodes, tables=SGD_TABLES, optimizers=["http://127.0.0.1:1"], **kw)
+
+
+async def _serve(config: ClusterConfig, aiohttp_server: Any, replica: int = 0) -> TestServer:
+    async with EmbeddingStore(config) as store:
+        if any(v is None for v in (await store.sentinels()).values()):
+            await store.write_sentinels()
+    return await aiohttp_server(make_app(config, replica=replica, registry=CollectorRegistry()))
+
+
+@pytest.fixture
+async def served(
+    memcached_nodes, aiohttp_server
+) -> AsyncIterator[tuple[ClusterConfig, TestServer]]:
+    config = _config(memcached_nodes)
+    server = await _serve(config, aiohttp_server)
+    url = str(server.make_url("")).rstrip("/")
+    yield dataclasses.replace(config, optimizers=(url,)), server
+
+
+def _ids(ids: Any) -> Any:
+    """A list of str stays a list; anything else becomes an int64 array."""
+    if isinstance(ids, list) and ids and all(isinstance(x, str) for x in ids):
+        return ids
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _body(push_id: str, tables: dict[str, tuple[Any, np.ndarray]], **extra: Any) -> bytes:
+    return pack(
+        {
+            "push_id": push_id,
+            "worker": 0,
+            "version": 0,
+            "tables": {
+                n: {"ids": encode_ids(_ids(i)), "grads": encode_array(g)}
+                for n, (i, g) in tables.items()
+            },
+            **extra,
+        }
+    )
+
+
+async def _rows(config: ClusterConfig, table: str, ids: Any) -> np.ndarray:
+    async with EmbeddingStore(config) as store:
+        values, found = await store.get(table, ids)
+        assert found.all()
+        return values
+
+
+async def test_sgd_push_updates_rows_and_sums_duplicates(served) -> None:
+    config, _ = served
+    ids = np.array([3, 1, 3, 2], dtype=np.int64)
+    grads = np.arange(32, dtype=np.float32).reshape(4, 8) / 10
+    async with EmbeddingStore(config) as store:
+        before = await store.lookup("user", [1, 2, 3])
+    async with OptimizerClient(config) as client:
+        result = await client.push({"user": (ids, grads)})
+        assert result["applied"] and result["rows"] == 3
+        again = await client.push({"user": (ids, grads)}, push_id=result["push_id"])
+        assert again["duplicate"] and not again["applied"]
+    summed = np.stack([grads[1], grads[3], grads[0] + grads[2]])
+    np.testing.assert_allclose(
+        await _rows(config, "user", [1, 2, 3]), before - np.float32(0.5) * summed, rtol=1e-6
+    )
+
+
+async def test_push_to_rows_never_looked_up_starts_from_their_initial_value(served) -> None:
+    config, _ = served
+    spec = config.table("word")
+    ids = ["never", "seen before"]
+    grads = np.ones((2, 4), dtype=np.float32)
+    async with OptimizerClient(config) as client:
+        await client.push({"word": (ids, grads)})
+    init = initial_rows(spec.initializer, seed=spec.seed, ids=np.array(ids, dtype=object), dim=4)
+    np.testing.assert_allclose(await _rows(config, "word", ids), init - 0.25, rtol=1e-6)
+
+
+async def test_concurrent_clients_never_lose_an_update(served) -> None:
+    """8 clients x 50 SGD pushes on overlapping hot ids: rows == init - lr * sum(grads)."""
+    config, _ = served
+    rng = np.random.default_rng(7)
+    hot = np.arange(40, dtype=np.int64)
+    async with EmbeddingStore(config) as store:
+        init = await store.lookup("user", hot)
+    total = np.zeros((40, 8), dtype=np.float64)
+    plans = []
+    for _ in range(8):
+        pushes = []
+        for _ in range(50):
+            ids = rng.choice(hot, size=30, replace=True)
+            grads = rng.standard_normal((30, 8)).astype(np.float32)
+            np.add.at(total, ids, grads.astype(np.float64))
+            pushes.append((ids, grads))
+        plans.append(pushes)
+
+    async def trainer(pushes: list[tuple[np.ndarray, np.ndarray]], worker: int) -> None:
+        async with OptimizerClient(config, worker=worker) as client:
+            for ids, grads in pushes:
+                await client.push({"user": (ids, grads)})
+
+    await asyncio.gather(*(trainer(p, w) for w, p in enumerate(plans)))
+    expected = init.astype(np.float64) - 0.5 * total
+    np.testing.assert_allclose(await _rows(config, "user", hot), expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.fixture
+async def http(served) -> AsyncIterator[TestClient]:
+    """A raw HTTP client of the served app (for bodies OptimizerClient would never send)."""
+    client = TestClient(served[1])
+    await client.start_server()
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def test_bad_pushes_are_4xx_and_write_nothing(served, http) -> None:
+    config, _ = served
+    client = http
+    async with EmbeddingStore(config) as store:
+        before = await store.lookup("user", [1, 2])
+        ok_grads = np.ones((2, 8), dtype=np.float32)
+        nan = ok_grads.copy()
+        nan[1, 3] = np.nan
+        cases = {
+            "not msgpack": (b"\xc1\x00garbage", 400, "msgpack"),
+            "not a map": (pack([1, 2]), 400, "map"),
+            "bad push_id": (pack({"push_id": "a b", "tables": {}}), 400, "push_id"),
+            "unknown table": (_body("p1", {"nope": ([1], ok_grads[:1])}), 400, "unknown table"),
+            "wrong dim": (
+                _body("p2", {"user": ([1, 2], np.ones((2, 4), np.float32))}),
+                400,
+                r"expected shape \(2, 8\)",
+            ),
+            "nan": (_body("p3", {"user": ([1, 2], nan)}), 400, "finite"),
+            "string ids for int table": (
+                _body("p4", {"user": (["a", "b"], ok_grads)}),
+                400,
+                "id_type",
+            ),
+            "int ids for string table": (
+                _body("p5", {"word": ([1, 2], ok_grads[:, :4])}),
+                400,
+                "id_type",
+            ),
+            "wrong dtype": (
+                pack(
+                    {
+                        "push_id": "p6",
+                        "tables": {
+                            "user": {
+                                "ids": encode_ids(np.array([1, 2])),
+                                "grads": {"dtype": "<f8", "shape": [2, 8], "data": b"\0" * 128},
+                            }
+                        },
+                    }
+                ),
+                400,
+                "dtype",
+            ),
+            "length mismatch": (
+                pack(
+                    {
+                        "push_id": "p7",
+                        "tables": {
+                            "user": {
+                                "ids": encode_ids(np.array([1, 2])),
+                                "grads": {"dtype": "<f4", "shape": [2, 8], "data": b"\0" * 10},
+                            }
+                        },
+                    }
+                ),
+                400,
+                "needs 64 bytes",
+            ),
+            "too long string id": (
+                _body("p8", {"word": (["x" * 300], ok_grads[:1, :4])}),
+                400,
+                "too long",
+            ),
+            # a half-valid push: the first table is fine, the second is not -> nothing written
+            "half valid": (
+                _body(
+                    "p9", {"user": ([1, 2], ok_grads), "word": (["a"], np.ones((1, 3), np.float32))}
+                ),
+                400,
+                "expected shape",
+            ),
+        }
+        for name, (body, status, pattern) in cases.items():
+            resp = await client.post(
+                "/v1/gradients", data=body, headers={"Content-Type": CONTENT_TYPE}
+            )
+            text = await resp.text()
+            assert resp.status == status, (name, text)
+            doc = await resp.json()
+            assert "error" in doc
+            assert re.search(pattern, doc["error"]), (name, doc["error"])
+        np.testing.assert_array_equal(await store.lookup("user", [1, 2]), before)
+
+
+async def test_oversized_body_is_413(memcached_nodes, aiohttp_client) -> None:
+    config = _config(memcached_nodes, service={"max_body_bytes": 4096})
+    app = make_app(config, registry=CollectorRegistry())
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+    client = await aiohttp_client(app)
+    resp = await client.post("/v1/gradients", data=b"\0" * 10_000)
+    assert resp.status == 413
+    assert "error" in await resp.json()
+
+
+async def test_token_required(memcached_nodes, aiohttp_client) -> None:
+    config = _config(memcached_nodes, token="s3cret")
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+    client = await aiohttp_client(make_app(config, registry=CollectorRegistry()))
+    for path in ("/v1/tables",):
+        assert (await client.get(path)).status == 401
+        assert (await client.get(path, headers={"Authorization": "Bearer nope"})).status == 401
+        ok = await client.get(path, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status == 200
+        assert [t["name"] for t in unpack(await ok.read())["tables"]] == ["user", "word", "ads"]
+    resp = await client.post("/v1/gradients", data=_body("x", {}))
+    assert resp.status == 401
+    assert "bearer token" in (await resp.json())["error"]
+    assert (await client.get("/healthz")).status == 200
+    assert (await client.get("/metrics")).status == 200
+
+
+async def test_metrics_and_healthz(served, http) -> None:
+    config, _ = served
+    async with OptimizerClient(config) as client:
+        await client.push({"user": (np.array([1, 2]), np.ones((2, 8), np.float32))})
+        await client.push({"ads": (np.array([5]), np.ones((1, 16), np.float32))})
+        with pytest.raises(PushRejectedError, match="unknown table"):
+            await client.push({"nope": (np.array([1]), np.ones((1, 8), np.float32))})
+    tc = http
+    text = await (await tc.get("/metrics")).text()
+    for needle in (
+        'lookup_table_pushes_total{status="applied"} 2.0',
+        'lookup_table_rows_updated_total{table="user"} 2.0',
+        'lookup_table_rejected_pushes_total{reason="unknown_table"} 1.0',
+        "lookup_table_push_latency_seconds_count 2.0",
+        "lookup_table_node_fill_ratio{node=",
+        "lookup_table_node_evictions{node=",
+    ):
+        assert needle in text, needle
+    health = await tc.get("/healthz")
+    assert health.status == 200 and (await health.json())["status"] == "ok"
+
+
+async def test_journaled_push_is_finished_by_the_next_replica_exactly_once(
+    memcached_nodes, aiohttp_server
+) -> None:
+    """A replica that dies after journaling a push but before writing its rows: the
+    restarted replica finishes it before serving, and the client's retry is a duplicate."""
+    config = _config(memcached_nodes)
+    server = await _serve(config, aiohttp_server)
+    updater = server.app[UPDATER]
+    ids = np.array([10, 11], dtype=np.int64)
+    async with EmbeddingStore(config) as store:
+        before = await store.lookup("user", ids)
+    grads = np.ones((2, 8), dtype=np.float32)
+    push_id = uuid.uuid4().hex
+    push = parse_push(unpack(_body(push_id, {"user": (ids, grads)})), config=config)
+
+    async def crash(*_: Any) -> None:
+        raise ConnectionResetError("simulated crash between journal and rows")
+
+    updater._write_updates = crash  # type: ignore[method-assign]  # the process "dies" here
+    with pytest.raises(ConnectionResetError):
+        await updater._apply(push)
+    for task in list(updater._finishers):
+        task.cancel()  # the dead process's background replay never runs
+    await server.close()
+    np.testing.assert_array_equal(await _rows(config, "user", ids), before)
+
+    restarted = await _serve(config, aiohttp_server)  # recovery runs before serving
+    np.testing.assert_allclose(await _rows(config, "user", ids), before - 0.5, rtol=1e-6)
+    cfg = dataclasses.replace(config, optimizers=(str(restarted.make_url("")).rstrip("/"),))
+    async with OptimizerClient(cfg) as client:
+        retry = await client.push({"user": (ids, grads)}, push_id=push_id)
+    assert retry["duplicate"]
+    np.testing.assert_allclose(await _rows(config, "user", ids), before - 0.5, rtol=1e-6)
