@@ -63,14 +63,16 @@ def id_hashes(ids: NDArray[np.int64] | NDArray[np.object_] | Sequence[str]) -> N
     arr = np.asarray(ids)
     if arr.dtype == np.int64:
         return mix64(arr.view(np.uint64) ^ _INT_TAG)
+    # Not arr.tolist() for a list: numpy's str dtype strips trailing NULs ("a\x00" -> "a").
+    values = arr.tolist() if isinstance(ids, np.ndarray) else list(ids)
     out = np.fromiter(
         (
             int.from_bytes(
                 hashlib.blake2b(b"s" + s.encode("utf-8"), digest_size=8).digest(), "little"
             )
-            for s in arr.tolist()
+            for s in values
         ),
         dtype=np.uint64,
-        count=arr.shape[0],
+        count=len(values),
     )
     return mix64(out)

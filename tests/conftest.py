@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -19,6 +20,17 @@ from lookup_table.config import ClusterConfig, parse_config
 from lookup_table.localcluster import MemcachedProcess, memcached_cluster
 from lookup_table.store import EmbeddingStore
 
+# With filterwarnings=error, a failing hypothesis test would crash the session
+# (INTERNALERROR) instead of reporting: on failure the plugin imports its patch
+# helper, whose libcst import warns (mypy_extensions.TypedDict is deprecated).
+# Import it once here, with that warning ignored.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    try:
+        import hypothesis.extra._patching  # noqa: F401
+    except ImportError:  # libcst not installed: the plugin skips the patch
+        pass
+
 settings.register_profile(
     "ci", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -28,7 +40,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--memcached", action="append", default=[],
+        "--memcached",
+        action="append",
+        default=[],
         help="use this memcached host:port instead of starting servers (repeatable)",
     )
 
@@ -58,8 +72,9 @@ DEFAULT_TABLES: list[dict[str, Any]] = [
 ]
 
 
-def make_config(nodes: list[str], *, tables: list[dict[str, Any]] | None = None,
-                **overrides: Any) -> ClusterConfig:
+def make_config(
+    nodes: list[str], *, tables: list[dict[str, Any]] | None = None, **overrides: Any
+) -> ClusterConfig:
     """A cluster config over `nodes` with a fresh namespace (tests never share rows)."""
     raw: dict[str, Any] = {
         "namespace": "t" + uuid.uuid4().hex[:12],

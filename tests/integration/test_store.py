@@ -165,7 +165,10 @@ async def test_slots_and_blobs(store: EmbeddingStore) -> None:
     blobs = [b"", b"x" * 100_000, bytes(range(256))]
     await store.set_blobs("_dense", ["a", "b", "c"], blobs, kind="d")
     assert await store.get_blobs("_dense", ["c", "missing", "a", "b"], kind="d") == [
-        blobs[2], None, b"", blobs[1]
+        blobs[2],
+        None,
+        b"",
+        blobs[1],
     ]
 
 

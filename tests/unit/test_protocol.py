@@ -1,0 +1,397 @@
+"""memcached meta protocol (lookup_table.protocol): build and parse pipelined batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from lookup_table.errors import ProtocolError, StoreError
+from lookup_table.keys import int_key_matrix, key_prefix
+from lookup_table.protocol import (
+    END,
+    END_REPLY,
+    STATUS_ERROR,
+    STATUS_EXISTS,
+    STATUS_NOT_FOUND,
+    STATUS_NOT_STORED,
+    STATUS_STORED,
+    MgReply,
+    build_mg,
+    build_ms,
+    gather_values,
+    parse_mg,
+    parse_ms,
+)
+from tests.strategies import int_id_arrays
+
+pytestmark = pytest.mark.unit
+
+ERROR_LINES = [
+    b"SERVER_ERROR out of memory storing object",
+    b"SERVER_ERROR object too large for cache",
+    b"CLIENT_ERROR bad command line format",
+    b"ERROR",
+]
+
+
+@dataclass(frozen=True)
+class Err:
+    line: bytes
+
+
+Reply = bytes | None | Err  # a hit's value, a miss, or an error line
+
+
+def mg_reply(replies: list[Reply]) -> bytes:
+    """What memcached answers to one `mg <key> v` per entry, in order."""
+    out = []
+    for r in replies:
+        if r is None:
+            out.append(b"EN\r\n")
+        elif isinstance(r, Err):
+            out.append(r.line + b"\r\n")
+        else:
+            out.append(b"VA %d\r\n%s\r\n" % (len(r), r))
+    return b"".join(out)
+
+
+def naive_values(replies: list[Reply], nbytes: int) -> np.ndarray:
+    out = np.zeros((len(replies), nbytes), dtype=np.uint8)
+    for i, r in enumerate(replies):
+        if isinstance(r, bytes):
+            out[i] = np.frombuffer(r, dtype=np.uint8)
+    return out
+
+
+def key_matrix(ids: np.ndarray) -> np.ndarray:
+    return int_key_matrix(key_prefix("demo", "user", "w"), ids)
+
+
+replies_st = st.lists(
+    st.one_of(
+        st.binary(max_size=24),
+        st.none(),
+        st.sampled_from(ERROR_LINES).map(Err),
+        # values that look like protocol lines must not confuse the scanner
+        st.sampled_from([b"EN\r\n", b"\r\n", b"VA 3\r\nabc\r\n", b"MN\r\n", b"HD\r\n"]),
+    ),
+    max_size=12,
+)
+
+
+# ------------------------------------------------------------------ building
+
+
+def test_golden_requests() -> None:
+    assert build_mg([b"a/b/w/s1", b"a/b/w/s2"]) == b"mg a/b/w/s1 v\r\nmg a/b/w/s2 v\r\n"
+    assert build_ms([b"k1"], [b"\x00\r\n"]) == b"ms k1 3\r\n\x00\r\n\r\n"
+    assert build_ms([b"k1"], [b"xy"], add=True) == b"ms k1 2 ME\r\nxy\r\n"
+    assert build_ms([b"k1"], [b"xy"], ttl_s=60) == b"ms k1 2 T60\r\nxy\r\n"
+    assert END == b"mn\r\n"
+    assert END_REPLY == b"MN\r\n"
+    assert build_mg([]) == b""
+    assert build_ms([], []) == b""
+
+
+@given(int_id_arrays(max_size=40))
+def test_build_mg_matrix_equals_list_path(ids: np.ndarray) -> None:
+    matrix = key_matrix(ids)
+    as_list = [bytes(row) for row in matrix]
+    assert build_mg(matrix) == build_mg(as_list)
+    assert build_mg(matrix).count(b"\r\n") == ids.shape[0]
+
+
+@given(
+    data=st.data(),
+    ids=int_id_arrays(max_size=20),
+    nbytes=st.integers(0, 40),
+    add=st.booleans(),
+    ttl_s=st.sampled_from([0, 60, 86_400]),
+)
+def test_build_ms_matrix_equals_list_path(
+    data: st.DataObject, ids: np.ndarray, nbytes: int, add: bool, ttl_s: int
+) -> None:
+    n = ids.shape[0]
+    values = data.draw(arrays(np.uint8, (n, nbytes)))
+    matrix = key_matrix(ids)
+    keys = [bytes(row) for row in matrix]
+    value_list = [bytes(row) for row in values]
+    expected = build_ms(keys, value_list, add=add, ttl_s=ttl_s)
+    assert build_ms(matrix, values, add=add, ttl_s=ttl_s) == expected
+    assert build_ms(matrix, value_list, add=add, ttl_s=ttl_s) == expected  # mixed: Python join
+    assert build_ms(keys, values, add=add, ttl_s=ttl_s) == expected
+    assert expected.count(b" ME") == (n if add else 0)
+    assert expected.count(b" T%d\r\n" % ttl_s) == (n if ttl_s else 0)
+
+
+def test_build_ms_refuses_mismatched_lengths() -> None:
+    with pytest.raises(ValueError, match="2 keys but 1 values"):
+        build_ms([b"a", b"b"], [b"x"])
+
+
+# ------------------------------------------------------------------ parse_mg
+
+
+def test_all_hits_take_the_fixed_stride_fast_path() -> None:
+    values = [bytes([i]) * 8 for i in range(5)]
+    buf = mg_reply(values) + END_REPLY
+    reply = parse_mg(buf, 0, 5, nbytes=8)
+    assert reply is not None
+    assert reply.stride == len(b"VA 8\r\n") + 8 + 2
+    assert reply.errors == {}
+    assert reply.found.all()
+    assert reply.sizes.tolist() == [8] * 5
+    assert [buf[s : s + 8] for s in reply.starts.tolist()] == values
+    assert reply.end == len(buf) - len(END_REPLY)
+    assert buf[reply.end :] == END_REPLY
+    assert gather_values(buf, reply, 8).tobytes() == b"".join(values)
+
+
+def test_fast_path_after_a_sentinel_reply() -> None:
+    sentinel = mg_reply([b'{"created": 1}'])
+    rows = [b"\x01\x02\x03\x04", b"\r\n\r\n"]
+    buf = sentinel + mg_reply(rows)
+    head = parse_mg(buf, 0, 1)
+    assert head is not None
+    reply = parse_mg(buf, head.end, 2, nbytes=4)
+    assert reply is not None
+    assert reply.stride == len(b"VA 4\r\n") + 4 + 2
+    assert gather_values(buf, reply, 4).tobytes() == b"".join(rows)
+    assert reply.end == len(buf)
+
+
+def test_all_hits_without_nbytes_are_scanned() -> None:
+    values = [b"abcd", b"efgh"]
+    reply = parse_mg(mg_reply(values), 0, 2)
+    assert reply is not None
+    assert reply.stride == 0
+    assert reply.starts.tolist() == [6, 18]
+
+
+def test_mixed_hits_and_misses() -> None:
+    replies: list[Reply] = [b"aaaa", None, b"bbbb", None, None, b"cccc"]
+    buf = mg_reply(replies)
+    reply = parse_mg(buf, 0, 6, nbytes=4)
+    assert reply is not None
+    assert reply.stride == 0
+    assert reply.found.tolist() == [True, False, True, False, False, True]
+    assert reply.starts[~reply.found].tolist() == [-1, -1, -1]
+    assert reply.sizes.tolist() == [4, 0, 4, 0, 0, 4]
+    assert reply.end == len(buf)
+    assert gather_values(buf, reply, 4).tobytes() == naive_values(replies, 4).tobytes()
+
+
+def test_all_misses() -> None:
+    reply = parse_mg(b"EN\r\n" * 3, 0, 3, nbytes=4)
+    assert reply is not None
+    assert not reply.found.any()
+    assert gather_values(b"EN\r\n" * 3, reply, 4).tolist() == [[0] * 4] * 3
+
+
+def test_hits_of_another_size_are_reported_not_reshaped() -> None:
+    # A value of the wrong length must reach the caller (CorruptValueError), not
+    # be sliced at the expected size.
+    buf = mg_reply([b"aaaa", b"bbbbbbbb", b"cccc"])
+    reply = parse_mg(buf, 0, 3, nbytes=4)
+    assert reply is not None
+    assert reply.stride == 0
+    assert reply.sizes.tolist() == [4, 8, 4]
+    assert buf[reply.starts[1] : reply.starts[1] + 8] == b"bbbbbbbb"
+
+
+def test_error_lines_are_recorded_by_position() -> None:
+    replies: list[Reply] = [b"aaaa", Err(ERROR_LINES[0]), None, Err(b"ERROR"), b"bbbb"]
+    buf = mg_reply(replies)
+    reply = parse_mg(buf, 0, 5, nbytes=4)
+    assert reply is not None
+    assert reply.errors == {1: ERROR_LINES[0], 3: b"ERROR"}
+    assert reply.found.tolist() == [True, False, False, False, True]
+    assert reply.end == len(buf)
+
+
+def test_zero_replies() -> None:
+    reply = parse_mg(b"MN\r\n", 0, 0, nbytes=4)
+    assert reply is not None
+    assert reply.end == 0
+    assert reply.starts.shape == (0,)
+    assert gather_values(b"MN\r\n", reply, 4).shape == (0, 4)
+
+
+@given(replies_st, st.integers(0, 3), st.booleans())
+def test_parse_mg_matches_the_replies(replies: list[Reply], lead: int, with_nbytes: bool) -> None:
+    prefix = b"x" * lead  # earlier replies in the same buffer
+    buf = prefix + mg_reply(replies) + END_REPLY
+    reply = parse_mg(buf, lead, len(replies), nbytes=4 if with_nbytes else None)
+    assert reply is not None
+    assert buf[reply.end :] == END_REPLY
+    for i, r in enumerate(replies):
+        if isinstance(r, bytes):
+            start, size = int(reply.starts[i]), int(reply.sizes[i])
+            assert buf[start : start + size] == r
+        else:
+            assert reply.starts[i] == -1
+        assert reply.errors.get(i) == (r.line if isinstance(r, Err) else None)
+
+
+@given(replies_st, st.data())
+def test_any_prefix_of_a_reply_is_incomplete_never_an_error(
+    replies: list[Reply], data: st.DataObject
+) -> None:
+    buf = mg_reply(replies)
+    nbytes = data.draw(st.sampled_from([None, 0, 4, 8]))
+    for cut in range(len(buf)):
+        assert parse_mg(buf[:cut], 0, len(replies), nbytes=nbytes) is None, cut
+    assert parse_mg(buf, 0, len(replies), nbytes=nbytes) is not None
+
+
+@pytest.mark.parametrize("nbytes", [4, 8])
+def test_every_truncation_point_of_an_all_hit_batch(nbytes: int) -> None:
+    buf = mg_reply([b"\r\n" * (nbytes // 2)] * 3)
+    for cut in range(len(buf)):
+        assert parse_mg(bytearray(buf[:cut]), 0, 3, nbytes=nbytes) is None, cut
+
+
+@pytest.mark.parametrize(
+    "buf",
+    [
+        b"XX\r\n",
+        b"HD\r\n",  # a meta-set reply
+        b"VA\r\n",
+        b"VA x\r\n",
+        b"VA -2\r\n",  # int() would accept it
+        b"VA +2\r\nab\r\n",
+        b"VA 1_0\r\n0123456789\r\n",
+        b"VA  2\r\nab\r\n",
+        b"VA 3\r\nabcXY",  # no CRLF after the value
+        b"VA 3\r\nabcd\r\n",  # value longer than announced
+        b"ENX\r\n",
+        b"EN \r\n",
+        b"END\r\n",  # the text protocol's end marker
+        b"\r\n",
+    ],
+    ids=repr,
+)
+def test_garbage_raises_protocol_error(buf: bytes) -> None:
+    with pytest.raises(ProtocolError) as info:
+        parse_mg(buf, 0, 1)
+    assert isinstance(info.value, StoreError)
+
+
+@pytest.mark.parametrize("nbytes", [None, 4])
+def test_value_not_followed_by_crlf_raises_even_when_aligned(nbytes: int | None) -> None:
+    # Every header sits where the fixed-stride layout expects it, but the first
+    # value ends in "XX": the fast path must not slice it as a row.
+    buf = b"VA 4\r\nabcdXXVA 4\r\nefgh\r\n"
+    with pytest.raises(ProtocolError, match="reply 0 is not followed by CRLF"):
+        parse_mg(buf, 0, 2, nbytes=nbytes)
+
+
+def test_garbage_after_good_replies_raises() -> None:
+    with pytest.raises(ProtocolError, match="unexpected meta-get reply b'OOPS'"):
+        parse_mg(mg_reply([b"abcd", None]) + b"OOPS\r\n", 0, 3, nbytes=4)
+
+
+# ------------------------------------------------------------------ parse_ms
+
+
+def test_all_stored_takes_the_fast_path() -> None:
+    buf = b"HD\r\n" * 1000 + END_REPLY
+    reply = parse_ms(buf, 0, 1000)
+    assert reply is not None
+    assert (reply.status == STATUS_STORED).all()
+    assert reply.status.dtype == np.uint8
+    assert reply.end == 4000
+    assert reply.errors == {}
+
+
+def test_ms_statuses_by_position() -> None:
+    buf = b"HD\r\nNS\r\nEX\r\nNF\r\nHD\r\n"
+    reply = parse_ms(b"..." + buf, 3, 5)
+    assert reply is not None
+    assert reply.status.tolist() == [
+        STATUS_STORED,
+        STATUS_NOT_STORED,
+        STATUS_EXISTS,
+        STATUS_NOT_FOUND,
+        STATUS_STORED,
+    ]
+    assert reply.end == 3 + len(buf)
+
+
+def test_ms_server_error_out_of_memory_is_recorded() -> None:
+    oom = b"SERVER_ERROR out of memory storing object"
+    buf = b"HD\r\n" + oom + b"\r\nNS\r\nCLIENT_ERROR bad data chunk\r\n"
+    reply = parse_ms(buf, 0, 4)
+    assert reply is not None
+    assert reply.status.tolist() == [STATUS_STORED, STATUS_ERROR, STATUS_NOT_STORED, STATUS_ERROR]
+    assert reply.errors == {1: oom, 3: b"CLIENT_ERROR bad data chunk"}
+    assert reply.end == len(buf)
+
+
+def test_ms_status_with_flags_is_read() -> None:
+    reply = parse_ms(b"HD k1\r\nNS k2\r\n", 0, 2)
+    assert reply is not None
+    assert reply.status.tolist() == [STATUS_STORED, STATUS_NOT_STORED]
+
+
+ms_lines = st.lists(st.sampled_from([b"HD", b"NS", b"EX", b"NF", *ERROR_LINES]), max_size=12)
+
+
+@given(ms_lines)
+def test_parse_ms_matches_the_replies_and_every_prefix_is_incomplete(lines: list[bytes]) -> None:
+    codes = {
+        b"HD": STATUS_STORED,
+        b"NS": STATUS_NOT_STORED,
+        b"EX": STATUS_EXISTS,
+        b"NF": STATUS_NOT_FOUND,
+    }
+    buf = b"".join(line + b"\r\n" for line in lines)
+    reply = parse_ms(buf + END_REPLY, 0, len(lines))
+    assert reply is not None
+    assert reply.status.tolist() == [codes.get(line, STATUS_ERROR) for line in lines]
+    assert reply.errors == {i: line for i, line in enumerate(lines) if line not in codes}
+    assert reply.end == len(buf)
+    for cut in range(len(buf)):
+        assert parse_ms(buf[:cut], 0, len(lines)) is None, cut
+
+
+@pytest.mark.parametrize(
+    "buf", [b"VA 4\r\nabcd\r\n", b"EN\r\n", b"HDX\r\n", b"STORED\r\n", b"H\r\n", b"\r\n"], ids=repr
+)
+def test_ms_garbage_raises_protocol_error(buf: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        parse_ms(buf, 0, 1)
+
+
+# ------------------------------------------------------------------ gather_values
+
+
+@given(
+    st.lists(st.one_of(st.binary(min_size=6, max_size=6), st.none()), max_size=20),
+    st.integers(0, 5),
+)
+def test_gather_values_matches_a_naive_slice(replies: list[Reply], lead: int) -> None:
+    buf = b"z" * lead + mg_reply(replies)
+    reply = parse_mg(buf, lead, len(replies), nbytes=6)
+    assert reply is not None
+    if replies and all(r is not None for r in replies):
+        assert reply.stride  # the fast path was taken
+    got = gather_values(buf, reply, 6)
+    assert got.dtype == np.uint8
+    assert got.shape == (len(replies), 6)
+    assert got.tobytes() == naive_values(replies, 6).tobytes()
+
+
+def test_gather_values_returns_an_owned_copy() -> None:
+    buf = bytearray(mg_reply([b"abcd", b"efgh"]))
+    reply = parse_mg(buf, 0, 2, nbytes=4)
+    assert isinstance(reply, MgReply)
+    got = gather_values(buf, reply, 4)
+    buf[:] = b"\x00" * len(buf)  # the receive buffer gets reused
+    assert got.tobytes() == b"abcdefgh"
+    assert got.flags.writeable
