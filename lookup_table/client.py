@@ -33,7 +33,7 @@ from lookup_table.errors import (
 )
 from lookup_table.keys import as_ids
 from lookup_table.sharding import owner_of
-from lookup_table.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
+from lookup_table.wire import CONTENT_TYPE, decode_array, encode_array, encode_ids, pack, unpack
 
 __all__ = ["OptimizerClient"]
 
@@ -130,8 +130,9 @@ class OptimizerClient:
                     continue
                 parts[k][name] = {"ids": encode_ids(sub_ids), "grads": encode_array(g[mine])}
         bodies: dict[int, bytes] = {}
+        every = self.config.mode == "sync"  # each replica counts every worker's push
         for k in range(n_replicas):
-            if parts[k] or (k == 0 and dense):
+            if every or parts[k] or (k == 0 and dense):
                 body: dict[str, Any] = {
                     "push_id": push_id,
                     "worker": self.worker,
@@ -150,11 +151,50 @@ class OptimizerClient:
             "duplicate": any(r.get("duplicate") for r in results),
             "rows": sum(int(r.get("rows", 0)) for r in results),
             "replicas": sorted(bodies),
+            "version": max((int(r.get("version", 0)) for r in results), default=version),
         }
 
     async def tables(self) -> dict[str, Any]:
         """`GET /v1/tables` of replica 0."""
         return await self._request(0, "GET", "/v1/tables", None)
+
+    async def dense_init(
+        self, params: Mapping[str, NDArray[np.float32]]
+    ) -> tuple[int, dict[str, NDArray[np.float32]]]:
+        """Offer initial dense parameters; the first trainer's win. Returns (version, params)."""
+        body = pack({"params": {n: encode_array(v) for n, v in params.items()}})
+        doc = await self._request(0, "POST", "/v1/dense/init", body)
+        return int(doc["version"]), _arrays(doc["params"])
+
+    async def dense(self) -> tuple[int, dict[str, NDArray[np.float32]]]:
+        """The current dense parameters and their version (replica 0)."""
+        doc = await self._request(0, "GET", "/v1/dense", None)
+        return int(doc["version"]), _arrays(doc["params"])
+
+    async def version(self, *, after: int | None = None) -> int:
+        """The model version: with `after`, waits until every replica is past it (sync mode)."""
+        path = "/v1/version" if after is None else f"/v1/version?after={after}"
+        docs = await asyncio.gather(
+            *(self._request(k, "GET", path, None) for k in range(len(self.config.optimizers)))
+        )
+        return min(int(d["version"]) for d in docs)
+
+    async def pause(self, *, timeout_s: float = 600.0) -> None:
+        """Pause every replica (in-flight pushes finish, new ones wait); auto-resumes."""
+        await asyncio.gather(
+            *(
+                self._request(k, "POST", f"/v1/admin/pause?timeout_s={timeout_s}", b"")
+                for k in range(len(self.config.optimizers))
+            )
+        )
+
+    async def resume(self) -> None:
+        await asyncio.gather(
+            *(
+                self._request(k, "POST", "/v1/admin/resume", b"")
+                for k in range(len(self.config.optimizers))
+            )
+        )
 
     async def _post(self, replica: int, path: str, body: bytes) -> dict[str, Any]:
         return await self._request(replica, "POST", path, body)
@@ -192,6 +232,10 @@ class OptimizerClient:
             f"optimizer replica {replica} ({url}) failed after {self.max_retries + 1} attempts: "
             f"{problem}; is it running? (deploy/cluster.sh status)"
         )
+
+
+def _arrays(doc: Mapping[str, Any]) -> dict[str, NDArray[np.float32]]:
+    return {n: decode_array(v, field=f"params.{n}", dtype="<f4").copy() for n, v in doc.items()}
 
 
 def _error_of(raw: bytes, status: int) -> tuple[str, str | None]:

@@ -1,7 +1,8 @@
 """The aiohttp optimizer service: `make_app(config, replica=K)` and `lookup-table-optimizer`.
 
-Endpoints (DESIGN.md "Wire protocol"): `POST /v1/gradients`, `GET /v1/tables`,
-`GET /healthz` (JSON), `GET /metrics` (Prometheus text). Every endpoint but
+Endpoints (DESIGN.md "Wire protocol"): `POST /v1/gradients`, `POST /v1/dense/init`,
+`GET /v1/dense`, `GET /v1/version?after=V`, `GET /v1/tables`, `POST /v1/admin/pause`,
+`POST /v1/admin/resume`, `GET /healthz` (JSON), `GET /metrics` (Prometheus text). Every endpoint but
 `/healthz` and `/metrics` requires `Authorization: Bearer <token>` when the
 cluster has a token. Errors are JSON `{"error": ...}` with a 4xx/5xx status.
 
@@ -33,9 +34,14 @@ from lookup_table.errors import (
     StoreFullError,
 )
 from lookup_table.store import EmbeddingStore
-from lookup_table.wire import CONTENT_TYPE, WireError, pack, unpack
+from lookup_table.wire import CONTENT_TYPE, WireError, decode_array, encode_array, pack, unpack
 from optimizer_service.engine import Updater
-from optimizer_service.errors import BadRequestError, OptimizerServiceError, UnauthorizedError
+from optimizer_service.errors import (
+    BadRequestError,
+    NotOwnerError,
+    OptimizerServiceError,
+    UnauthorizedError,
+)
 from optimizer_service.metrics import ServiceMetrics
 from optimizer_service.push import parse_push
 
@@ -130,7 +136,100 @@ async def post_gradients(request: web.Request) -> web.Response:
         metrics.pushes.labels(status="duplicate").inc()
     else:
         metrics.pushes.labels(status="applied").inc()
-    return _msgpack({**result, "version": app[UPDATER].applied})
+    return _msgpack(result)
+
+
+def _replica0(request: web.Request, what: str) -> None:
+    if request.app[REPLICA] != 0:
+        raise NotOwnerError(
+            f"{what}: dense parameters live on replica 0; this is replica {request.app[REPLICA]}"
+        )
+
+
+async def post_dense_init(request: web.Request) -> web.Response:
+    """First writer wins: every trainer starts from the same dense weights."""
+    _replica0(request, "POST /v1/dense/init")
+    try:
+        obj = unpack(await request.read())
+        if (
+            not isinstance(obj, dict)
+            or set(obj) != {"params"}
+            or not isinstance(obj["params"], dict)
+        ):
+            raise WireError("body: expected {params: {name: array}}")
+        params = {}
+        for name, arr in obj["params"].items():
+            if not isinstance(name, str) or not name:
+                raise WireError(f"params: names must be non-empty str, got {name!r:.40}")
+            params[name] = decode_array(arr, field=f"params.{name}", dtype="<f4").copy()
+    except WireError as exc:
+        raise BadRequestError(str(exc), reason="malformed") from None
+    created, state = await request.app[UPDATER].dense.init(params)
+    return _msgpack(
+        {
+            "created": created,
+            "version": state.version,
+            "params": {n: encode_array(v) for n, v in state.params.items()},
+        }
+    )
+
+
+async def get_dense(request: web.Request) -> web.Response:
+    _replica0(request, "GET /v1/dense")
+    state = await request.app[UPDATER].dense.read()
+    if state is None:
+        return _json_error(
+            404,
+            "dense parameters are not initialized: POST /v1/dense/init "
+            "first (trainer.Trainer does it)",
+        )
+    return _msgpack(
+        {"version": state.version, "params": {n: encode_array(v) for n, v in state.params.items()}}
+    )
+
+
+def _float_query(request: web.Request, name: str, default: float) -> float:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BadRequestError(
+            f"query parameter {name}: expected a number, got {raw!r:.40}"
+        ) from None
+    if not value >= 0:
+        raise BadRequestError(f"query parameter {name}: expected a number >= 0, got {raw!r:.40}")
+    return value
+
+
+async def get_version(request: web.Request) -> web.Response:
+    """`?after=V`: long-poll until the version is > V (or `service.long_poll_timeout_s`)."""
+    config = request.app[CONFIG]
+    raw = request.query.get("after")
+    updater = request.app[UPDATER]
+    if raw is None:
+        return _msgpack({"version": updater.version})
+    if not raw.lstrip("-").isdigit():
+        raise BadRequestError(f"query parameter after: expected an integer, got {raw!r:.40}")
+    timeout_s = min(
+        _float_query(request, "timeout_s", config.service.long_poll_timeout_s),
+        config.service.long_poll_timeout_s,
+    )
+    version = await updater.wait_version(int(raw), timeout_s=timeout_s)
+    return _msgpack({"version": version})
+
+
+async def post_pause(request: web.Request) -> web.Response:
+    """Finish in-flight pushes and hold new ones (for a consistent checkpoint)."""
+    timeout_s = _float_query(request, "timeout_s", 600.0)
+    await request.app[UPDATER].pause(timeout_s=timeout_s)
+    return _msgpack({"paused": True, "auto_resume_s": timeout_s})
+
+
+async def post_resume(request: web.Request) -> web.Response:
+    request.app[UPDATER].resume()
+    return _msgpack({"paused": False})
 
 
 async def get_tables(request: web.Request) -> web.Response:
@@ -177,7 +276,7 @@ def _metrics_handler(registry: CollectorRegistry) -> Handler:
     async def get_metrics(request: web.Request) -> web.StreamResponse:
         metrics = request.app[METRICS]
         store = request.app[STORE]
-        metrics.version.set(request.app[UPDATER].applied)
+        metrics.version.set(request.app[UPDATER].version)
         metrics.rows_locked.set(request.app[UPDATER].locks.held)
         try:
             stats = await store.stats()
@@ -248,6 +347,11 @@ def make_app(
     app.cleanup_ctx.append(store_ctx)
     app.router.add_post("/v1/gradients", post_gradients)
     app.router.add_get("/v1/tables", get_tables)
+    app.router.add_post("/v1/dense/init", post_dense_init)
+    app.router.add_get("/v1/dense", get_dense)
+    app.router.add_get("/v1/version", get_version)
+    app.router.add_post("/v1/admin/pause", post_pause)
+    app.router.add_post("/v1/admin/resume", post_resume)
     app.router.add_get("/healthz", get_healthz)
     app.router.add_get("/metrics", _metrics_handler(registry))
     return app

@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,9 @@ from lookup_table.initializers import initial_rows
 from lookup_table.sharding import row_hashes
 from lookup_table.store import META_TABLE, EmbeddingStore
 from lookup_table.wire import decode_array, decode_ids, encode_array, encode_ids, pack, unpack
-from optimizer_service.optimizers import Optimizer, make_optimizer
+from optimizer_service.dense import DenseParams
+from optimizer_service.errors import BadRequestError, NotOwnerError, StaleVersionError
+from optimizer_service.optimizers import Optimizer, make_optimizer, segment_sum
 from optimizer_service.push import Push, TableGrads
 
 __all__ = ["RowLocks", "Updater"]
@@ -97,6 +99,16 @@ class _Update:
     slots: NDArray[np.float32]
 
 
+@dataclass(slots=True)
+class _Plan:
+    """Everything one push writes: absolute values, so writing it twice is harmless."""
+
+    push_id: str
+    updates: list[_Update]
+    version: int | None = None  # the replica's new version (sync mode, or dense updates)
+    dense: tuple[dict[str, NDArray[np.float32]], dict[str, NDArray[np.float32]]] | None = None
+
+
 def _compute(
     optimizer: Optimizer,
     rows: NDArray[np.float32],
@@ -104,6 +116,14 @@ def _compute(
     slots: NDArray[np.float32],
 ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
     return optimizer.update(rows, grads, slots)
+
+
+@dataclass(slots=True)
+class _Round:
+    """Sync mode: the pushes of one version, until every worker has pushed."""
+
+    pushes: dict[int, Push] = field(default_factory=dict)
+    done: asyncio.Future[dict[str, Any]] | None = None
 
 
 class Updater:
@@ -123,14 +143,24 @@ class Updater:
         self.replica = replica
         self.push_record_ttl_s = push_record_ttl_s
         self.optimizers = {t.name: make_optimizer(t.optimizer) for t in config.tables}
+        self.dense = DenseParams(store, make_optimizer(config.optimizer))
         self.locks = RowLocks()
         self.applied = 0
+        self.version = 0
+        self._version_changed = asyncio.Condition()
         self._inflight: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._journal_slots: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(JOURNAL_SLOTS):
             self._journal_slots.put_nowait(slot)
         self._finishers: set[asyncio.Task[None]] = set()
         self._on_rows = on_rows
+        self._rounds: dict[int, _Round] = {}
+        self._recent_rounds: dict[str, dict[str, Any]] = {}
+        self._open = asyncio.Event()
+        self._open.set()
+        self._active = 0
+        self._idle = asyncio.Condition()
+        self._auto_resume: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ bookkeeping keys
 
@@ -141,14 +171,72 @@ class Updater:
         base = f"r{self.replica}-j{slot}"
         return base if chunk is None else f"{base}-c{chunk}"
 
+    def _version_id(self) -> str:
+        return f"version-r{self.replica}"
+
     async def is_done(self, push_id: str) -> bool:
         (value,) = await self.store.get_blobs(META_TABLE, [self._record_id(push_id)], kind="p")
         return value is not None
 
+    # ------------------------------------------------------------ pause / resume
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    async def pause(self, *, timeout_s: float = 600.0) -> None:
+        """Hold new pushes and wait for those in flight; resumes by itself after `timeout_s`."""
+        self._open.clear()
+        if self._auto_resume is not None:
+            self._auto_resume.cancel()
+        self._auto_resume = asyncio.get_running_loop().call_later(timeout_s, self.resume)
+        async with self._idle:
+            await self._idle.wait_for(lambda: self._active == 0)
+
+    def resume(self) -> None:
+        if self._auto_resume is not None:
+            self._auto_resume.cancel()
+            self._auto_resume = None
+        self._open.set()
+
+    @asynccontextmanager
+    async def _admitted(self) -> AsyncIterator[None]:
+        await self._open.wait()
+        self._active += 1
+        try:
+            yield
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                async with self._idle:
+                    self._idle.notify_all()
+
+    # ------------------------------------------------------------ versions
+
+    async def wait_version(self, after: int, *, timeout_s: float) -> int:
+        """Long-poll: the version once it is > `after`, or the current one at the timeout."""
+        async with self._version_changed:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._version_changed.wait_for(lambda: self.version > after)
+            except TimeoutError:
+                pass
+            return self.version
+
+    async def _set_version(self, version: int) -> None:
+        async with self._version_changed:
+            self.version = max(self.version, version)
+            self._version_changed.notify_all()
+
     # ------------------------------------------------------------ the push path
 
     async def apply(self, push: Push) -> dict[str, Any]:
-        """Apply `push` at most once; returns `{applied, duplicate, rows}`."""
+        """Apply `push` at most once; returns `{applied, duplicate, rows, version}`."""
+        if push.dense and self.replica != 0:
+            raise NotOwnerError(
+                f"dense gradients go to replica 0 (dense parameters live there); this is "
+                f"replica {self.replica}"
+            )
         running = self._inflight.get(push.push_id)
         if running is not None:
             result = await asyncio.shield(running)
@@ -156,7 +244,11 @@ class Updater:
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._inflight[push.push_id] = future
         try:
-            result = await self._apply(push)
+            async with self._admitted():
+                if self.config.mode == "sync":
+                    result = await self._apply_sync(push)
+                else:
+                    result = await self._apply(push, version=None)
         except BaseException as exc:
             if not future.done():
                 future.set_exception(exc)
@@ -168,43 +260,103 @@ class Updater:
         finally:
             del self._inflight[push.push_id]
 
-    async def _apply(self, push: Push) -> dict[str, Any]:
+    async def _apply_sync(self, push: Push) -> dict[str, Any]:
+        """Collect the pushes of `version` from every worker, apply their mean once."""
+        recent = self._recent_rounds.get(push.push_id)
+        if recent is not None:
+            return {**recent, "applied": False, "duplicate": True}
+        workers = self.config.workers
+        if push.worker >= workers:
+            raise BadRequestError(
+                f"worker: {push.worker} is not a worker of this job (workers = {workers})"
+            )
+        if push.version != self.version:
+            raise StaleVersionError(
+                f"version: the push is for version {push.version} but the model is at version "
+                f"{self.version}; fetch the current dense parameters and rows "
+                f"(GET /v1/dense, GET /v1/version) and recompute the step"
+            )
+        round_ = self._rounds.setdefault(push.version, _Round())
+        if round_.done is None:
+            round_.done = asyncio.get_running_loop().create_future()
+        done = round_.done
+        if push.worker in round_.pushes:
+            raise StaleVersionError(
+                f"worker {push.worker} already pushed for version {push.version} (push_id "
+                f"{round_.pushes[push.worker].push_id}); one push per worker and version"
+            )
+        round_.pushes[push.worker] = push
+        if len(round_.pushes) == workers:
+            del self._rounds[push.version]
+            merged = _mean_push(f"sync-v{push.version}", list(round_.pushes.values()), workers)
+            try:
+                result = await self._apply(merged, version=push.version + 1)
+            except BaseException as exc:
+                done.set_exception(exc)
+                done.exception()
+                raise
+            done.set_result(result)
+            for p in round_.pushes.values():
+                self._recent_rounds[p.push_id] = result
+            while len(self._recent_rounds) > 64 * workers:
+                self._recent_rounds.pop(next(iter(self._recent_rounds)))
+        return dict(await asyncio.shield(done))
+
+    async def _apply(self, push: Push, *, version: int | None) -> dict[str, Any]:
         if await self.is_done(push.push_id):
-            return {"applied": False, "duplicate": True, "rows": 0}
+            return {"applied": False, "duplicate": True, "rows": 0, "version": self.version}
         keys: set[int] = set()
         for t in push.tables:
             keys.update(row_hashes(t.table, t.ids).tolist())
         await self.locks.acquire(keys)
         handed_over = False
         try:
-            updates = await asyncio.gather(*(self._updated(t) for t in push.tables))
-            slot = await self._journal_slots.get()
-            journaled = False
-            try:
-                await self._write_journal(slot, push.push_id, updates)
-                journaled = True
-                await self._write_updates(updates)
-                await self._mark_done(push.push_id)
-                await self._clear_journal(slot)
-            except BaseException:
-                if journaled:
-                    # Half-written rows must not be seen: the rows stay locked and the
-                    # journal slot taken until a background replay finishes the push.
-                    self._finish_later(slot, push.push_id, updates, keys)
-                    handed_over = True
-                else:
-                    self._journal_slots.put_nowait(slot)
-                raise
-            self._journal_slots.put_nowait(slot)
+            async with self.dense.lock if push.dense or version is not None else _nolock():
+                plan = await self._plan(push, version)
+                slot = await self._journal_slots.get()
+                journaled = False
+                try:
+                    await self._write_journal(slot, plan)
+                    journaled = True
+                    await self._write_plan(plan)
+                    await self._clear_journal(slot)
+                except BaseException:
+                    if journaled:
+                        # Half-written rows must not be seen: the rows stay locked and the
+                        # journal slot taken until a background replay finishes the push.
+                        self._finish_later(slot, plan, keys)
+                        handed_over = True
+                    else:
+                        self._journal_slots.put_nowait(slot)
+                    raise
+                self._journal_slots.put_nowait(slot)
         finally:
             if not handed_over:
                 await self.locks.release(keys)
         self.applied += 1
-        rows = push.num_rows
         if self._on_rows is not None:
             for t in push.tables:
                 self._on_rows(t.table, t.ids.shape[0])
-        return {"applied": True, "duplicate": False, "rows": rows}
+        return {"applied": True, "duplicate": False, "rows": push.num_rows, "version": self.version}
+
+    async def _plan(self, push: Push, version: int | None) -> _Plan:
+        updates = list(await asyncio.gather(*(self._updated(t) for t in push.tables)))
+        plan = _Plan(push_id=push.push_id, updates=updates, version=version)
+        if push.dense or (version is not None and self.replica == 0):
+            state = await self.dense.read(with_slots=True)
+            if state is None:
+                if push.dense:
+                    raise BadRequestError(
+                        "dense: the dense parameters are not initialized; POST /v1/dense/init "
+                        "first (trainer.Trainer does)",
+                        reason="dense_uninitialized",
+                    )
+            else:
+                self.dense.check_grads(state, push.dense)
+                plan.dense = self.dense.update(state, push.dense)
+                if plan.version is None:
+                    plan.version = state.version + 1
+        return plan
 
     async def _updated(self, grads: TableGrads) -> _Update:
         spec = self.config.table(grads.table)
@@ -246,28 +398,51 @@ class Updater:
                 jobs.append(self.store.set(u.table, u.ids, u.slots, kind="s"))
         await asyncio.gather(*jobs)
 
-    async def _mark_done(self, push_id: str) -> None:
+    async def _write_plan(self, plan: _Plan) -> None:
+        """Write rows, slots, dense parameters and version; then the done record."""
+        jobs = [self._write_updates(plan.updates)]
+        if plan.dense is not None and plan.version is not None:
+            jobs.append(self.dense.write(plan.version, *plan.dense))
+        if plan.version is not None:
+            jobs.append(
+                self.store.set_blobs(
+                    META_TABLE, [self._version_id()], [str(plan.version).encode()], kind="m"
+                )
+            )
+        await asyncio.gather(*jobs)
         await self.store.set_blobs(
-            META_TABLE, [self._record_id(push_id)], [b"1"], kind="p", ttl_s=self.push_record_ttl_s
+            META_TABLE,
+            [self._record_id(plan.push_id)],
+            [b"1"],
+            kind="p",
+            ttl_s=self.push_record_ttl_s,
         )
+        if plan.version is not None:
+            await self._set_version(plan.version)
 
     # ------------------------------------------------------------ the journal
 
-    async def _write_journal(self, slot: int, push_id: str, updates: list[_Update]) -> None:
-        body = pack(
-            {
-                "push_id": push_id,
-                "tables": [
-                    {
-                        "table": u.table,
-                        "ids": encode_ids(u.ids),
-                        "rows": encode_array(u.rows),
-                        "slots": encode_array(u.slots),
-                    }
-                    for u in updates
-                ],
+    async def _write_journal(self, slot: int, plan: _Plan) -> None:
+        doc: dict[str, Any] = {
+            "push_id": plan.push_id,
+            "version": plan.version,
+            "tables": [
+                {
+                    "table": u.table,
+                    "ids": encode_ids(u.ids),
+                    "rows": encode_array(u.rows),
+                    "slots": encode_array(u.slots),
+                }
+                for u in plan.updates
+            ],
+        }
+        if plan.dense is not None:
+            params, slots = plan.dense
+            doc["dense"] = {
+                "params": {n: encode_array(v) for n, v in params.items()},
+                "slots": {n: encode_array(v) for n, v in slots.items()},
             }
-        )
+        body = pack(doc)
         chunks = [
             body[i : i + JOURNAL_CHUNK_BYTES] for i in range(0, len(body), JOURNAL_CHUNK_BYTES)
         ] or [b""]
@@ -276,7 +451,7 @@ class Updater:
         )
         header = pack(
             {
-                "push_id": push_id,
+                "push_id": plan.push_id,
                 "chunks": len(chunks),
                 "bytes": len(body),
                 "blake2b": hashlib.blake2b(body, digest_size=16).hexdigest(),
@@ -288,7 +463,7 @@ class Updater:
     async def _clear_journal(self, slot: int) -> None:
         await self.store.set_blobs(META_TABLE, [self._journal_id(slot)], [b""], kind="j")
 
-    async def _read_journal(self, slot: int) -> tuple[str, list[_Update]] | None:
+    async def _read_journal(self, slot: int) -> _Plan | None:
         (raw,) = await self.store.get_blobs(META_TABLE, [self._journal_id(slot)], kind="j")
         if not raw:
             return None
@@ -310,27 +485,49 @@ class Updater:
             )
             for t in doc["tables"]
         ]
-        return str(header["push_id"]), updates
+        dense = None
+        if doc.get("dense") is not None:
+            dense = (
+                {
+                    n: decode_array(v, field="journal.dense").copy()
+                    for n, v in doc["dense"]["params"].items()
+                },
+                {
+                    n: decode_array(v, field="journal.dense").copy()
+                    for n, v in doc["dense"]["slots"].items()
+                },
+            )
+        return _Plan(
+            push_id=str(doc["push_id"]), updates=updates, version=doc.get("version"), dense=dense
+        )
 
     async def recover(self) -> int:
-        """Finish every journaled push of this replica; call before serving. Returns the count."""
+        """Finish every journaled push of this replica and load its version.
+
+        Call before serving. Returns how many pushes were finished.
+        """
         finished = 0
         for slot in range(JOURNAL_SLOTS):
-            entry = await self._read_journal(slot)
-            if entry is None:
+            plan = await self._read_journal(slot)
+            if plan is None:
                 continue
-            push_id, updates = entry
-            if not await self.is_done(push_id):
-                logger.warning("replica %d: replaying journaled push %s", self.replica, push_id)
-                await self._write_updates(updates)
-                await self._mark_done(push_id)
+            if not await self.is_done(plan.push_id):
+                logger.warning(
+                    "replica %d: replaying journaled push %s", self.replica, plan.push_id
+                )
+                await self._write_plan(plan)
                 finished += 1
             await self._clear_journal(slot)
+        (raw,) = await self.store.get_blobs(META_TABLE, [self._version_id()], kind="m")
+        version = int(raw) if raw else 0
+        if self.replica == 0:
+            state = await self.dense.read()
+            if state is not None:
+                version = max(version, state.version)
+        await self._set_version(version)
         return finished
 
-    def _finish_later(
-        self, slot: int, push_id: str, updates: list[_Update], keys: set[int]
-    ) -> None:
+    def _finish_later(self, slot: int, plan: _Plan, keys: set[int]) -> None:
         """Replay a journaled push until it sticks; owns (and finally releases) its row locks."""
 
         async def finish() -> None:
@@ -338,15 +535,14 @@ class Updater:
             try:
                 while True:
                     try:
-                        await self._write_updates(updates)
-                        await self._mark_done(push_id)
+                        await self._write_plan(plan)
                         await self._clear_journal(slot)
                         break
                     except Exception:
                         logger.warning(
                             "replica %d: finishing push %s failed, retrying in %.1f s",
                             self.replica,
-                            push_id,
+                            plan.push_id,
                             delay,
                             exc_info=True,
                         )
@@ -364,3 +560,34 @@ class Updater:
         """Wait briefly for background finishers; those still running resume at restart."""
         if self._finishers:
             await asyncio.wait(self._finishers, timeout=5)
+
+
+@asynccontextmanager
+async def _nolock() -> AsyncIterator[None]:
+    yield
+
+
+def _mean_push(push_id: str, pushes: list[Push], workers: int) -> Push:
+    """One push whose gradients are the mean over `workers` pushes (sum / workers)."""
+    by_table: dict[str, list[TableGrads]] = {}
+    for p in pushes:
+        for t in p.tables:
+            by_table.setdefault(t.table, []).append(t)
+    tables = []
+    scale = np.float32(1.0 / workers)
+    for name, parts in by_table.items():
+        ids = np.concatenate([t.ids for t in parts])
+        grads = np.concatenate([t.grads for t in parts])
+        uniq, summed = segment_sum(ids, grads)
+        tables.append(TableGrads(table=name, ids=uniq, grads=summed * scale))
+    dense: dict[str, NDArray[np.float32]] = {}
+    for p in pushes:
+        for name, g in p.dense.items():
+            dense[name] = dense[name] + g if name in dense else np.array(g, dtype=np.float32)
+    return Push(
+        push_id=push_id,
+        worker=0,
+        version=pushes[0].version,
+        tables=tuple(tables),
+        dense={n: (g * scale).astype(np.float32) for n, g in dense.items()},
+    )

@@ -38,7 +38,8 @@ SGD_TABLES: list[dict[str, Any]] = [
 
 
 def _config(nodes: list[str], **kw: Any) -> ClusterConfig:
-    return make_config(nodes, tables=SGD_TABLES, optimizers=["http://127.0.0.1:1"], **kw)
+    kw.setdefault("optimizers", ["http://127.0.0.1:1"])
+    return make_config(nodes, tables=SGD_TABLES, **kw)
 
 
 async def _serve(config: ClusterConfig, aiohttp_server: Any, replica: int = 0) -> TestServer:
@@ -310,7 +311,7 @@ async def test_journaled_push_is_finished_by_the_next_replica_exactly_once(
 
     updater._write_updates = crash  # type: ignore[method-assign]  # the process "dies" here
     with pytest.raises(ConnectionResetError):
-        await updater._apply(push)
+        await updater.apply(push)
     for task in list(updater._finishers):
         task.cancel()  # the dead process's background replay never runs
     await server.close()
@@ -323,3 +324,72 @@ async def test_journaled_push_is_finished_by_the_next_replica_exactly_once(
         retry = await client.push({"user": (ids, grads)}, push_id=push_id)
     assert retry["duplicate"]
     np.testing.assert_allclose(await _rows(config, "user", ids), before - 0.5, rtol=1e-6)
+
+
+async def test_dense_first_writer_wins_and_updates_with_the_optimizer(served) -> None:
+    from optimizer_service.optimizers import make_optimizer
+
+    config, _ = served
+    mine = {"w": np.full((3, 2), 0.5, np.float32), "b": np.zeros(2, np.float32)}
+    theirs = {"w": np.full((3, 2), 9.0, np.float32), "b": np.ones(2, np.float32)}
+    async with OptimizerClient(config, worker=0) as a, OptimizerClient(config, worker=1) as b:
+        (va, pa), (vb, pb) = await asyncio.gather(a.dense_init(mine), b.dense_init(theirs))
+        assert va == vb == 0
+        for name in ("w", "b"):
+            np.testing.assert_array_equal(pa[name], pb[name])  # both start from one winner
+        grad = {"w": np.arange(6, dtype=np.float32).reshape(3, 2), "b": np.ones(2, np.float32)}
+        result = await a.push({}, dense=grad)
+        assert result["version"] == 1
+        version, now = await b.dense()
+        assert version == 1
+        adam = make_optimizer(config.optimizer)
+        for name in ("w", "b"):
+            row = pa[name].reshape(1, -1)
+            want, _ = adam.update(row, grad[name].reshape(1, -1),
+                                  adam.initial_slots(1, row.shape[1]))
+            np.testing.assert_array_equal(now[name], want.reshape(pa[name].shape))
+        with pytest.raises(PushRejectedError, match=r"dense.w: expected shape \(3, 2\)"):
+            await a.push({}, dense={"w": np.ones((2, 3), np.float32)})
+        with pytest.raises(PushRejectedError, match="unknown dense parameter"):
+            await a.push({}, dense={"nope": np.ones(1, np.float32)})
+        assert (await b.dense())[0] == 1  # refused pushes changed nothing
+
+
+async def test_sync_mode_two_replicas_apply_the_mean_once(memcached_nodes, aiohttp_server) -> None:
+    from lookup_table.localcluster import free_port
+
+    ports = [free_port(), free_port()]
+    config = _config(memcached_nodes, mode="sync", workers=2,
+                     optimizers=[f"http://127.0.0.1:{p}" for p in ports])
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        ids = np.arange(50, dtype=np.int64)
+        init = await store.lookup("user", ids)
+    for k, port in enumerate(ports):
+        await aiohttp_server(make_app(config, replica=k, registry=CollectorRegistry()), port=port)
+    g0 = np.ones((50, 8), np.float32)
+    g1 = np.full((50, 8), 3.0, np.float32)
+    async with OptimizerClient(config, worker=0) as w0, OptimizerClient(config, worker=1) as w1:
+        first = asyncio.create_task(w0.push({"user": (ids, g0)}, version=0))
+        await asyncio.sleep(0.2)
+        assert not first.done()  # waits for the other worker of version 0
+        r1 = await w1.push({"user": (ids, g1)}, version=0)
+        r0 = await first
+        assert r0["version"] == r1["version"] == 1 and r0["replicas"] == [0, 1]
+        assert await w0.version(after=0) == 1
+        np.testing.assert_allclose(await _rows(config, "user", ids), init - 0.5 * 2.0, rtol=1e-6)
+        with pytest.raises(PushRejectedError, match="model is at version 1"):
+            await w0.push({"user": (ids, g0)}, version=0)
+
+
+async def test_pause_holds_new_pushes_until_resume(served) -> None:
+    config, _ = served
+    async with OptimizerClient(config) as client:
+        await client.pause(timeout_s=30)
+        push = asyncio.create_task(
+            client.push({"user": (np.array([1]), np.ones((1, 8), np.float32))})
+        )
+        await asyncio.sleep(0.3)
+        assert not push.done()
+        await client.resume()
+        assert (await push)["applied"]
