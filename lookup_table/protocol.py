@@ -53,6 +53,7 @@ END = b"mn\r\n"
 END_REPLY = b"MN\r\n"
 _CRLF = np.frombuffer(b"\r\n", dtype=np.uint8)
 _HD_U32 = np.frombuffer(b"HD\r\n", dtype="<u4")[0]
+_EN_U32 = np.frombuffer(b"EN\r\n", dtype="<u4")[0]
 
 STATUS_STORED = 0
 STATUS_NOT_STORED = 1
@@ -177,6 +178,16 @@ def parse_mg(
         fast = _fixed_hits(buf, pos, n, nbytes)
         if fast is not None:
             return fast
+    if n and len(buf) >= pos + 4 * n:
+        # All misses (a batch of new rows): n x "EN\r\n", checked as one uint32 compare.
+        # No reply but EN starts with "EN", so n of them in a row are the n replies.
+        codes = np.frombuffer(buf, dtype="<u4", count=n, offset=pos)
+        if (codes == _EN_U32).all():
+            return MgReply(
+                starts=np.full(n, -1, dtype=np.int64),
+                sizes=np.zeros(n, dtype=np.int64),
+                end=pos + 4 * n,
+            )
     starts = np.full(n, -1, dtype=np.int64)
     sizes = np.zeros(n, dtype=np.int64)
     errors: dict[int, bytes] = {}

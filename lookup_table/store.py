@@ -328,7 +328,7 @@ class EmbeddingStore:
         if missing.size:
             fresh = initial_rows(spec.initializer, seed=spec.seed, ids=uniq[missing], dim=spec.dim)
             if create:
-                stored = await self.add(table, uniq[missing], fresh)
+                stored = await self.add(table, uniq[missing], fresh, unique=True)
                 values[missing[stored]] = fresh[stored]
                 raced = missing[~stored]
                 if raced.size:
@@ -401,10 +401,19 @@ class EmbeddingStore:
         await self._fan_out(table, kind, id_array, one, check_sentinel=True)
 
     async def add(
-        self, table: str, ids: Any, values: NDArray[np.float32], *, kind: str = "w"
+        self,
+        table: str,
+        ids: Any,
+        values: NDArray[np.float32],
+        *,
+        kind: str = "w",
+        unique: bool = False,
     ) -> NDArray[np.bool_]:
-        """Set-if-absent for unique `ids`; returns which values were stored, bool (n,)."""
-        id_array, matrix = self._prepare_write(table, ids, values, kind)
+        """Set-if-absent for unique `ids`; returns which values were stored, bool (n,).
+
+        `unique=True`: the caller guarantees the ids are unique (skips the check).
+        """
+        id_array, matrix = self._prepare_write(table, ids, values, kind, unique=unique)
         stored = np.zeros(id_array.shape[0], dtype=bool)
 
         async def one(node: _Node, index: NDArray[np.intp], keys: Keys) -> None:
@@ -560,11 +569,18 @@ class EmbeddingStore:
         return id_array
 
     def _require_unique(self, table: str, ids: IdArray) -> None:
-        if np.unique(ids).shape[0] != ids.shape[0]:
+        ordered = np.sort(ids)
+        if ordered.shape[0] > 1 and (ordered[1:] == ordered[:-1]).any():
             raise ValueError(f"a write to table {table!r} has duplicate ids; sum or dedupe first")
 
     def _prepare_write(
-        self, table: str, ids: Any, values: NDArray[np.float32], kind: str
+        self,
+        table: str,
+        ids: Any,
+        values: NDArray[np.float32],
+        kind: str,
+        *,
+        unique: bool = False,
     ) -> tuple[IdArray, NDArray[np.uint8]]:
         id_array = self._table_ids(table, ids) if kind == "w" else as_ids(ids, table=table)
         arr = np.asarray(values)
@@ -578,7 +594,8 @@ class EmbeddingStore:
                 f"table {table!r} has dim={self.config.table(table).dim} but the rows have "
                 f"{arr.shape[1]} floats"
             )
-        self._require_unique(table, id_array)
+        if not unique:
+            self._require_unique(table, id_array)
         return id_array, encode_rows(arr, arr.shape[1])
 
     async def _fan_out(

@@ -102,9 +102,9 @@ async def test_lost_add_race_rereads_the_winner(config, store: EmbeddingStore) -
     winner = np.full((100, 16), 7.0, dtype=np.float32)
 
     class RacingStore(EmbeddingStore):
-        async def add(self, table, ids, values, *, kind="w"):  # type: ignore[no-untyped-def]
+        async def add(self, table, ids, values, *, kind="w", unique=False):  # type: ignore[no-untyped-def]
             await store.set(table, ids, winner[: len(ids)])  # another writer gets there first
-            return await super().add(table, ids, values, kind=kind)
+            return await super().add(table, ids, values, kind=kind, unique=unique)
 
     async with RacingStore(config) as racer:
         rows = await racer.lookup("user", ids)

@@ -395,3 +395,15 @@ def test_gather_values_returns_an_owned_copy() -> None:
     buf[:] = b"\x00" * len(buf)  # the receive buffer gets reused
     assert got.tobytes() == b"abcdefgh"
     assert got.flags.writeable
+
+
+def test_all_misses_take_the_vectorized_path_and_match_the_scan() -> None:
+    n = 1000
+    buf = b"EN\r\n" * n + END_REPLY
+    reply = parse_mg(buf, 0, n, nbytes=64)
+    assert reply is not None and not reply.found.any() and reply.end == 4 * n
+    # one hit at the end: the fast path must not claim it
+    mixed = b"EN\r\n" * (n - 1) + b"VA 2\r\nab\r\n" + END_REPLY
+    reply = parse_mg(mixed, 0, n, nbytes=2)
+    assert reply is not None and reply.found.tolist() == [False] * (n - 1) + [True]
+    assert parse_mg(b"EN\r\n" * (n - 1), 0, n) is None  # incomplete
