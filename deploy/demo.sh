@@ -15,7 +15,7 @@ trap cleanup EXIT
 
 echo "==> starting the local cluster ($CONFIG)"
 "$PY" -m lookup_table.localcluster up --config "$CONFIG" --run-dir "$RUN_DIR" --memory-mb 512
-echo "==> storage demo"
+echo "==> storage + optimizer service demo"
 "$PY" deploy/demo_store.py --config "$CONFIG"
 echo "==> cluster status"
 "$PY" -m lookup_table.localcluster status --config "$CONFIG" --run-dir "$RUN_DIR"

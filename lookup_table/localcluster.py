@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["MemcachedProcess", "free_port", "memcached_binary", "start_memcached", "wait_for_port"]
 
@@ -218,6 +219,101 @@ def _node_files(run_dir: Path, address: str) -> tuple[Path, Path]:
     return run_dir / f"{name}.pid", run_dir / f"{name}.log"
 
 
+def _optimizer_files(run_dir: Path, replica: int) -> tuple[Path, Path]:
+    return run_dir / f"optimizer-{replica}.pid", run_dir / f"optimizer-{replica}.log"
+
+
+def _healthz(url: str, *, timeout_s: float = 2.0) -> tuple[int, str]:
+    """GET url/healthz -> (status, body); (0, reason) when it does not answer."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=timeout_s) as resp:
+            return int(resp.status), resp.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode("utf-8", "replace")
+    except (OSError, ValueError) as exc:
+        return 0, str(exc)
+
+
+def _log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def _start_optimizers(config_path: str, config: Any, run_dir: Path) -> int:
+    from urllib.parse import urlsplit
+
+    for k, url in enumerate(config.optimizers):
+        pid_path, log_path = _optimizer_files(run_dir, k)
+        pid = _read_pid(pid_path)
+        if pid is not None:
+            print(f"optimizer {k} {url}: already running (pid {pid})")
+            continue
+        parts = urlsplit(url)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 80
+        if host not in _LOCAL_HOSTS:
+            print(f"optimizer {k} {url}: not a local address, expecting it to be running")
+            continue
+        if wait_for_port(host, port, timeout_s=0.2):
+            print(
+                f"optimizer {k} {url}: the port is taken by a process we did not start",
+                file=sys.stderr,
+            )
+            return 1
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "optimizer_service.app",
+                    "--config",
+                    str(Path(config_path).resolve()),
+                    "--replica",
+                    str(k),
+                    "--host",
+                    host,
+                    "--port",
+                    str(port),
+                ],
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        pid_path.write_text(f"{proc.pid}\n")
+        deadline = time.monotonic() + 60
+        status, body = 0, ""
+        while time.monotonic() < deadline and proc.poll() is None:
+            status, body = _healthz(url)
+            if status == 200:
+                break
+            time.sleep(0.2)
+        if status != 200:
+            print(
+                f"optimizer {k} {url}: not healthy ({status} {body[:200]}); log tail:\n"
+                f"{_log_tail(log_path)}",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"optimizer {k} {url}: started (pid {proc.pid}, log {log_path})")
+    return 0
+
+
+def _stop_pid(pid: int) -> None:
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.05)
+    if _pid_alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
 def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
     """Start every local memcached of the cluster file (not twice), then init sentinels."""
     from lookup_table.admin import init_cluster
@@ -257,7 +353,7 @@ def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
     states = asyncio.run(init_cluster(config))
     for address, state in states.items():
         print(f"memcached {address}: {state} (namespace {config.namespace!r})")
-    return 0
+    return _start_optimizers(config_path, config, run_dir)
 
 
 def cluster_down(config_path: str, run_dir: Path) -> int:
@@ -265,6 +361,13 @@ def cluster_down(config_path: str, run_dir: Path) -> int:
     from lookup_table.config import load_config
 
     config = load_config(config_path)
+    for k, url in enumerate(config.optimizers):
+        pid_path, _ = _optimizer_files(run_dir, k)
+        pid = _read_pid(pid_path)
+        if pid is not None:
+            _stop_pid(pid)
+            print(f"optimizer {k} {url}: stopped (pid {pid})")
+        pid_path.unlink(missing_ok=True)
     for node in config.memcached:
         pid_path, _ = _node_files(run_dir, node.address)
         pid = _read_pid(pid_path)
@@ -272,14 +375,7 @@ def cluster_down(config_path: str, run_dir: Path) -> int:
             print(f"memcached {node.address}: not running (no live pid file)")
             pid_path.unlink(missing_ok=True)
             continue
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while _pid_alive(pid) and time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
-            time.sleep(0.05)
-        if _pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
+        _stop_pid(pid)
         pid_path.unlink(missing_ok=True)
         print(f"memcached {node.address}: stopped (pid {pid})")
     return 0
@@ -312,6 +408,12 @@ def cluster_status(config_path: str, run_dir: Path) -> int:
                 f"evictions {s['evictions']}, sentinel {'ok' if s['sentinel'] else 'MISSING'}"
             )
             healthy &= bool(s["sentinel"])
+    for k, url in enumerate(config.optimizers):
+        pid = _read_pid(_optimizer_files(run_dir, k)[0])
+        status, body = _healthz(url)
+        healthy &= status == 200
+        state = "healthy" if status == 200 else f"UNHEALTHY ({status} {body[:120]})"
+        print(f"optimizer {k} {url}: pid {pid or '-'}, {state}")
     return 0 if healthy else 1
 
 

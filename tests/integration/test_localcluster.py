@@ -1,0 +1,70 @@
+"""`deploy/cluster.sh` (lookup_table.localcluster): up twice, status, down leaves nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from lookup_table.localcluster import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lookup_table.localcluster", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(180)
+def test_up_twice_status_down_leaves_no_process(tmp_path: Path) -> None:
+    ports = [free_port(), free_port(), free_port()]
+    config = tmp_path / "cluster.toml"
+    config.write_text(
+        f'namespace = "c{uuid.uuid4().hex[:8]}"\n'
+        f'memcached = ["127.0.0.1:{ports[0]}", "127.0.0.1:{ports[1]}"]\n'
+        f'optimizers = ["http://127.0.0.1:{ports[2]}"]\n'
+        '[[tables]]\nname = "user"\ndim = 4\n'
+    )
+    run = tmp_path / "run"
+    args = ["--config", str(config), "--run-dir", str(run), "--memory-mb", "16"]
+    try:
+        first = _cli("up", *args, cwd=tmp_path)
+        assert first.returncode == 0, first.stderr
+        assert first.stdout.count("started") == 3
+        pids = sorted(int(p.read_text()) for p in run.glob("*.pid"))
+        assert len(pids) == 3 and all(_alive(p) for p in pids)
+
+        second = _cli("up", *args, cwd=tmp_path)
+        assert second.returncode == 0, second.stderr
+        assert second.stdout.count("already running") == 3
+        assert sorted(int(p.read_text()) for p in run.glob("*.pid")) == pids
+
+        status = _cli("status", *args, cwd=tmp_path)
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "sentinel ok" in status.stdout and "healthy" in status.stdout
+    finally:
+        down = _cli("down", *args, cwd=tmp_path)
+    assert down.returncode == 0, down.stderr
+    assert not list(run.glob("*.pid"))
+    assert not any(_alive(p) for p in pids)
+    after = _cli("status", *args, cwd=tmp_path)
+    assert after.returncode == 1 and "DOWN" in after.stdout
