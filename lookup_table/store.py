@@ -286,6 +286,7 @@ class EmbeddingStore:
         self._clients: dict[str, aiomcache.Client] = {}
         self._check_sentinels = check_sentinels
         self._sentinel_key = sentinel_key(config.namespace)
+        self.created: dict[str, int] = {}  # rows this store created, per table
 
     async def __aenter__(self) -> EmbeddingStore:
         return self
@@ -329,6 +330,7 @@ class EmbeddingStore:
             fresh = initial_rows(spec.initializer, seed=spec.seed, ids=uniq[missing], dim=spec.dim)
             if create:
                 stored = await self.add(table, uniq[missing], fresh, unique=True)
+                self.created[table] = self.created.get(table, 0) + int(stored.sum())
                 values[missing[stored]] = fresh[stored]
                 raced = missing[~stored]
                 if raced.size:

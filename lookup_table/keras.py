@@ -1,0 +1,289 @@
+"""`DistributedEmbedding`: a Keras layer whose table lives in memcached.
+
+Use it where you would use `keras.layers.Embedding`; `trainer.Trainer` binds it
+to the cluster, fetches the rows of each batch (prefetching the next batch's
+while the current one computes) and pushes the gradients to the optimizer
+service::
+
+    user = keras.Input((), dtype="int64", name="user")
+    x = DistributedEmbedding(table_spec)(user)                  # (batch, dim)
+    tags = keras.Input((None,), dtype="string", name="tags", ragged=True)
+    y = DistributedEmbedding("tag", dim=8, combiner="mean")(tags)  # (batch, 8)
+
+Inputs and outputs:
+
+* a dense int64 or string tensor of any shape: with `combiner=None` the output
+  is `inputs.shape + (dim,)`, as `keras.layers.Embedding`; with a combiner the
+  last axis is combined, as `tf.nn.safe_embedding_lookup_sparse` would for the
+  same ids. Positions equal to `padding_id` contribute nothing (a zero vector
+  with `combiner=None`).
+* a `tf.RaggedTensor` (batch, None): with a combiner -> (batch, dim); with
+  `combiner=None` -> a ragged (batch, None, dim).
+* a `tf.SparseTensor` (batch, k) with optional `sparse_weights` (a SparseTensor
+  of the same indices): a combiner is required; exactly
+  `tf.nn.safe_embedding_lookup_sparse` (empty rows give zeros, ids with weight
+  <= 0 are pruned). Unlike it, negative int ids are real ids here.
+
+Combiners: "sum" = sum w_i e_i, "mean" = sum w_i e_i / sum w_i, "sqrtn" =
+sum w_i e_i / sqrt(sum w_i^2).
+
+How gradients flow: a call looks up the unique ids of its input once (a `RowSource`
+returns their rows as a float32 (u, dim) array), turns the rows into a tensor the
+trainer's GradientTape watches, and gathers from it. The trainer then asks the
+tape for the gradient w.r.t. those rows: one summed gradient per unique id, which
+is exactly what the optimizer service wants. The layer has no Keras weights and
+runs eagerly (the lookup happens outside the TF graph).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import keras
+import numpy as np
+import tensorflow as tf
+from numpy.typing import NDArray
+
+from lookup_table.config import TableSpec
+from lookup_table.keys import IdArray, as_ids
+
+__all__ = ["DistributedEmbedding", "RecordedLookup", "RowSource"]
+
+_COMBINERS = (None, "sum", "mean", "sqrtn")
+
+
+class RowSource(Protocol):
+    """Where a layer's rows come from (the trainer's prefetching store client)."""
+
+    def rows(self, table: str, ids: IdArray, *, training: bool) -> NDArray[np.float32]:
+        """Rows of unique `ids`, float32 (len(ids), dim); create missing ones if training."""
+        ...
+
+
+@dataclass(slots=True)
+class RecordedLookup:
+    """One lookup of a training step: the unique ids and the watched row tensor."""
+
+    table: str
+    ids: IdArray
+    rows: tf.Tensor
+
+
+def _to_ids(values: NDArray[Any], table: str) -> IdArray:
+    if values.dtype.kind in "SO":
+        return as_ids(values.tolist(), table=table)
+    return as_ids(values, table=table)
+
+
+class DistributedEmbedding(keras.layers.Layer):
+    """An embedding layer backed by the distributed lookup table.
+
+    Args:
+        table: a `TableSpec` (dim taken from it) or a table name (then pass `dim`).
+        combiner: None, "sum", "mean" or "sqrtn" (see the module docstring).
+        dim: the table's dim when `table` is a name.
+        padding_id: an id that contributes nothing (e.g. 0 or "").
+        feature: the input feature this layer embeds; lets the trainer prefetch
+            the next batch's rows while the current batch computes.
+    """
+
+    def __init__(
+        self,
+        table: str | TableSpec,
+        combiner: str | None = None,
+        *,
+        dim: int | None = None,
+        padding_id: int | str | None = None,
+        feature: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(table, TableSpec):
+            if dim is not None and dim != table.dim:
+                raise ValueError(f"dim={dim} but table {table.name!r} has dim={table.dim}")
+            dim, table = table.dim, table.name
+        if not isinstance(table, str) or not table:
+            raise ValueError(f"table must be a table name or a TableSpec, got {table!r}")
+        if dim is None or isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(
+                f"`dim` must be a positive integer for table {table!r}. Received: dim={dim!r} "
+                f"(pass the TableSpec from the cluster config to take its dim)"
+            )
+        if combiner not in _COMBINERS:
+            raise ValueError(
+                f"combiner must be one of None, 'sum', 'mean', 'sqrtn'. Received: {combiner!r}"
+            )
+        kwargs.setdefault("name", f"embedding_{table}")
+        super().__init__(trainable=False, **kwargs)
+        self.table = table
+        self.dim = dim
+        self.combiner = combiner
+        self.padding_id = padding_id
+        self.feature = feature
+        self._source: RowSource | None = None
+        self._tape: tf.GradientTape | None = None
+        self.records: list[RecordedLookup] = []
+
+    # ------------------------------------------------------------ trainer hooks
+
+    def bind(self, source: RowSource | None) -> None:
+        """Give the layer its row source (the trainer does this)."""
+        self._source = source
+
+    def begin_step(self, tape: tf.GradientTape | None) -> None:
+        """Start a step: lookups are watched by `tape` and recorded in `records`."""
+        self._tape = tape
+        self.records = []
+
+    def get_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = super().get_config()
+        config.update(
+            table=self.table,
+            combiner=self.combiner,
+            dim=self.dim,
+            padding_id=self.padding_id,
+            feature=self.feature,
+        )
+        config.pop("trainable", None)
+        return config
+
+    # ------------------------------------------------------------ shapes
+
+    def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
+        shape = tuple(input_shape)
+        if self.combiner is None:
+            return (*shape, self.dim)
+        return (*shape[:-1], self.dim) if len(shape) > 1 else (shape[0], self.dim)
+
+    # ------------------------------------------------------------ the lookup
+
+    def _lookup(self, ids: IdArray, training: bool) -> tuple[tf.Tensor, NDArray[np.intp]]:
+        """Rows tensor (u, dim) of the unique ids and the inverse index of `ids`."""
+        if self._source is None:
+            raise RuntimeError(
+                f"DistributedEmbedding({self.table!r}) is not bound to a cluster: train it "
+                f"with trainer.Trainer, or call layer.bind(source) first"
+            )
+        if ids.shape[0] == 0:
+            uniq, inverse = ids, np.zeros(0, dtype=np.intp)
+        else:
+            uniq, inverse = np.unique(ids, return_inverse=True)
+        rows = np.asarray(self._source.rows(self.table, uniq, training=training), np.float32)
+        if rows.shape != (uniq.shape[0], self.dim):
+            raise ValueError(
+                f"the row source returned shape {rows.shape} for {uniq.shape[0]} ids of table "
+                f"{self.table!r} (dim={self.dim})"
+            )
+        tensor = tf.constant(rows)
+        if self._tape is not None:
+            self._tape.watch(tensor)
+            self.records.append(RecordedLookup(table=self.table, ids=uniq, rows=tensor))
+        return tensor, inverse.reshape(-1).astype(np.intp)
+
+    def _valid(self, ids: IdArray) -> NDArray[np.bool_]:
+        if self.padding_id is None:
+            return np.ones(ids.shape[0], dtype=bool)
+        pad = self.padding_id
+        return (
+            np.asarray([x != pad for x in ids.tolist()], dtype=bool)
+            if ids.dtype == object
+            else ids != pad
+        )
+
+    def call(  # type: ignore[override]
+        self, inputs: Any, sparse_weights: tf.SparseTensor | None = None, training: bool = False
+    ) -> Any:
+        if isinstance(inputs, tf.SparseTensor):
+            return self._call_sparse(inputs, sparse_weights, bool(training))
+        if sparse_weights is not None:
+            raise ValueError("sparse_weights is only for SparseTensor inputs")
+        if isinstance(inputs, tf.RaggedTensor):
+            return self._call_ragged(inputs, bool(training))
+        return self._call_dense(tf.convert_to_tensor(inputs), bool(training))
+
+    def _call_dense(self, inputs: tf.Tensor, training: bool) -> tf.Tensor:
+        values = inputs.numpy()
+        shape = values.shape
+        flat = _to_ids(values.reshape(-1), self.table)
+        valid = self._valid(flat)
+        rows, inverse = self._lookup(flat[valid], training)
+        if self.combiner is None:
+            # padded positions gather an extra zero row (its gradient is dropped)
+            index = np.full(flat.shape[0], rows.shape[0], dtype=np.int64)
+            index[valid] = inverse
+            table = tf.concat([rows, tf.zeros((1, self.dim), tf.float32)], axis=0)
+            return tf.reshape(tf.gather(table, index), (*shape, self.dim))
+        if len(shape) == 0:
+            raise ValueError("a combiner needs at least 1-D ids")
+        groups = int(np.prod(shape[:-1])) if len(shape) > 1 else shape[0]
+        per_group = shape[-1] if len(shape) > 1 else 1
+        segments = (np.arange(flat.shape[0]) // per_group)[valid]
+        out = self._combine(rows, inverse, segments, None, groups)
+        return tf.reshape(out, (*shape[:-1], self.dim) if len(shape) > 1 else (shape[0], self.dim))
+
+    def _call_ragged(self, inputs: tf.RaggedTensor, training: bool) -> Any:
+        if inputs.ragged_rank != 1:
+            raise ValueError(f"ragged ids must have ragged_rank 1, got {inputs.ragged_rank}")
+        values = _to_ids(inputs.flat_values.numpy(), self.table)
+        splits = inputs.row_splits.numpy()
+        valid = self._valid(values)
+        rows, inverse = self._lookup(values[valid], training)
+        if self.combiner is None:
+            index = np.full(values.shape[0], rows.shape[0], dtype=np.int64)
+            index[valid] = inverse
+            table = tf.concat([rows, tf.zeros((1, self.dim), tf.float32)], axis=0)
+            return tf.RaggedTensor.from_row_splits(tf.gather(table, index), splits)
+        segments = (np.searchsorted(splits, np.arange(values.shape[0]), side="right") - 1)[valid]
+        return self._combine(rows, inverse, segments, None, splits.shape[0] - 1)
+
+    def _call_sparse(
+        self, inputs: tf.SparseTensor, weights: tf.SparseTensor | None, training: bool
+    ) -> tf.Tensor:
+        if self.combiner is None:
+            raise ValueError(
+                f"DistributedEmbedding({self.table!r}) got a SparseTensor: pass combiner="
+                f"'sum', 'mean' or 'sqrtn' (as tf.nn.safe_embedding_lookup_sparse needs)"
+            )
+        if inputs.dense_shape.shape[0] != 2:
+            raise ValueError(
+                f"sparse ids must be 2-D (batch, k), got rank {inputs.dense_shape.shape[0]}"
+            )
+        values = _to_ids(inputs.values.numpy(), self.table)
+        batch = int(inputs.dense_shape.numpy()[0])
+        segments = inputs.indices.numpy()[:, 0]
+        w = None
+        keep = self._valid(values)
+        if weights is not None:
+            w = weights.values.numpy().astype(np.float32)
+            if w.shape[0] != values.shape[0]:
+                raise ValueError(
+                    f"sparse_weights has {w.shape[0]} values for {values.shape[0]} ids"
+                )
+            keep &= w > 0
+            w = w[keep]
+        rows, inverse = self._lookup(values[keep], training)
+        return self._combine(rows, inverse, segments[keep], w, batch)
+
+    def _combine(
+        self,
+        rows: tf.Tensor,
+        inverse: NDArray[np.intp],
+        segments: NDArray[Any],
+        weights: NDArray[np.float32] | None,
+        groups: int,
+    ) -> tf.Tensor:
+        seg = tf.constant(segments.astype(np.int64))
+        emb = tf.gather(rows, tf.constant(inverse.astype(np.int64)))
+        if weights is None:
+            w = tf.ones((inverse.shape[0],), tf.float32)
+        else:
+            w = tf.constant(weights)
+            emb = emb * w[:, None]
+        total = tf.math.unsorted_segment_sum(emb, seg, num_segments=groups)
+        if self.combiner == "sum":
+            return total
+        if self.combiner == "mean":
+            denom = tf.math.unsorted_segment_sum(w, seg, num_segments=groups)
+        else:
+            denom = tf.sqrt(tf.math.unsorted_segment_sum(w * w, seg, num_segments=groups))
+        return tf.math.divide_no_nan(total, denom[:, None])

@@ -1,0 +1,402 @@
+"""`Trainer`: N trainer processes train one Keras model whose embeddings live in memcached.
+
+Per step: the unique ids of each `DistributedEmbedding` are looked up (rows of
+the next batch are prefetched while the current one computes, for layers that
+name their `feature`), the forward and backward pass run in TensorFlow, and the
+gradients w.r.t. the fetched rows and the dense weights are pushed to the
+optimizer service. Dense weights start from `/v1/dense/init` (the first trainer
+wins, so every trainer starts from the same weights) and are refreshed from the
+service every `dense_refresh_steps` steps.
+
+* `mode = "async"`: at most `max_pushes_in_flight` pushes are outstanding; a
+  step does not wait for its own push (ElasticDL/Paddle asynchronous SGD).
+* `mode = "sync"`: each push carries the model version the step was computed on;
+  the service applies the mean of every worker's push once, the trainer then
+  reads the new dense weights and rows (no prefetch across versions).
+
+The store and the optimizer client live on an asyncio loop in a background
+thread, so network I/O overlaps TensorFlow's compute on the main thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Coroutine, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import keras
+import numpy as np
+import tensorflow as tf
+from numpy.typing import NDArray
+
+from lookup_table.client import OptimizerClient
+from lookup_table.config import ClusterConfig
+from lookup_table.errors import ConfigError
+from lookup_table.keras import DistributedEmbedding
+from lookup_table.keys import IdArray, as_ids
+from lookup_table.store import EmbeddingStore
+from trainer.metrics import auc, logloss
+
+__all__ = ["Trainer", "TrainResult"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class TrainResult:
+    """What `fit` did: per-step losses, periodic evaluations and a summary."""
+
+    steps: int = 0
+    examples: int = 0
+    seconds: float = 0.0
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    evals: list[dict[str, float]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def examples_per_s(self) -> float:
+        return self.examples / self.seconds if self.seconds else 0.0
+
+
+def _as_tensor(value: Any) -> Any:
+    """A batch column as what a Keras Input expects (strings and ragged included)."""
+    if hasattr(value, "row_splits") and hasattr(value, "values"):
+        values = value.values
+        vals = tf.constant(values.tolist() if values.dtype == object else values)
+        return tf.RaggedTensor.from_row_splits(vals, tf.constant(value.row_splits, tf.int64))
+    arr = np.asarray(value)
+    if arr.dtype == object:
+        return tf.constant(arr.tolist(), dtype=tf.string)
+    return tf.constant(arr)
+
+
+def _column_ids(value: Any) -> NDArray[Any]:
+    if hasattr(value, "row_splits") and hasattr(value, "values"):
+        return np.asarray(value.values)
+    return np.asarray(value).reshape(-1)
+
+
+def _split(batch: Any) -> tuple[Mapping[str, Any], NDArray[np.float32]]:
+    if hasattr(batch, "features") and hasattr(batch, "labels"):
+        return batch.features, np.asarray(batch.labels, np.float32)
+    features, labels = batch
+    return features, np.asarray(labels, np.float32)
+
+
+class _Prefetched:
+    """Rows fetched ahead for one step: table -> [(unique ids, future rows)]."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, list[tuple[IdArray, concurrent.futures.Future[Any]]]] = {}
+
+    def find(self, table: str, ids: IdArray) -> concurrent.futures.Future[Any] | None:
+        for uniq, fut in self.entries.get(table, []):
+            if uniq.shape == ids.shape and np.array_equal(uniq, ids):
+                return fut
+        return None
+
+
+class Trainer:
+    """Train a Keras model that uses `DistributedEmbedding` layers on a cluster.
+
+    Args:
+        config: the cluster file (memcached nodes, optimizer replicas, tables).
+        model: a Keras model; every `DistributedEmbedding` in it must name a table
+            of `config` with the same dim. Its other weights are the dense
+            parameters, trained by the optimizer service.
+        worker_index: this trainer's index (0..workers-1); sent with each push.
+        loss: a Keras loss (default binary cross-entropy on a sigmoid output).
+        dense_refresh_steps: pull the dense weights every K steps (default 1).
+        max_pushes_in_flight: async mode: pushes outstanding before a step waits.
+        progress: show a tqdm progress bar.
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        model: keras.Model,
+        *,
+        worker_index: int = 0,
+        loss: keras.losses.Loss | None = None,
+        dense_refresh_steps: int = 1,
+        max_pushes_in_flight: int = 2,
+        progress: bool = True,
+    ) -> None:
+        if dense_refresh_steps < 1:
+            raise ConfigError(f"dense_refresh_steps must be >= 1, got {dense_refresh_steps}")
+        self.config = config
+        self.model = model
+        self.worker_index = worker_index
+        self.loss_fn = loss or keras.losses.BinaryCrossentropy()
+        self.dense_refresh_steps = dense_refresh_steps
+        self.max_pushes_in_flight = max(1, max_pushes_in_flight)
+        self.progress = progress
+        self.layers = [
+            layer
+            for layer in model._flatten_layers(include_self=False)
+            if isinstance(layer, DistributedEmbedding)
+        ]
+        for layer in self.layers:
+            spec = config.table(layer.table)
+            if spec.dim != layer.dim:
+                raise ConfigError(
+                    f"layer {layer.name!r} expects dim={layer.dim} but table {layer.table!r} has "
+                    f"dim={spec.dim} in the cluster file"
+                )
+            layer.bind(self)
+        self.input_names = [t.name for t in model.inputs]
+        self.dense_vars = {v.path: v for v in model.trainable_variables}
+        self.version = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="lookup-table-io", daemon=True
+        )
+        self._thread.start()
+        self._store = EmbeddingStore(config)
+        self._client = OptimizerClient(config, worker=worker_index)
+        self._prefetched = _Prefetched()
+        self._pushes: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
+        self._dense_ready = False
+        self._closed = False
+
+    # ------------------------------------------------------------ plumbing
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._submit(coro).result()
+
+    def close(self) -> None:
+        """Wait for outstanding pushes, close connections, stop the I/O thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._drain_pushes()
+        finally:
+            self._run(self._store.close())
+            self._run(self._client.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def rows_created(self) -> dict[str, int]:
+        return dict(self._store.created)
+
+    # ------------------------------------------------------------ RowSource
+
+    def rows(self, table: str, ids: IdArray, *, training: bool) -> NDArray[np.float32]:
+        """Rows for a layer's lookup: prefetched when possible, else fetched now."""
+        if training:
+            fut = self._prefetched.find(table, ids)
+            if fut is not None:
+                return np.asarray(fut.result())
+        return self._run(self._store.lookup(table, ids, create=training))
+
+    def _prefetch(self, features: Mapping[str, Any]) -> _Prefetched:
+        pre = _Prefetched()
+        for layer in self.layers:
+            if layer.feature is None or layer.feature not in features:
+                continue
+            raw = _column_ids(features[layer.feature])
+            ids = as_ids(raw.tolist() if raw.dtype.kind in "SO" else raw, table=layer.table)
+            if layer.padding_id is not None:
+                ids = ids[np.asarray([x != layer.padding_id for x in ids.tolist()], bool)]
+            uniq = np.unique(ids) if ids.shape[0] else ids
+            fut = self._submit(self._store.lookup(layer.table, uniq))
+            pre.entries.setdefault(layer.table, []).append((uniq, fut))
+        return pre
+
+    # ------------------------------------------------------------ dense weights
+
+    def _init_dense(self) -> None:
+        params = {path: np.asarray(v.numpy(), np.float32) for path, v in self.dense_vars.items()}
+        version, winner = self._run(self._client.dense_init(params))
+        self._assign_dense(version, winner)
+        self._dense_ready = True
+
+    def _assign_dense(self, version: int, params: Mapping[str, NDArray[np.float32]]) -> None:
+        missing = sorted(set(self.dense_vars) - set(params))
+        if missing:
+            raise ConfigError(
+                f"the service's dense parameters lack {missing[:5]}: another model was "
+                f"initialized in namespace {self.config.namespace!r}; use a new namespace"
+            )
+        for path, var in self.dense_vars.items():
+            value = params[path]
+            if tuple(value.shape) != tuple(var.shape):
+                raise ConfigError(
+                    f"dense parameter {path}: the service has shape {value.shape}, "
+                    f"the model {tuple(var.shape)}; use a new namespace"
+                )
+            var.assign(value)
+        self.version = version
+
+    def _refresh_dense(self) -> None:
+        version, params = self._run(self._client.dense())
+        self._assign_dense(version, params)
+
+    # ------------------------------------------------------------ pushes
+
+    def _drain_pushes(self) -> None:
+        while self._pushes:
+            self._pushes.popleft().result()
+
+    def _push(self, records: list[Any], grads: list[Any], dense: dict[str, Any]) -> None:
+        tables: dict[str, tuple[list[IdArray], list[NDArray[np.float32]]]] = {}
+        for rec, grad in zip(records, grads, strict=True):
+            g = (
+                np.zeros((rec.ids.shape[0], rec.rows.shape[1]), np.float32)
+                if grad is None
+                else np.asarray(tf.convert_to_tensor(grad), np.float32)
+            )
+            ids_list, grads_list = tables.setdefault(rec.table, ([], []))
+            ids_list.append(rec.ids)
+            grads_list.append(g)
+        payload = {
+            name: (
+                np.concatenate(i) if len(i) > 1 else i[0],
+                np.concatenate(g) if len(g) > 1 else g[0],
+            )
+            for name, (i, g) in tables.items()
+        }
+        while len(self._pushes) >= self.max_pushes_in_flight:
+            self._pushes.popleft().result()
+        fut = self._submit(self._client.push(payload, dense=dense, version=self.version))
+        self._pushes.append(fut)
+        if self.config.mode == "sync":
+            self._drain_pushes()
+
+    # ------------------------------------------------------------ training
+
+    def _inputs(self, features: Mapping[str, Any]) -> dict[str, Any]:
+        missing = [n for n in self.input_names if n not in features]
+        if missing:
+            raise ValueError(f"the batch lacks model inputs {missing}; it has {sorted(features)}")
+        return {n: _as_tensor(features[n]) for n in self.input_names}
+
+    def train_step(self, features: Mapping[str, Any], labels: NDArray[np.float32]) -> float:
+        """One step on one batch; returns its loss."""
+        if not self._dense_ready:
+            self._init_dense()
+        inputs = self._inputs(features)
+        with tf.GradientTape() as tape:
+            for layer in self.layers:
+                layer.begin_step(tape)
+            preds = self.model(inputs, training=True)
+            loss = self.loss_fn(
+                tf.reshape(tf.constant(labels), (-1, 1)), tf.reshape(preds, (-1, 1))
+            )
+        records = [r for layer in self.layers for r in layer.records]
+        dense_list = list(self.dense_vars.values())
+        grads = tape.gradient(loss, [r.rows for r in records] + dense_list)
+        for layer in self.layers:
+            layer.begin_step(None)
+        dense = {
+            path: np.asarray(g, np.float32)
+            for path, g in zip(self.dense_vars, grads[len(records) :], strict=True)
+            if g is not None
+        }
+        self._push(records, grads[: len(records)], dense)
+        return float(loss)
+
+    def fit(
+        self,
+        batches: Iterable[Any],
+        *,
+        steps: int | None = None,
+        eval_batches: Iterable[Any] | None = None,
+        eval_every: int | None = None,
+        eval_max_batches: int = 20,
+    ) -> TrainResult:
+        """Train on `batches` (Batch objects or (features, labels) pairs).
+
+        Args:
+            steps: stop after this many steps (default: when batches run out).
+            eval_batches: evaluated every `eval_every` steps (first `eval_max_batches`)
+                and at the end.
+        """
+        from tqdm import tqdm
+
+        result = TrainResult()
+        eval_list = list(eval_batches) if eval_batches is not None else None
+        iterator: Iterator[Any] = iter(batches)
+        current = next(iterator, None)
+        if current is None:
+            return result
+        if not self._dense_ready:
+            self._init_dense()
+        prefetch_ok = self.config.mode == "async"
+        if prefetch_ok:
+            self._prefetched = self._prefetch(_split(current)[0])
+        bar = tqdm(total=steps, disable=not self.progress, unit="step", dynamic_ncols=True)
+        start = time.perf_counter()
+        try:
+            while current is not None and (steps is None or result.steps < steps):
+                features, labels = _split(current)
+                if result.steps % self.dense_refresh_steps == 0 and result.steps > 0:
+                    self._refresh_dense()
+                nxt = next(iterator, None) if steps is None or result.steps + 1 < steps else None
+                loss = self.train_step(features, labels)
+                if prefetch_ok and nxt is not None:
+                    self._prefetched = self._prefetch(_split(nxt)[0])
+                result.steps += 1
+                result.examples += labels.shape[0]
+                result.losses.append((result.steps, loss))
+                result.versions.append(self.version)
+                elapsed = time.perf_counter() - start
+                bar.update(1)
+                bar.set_postfix(
+                    loss=f"{loss:.4f}", ex_s=f"{result.examples / elapsed:,.0f}", v=self.version
+                )
+                if eval_list and eval_every and result.steps % eval_every == 0:
+                    self._drain_pushes()
+                    ev = self.evaluate(eval_list[:eval_max_batches])
+                    ev["step"] = result.steps
+                    result.evals.append(ev)
+                    bar.write(
+                        f"step {result.steps}: eval auc {ev['auc']:.4f} logloss {ev['logloss']:.4f}"
+                    )
+                current = nxt
+            self._drain_pushes()
+            result.seconds = time.perf_counter() - start
+        finally:
+            bar.close()
+        if eval_list:
+            self._refresh_dense()
+            ev = self.evaluate(eval_list)
+            ev["step"] = result.steps
+            result.evals.append(ev)
+        return result
+
+    def evaluate(self, batches: Iterable[Any]) -> dict[str, float]:
+        """AUC and log loss on `batches`; reads rows with create=False (writes nothing)."""
+        if not self._dense_ready:
+            self._init_dense()
+        preds_all: list[NDArray[np.float32]] = []
+        labels_all: list[NDArray[np.float32]] = []
+        for batch in batches:
+            features, labels = _split(batch)
+            preds = self.model(self._inputs(features), training=False)
+            preds_all.append(np.asarray(preds, np.float32).reshape(-1))
+            labels_all.append(labels)
+        if not preds_all:
+            return {"auc": float("nan"), "logloss": float("nan"), "examples": 0.0}
+        p = np.concatenate(preds_all)
+        y = np.concatenate(labels_all)
+        return {"auc": auc(y, p), "logloss": logloss(y, p), "examples": float(y.shape[0])}
