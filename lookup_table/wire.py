@@ -13,6 +13,7 @@ Decoding validates everything a client can get wrong and raises `WireError`
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +25,7 @@ __all__ = [
     "CONTENT_TYPE",
     "WireError",
     "decode_array",
+    "describe",
     "decode_ids",
     "encode_array",
     "encode_ids",
@@ -32,12 +34,20 @@ __all__ = [
 ]
 
 CONTENT_TYPE = "application/msgpack"
+_MAX_DIM = 2**31  # no real array has a longer axis; bigger ones are hostile
+_REPR = reprlib.Repr()  # Python 3.11's Repr takes no keyword arguments
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 2, 60, 60, 6, 6
 _ALLOWED_DTYPES = {"<f4": np.dtype("<f4"), "<i8": np.dtype("<i8")}
 _MAX_DIMS = 8
 
 
 class WireError(ValueError):
     """A body that does not follow the wire format; the message names the field."""
+
+
+def describe(value: Any) -> str:
+    """A short, bounded repr for error messages (safe on deeply nested or huge values)."""
+    return _REPR.repr(value)
 
 
 def pack(obj: Any) -> bytes:
@@ -95,17 +105,23 @@ def decode_array(
         )
     dt, shape, data = obj["dtype"], obj["shape"], obj["data"]
     if not isinstance(dt, str) or dt not in _ALLOWED_DTYPES:
-        raise WireError(f"{field}.dtype: expected one of {sorted(_ALLOWED_DTYPES)}, got {dt!r}")
+        raise WireError(
+            f"{field}.dtype: expected one of {sorted(_ALLOWED_DTYPES)}, got {describe(dt)}"
+        )
     if dtype is not None and dt != dtype:
-        raise WireError(f"{field}.dtype: expected {dtype!r}, got {dt!r}")
+        raise WireError(f"{field}.dtype: expected {dtype!r}, got {describe(dt)}")
     if (
         not isinstance(shape, list)
         or len(shape) > _MAX_DIMS
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _MAX_DIM for d in shape
+        )
     ):
-        raise WireError(f"{field}.shape: expected a list of non-negative ints, got {shape!r}")
+        raise WireError(
+            f"{field}.shape: expected a list of ints in 0..2**31, got {describe(shape)}"
+        )
     if ndim is not None and len(shape) != ndim:
-        raise WireError(f"{field}.shape: expected {ndim} dimensions, got {shape!r}")
+        raise WireError(f"{field}.shape: expected {ndim} dimensions, got {describe(shape)}")
     if not isinstance(data, bytes):
         raise WireError(f"{field}.data: expected binary data, got {type(data).__name__}")
     np_dtype = _ALLOWED_DTYPES[dt]
@@ -115,7 +131,12 @@ def decode_array(
             f"{field}: shape {shape} of {dt} needs {count * np_dtype.itemsize} bytes, "
             f"data has {len(data)}"
         )
-    return np.frombuffer(data, dtype=np_dtype).reshape(shape)
+    try:
+        return np.frombuffer(data, dtype=np_dtype).reshape(shape)
+    except ValueError as exc:  # e.g. [0, 2**31, 2**31, ...]: numpy refuses the shape itself
+        raise WireError(
+            f"{field}.shape: {describe(shape)} is not a valid array shape: {exc}"
+        ) from None
 
 
 def decode_ids(obj: Any, *, field: str) -> NDArray[Any]:
@@ -124,7 +145,7 @@ def decode_ids(obj: Any, *, field: str) -> NDArray[Any]:
         if not all(isinstance(x, str) for x in obj):
             bad = next(x for x in obj if not isinstance(x, str))
             raise WireError(
-                f"{field}: string ids must all be str, got {type(bad).__name__} {bad!r:.40}"
+                f"{field}: string ids must all be str, got {type(bad).__name__} {describe(bad)}"
             )
         out = np.empty(len(obj), dtype=object)
         out[:] = obj

@@ -34,7 +34,15 @@ from lookup_table.errors import (
     StoreFullError,
 )
 from lookup_table.store import EmbeddingStore
-from lookup_table.wire import CONTENT_TYPE, WireError, decode_array, encode_array, pack, unpack
+from lookup_table.wire import (
+    CONTENT_TYPE,
+    WireError,
+    decode_array,
+    describe,
+    encode_array,
+    pack,
+    unpack,
+)
 from optimizer_service.engine import Updater
 from optimizer_service.errors import (
     BadRequestError,
@@ -85,6 +93,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = await handler(request)
     except OptimizerServiceError as exc:
         response, reason = _json_error(exc.status, str(exc)), exc.reason
+    except web.RequestPayloadError as exc:
+        response, reason = _json_error(400, f"cannot read the request body: {exc}"), "malformed"
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -112,7 +122,10 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     token = request.app[CONFIG].token
     if token and request.path not in _PUBLIC_PATHS:
         got = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+        # aiohttp decodes header bytes with surrogateescape: encode them back the same way
+        if not hmac.compare_digest(
+            got.encode("utf-8", "surrogateescape"), f"Bearer {token}".encode()
+        ):
             raise UnauthorizedError(
                 "missing or wrong bearer token: send 'Authorization: Bearer <token>' with the "
                 "cluster's token (config `token` or $LOOKUP_TABLE_TOKEN)"
@@ -160,7 +173,7 @@ async def post_dense_init(request: web.Request) -> web.Response:
         params = {}
         for name, arr in obj["params"].items():
             if not isinstance(name, str) or not name:
-                raise WireError(f"params: names must be non-empty str, got {name!r:.40}")
+                raise WireError(f"params: names must be non-empty str, got {describe(name)}")
             params[name] = decode_array(arr, field=f"params.{name}", dtype="<f4").copy()
     except WireError as exc:
         raise BadRequestError(str(exc), reason="malformed") from None
@@ -196,10 +209,12 @@ def _float_query(request: web.Request, name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise BadRequestError(
-            f"query parameter {name}: expected a number, got {raw!r:.40}"
+            f"query parameter {name}: expected a number, got {describe(raw)}"
         ) from None
     if not value >= 0:
-        raise BadRequestError(f"query parameter {name}: expected a number >= 0, got {raw!r:.40}")
+        raise BadRequestError(
+            f"query parameter {name}: expected a number >= 0, got {describe(raw)}"
+        )
     return value
 
 
@@ -211,7 +226,7 @@ async def get_version(request: web.Request) -> web.Response:
     if raw is None:
         return _msgpack({"version": updater.version})
     if not raw.lstrip("-").isdigit():
-        raise BadRequestError(f"query parameter after: expected an integer, got {raw!r:.40}")
+        raise BadRequestError(f"query parameter after: expected an integer, got {describe(raw)}")
     timeout_s = min(
         _float_query(request, "timeout_s", config.service.long_poll_timeout_s),
         config.service.long_poll_timeout_s,

@@ -20,7 +20,7 @@ from lookup_table.config import ClusterConfig
 from lookup_table.errors import KeyEncodingError
 from lookup_table.keys import IdArray, encode_keys
 from lookup_table.sharding import owner_of
-from lookup_table.wire import WireError, decode_array, decode_ids
+from lookup_table.wire import WireError, decode_array, decode_ids, describe
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.optimizers import check_finite, segment_sum
 
@@ -55,7 +55,7 @@ class Push:
 def _int_field(obj: Mapping[str, Any], key: str) -> int:
     value = obj.get(key, 0)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise BadRequestError(f"{key}: expected a non-negative integer, got {value!r:.60}")
+        raise BadRequestError(f"{key}: expected a non-negative integer, got {describe(value)}")
     return value
 
 
@@ -76,7 +76,7 @@ def parse_push(obj: Any, *, config: ClusterConfig, replica: int = 0) -> Push:
     push_id = obj.get("push_id")
     if not isinstance(push_id, str) or not PUSH_ID_RE.match(push_id):
         raise BadRequestError(
-            f"push_id: expected 1-128 characters of A-Z a-z 0-9 _ . : -, got {push_id!r:.80}"
+            f"push_id: expected 1-128 characters of A-Z a-z 0-9 _ . : -, got {describe(push_id)}"
         )
     worker = _int_field(obj, "worker")
     version = _int_field(obj, "version")
@@ -98,7 +98,9 @@ def parse_push(obj: Any, *, config: ClusterConfig, replica: int = 0) -> Push:
     dense: dict[str, NDArray[np.float32]] = {}
     for name, arr in dense_raw.items():
         if not isinstance(name, str) or not name:
-            raise BadRequestError(f"dense: parameter names must be non-empty str, got {name!r:.40}")
+            raise BadRequestError(
+                f"dense: parameter names must be non-empty str, got {describe(name)}"
+            )
         try:
             grad = decode_array(arr, field=f"dense.{name}", dtype="<f4")
             check_finite(grad.reshape(1, -1), f"dense.{name}")
@@ -116,7 +118,7 @@ def _parse_table(
     if not isinstance(name, str) or not any(t.name == name for t in config.tables):
         known = ", ".join(t.name for t in config.tables) or "none"
         raise BadRequestError(
-            f"tables: unknown table {name!r:.60}; the service knows: {known}",
+            f"tables: unknown table {describe(name)}; the service knows: {known}",
             reason="unknown_table",
         )
     spec = config.table(name)

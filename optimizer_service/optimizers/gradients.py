@@ -71,7 +71,8 @@ def segment_sum(ids: NDArray[Any], grads: Float32Array) -> tuple[NDArray[Any], F
         return unique_ids, summed
     flat = np.zeros(unique_ids.shape[0] * dim, dtype=np.float32)
     index = inverse.reshape(-1, 1) * dim + np.arange(dim)
-    np.add.at(flat, index.ravel(), grads.ravel())
+    with np.errstate(over="ignore"):  # an overflow to inf is refused by check_finite
+        np.add.at(flat, index.ravel(), grads.ravel())
     return unique_ids, flat.reshape(-1, dim)
 
 

@@ -345,8 +345,9 @@ async def test_dense_first_writer_wins_and_updates_with_the_optimizer(served) ->
         adam = make_optimizer(config.optimizer)
         for name in ("w", "b"):
             row = pa[name].reshape(1, -1)
-            want, _ = adam.update(row, grad[name].reshape(1, -1),
-                                  adam.initial_slots(1, row.shape[1]))
+            want, _ = adam.update(
+                row, grad[name].reshape(1, -1), adam.initial_slots(1, row.shape[1])
+            )
             np.testing.assert_array_equal(now[name], want.reshape(pa[name].shape))
         with pytest.raises(PushRejectedError, match=r"dense.w: expected shape \(3, 2\)"):
             await a.push({}, dense={"w": np.ones((2, 3), np.float32)})
@@ -359,8 +360,9 @@ async def test_sync_mode_two_replicas_apply_the_mean_once(memcached_nodes, aioht
     from lookup_table.localcluster import free_port
 
     ports = [free_port(), free_port()]
-    config = _config(memcached_nodes, mode="sync", workers=2,
-                     optimizers=[f"http://127.0.0.1:{p}" for p in ports])
+    config = _config(
+        memcached_nodes, mode="sync", workers=2, optimizers=[f"http://127.0.0.1:{p}" for p in ports]
+    )
     async with EmbeddingStore(config) as store:
         await store.write_sentinels()
         ids = np.arange(50, dtype=np.int64)
