@@ -15,14 +15,15 @@ Inputs and outputs:
 * a dense int64 or string tensor of any shape: with `combiner=None` the output
   is `inputs.shape + (dim,)`, as `keras.layers.Embedding`; with a combiner the
   last axis is combined, as `tf.nn.safe_embedding_lookup_sparse` would for the
-  same ids. Positions equal to `padding_id` contribute nothing (a zero vector
+  same ids (1-D ids (batch,) count as (batch, 1): one id per example). Positions equal to `padding_id` contribute nothing (a zero vector
   with `combiner=None`).
 * a `tf.RaggedTensor` (batch, None): with a combiner -> (batch, dim); with
   `combiner=None` -> a ragged (batch, None, dim).
 * a `tf.SparseTensor` (batch, k) with optional `sparse_weights` (a SparseTensor
   of the same indices): a combiner is required; exactly
-  `tf.nn.safe_embedding_lookup_sparse` (empty rows give zeros, ids with weight
-  <= 0 are pruned). Unlike it, negative int ids are real ids here.
+  `tf.nn.safe_embedding_lookup_sparse` (empty rows give zeros; "mean" and "sqrtn"
+  prune ids with weight <= 0, "sum" keeps negative weights). Unlike it, negative
+  int ids are real ids here.
 
 Combiners: "sum" = sum w_i e_i, "mean" = sum w_i e_i / sum w_i, "sqrtn" =
 sum w_i e_i / sqrt(sum w_i^2).
@@ -259,7 +260,9 @@ class DistributedEmbedding(keras.layers.Layer):
                 raise ValueError(
                     f"sparse_weights has {w.shape[0]} values for {values.shape[0]} ids"
                 )
-            keep &= w > 0
+            # as safe_embedding_lookup_sparse: mean/sqrtn prune weights <= 0, sum keeps
+            # negative weights (w * e) and only zero weights contribute nothing
+            keep &= (w != 0) if self.combiner == "sum" else (w > 0)
             w = w[keep]
         rows, inverse = self._lookup(values[keep], training)
         return self._combine(rows, inverse, segments[keep], w, batch)
