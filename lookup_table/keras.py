@@ -15,8 +15,9 @@ Inputs and outputs:
 * a dense int64 or string tensor of any shape: with `combiner=None` the output
   is `inputs.shape + (dim,)`, as `keras.layers.Embedding`; with a combiner the
   last axis is combined, as `tf.nn.safe_embedding_lookup_sparse` would for the
-  same ids (1-D ids (batch,) count as (batch, 1): one id per example). Positions equal to `padding_id` contribute nothing (a zero vector
-  with `combiner=None`).
+  same ids (1-D ids (batch,) count as (batch, 1): one id per example).
+  Positions equal to `padding_id` contribute nothing (a zero vector with
+  `combiner=None`).
 * a `tf.RaggedTensor` (batch, None): with a combiner -> (batch, dim); with
   `combiner=None` -> a ragged (batch, None, dim).
 * a `tf.SparseTensor` (batch, k) with optional `sparse_weights` (a SparseTensor
@@ -124,6 +125,10 @@ class DistributedEmbedding(keras.layers.Layer):
         self._source: RowSource | None = None
         self._tape: tf.GradientTape | None = None
         self.records: list[RecordedLookup] = []
+        # graph mode (inside tf.function): symbolic row tensors of the current trace, and
+        # what each lookup slot fetched in the last execution (filled by py_function)
+        self.graph_rows: list[tf.Tensor] = []
+        self.graph_records: list[RecordedLookup | None] = []
 
     # ------------------------------------------------------------ trainer hooks
 
@@ -132,9 +137,21 @@ class DistributedEmbedding(keras.layers.Layer):
         self._source = source
 
     def begin_step(self, tape: tf.GradientTape | None) -> None:
-        """Start a step: lookups are watched by `tape` and recorded in `records`."""
+        """Start a step: lookups are watched by `tape` and recorded in `records`.
+
+        Inside a `tf.function` (at trace time) it also starts a new trace: the
+        symbolic row tensors of the trace are collected in `graph_rows`, and each
+        execution fills `graph_records` slot by slot in the same order.
+        """
         self._tape = tape
         self.records = []
+        if not tf.executing_eagerly():
+            self.graph_rows = []
+            self.graph_records = []
+
+    def end_step(self) -> None:
+        """Stop watching: lookups after this are not recorded for gradients."""
+        self._tape = None
 
     def get_config(self) -> dict[str, Any]:
         config: dict[str, Any] = super().get_config()
@@ -194,6 +211,8 @@ class DistributedEmbedding(keras.layers.Layer):
     def call(  # type: ignore[override]
         self, inputs: Any, sparse_weights: tf.SparseTensor | None = None, training: bool = False
     ) -> Any:
+        if not tf.executing_eagerly():
+            return self._call_graph(inputs, sparse_weights, bool(training))
         if isinstance(inputs, tf.SparseTensor):
             return self._call_sparse(inputs, sparse_weights, bool(training))
         if sparse_weights is not None:
@@ -290,3 +309,101 @@ class DistributedEmbedding(keras.layers.Layer):
         else:
             denom = tf.sqrt(tf.math.unsorted_segment_sum(w * w, seg, num_segments=groups))
         return tf.math.divide_no_nan(total, denom[:, None])
+
+    # ------------------------------------------------------------ graph mode
+
+    def _py_lookup(
+        self, slot: int, training: bool, ids_t: tf.Tensor, weights_t: tf.Tensor
+    ) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+        """Runs inside the graph (tf.py_function): rows of the unique contributing ids
+        and, per flat position, its row (or u, the zero row, if it contributes nothing)."""
+        ids = _to_ids(ids_t.numpy(), self.table)
+        keep = self._valid(ids)
+        weights = weights_t.numpy()
+        if weights.shape[0] == ids.shape[0]:
+            keep &= (weights != 0) if self.combiner == "sum" else (weights > 0)
+        if self._source is None:
+            raise RuntimeError(
+                f"DistributedEmbedding({self.table!r}) is not bound to a cluster: train it "
+                f"with trainer.Trainer, or call layer.bind(source) first"
+            )
+        kept = ids[keep]
+        if kept.shape[0]:
+            uniq, inverse = np.unique(kept, return_inverse=True)
+        else:
+            uniq, inverse = kept, np.zeros(0, dtype=np.intp)
+        rows = np.asarray(self._source.rows(self.table, uniq, training=training), np.float32)
+        if rows.shape != (uniq.shape[0], self.dim):
+            raise ValueError(
+                f"the row source returned shape {rows.shape} for "
+                f"{uniq.shape[0]} ids of table {self.table!r} (dim={self.dim})"
+            )
+        index = np.full(ids.shape[0], uniq.shape[0], dtype=np.int64)
+        index[keep] = inverse.reshape(-1)
+        while len(self.graph_records) <= slot:
+            self.graph_records.append(None)
+        self.graph_records[slot] = RecordedLookup(table=self.table, ids=uniq, rows=None)
+        return rows, index
+
+    def _call_graph(
+        self, inputs: Any, sparse_weights: tf.SparseTensor | None, training: bool
+    ) -> Any:
+        """The same lookup inside a tf.function: the fetch runs as a py_function, the
+        gather and the combiner as graph ops."""
+        import functools
+
+        weights = tf.zeros((0,), tf.float32)
+        if isinstance(inputs, tf.SparseTensor):
+            if self.combiner is None:
+                raise ValueError(
+                    f"DistributedEmbedding({self.table!r}) got a SparseTensor: pass combiner="
+                    f"'sum', 'mean' or 'sqrtn' (as tf.nn.safe_embedding_lookup_sparse needs)"
+                )
+            flat = inputs.values
+            segments = inputs.indices[:, 0]
+            groups = inputs.dense_shape[0]
+            if sparse_weights is not None:
+                weights = tf.cast(sparse_weights.values, tf.float32)
+        elif isinstance(inputs, tf.RaggedTensor):
+            flat = inputs.flat_values
+            segments = inputs.value_rowids()
+            groups = inputs.nrows()
+        else:
+            inputs = tf.convert_to_tensor(inputs)
+            flat = tf.reshape(inputs, [-1])
+            shape = tf.shape(inputs, out_type=tf.int64)
+            per_group = shape[-1] if inputs.shape.rank and inputs.shape.rank > 1 else 1
+            segments = tf.range(tf.size(flat, out_type=tf.int64)) // per_group
+            groups = tf.size(flat, out_type=tf.int64) // per_group
+        slot = len(self.graph_rows)
+        rows, index = tf.py_function(
+            functools.partial(self._py_lookup, slot, training),
+            [flat, weights],
+            [tf.float32, tf.int64],
+        )
+        rows.set_shape([None, self.dim])
+        index.set_shape(flat.shape)
+        if self._tape is not None:
+            self._tape.watch(rows)
+        self.graph_rows.append(rows)
+        table = tf.concat([rows, tf.zeros((1, self.dim), tf.float32)], axis=0)
+        emb = tf.gather(table, index)
+        if self.combiner is None:
+            if isinstance(inputs, tf.RaggedTensor):
+                return tf.RaggedTensor.from_row_splits(emb, inputs.row_splits)
+            return tf.reshape(emb, tf.concat([tf.shape(inputs), [self.dim]], axis=0))
+        contributes = tf.cast(index < tf.cast(tf.shape(rows)[0], tf.int64), tf.float32)
+        weighted = isinstance(inputs, tf.SparseTensor) and sparse_weights is not None
+        w = weights * contributes if weighted else contributes
+        total = tf.math.unsorted_segment_sum(emb * w[:, None], segments, num_segments=groups)
+        if self.combiner == "sum":
+            out = total
+        elif self.combiner == "mean":
+            denom = tf.math.unsorted_segment_sum(w, segments, num_segments=groups)
+            out = tf.math.divide_no_nan(total, denom[:, None])
+        else:
+            denom = tf.sqrt(tf.math.unsorted_segment_sum(w * w, segments, num_segments=groups))
+            out = tf.math.divide_no_nan(total, denom[:, None])
+        if isinstance(inputs, tf.RaggedTensor | tf.SparseTensor) or inputs.shape.rank == 1:
+            return out
+        return tf.reshape(out, tf.concat([tf.shape(inputs)[:-1], [self.dim]], axis=0))

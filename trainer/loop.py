@@ -69,7 +69,11 @@ def _as_tensor(value: Any) -> Any:
     """A batch column as what a Keras Input expects (strings and ragged included)."""
     if hasattr(value, "row_splits") and hasattr(value, "values"):
         values = value.values
-        vals = tf.constant(values.tolist() if values.dtype == object else values)
+        vals = (
+            tf.constant(values.tolist(), dtype=tf.string)
+            if values.dtype == object
+            else tf.constant(values)
+        )
         return tf.RaggedTensor.from_row_splits(vals, tf.constant(value.row_splits, tf.int64))
     arr = np.asarray(value)
     if arr.dtype == object:
@@ -116,6 +120,8 @@ class Trainer:
         dense_refresh_steps: pull the dense weights every K steps (default 1).
         max_pushes_in_flight: async mode: pushes outstanding before a step waits.
         progress: show a tqdm progress bar.
+        graph: run each step as one tf.function (the lookups run inside it as
+            py_functions); False runs eagerly, for debugging.
     """
 
     def __init__(
@@ -128,6 +134,7 @@ class Trainer:
         dense_refresh_steps: int = 1,
         max_pushes_in_flight: int = 2,
         progress: bool = True,
+        graph: bool = True,
     ) -> None:
         if dense_refresh_steps < 1:
             raise ConfigError(f"dense_refresh_steps must be >= 1, got {dense_refresh_steps}")
@@ -138,6 +145,9 @@ class Trainer:
         self.dense_refresh_steps = dense_refresh_steps
         self.max_pushes_in_flight = max(1, max_pushes_in_flight)
         self.progress = progress
+        self.graph = graph
+        self._graph_step: Any = None
+        self._graph_predict: Any = None
         self.layers = [
             layer
             for layer in model._flatten_layers(include_self=False)
@@ -164,6 +174,7 @@ class Trainer:
         self._prefetched = _Prefetched()
         self._pushes: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
         self._dense_ready = False
+        self._dense_future: concurrent.futures.Future[Any] | None = None
         self._closed = False
 
     # ------------------------------------------------------------ plumbing
@@ -247,9 +258,19 @@ class Trainer:
             var.assign(value)
         self.version = version
 
-    def _refresh_dense(self) -> None:
-        version, params = self._run(self._client.dense())
-        self._assign_dense(version, params)
+    def _refresh_dense(self, *, fresh: bool = False) -> None:
+        """Pull the dense weights. Async mode overlaps the fetch with a step: it assigns
+        the weights fetched during the previous step and starts the next fetch (one step
+        of extra staleness, like a push in flight); sync mode and `fresh` wait for them."""
+        if fresh or self.config.mode == "sync":
+            self._dense_future = None
+            version, params = self._run(self._client.dense())
+            self._assign_dense(version, params)
+            return
+        if self._dense_future is not None:
+            version, params = self._dense_future.result()
+            self._assign_dense(version, params)
+        self._dense_future = self._submit(self._client.dense())
 
     # ------------------------------------------------------------ pushes
 
@@ -260,11 +281,7 @@ class Trainer:
     def _push(self, records: list[Any], grads: list[Any], dense: dict[str, Any]) -> None:
         tables: dict[str, tuple[list[IdArray], list[NDArray[np.float32]]]] = {}
         for rec, grad in zip(records, grads, strict=True):
-            g = (
-                np.zeros((rec.ids.shape[0], rec.rows.shape[1]), np.float32)
-                if grad is None
-                else np.asarray(tf.convert_to_tensor(grad), np.float32)
-            )
+            g = np.asarray(tf.convert_to_tensor(grad), np.float32)
             ids_list, grads_list = tables.setdefault(rec.table, ([], []))
             ids_list.append(rec.ids)
             grads_list.append(g)
@@ -290,11 +307,57 @@ class Trainer:
             raise ValueError(f"the batch lacks model inputs {missing}; it has {sorted(features)}")
         return {n: _as_tensor(features[n]) for n in self.input_names}
 
+    def _make_graph_step(self) -> Any:
+        layers = self.layers
+        dense_list = list(self.dense_vars.values())
+
+        @tf.function(reduce_retracing=True)
+        def step(inputs: Any, labels: Any) -> Any:
+            with tf.GradientTape() as tape:
+                for layer in layers:
+                    layer.begin_step(tape)  # at trace time: a new trace, rows watched
+                preds = self.model(inputs, training=True)
+                loss = self.loss_fn(tf.reshape(labels, (-1, 1)), tf.reshape(preds, (-1, 1)))
+            rows = [r for layer in layers for r in layer.graph_rows]
+            grads = tape.gradient(loss, rows + dense_list)
+            for layer in layers:
+                layer.end_step()
+            row_grads = [
+                tf.zeros_like(r) if g is None else tf.convert_to_tensor(g)
+                for r, g in zip(rows, grads[: len(rows)], strict=True)
+            ]
+            dense_grads = [
+                tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+                for v, g in zip(dense_list, grads[len(rows) :], strict=True)
+            ]
+            return loss, row_grads, dense_grads
+
+        return step
+
+    def _make_graph_predict(self) -> Any:
+        @tf.function(reduce_retracing=True)
+        def predict(inputs: Any) -> Any:
+            return self.model(inputs, training=False)
+
+        return predict
+
     def train_step(self, features: Mapping[str, Any], labels: NDArray[np.float32]) -> float:
         """One step on one batch; returns its loss."""
         if not self._dense_ready:
             self._init_dense()
         inputs = self._inputs(features)
+        if self.graph:
+            if self._graph_step is None:
+                self._graph_step = self._make_graph_step()
+            loss_t, row_grads, dense_grads = self._graph_step(inputs, tf.constant(labels))
+            records = [
+                rec for layer in self.layers for rec in layer.graph_records[: len(layer.graph_rows)]
+            ]
+            if any(r is None for r in records) or len(records) != len(row_grads):
+                raise RuntimeError("a lookup of the step did not record its ids (a bug)")
+            dense = {path: g.numpy() for path, g in zip(self.dense_vars, dense_grads, strict=True)}
+            self._push(records, [g.numpy() for g in row_grads], dense)
+            return float(loss_t)
         with tf.GradientTape() as tape:
             for layer in self.layers:
                 layer.begin_step(tape)
@@ -305,6 +368,10 @@ class Trainer:
         records = [r for layer in self.layers for r in layer.records]
         dense_list = list(self.dense_vars.values())
         grads = tape.gradient(loss, [r.rows for r in records] + dense_list)
+        grads = [
+            tf.zeros_like(r.rows) if g is None else g
+            for r, g in zip(records, grads[: len(records)], strict=True)
+        ] + list(grads[len(records) :])
         for layer in self.layers:
             layer.begin_step(None)
         dense = {
@@ -366,6 +433,7 @@ class Trainer:
                 )
                 if eval_list and eval_every and result.steps % eval_every == 0:
                     self._drain_pushes()
+                    self._refresh_dense(fresh=True)
                     ev = self.evaluate(eval_list[:eval_max_batches])
                     ev["step"] = result.steps
                     result.evals.append(ev)
@@ -378,7 +446,7 @@ class Trainer:
         finally:
             bar.close()
         if eval_list:
-            self._refresh_dense()
+            self._refresh_dense(fresh=True)
             ev = self.evaluate(eval_list)
             ev["step"] = result.steps
             result.evals.append(ev)
@@ -392,7 +460,13 @@ class Trainer:
         labels_all: list[NDArray[np.float32]] = []
         for batch in batches:
             features, labels = _split(batch)
-            preds = self.model(self._inputs(features), training=False)
+            inputs = self._inputs(features)
+            if self.graph:
+                if self._graph_predict is None:
+                    self._graph_predict = self._make_graph_predict()
+                preds = self._graph_predict(inputs)
+            else:
+                preds = self.model(inputs, training=False)
             preds_all.append(np.asarray(preds, np.float32).reshape(-1))
             labels_all.append(labels)
         if not preds_all:
