@@ -313,7 +313,7 @@ class DistributedEmbedding(keras.layers.Layer):
     # ------------------------------------------------------------ graph mode
 
     def _py_lookup(
-        self, slot: int, training: bool, ids_t: tf.Tensor, weights_t: tf.Tensor
+        self, slot: int | None, training: bool, ids_t: tf.Tensor, weights_t: tf.Tensor
     ) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
         """Runs inside the graph (tf.py_function): rows of the unique contributing ids
         and, per flat position, its row (or u, the zero row, if it contributes nothing)."""
@@ -340,9 +340,10 @@ class DistributedEmbedding(keras.layers.Layer):
             )
         index = np.full(ids.shape[0], uniq.shape[0], dtype=np.int64)
         index[keep] = inverse.reshape(-1)
-        while len(self.graph_records) <= slot:
-            self.graph_records.append(None)
-        self.graph_records[slot] = RecordedLookup(table=self.table, ids=uniq, rows=None)
+        if slot is not None:
+            while len(self.graph_records) <= slot:
+                self.graph_records.append(None)
+            self.graph_records[slot] = RecordedLookup(table=self.table, ids=uniq, rows=None)
         return rows, index
 
     def _call_graph(
@@ -375,7 +376,9 @@ class DistributedEmbedding(keras.layers.Layer):
             per_group = shape[-1] if inputs.shape.rank and inputs.shape.rank > 1 else 1
             segments = tf.range(tf.size(flat, out_type=tf.int64)) // per_group
             groups = tf.size(flat, out_type=tf.int64) // per_group
-        slot = len(self.graph_rows)
+        # Only lookups under a tape (a training trace) get a slot: a predict trace must
+        # not add rows to the training trace's list.
+        slot = len(self.graph_rows) if self._tape is not None else None
         rows, index = tf.py_function(
             functools.partial(self._py_lookup, slot, training),
             [flat, weights],
@@ -385,7 +388,7 @@ class DistributedEmbedding(keras.layers.Layer):
         index.set_shape(flat.shape)
         if self._tape is not None:
             self._tape.watch(rows)
-        self.graph_rows.append(rows)
+            self.graph_rows.append(rows)
         table = tf.concat([rows, tf.zeros((1, self.dim), tf.float32)], axis=0)
         emb = tf.gather(table, index)
         if self.combiner is None:
