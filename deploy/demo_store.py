@@ -77,15 +77,6 @@ async def run(config_path: str) -> None:
             f"mean |change| {float(np.abs(after - before).mean()):.2e}; the same push_id "
             f"again is a duplicate: {again['duplicate']}"
         )
-        version, params = await client.dense_init(
-            {"mlp/kernel": np.full((4, 2), 0.1, np.float32), "mlp/bias": np.zeros(2, np.float32)}
-        )
-        result = await client.push(
-            {"query": (["banana", "a b"], np.ones((2, 16), np.float32))},
-            dense={"mlp/kernel": np.ones((4, 2), np.float32), "mlp/bias": np.ones(2, np.float32)},
-        )
-        version, params = await client.dense()
-        print(f"dense parameters: version {version}, mlp/bias now {params['mlp/bias'].tolist()}")
         try:
             await client.push({"user": (hot[:2], np.full((2, 16), np.nan, np.float32))})
         except PushRejectedError as exc:

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import sys
 import threading
 import time
 from collections.abc import Coroutine, Iterable, Iterator, Mapping
@@ -411,7 +412,14 @@ class Trainer:
         prefetch_ok = self.config.mode == "async"
         if prefetch_ok:
             self._prefetched = self._prefetch(_split(current)[0])
-        bar = tqdm(total=steps, disable=not self.progress, unit="step", dynamic_ncols=True)
+        interactive = sys.stderr.isatty()
+        bar = tqdm(
+            total=steps,
+            disable=not self.progress,
+            unit="step",
+            dynamic_ncols=interactive,
+            mininterval=0.1 if interactive else 10.0,  # a log file gets a line every 10 s
+        )
         start = time.perf_counter()
         try:
             while current is not None and (steps is None or result.steps < steps):
