@@ -17,7 +17,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, cast
 from urllib.parse import urlsplit
 
 from lookup_table.errors import ConfigError, KeyEncodingError
@@ -342,7 +342,7 @@ def _parse_table(raw: object, path: str, default_optimizer: OptimizerConfig) -> 
         name=name,
         dim=dim,
         seed=seed,
-        id_type=id_type,  # type: ignore[arg-type]
+        id_type=cast(Literal["int64", "string"], id_type),  # checked above; str does not narrow
         initializer=initializer,
         optimizer=optimizer,
     )
@@ -447,7 +447,7 @@ def parse_config(raw: Mapping[str, Any], *, env: Mapping[str, str] | None = None
         namespace=namespace,
         memcached=nodes,
         optimizers=optimizers,
-        mode=mode,  # type: ignore[arg-type]
+        mode=cast(Literal["async", "sync"], mode),  # checked above; str does not narrow
         workers=workers,
         token=token,
         optimizer=optimizer,

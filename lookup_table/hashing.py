@@ -40,7 +40,7 @@ def mix64(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
     with np.errstate(over="ignore"):  # a 0-d input turns into numpy scalars, which warn
         z = (z ^ (z >> _S30)) * _M1
         z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)  # type: ignore[no-any-return]
+    return z ^ (z >> _S31)
 
 
 def stable_hash(text: str) -> int:

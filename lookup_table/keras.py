@@ -40,7 +40,7 @@ runs eagerly (the lookup happens outside the TF graph).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import keras
 import numpy as np
@@ -185,7 +185,8 @@ class DistributedEmbedding(keras.layers.Layer):
         if ids.shape[0] == 0:
             uniq, inverse = ids, np.zeros(0, dtype=np.intp)
         else:
-            uniq, inverse = np.unique(ids, return_inverse=True)
+            uniq_any, inverse = np.unique(ids, return_inverse=True)
+            uniq = cast(IdArray, uniq_any)  # np.unique keeps the dtype: int64 or object
         rows = np.asarray(self._source.rows(self.table, uniq, training=training), np.float32)
         if rows.shape != (uniq.shape[0], self.dim):
             raise ValueError(
@@ -208,7 +209,7 @@ class DistributedEmbedding(keras.layers.Layer):
             else ids != pad
         )
 
-    def call(  # type: ignore[override]
+    def call(
         self, inputs: Any, sparse_weights: tf.SparseTensor | None = None, training: bool = False
     ) -> Any:
         if not tf.executing_eagerly():
@@ -328,8 +329,10 @@ class DistributedEmbedding(keras.layers.Layer):
                 f"with trainer.Trainer, or call layer.bind(source) first"
             )
         kept = ids[keep]
+        uniq: IdArray
         if kept.shape[0]:
-            uniq, inverse = np.unique(kept, return_inverse=True)
+            uniq_any, inverse = np.unique(kept, return_inverse=True)
+            uniq = cast(IdArray, uniq_any)  # np.unique keeps the dtype: int64 or object
         else:
             uniq, inverse = kept, np.zeros(0, dtype=np.intp)
         rows = np.asarray(self._source.rows(self.table, uniq, training=training), np.float32)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 from urllib.parse import quote, unquote
 
 import numpy as np
@@ -208,8 +208,8 @@ def _encode_str_id(value: str, prefix: bytes, table: str) -> bytes:
 def encode_keys(namespace: str, table: str, kind: str, ids: IdArray) -> list[bytes]:
     """Keys of a batch of ids, in order."""
     prefix = key_prefix(namespace, table, kind)
-    if ids.dtype == np.int64:
-        matrix = int_key_matrix(prefix, ids)
+    if ids.dtype == np.int64:  # a dtype comparison does not narrow the union for mypy
+        matrix = int_key_matrix(prefix, cast("NDArray[np.int64]", ids))
         width = matrix.shape[1]
         flat = matrix.tobytes()
         return [flat[i : i + width] for i in range(0, len(flat), width)]

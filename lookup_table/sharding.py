@@ -54,7 +54,8 @@ def assign(hashes: NDArray[np.uint64], members: Sequence[str], *, seed: int) -> 
         [(stable_hash(m) ^ seed) & 0xFFFFFFFFFFFFFFFF for m in members], dtype=np.uint64
     )
     scores = mix64(np.asarray(hashes, dtype=np.uint64)[:, None] ^ salts[None, :])
-    return scores.argmax(axis=1)
+    winners: NDArray[np.intp] = scores.argmax(axis=1)  # numpy types argmax(axis=...) as Any
+    return winners
 
 
 def node_of(table: str, ids: IdArray, nodes: Sequence[str]) -> NDArray[np.intp]:

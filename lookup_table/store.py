@@ -38,7 +38,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -253,14 +253,14 @@ def _raise_first(errors: Sequence[BaseException]) -> None:
     raise errors[0]
 
 
-async def _gather(jobs: Sequence[Awaitable[T]]) -> list[T]:
+async def _gather(jobs: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
     """Run jobs concurrently; on failure cancel the rest and raise one clear error."""
     if len(jobs) == 1:
         return [await jobs[0]]
     tasks: list[asyncio.Task[T]] = []
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(job) for job in jobs]  # type: ignore[arg-type]
+            tasks = [group.create_task(job) for job in jobs]
     except BaseExceptionGroup as group_error:
         _raise_first(group_error.exceptions)
     return [t.result() for t in tasks]
@@ -605,7 +605,7 @@ class EmbeddingStore:
         table: str,
         kind: str,
         ids: IdArray,
-        job: Callable[[_Node, NDArray[np.intp], Keys], Awaitable[None]],
+        job: Callable[[_Node, NDArray[np.intp], Keys], Coroutine[Any, Any, None]],
         *,
         check_sentinel: bool,
     ) -> None:
@@ -617,7 +617,7 @@ class EmbeddingStore:
         order = np.argsort(placement, kind="stable")
         bounds = np.searchsorted(placement[order], np.arange(len(self._nodes) + 1))
         step = self.config.store.max_batch_keys
-        jobs: list[Awaitable[None]] = []
+        jobs: list[Coroutine[Any, Any, None]] = []
         for j, node in enumerate(self._nodes):
             part = order[bounds[j] : bounds[j + 1]]
             for start in range(0, part.shape[0], step):

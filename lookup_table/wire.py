@@ -37,7 +37,7 @@ CONTENT_TYPE = "application/msgpack"
 _MAX_DIM = 2**31  # no real array has a longer axis; bigger ones are hostile
 _REPR = reprlib.Repr()  # Python 3.11's Repr takes no keyword arguments
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 2, 60, 60, 6, 6
-_ALLOWED_DTYPES = {"<f4": np.dtype("<f4"), "<i8": np.dtype("<i8")}
+_ALLOWED_DTYPES: dict[str, np.dtype[Any]] = {"<f4": np.dtype("<f4"), "<i8": np.dtype("<i8")}
 _MAX_DIMS = 8
 
 
@@ -52,7 +52,8 @@ def describe(value: Any) -> str:
 
 def pack(obj: Any) -> bytes:
     """msgpack with bin for bytes and str for str."""
-    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)  # msgpack is untyped (Any)
+    return packed
 
 
 def unpack(body: bytes) -> Any:

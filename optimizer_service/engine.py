@@ -27,7 +27,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -400,7 +400,8 @@ class Updater:
 
     async def _write_plan(self, plan: _Plan) -> None:
         """Write rows, slots, dense parameters and version; then the done record."""
-        jobs = [self._write_updates(plan.updates)]
+        # the jobs return None or set_blobs' stored flags; only their completion matters
+        jobs: list[Awaitable[object]] = [self._write_updates(plan.updates)]
         if plan.dense is not None and plan.version is not None:
             jobs.append(self.dense.write(plan.version, *plan.dense))
         if plan.version is not None:

@@ -38,7 +38,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Literal, TypeAlias
+from typing import IO, Any, Literal, TypeAlias, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -208,7 +208,8 @@ def _concat_feature(cols: Sequence[Feature]) -> Feature:
             c.row_splits[1:] + off for c, off in zip(parts, offsets, strict=True)
         ]
         return Ragged(np.concatenate([c.values for c in parts]), np.concatenate(splits))
-    return np.concatenate(cols)  # type: ignore[arg-type]
+    # the first column is not Ragged, so none is (they are columns of one feature)
+    return np.concatenate(cast("Sequence[NDArray[Any]]", cols))
 
 
 def _slice(batch: Batch, start: int, stop: int) -> Batch:
@@ -572,9 +573,9 @@ class SyntheticSource(DataSource):
     ) -> NDArray[np.float64]:
         """The hidden logit without noise from numeric (n, 13) and ids (n, 26)."""
         id_weights = _unit_normalish(mix64(ids.view(np.uint64) ^ self._weight_keys))
-        logit = numeric.astype(np.float64) @ self._numeric_weight
+        logit: NDArray[np.float64] = numeric.astype(np.float64) @ self._numeric_weight
         logit += id_weights @ self._id_scale
-        return logit + self._bias  # type: ignore[no-any-return]
+        return logit + self._bias
 
     def _noise(self, h: NDArray[np.uint64]) -> NDArray[np.float64]:
         return _NOISE_STD * _unit_normalish(mix64(h ^ self._noise_key))

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import keras
 import numpy as np
@@ -39,7 +39,7 @@ from numpy.typing import NDArray
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
 from lookup_table.errors import ConfigError
-from lookup_table.keras import DistributedEmbedding
+from lookup_table.keras import DistributedEmbedding, RecordedLookup
 from lookup_table.keys import IdArray, as_ids
 from lookup_table.store import EmbeddingStore
 from trainer.metrics import auc, logloss
@@ -229,7 +229,7 @@ class Trainer:
             ids = as_ids(raw.tolist() if raw.dtype.kind in "SO" else raw, table=layer.table)
             if layer.padding_id is not None:
                 ids = ids[np.asarray([x != layer.padding_id for x in ids.tolist()], bool)]
-            uniq = np.unique(ids) if ids.shape[0] else ids
+            uniq = cast(IdArray, np.unique(ids)) if ids.shape[0] else ids
             fut = self._submit(self._store.lookup(layer.table, uniq))
             pre.entries.setdefault(layer.table, []).append((uniq, fut))
         return pre
@@ -351,7 +351,8 @@ class Trainer:
             if self._graph_step is None:
                 self._graph_step = self._make_graph_step()
             loss_t, row_grads, dense_grads = self._graph_step(inputs, tf.constant(labels))
-            records = [
+            # declared for both branches: the eager one below assigns a list[RecordedLookup]
+            records: list[RecordedLookup | None] | list[RecordedLookup] = [
                 rec for layer in self.layers for rec in layer.graph_records[: len(layer.graph_rows)]
             ]
             if any(r is None for r in records) or len(records) != len(row_grads):

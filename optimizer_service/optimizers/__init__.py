@@ -29,7 +29,7 @@ summed (IndexedSlices semantics, in a fixed order) and NaN/Inf is refused.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from optimizer_service.optimizers.adagrad import Adagrad
 from optimizer_service.optimizers.adam import Adam
@@ -38,7 +38,7 @@ from optimizer_service.optimizers.gradients import check_finite, segment_sum
 from optimizer_service.optimizers.sgd import SGD
 
 if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
-    from lookup_table.config import OptimizerConfig
+    from lookup_table.config import AdagradConfig, AdamConfig, OptimizerConfig, SGDConfig
 
 __all__ = [
     "SGD",
@@ -61,13 +61,15 @@ def make_optimizer(config: OptimizerConfig) -> Optimizer:
     Raises:
         ValueError: `config` is not one of the three optimizer configs.
     """
+    # getattr, not config.name: anything without a name is a ValueError below; the
+    # casts say what the name tells (mypy does not narrow on a getattr result)
     name = getattr(config, "name", None)
     if name == "adam":
-        return Adam(config)  # type: ignore[arg-type]
+        return Adam(cast("AdamConfig", config))
     if name == "sgd":
-        return SGD(config)  # type: ignore[arg-type]
+        return SGD(cast("SGDConfig", config))
     if name == "adagrad":
-        return Adagrad(config)  # type: ignore[arg-type]
+        return Adagrad(cast("AdagradConfig", config))
     raise ValueError(
         f"unknown optimizer config {config!r}; expected an AdamConfig, SGDConfig or "
         f"AdagradConfig (lookup_table.config)"
