@@ -24,9 +24,9 @@ push can read a half-written row.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 JOURNAL_SLOTS = 8
 JOURNAL_CHUNK_BYTES = 512 * 1024
 _OFFLOAD_FLOATS = 1 << 16  # above this many floats per table, run the math in a thread
+_OFFLOAD_JOURNAL_BYTES = 1 << 20  # above this, encode the journal in a thread
 
 
 class RowLocks:
@@ -424,40 +425,15 @@ class Updater:
     # ------------------------------------------------------------ the journal
 
     async def _write_journal(self, slot: int, plan: _Plan) -> None:
-        doc: dict[str, Any] = {
-            "push_id": plan.push_id,
-            "version": plan.version,
-            "tables": [
-                {
-                    "table": u.table,
-                    "ids": encode_ids(u.ids),
-                    "rows": encode_array(u.rows),
-                    "slots": encode_array(u.slots),
-                }
-                for u in plan.updates
-            ],
-        }
-        if plan.dense is not None:
-            params, slots = plan.dense
-            doc["dense"] = {
-                "params": {n: encode_array(v) for n, v in params.items()},
-                "slots": {n: encode_array(v) for n, v in slots.items()},
-            }
-        body = pack(doc)
-        chunks = [
-            body[i : i + JOURNAL_CHUNK_BYTES] for i in range(0, len(body), JOURNAL_CHUNK_BYTES)
-        ] or [b""]
+        """Chunks first, then the header (with a CRC-32 of the body): a header is only
+        ever present over a complete journal."""
+        size = sum(u.rows.nbytes + u.slots.nbytes for u in plan.updates)
+        if size > _OFFLOAD_JOURNAL_BYTES:  # packing and the CRC would stall the loop
+            chunks, header = await asyncio.to_thread(_journal_encode, plan)
+        else:
+            chunks, header = _journal_encode(plan)
         await self.store.set_blobs(
             META_TABLE, [self._journal_id(slot, i) for i in range(len(chunks))], chunks, kind="j"
-        )
-        header = pack(
-            {
-                "push_id": plan.push_id,
-                "chunks": len(chunks),
-                "bytes": len(body),
-                "blake2b": hashlib.blake2b(body, digest_size=16).hexdigest(),
-                "time": time.time(),
-            }
         )
         await self.store.set_blobs(META_TABLE, [self._journal_id(slot)], [header], kind="j")
 
@@ -474,7 +450,7 @@ class Updater:
         if any(c is None for c in chunks):
             raise RuntimeError(f"journal slot {slot} of replica {self.replica} is missing chunks")
         body = b"".join(c for c in chunks if c is not None)
-        if hashlib.blake2b(body, digest_size=16).hexdigest() != header["blake2b"]:
+        if len(body) != header["bytes"] or zlib.crc32(body) != header["crc32"]:
             raise RuntimeError(f"journal slot {slot} of replica {self.replica} fails its checksum")
         doc = unpack(body)
         updates = [
@@ -592,3 +568,40 @@ def _mean_push(push_id: str, pushes: list[Push], workers: int) -> Push:
         tables=tuple(tables),
         dense={n: (g * scale).astype(np.float32) for n, g in dense.items()},
     )
+
+
+def _journal_encode(plan: _Plan) -> tuple[list[bytes], bytes]:
+    """A plan as journal chunks (<= JOURNAL_CHUNK_BYTES) and its header (pure, thread-safe)."""
+    doc: dict[str, Any] = {
+        "push_id": plan.push_id,
+        "version": plan.version,
+        "tables": [
+            {
+                "table": u.table,
+                "ids": encode_ids(u.ids),
+                "rows": encode_array(u.rows),
+                "slots": encode_array(u.slots),
+            }
+            for u in plan.updates
+        ],
+    }
+    if plan.dense is not None:
+        params, slots = plan.dense
+        doc["dense"] = {
+            "params": {n: encode_array(v) for n, v in params.items()},
+            "slots": {n: encode_array(v) for n, v in slots.items()},
+        }
+    body = pack(doc)
+    chunks = [
+        body[i : i + JOURNAL_CHUNK_BYTES] for i in range(0, len(body), JOURNAL_CHUNK_BYTES)
+    ] or [b""]
+    header = pack(
+        {
+            "push_id": plan.push_id,
+            "chunks": len(chunks),
+            "bytes": len(body),
+            "crc32": zlib.crc32(body),
+            "time": time.time(),
+        }
+    )
+    return chunks, header

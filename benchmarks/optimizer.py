@@ -1,0 +1,811 @@
+"""Benchmark a gradient push through the optimizer service against the bare in-process update.
+
+Run from the repository root::
+
+    python benchmarks/optimizer.py            # 15 rounds, 16,384 ids per push
+    python benchmarks/optimizer.py --quick    # smoke run: 3 rounds, 4,096 ids
+    python benchmarks/optimizer.py --py-spy   # also profile the service (pip install py-spy)
+
+It starts 2 local memcached nodes (`-M`, 1024 MB each), writes the sentinels,
+writes the cluster file as TOML in a temporary directory and starts one real
+optimizer service replica in its own process
+(`python -m optimizer_service.app --config FILE --port P`), waiting for
+`GET /healthz` to answer 200. For a dim-16 and a dim-64 table, both Adam, it
+creates the rows of 16,384 unique random int64 ids with `store.lookup`, and then
+measures rows/s updated by one push of random float32 gradients for those ids:
+
+* `http`: `await OptimizerClient.push({table: (ids, grads)})` from this process:
+  encoding and msgpack on the client, HTTP over loopback, and in the service
+  process `parse_push` (validation, finiteness, `segment_sum`), the done-record
+  check, row locks, reading rows + slots, Adam (in a worker thread above
+  `_OFFLOAD_FLOATS`), the journal, writing rows + slots, the done record and
+  clearing the journal: the whole exactly-once path.
+* `inprocess`: the bare work in this process, on the same rows: `store.get` of
+  the rows and of the slots (concurrently), `optimizer.update` (Adam, inline),
+  `store.set` of the rows and of the slots (concurrently). No HTTP, no
+  validation, no journal, no done record.
+
+Every round pushes fresh gradients (generated before timing). The two methods
+run on the same process, cluster, ids and rows, interleaved round by round (the
+order alternates), after an untimed warm-up that also checks that the service's
+update equals `optimizer.update` on the rows and slots read just before, bit for
+bit. `gc.collect()` runs before each timed call. Figures are medians of the
+rounds; the ratio is http rows/s / inprocess rows/s, within one run
+(PERF-NOTES.md: absolute figures vary 15-30% between runs). The issue's target
+is a ratio >= 0.7.
+
+The service's own `lookup_table_push_latency_seconds` histogram (time inside
+`Updater.apply`) is scraped from `/metrics` before and after each dim's rounds,
+so the report also splits the HTTP path's mean time into "inside apply" and
+"outside apply" (client encoding, HTTP, msgpack unpack and `parse_push`).
+
+With `--py-spy`, after each dim's timed rounds, as many more HTTP pushes run with
+`py-spy record --threads --idle` attached to the service process (never during
+the timed rounds: sampling slows the service); the raw collapsed stacks go to
+`<out-dir>/optimizer-service-dim<D>.pyspy.txt` and the report gets the busy time
+of the service's event-loop thread per push, by project function.
+
+Results go to `<out-dir>/optimizer.json` and `<out-dir>/optimizer.png`
+(default `benchmarks/results/`). Any failure exits non-zero; the service and
+memcached are always stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import hashlib
+import json
+import os
+import platform
+import re
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lookup_table.client import OptimizerClient
+from lookup_table.config import ClusterConfig, load_config
+from lookup_table.localcluster import free_port, memcached_binary, memcached_cluster
+from lookup_table.store import EmbeddingStore
+from optimizer_service.optimizers import Optimizer, make_optimizer
+
+DIMS = (16, 64)
+NODES = 2
+MEMORY_MB = 1024
+SEED = 20240611
+GRAD_SCALE = 0.01
+METHODS = ("http", "inprocess")
+LABELS = {
+    "http": "OptimizerClient.push -> service (HTTP)",
+    "inprocess": "in-process get + Adam + set",
+}
+ACCEPT_HTTP_VS_INPROCESS = 0.7
+SERVICE_START_TIMEOUT_S = 60.0
+OTHER_CPU_WARNING = 0.10
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+
+
+# ---------------------------------------------------------------- the cluster file
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def to_toml(raw: dict[str, Any]) -> str:
+    """The cluster file: scalars and lists on top, then [tables], then [[arrays of tables]]."""
+    lines = [
+        f"{k} = {_toml_value(v)}"
+        for k, v in raw.items()
+        if not isinstance(v, dict) and not (isinstance(v, list) and v and isinstance(v[0], dict))
+    ]
+    for k, v in raw.items():
+        if isinstance(v, dict):
+            lines += ["", f"[{k}]", *(f"{kk} = {_toml_value(vv)}" for kk, vv in v.items())]
+    for k, v in raw.items():
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            for item in v:
+                lines += ["", f"[[{k}]]", *(f"{kk} = {_toml_value(vv)}" for kk, vv in item.items())]
+    return "\n".join(lines) + "\n"
+
+
+def cluster_file(addresses: list[str], port: int) -> dict[str, Any]:
+    return {
+        "namespace": "bench" + uuid.uuid4().hex[:8],
+        "memcached": addresses,
+        "optimizers": [f"http://127.0.0.1:{port}"],
+        "token": uuid.uuid4().hex,  # auth on, as in a deployment
+        "tables": [
+            {"name": f"emb{d}", "dim": d, "seed": d, "optimizer": {"name": "adam"}} for d in DIMS
+        ],
+    }
+
+
+# ---------------------------------------------------------------- the service process
+
+
+@contextlib.contextmanager
+def service_process(config_path: Path, port: int, log_path: Path) -> Iterator[int]:
+    """`python -m optimizer_service.app` on `port`, stopped on exit; yields its pid."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "optimizer_service.app",
+        "--config",
+        str(config_path),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--log-level",
+        "WARNING",
+    ]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=ROOT, env=env
+        )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/healthz", proc, log_path)
+        yield proc.pid
+    except BaseException:
+        tail = log_path.read_text(errors="replace")[-2000:].strip()
+        print(f"the optimizer service's log (tail):\n{tail or '(empty)'}", file=sys.stderr)
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    """Poll `GET /healthz` until it answers 200; RuntimeError if the service exits or stalls."""
+    deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as resp:
+                if resp.status == 200:
+                    return
+                last = f"HTTP {resp.status}"
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}: {exc.read()[:200]!r}"
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.1)
+    tail = log_path.read_text(errors="replace")[-2000:].strip()
+    raise RuntimeError(
+        f"the optimizer service did not become healthy at {url} (exit code {proc.poll()}, "
+        f"last answer: {last}); its log:\n{tail}"
+    )
+
+
+_SUM_RE = re.compile(r"^lookup_table_push_latency_seconds_sum (\S+)$", re.M)
+_COUNT_RE = re.compile(r"^lookup_table_push_latency_seconds_count (\S+)$", re.M)
+
+
+async def apply_latency(client: OptimizerClient, base_url: str) -> tuple[float, float]:
+    """(sum of seconds, count) of the service's push latency histogram (inside `apply`)."""
+    session = client._get_session()  # the client's one session; /metrics needs no token
+    async with session.get(base_url + "/metrics") as resp:
+        text = await resp.text()
+    total, count = _SUM_RE.search(text), _COUNT_RE.search(text)
+    if total is None or count is None:
+        raise RuntimeError("the service's /metrics has no lookup_table_push_latency_seconds")
+    return float(total.group(1)), float(count.group(1))
+
+
+PY_SPY_RATE_HZ = 250
+_FRAME_RE = re.compile(r"^(?P<func>.*) \((?P<file>[^:]*):\d+\)$")
+
+
+async def profile_pushes(
+    client: OptimizerClient,
+    table: str,
+    ids: NDArray[np.int64],
+    grads: list[NDArray[np.float32]],
+    *,
+    pid: int,
+    out_path: Path,
+) -> dict[str, Any]:
+    """Extra HTTP pushes (after the timed rounds) under `py-spy record` of the service.
+
+    Writes py-spy's raw collapsed stacks (one `frame;frame;... count` line per
+    stack, `--threads --idle`) to `out_path` and returns, per push, the busy time of
+    the service's event-loop thread by project function (inclusive).
+    """
+    cmd = ["py-spy", "record", "--pid", str(pid), "--rate", str(PY_SPY_RATE_HZ), "--format"]
+    cmd += ["raw", "--threads", "--idle", "--nonblocking", "--output", str(out_path)]
+    try:
+        spy = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+        )
+    except FileNotFoundError:
+        raise RuntimeError("--py-spy needs py-spy on PATH: pip install py-spy") from None
+    await asyncio.sleep(1.0)  # let it attach
+    try:
+        for g in grads:
+            await client.push({table: (ids, g)})
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        async with asyncio.timeout(60):
+            _, err = await spy.communicate()
+    if spy.returncode != 0:
+        raise RuntimeError(f"py-spy failed ({spy.returncode}): {err.decode(errors='replace')}")
+    return await asyncio.to_thread(summarize_profile, out_path, pushes=len(grads))
+
+
+def summarize_profile(path: Path, *, pushes: int) -> dict[str, Any]:
+    """Busy ms per push of the service's main thread, total and by project function."""
+    busy = idle = 0
+    inclusive: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        if not frames or "MainThread" not in frames[0]:
+            continue
+        n = int(count)
+        if frames[-1].startswith(("EpollSelector.select", "KqueueSelector.select")):
+            idle += n
+            continue
+        busy += n
+        seen = set()
+        for frame in frames[1:]:
+            m = _FRAME_RE.match(frame)
+            if (
+                m is None
+                or not m["file"].startswith(("lookup_table/", "optimizer_service/"))
+                or m["func"] in ("<module>", "main")  # the service's entry point: every sample
+            ):
+                continue
+            name = f"{m['file']}:{m['func']}"
+            if name not in seen:
+                seen.add(name)
+                inclusive[name] = inclusive.get(name, 0) + n
+    per_push = 1e3 / PY_SPY_RATE_HZ / pushes
+    top = sorted(inclusive.items(), key=lambda kv: -kv[1])[:30]
+    return {
+        "file": path.name,
+        "pushes": pushes,
+        "rate_hz": PY_SPY_RATE_HZ,
+        "main_thread_busy_ms_per_push": busy * per_push,
+        "main_thread_idle_ms_per_push": idle * per_push,
+        "note": "idle includes about 1 s of attach time before the pushes",
+        "inclusive_ms_per_push": {name: n * per_push for name, n in top},
+    }
+
+
+# ---------------------------------------------------------------- the in-process baseline
+
+
+async def inprocess_update(
+    store: EmbeddingStore,
+    optimizer: Optimizer,
+    table: str,
+    ids: NDArray[np.int64],
+    grads: NDArray[np.float32],
+    *,
+    dim: int,
+) -> None:
+    """Read rows + slots, one Adam step, write both back: nothing else."""
+    width = optimizer.slot_width(dim)
+    (rows, _), (slots, _) = await asyncio.gather(
+        store.get(table, ids, width=dim, unique=True),
+        store.get(table, ids, kind="s", width=width, unique=True),
+    )
+    new_rows, new_slots = optimizer.update(rows, grads, slots)
+    await asyncio.gather(
+        store.set(table, ids, new_rows), store.set(table, ids, new_slots, kind="s")
+    )
+
+
+# ---------------------------------------------------------------- driver
+
+
+@dataclass(slots=True)
+class Timings:
+    """Seconds per round for each method."""
+
+    rounds: dict[str, list[float]] = field(default_factory=dict)
+    service_apply: dict[str, float] = field(default_factory=dict)
+    profile: dict[str, Any] | None = None
+
+    def add(self, method: str, seconds: float) -> None:
+        self.rounds.setdefault(method, []).append(seconds)
+
+    def median(self, method: str) -> float:
+        return statistics.median(self.rounds[method])
+
+
+def unique_ids(rng: np.random.Generator, n: int) -> NDArray[np.int64]:
+    """n unique random int64 ids over the full int64 range."""
+    while True:
+        ids = rng.integers(
+            np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=n, dtype=np.int64, endpoint=True
+        )
+        if np.unique(ids).shape[0] == n:
+            return ids
+
+
+def progress(total: int, desc: str) -> Iterator[int]:
+    """tqdm on a terminal, one plain line per step otherwise."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        yield from tqdm(range(total), desc=desc, file=sys.stderr, leave=False)
+        return
+    for i in range(total):
+        print(f"  {desc}: round {i + 1}/{total}", file=sys.stderr, flush=True)
+        yield i
+
+
+async def timed(call: Callable[[], Awaitable[object]]) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    await call()
+    return time.perf_counter() - start
+
+
+async def check_service_update(
+    store: EmbeddingStore,
+    client: OptimizerClient,
+    optimizer: Optimizer,
+    table: str,
+    ids: NDArray[np.int64],
+    grads: NDArray[np.float32],
+    dim: int,
+) -> None:
+    """One untimed push: the service must write exactly `optimizer.update` of what it read."""
+    width = optimizer.slot_width(dim)
+    rows, found = await store.get(table, ids, width=dim, unique=True)
+    slots, has_slots = await store.get(table, ids, kind="s", width=width, unique=True)
+    if not found.all():
+        raise RuntimeError(f"dim {dim}: rows missing after store.lookup created them")
+    slots[~has_slots] = optimizer.initial_slots(int((~has_slots).sum()), dim)
+    want_rows, want_slots = optimizer.update(rows, grads, slots)
+    result = await client.push({table: (ids, grads)})
+    if not result["applied"] or result["rows"] != ids.shape[0]:
+        raise RuntimeError(f"dim {dim}: the service did not apply the warm-up push: {result}")
+    got_rows, _ = await store.get(table, ids, width=dim, unique=True)
+    got_slots, _ = await store.get(table, ids, kind="s", width=width, unique=True)
+    if not (np.array_equal(got_rows, want_rows) and np.array_equal(got_slots, want_slots)):
+        raise RuntimeError(f"dim {dim}: the service's Adam update differs from optimizer.update")
+
+
+async def bench_dim(
+    store: EmbeddingStore,
+    client: OptimizerClient,
+    base_url: str,
+    *,
+    table: str,
+    dim: int,
+    ids: NDArray[np.int64],
+    rounds: int,
+    rng: np.random.Generator,
+    service_pid: int,
+    py_spy_dir: Path | None = None,
+) -> Timings:
+    optimizer = make_optimizer(store.config.table(table).optimizer)
+    await store.lookup(table, ids)  # the rows exist before any push
+
+    def grads() -> NDArray[np.float32]:
+        return (rng.standard_normal((ids.shape[0], dim), dtype=np.float32) * GRAD_SCALE).astype(
+            np.float32
+        )
+
+    # Warm-up (untimed): connections, the service's first push, slots created; checks.
+    await check_service_update(store, client, optimizer, table, ids, grads(), dim)
+    await inprocess_update(store, optimizer, table, ids, grads(), dim=dim)
+    await client.push({table: (ids, grads())})
+
+    per_round = [{m: grads() for m in METHODS} for _ in range(rounds)]
+    timings = Timings()
+    sum0, count0 = await apply_latency(client, base_url)
+    for r in progress(rounds, f"dim {dim}"):
+        shift = r % len(METHODS)
+        for method in METHODS[shift:] + METHODS[:shift]:
+            g = per_round[r][method]
+            if method == "http":
+
+                async def call(g: NDArray[np.float32] = g) -> None:
+                    result = await client.push({table: (ids, g)})
+                    if not result["applied"]:
+                        raise RuntimeError(f"dim {dim}: push not applied: {result}")
+
+            else:
+
+                async def call(g: NDArray[np.float32] = g) -> None:
+                    await inprocess_update(store, optimizer, table, ids, g, dim=dim)
+
+            timings.add(method, await timed(call))
+    sum1, count1 = await apply_latency(client, base_url)
+    if count1 - count0 != rounds:
+        raise RuntimeError(f"dim {dim}: the service counted {count1 - count0} pushes, not {rounds}")
+    timings.service_apply = {"mean_seconds": (sum1 - sum0) / rounds, "pushes": count1 - count0}
+    if py_spy_dir is not None:  # after the timed rounds: sampling slows the service down
+        timings.profile = await profile_pushes(
+            client,
+            table,
+            ids,
+            [grads() for _ in range(rounds)],
+            pid=service_pid,
+            out_path=py_spy_dir / f"optimizer-service-dim{dim}.pyspy.txt",
+        )
+    return timings
+
+
+async def run_cluster(
+    config: ClusterConfig,
+    *,
+    n_ids: int,
+    rounds: int,
+    service_pid: int,
+    py_spy_dir: Path | None = None,
+) -> dict[str, Timings]:
+    rng = np.random.default_rng(SEED)
+    ids = unique_ids(rng, n_ids)
+    results: dict[str, Timings] = {}
+    base_url = config.optimizers[0]
+    async with EmbeddingStore(config) as store, OptimizerClient(config) as client:
+        for dim in DIMS:
+            results[f"dim{dim}"] = await bench_dim(
+                store,
+                client,
+                base_url,
+                table=f"emb{dim}",
+                dim=dim,
+                ids=ids,
+                rounds=rounds,
+                rng=rng,
+                service_pid=service_pid,
+                py_spy_dir=py_spy_dir,
+            )
+    return results
+
+
+async def write_sentinels(config: ClusterConfig) -> None:
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def machine_info() -> dict[str, Any]:
+    import aiohttp
+    import msgpack
+
+    version = subprocess.run(
+        [memcached_binary(), "-V"], capture_output=True, text=True, check=True, timeout=10
+    ).stdout.strip()
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), ""
+            )
+    except OSError:
+        pass
+    return {
+        "nproc": os.cpu_count(),
+        "nproc_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu": cpu,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "aiohttp": aiohttp.__version__,
+        "msgpack": ".".join(map(str, msgpack.version)),
+        "memcached": version,
+        "loadavg_at_start": list(os.getloadavg()),
+    }
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(wall s, CPU s busy on the whole machine, CPU s of this process and its reaped children).
+
+    Other processes' share of the run, (busy - ours) / (wall * nproc), says how
+    much the figures were disturbed (PERF-NOTES.md: they vary 15-30% anyway).
+    """
+    busy = float("nan")
+    try:
+        with open("/proc/stat", encoding="ascii") as fh:
+            fields = [int(x) for x in fh.readline().split()[1:]]
+        # user nice system idle iowait irq softirq steal ...: all but idle and iowait
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        pass
+    ours = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        ours += usage.ru_utime + usage.ru_stime
+    return time.monotonic(), busy, ours
+
+
+def foreign_cpu(
+    start: tuple[float, float, float], end: tuple[float, float, float]
+) -> dict[str, Any]:
+    wall, busy, ours = (e - s for s, e in zip(start, end, strict=True))
+    cpus = os.cpu_count() or 1
+    other = max(busy - ours, 0.0)
+    return {
+        "wall_s": wall,
+        "machine_busy_cpu_s": busy,
+        "benchmark_cpu_s": ours,
+        "other_processes_cpu_s": other,
+        "other_processes_share": other / (wall * cpus) if wall > 0 else float("nan"),
+        "note": "benchmark = this process, the service and memcached; other = the rest of "
+        "the machine, as a share of all CPUs over the run",
+    }
+
+
+def code_fingerprint() -> dict[str, Any]:
+    """sha256 of every lookup_table and optimizer_service source file."""
+    files = {
+        str(p.relative_to(ROOT)): hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+        for pkg in ("lookup_table", "optimizer_service")
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+    }
+    combined = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+    return {"root": str(ROOT), "sha256_16": combined, "files": files}
+
+
+def summarize(results: dict[str, Timings], n_ids: int) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for dim in DIMS:
+        t = results[f"dim{dim}"]
+        med = {m: t.median(m) for m in METHODS}
+        rate = {m: n_ids / med[m] for m in METHODS}
+        ratio = rate["http"] / rate["inprocess"]
+        paired = statistics.median(
+            b / a for a, b in zip(t.rounds["http"], t.rounds["inprocess"], strict=True)
+        )
+        mean_http = statistics.fmean(t.rounds["http"])
+        inside = t.service_apply["mean_seconds"]
+        summary[f"dim{dim}"] = {
+            "seconds_per_round": t.rounds,
+            "median_seconds": med,
+            "rows_per_s": rate,
+            "ratio_http_vs_inprocess": ratio,
+            "ratio_median_of_paired_rounds": paired,
+            "http_split_mean_seconds": {
+                "total": mean_http,
+                "inside_apply": inside,
+                "outside_apply": mean_http - inside,
+                "note": "inside_apply: the service's push latency histogram (Updater.apply); "
+                "outside: client encoding + HTTP + unpack + parse_push",
+            },
+            **({"service_profile": t.profile} if t.profile is not None else {}),
+            "acceptance": {
+                f"http/inprocess >= {ACCEPT_HTTP_VS_INPROCESS}": ratio >= ACCEPT_HTTP_VS_INPROCESS
+            },
+        }
+    return summary
+
+
+def _k(rate: float) -> str:
+    return f"{rate / 1e6:.2f}M" if rate >= 1e6 else f"{rate / 1e3:.0f}k"
+
+
+def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
+    lines = [
+        f"Adam push of {n_ids:,} unique int64 ids, 2 memcached nodes, median of {rounds} rounds"
+    ]
+    for dim in DIMS:
+        s = summary[f"dim{dim}"]
+        lines.append("")
+        lines.append(f"dim {dim}")
+        lines.append(f"  {'method':<40} {'median ms':>10} {'rows/s':>9}")
+        lines.extend(
+            f"  {LABELS[m]:<40} {s['median_seconds'][m] * 1e3:>10.1f} {_k(s['rows_per_s'][m]):>9}"
+            for m in METHODS
+        )
+        split = s["http_split_mean_seconds"]
+        ok = s["acceptance"][f"http/inprocess >= {ACCEPT_HTTP_VS_INPROCESS}"]
+        lines.append(
+            f"  http/inprocess {s['ratio_http_vs_inprocess']:.3f}  "
+            f"(paired {s['ratio_median_of_paired_rounds']:.3f})  "
+            f"target >= {ACCEPT_HTTP_VS_INPROCESS}: {'met' if ok else 'NOT MET'}"
+        )
+        lines.append(
+            f"  http mean {split['total'] * 1e3:.1f} ms = inside Updater.apply "
+            f"{split['inside_apply'] * 1e3:.1f} ms + outside (client, HTTP, parse_push) "
+            f"{split['outside_apply'] * 1e3:.1f} ms"
+        )
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: Path, n_ids: int, rounds: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(METHODS)
+    x = np.arange(len(DIMS))
+    for i, m in enumerate(METHODS):
+        rates = [summary[f"dim{d}"]["rows_per_s"][m] / 1e3 for d in DIMS]
+        bars = ax.bar(x + (i - (len(METHODS) - 1) / 2) * width, rates, width, label=LABELS[m])
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks(
+        x,
+        [
+            f"dim {d}\nhttp/inprocess = {summary[f'dim{d}']['ratio_http_vs_inprocess']:.2f}"
+            for d in DIMS
+        ],
+    )
+    ax.set_ylabel("thousand rows/s updated (median)")
+    ax.set_title(f"Adam push of {n_ids:,} rows, 2 memcached nodes, median of {rounds} rounds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15)")
+    parser.add_argument("--ids", type=int, default=None, help="ids per push (default 16384)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 3 rounds of 4,096 ids (unless given)"
+    )
+    parser.add_argument(
+        "--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where optimizer.json/png go"
+    )
+    parser.add_argument(
+        "--py-spy",
+        action="store_true",
+        help="after the timed rounds, profile `rounds` more HTTP pushes per dim with py-spy "
+        "attached to the service (pip install py-spy); raw stacks go to the out dir",
+    )
+    args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 3 if args.quick else 15
+    if args.ids is None:
+        args.ids = 4096 if args.quick else 16384
+    if args.rounds < 1 or args.ids < 1:
+        parser.error("--rounds and --ids must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    machine = machine_info()
+    code = code_fingerprint()
+    started = time.time()
+    cpu_start = cpu_snapshot()
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-optimizer-") as tmp,
+        memcached_cluster(NODES, memory_mb=MEMORY_MB) as servers,
+    ):
+        port = free_port()
+        config_path = Path(tmp) / "cluster.toml"
+        config_path.write_text(to_toml(cluster_file([s.address for s in servers], port)))
+        config = load_config(config_path)  # exactly what the service reads
+        asyncio.run(write_sentinels(config))
+        with service_process(config_path, port, Path(tmp) / "service.log") as service_pid:
+            if args.py_spy:
+                args.out_dir.mkdir(parents=True, exist_ok=True)
+            results = asyncio.run(
+                run_cluster(
+                    config,
+                    n_ids=args.ids,
+                    rounds=args.rounds,
+                    service_pid=service_pid,
+                    py_spy_dir=args.out_dir if args.py_spy else None,
+                )
+            )
+    cpu = foreign_cpu(cpu_start, cpu_snapshot())
+    machine["loadavg_at_end"] = list(os.getloadavg())
+    machine["cpu_during_run"] = cpu
+    summary = summarize(results, args.ids)
+    print(render_table(summary, args.ids, args.rounds))
+    print(
+        f"\nother processes used {cpu['other_processes_share']:.0%} of the machine's CPUs "
+        f"during the run"
+    )
+    if cpu["other_processes_share"] > OTHER_CPU_WARNING:
+        print(
+            f"warning: other processes used {cpu['other_processes_share']:.0%} of the CPUs "
+            f"during the run ({cpu['other_processes_cpu_s']:.1f} CPU s): the figures are "
+            f"disturbed; rerun on a quiet machine",
+            file=sys.stderr,
+        )
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "benchmark": "optimizer",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "wall_seconds": time.time() - started,
+        "machine": machine,
+        "code": code,
+        "parameters": {
+            "rounds": args.rounds,
+            "ids_per_push": args.ids,
+            "quick": args.quick,
+            "py_spy": args.py_spy,
+            "dims": list(DIMS),
+            "optimizer": "adam (Keras defaults: learning_rate 0.001, beta_1 0.9, "
+            "beta_2 0.999, epsilon 1e-7)",
+            "nodes": NODES,
+            "replicas": 1,
+            "memcached_memory_mb": MEMORY_MB,
+            "id_seed": SEED,
+            "grads": f"standard normal * {GRAD_SCALE}, float32, fresh every round and method",
+            "store": {
+                "pool_size": config.store.pool_size,
+                "max_batch_keys": config.store.max_batch_keys,
+                "timeout_s": config.store.timeout_s,
+            },
+            "service": {
+                "command": "python -m optimizer_service.app --config FILE --port P",
+                "pid": service_pid,
+                "auth": "bearer token",
+            },
+            "event_loop": "asyncio default (both processes)",
+            "notes": [
+                "http: OptimizerClient.push in this process -> the service process -> "
+                "memcached; the whole exactly-once path",
+                "inprocess: store.get rows || store.get slots, optimizer.update inline, "
+                "store.set rows || store.set slots; no HTTP, validation, journal or done record",
+                "methods interleaved round by round, order alternated; gc.collect() before each",
+                "an untimed warm-up push checks the service's update bit for bit against "
+                "optimizer.update",
+            ],
+        },
+        "acceptance_targets": {"http/inprocess": ACCEPT_HTTP_VS_INPROCESS},
+        **summary,
+    }
+    if code_fingerprint()["sha256_16"] != code["sha256_16"]:
+        report["code"]["changed_on_disk_during_run"] = True
+        print(
+            "warning: lookup_table/ or optimizer_service/ changed on disk during the run; the "
+            f"figures belong to the code imported at start (sha256_16 {code['sha256_16']})",
+            file=sys.stderr,
+        )
+    json_path = args.out_dir / "optimizer.json"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    png_path = args.out_dir / "optimizer.png"
+    plot(summary, png_path, args.ids, args.rounds)
+    print(f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
