@@ -212,7 +212,22 @@ class DistributedEmbedding(keras.layers.Layer):
     def call(
         self, inputs: Any, sparse_weights: tf.SparseTensor | None = None, training: bool = False
     ) -> Any:
+        if not isinstance(inputs, tf.SparseTensor) and sparse_weights is not None:
+            raise ValueError("sparse_weights is only for SparseTensor inputs")
+        if isinstance(inputs, tf.RaggedTensor) and inputs.ragged_rank != 1:
+            raise ValueError(f"ragged ids must have ragged_rank 1, got {inputs.ragged_rank}")
+        if (
+            self.combiner is not None
+            and not isinstance(inputs, tf.SparseTensor | tf.RaggedTensor)
+            and tf.convert_to_tensor(inputs).shape.rank == 0
+        ):
+            raise ValueError("a combiner needs at least 1-D ids")
         if not tf.executing_eagerly():
+            if self._source is None:
+                raise RuntimeError(
+                    f"DistributedEmbedding({self.table!r}) is not bound to a cluster: train it "
+                    f"with trainer.Trainer, or call layer.bind(source) first"
+                )
             return self._call_graph(inputs, sparse_weights, bool(training))
         if isinstance(inputs, tf.SparseTensor):
             return self._call_sparse(inputs, sparse_weights, bool(training))
@@ -321,7 +336,9 @@ class DistributedEmbedding(keras.layers.Layer):
         ids = _to_ids(ids_t.numpy(), self.table)
         keep = self._valid(ids)
         weights = weights_t.numpy()
-        if weights.shape[0] == ids.shape[0]:
+        if weights.shape[0] not in (0, ids.shape[0]):
+            raise ValueError(f"sparse_weights has {weights.shape[0]} values for {ids.shape[0]} ids")
+        if weights.shape[0] == ids.shape[0] and weights.shape[0]:
             keep &= (weights != 0) if self.combiner == "sum" else (weights > 0)
         if self._source is None:
             raise RuntimeError(
@@ -376,9 +393,13 @@ class DistributedEmbedding(keras.layers.Layer):
             inputs = tf.convert_to_tensor(inputs)
             flat = tf.reshape(inputs, [-1])
             shape = tf.shape(inputs, out_type=tf.int64)
-            per_group = shape[-1] if inputs.shape.rank and inputs.shape.rank > 1 else 1
-            segments = tf.range(tf.size(flat, out_type=tf.int64)) // per_group
-            groups = tf.size(flat, out_type=tf.int64) // per_group
+            rank = tf.size(shape)
+            last = tf.concat([tf.ones([1], tf.int64), shape], axis=0)[-1]  # 1 if scalar
+            per_group = tf.where(rank > 1, last, tf.constant(1, tf.int64))
+            groups = tf.where(
+                rank > 1, tf.reduce_prod(shape[:-1]), tf.size(flat, out_type=tf.int64)
+            )
+            segments = tf.range(tf.size(flat, out_type=tf.int64)) // tf.maximum(per_group, 1)
         # Only lookups under a tape (a training trace) get a slot: a predict trace must
         # not add rows to the training trace's list.
         slot = len(self.graph_rows) if self._tape is not None else None
@@ -412,4 +433,6 @@ class DistributedEmbedding(keras.layers.Layer):
             out = tf.math.divide_no_nan(total, denom[:, None])
         if isinstance(inputs, tf.RaggedTensor | tf.SparseTensor) or inputs.shape.rank == 1:
             return out
-        return tf.reshape(out, tf.concat([tf.shape(inputs)[:-1], [self.dim]], axis=0))
+        in_shape = tf.shape(inputs)
+        lead = tf.cond(tf.size(in_shape) > 1, lambda: in_shape[:-1], lambda: in_shape)
+        return tf.reshape(out, tf.concat([lead, [self.dim]], axis=0))

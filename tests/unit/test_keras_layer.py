@@ -6,6 +6,15 @@ computes (combiner=None) and what `tf.nn.safe_embedding_lookup_sparse` computes
 recorded rows tensors, scattered to their ids' rows, must be the gradient of the
 same loss w.r.t. the reference's table, and zero wherever the layer recorded no id.
 
+Every comparison runs in both of the layer's execution paths (the `mode`
+fixture): "eager" (the trainer with graph=False: `layer.records` hold the watched
+rows tensors) and "graph" (the trainer's default: one `tf.function` step whose
+lookups run as py_functions; the gradients w.r.t. `layer.graph_rows` are paired
+with `layer.graph_records` after the call). `Stepper` runs a step as
+trainer/loop.py does in each mode. Section 6 covers what only graph mode has:
+retraces (reduce_retracing) reusing a trace after a newer one, several layers
+and lookups in one step, and the same fetches as eager under padding and pruning.
+
 The rows come from `MemorySource`, an in-memory `RowSource` (the store has its
 own tests; this is the layer's math). It records every request, so each test
 also checks that a call asks for its unique contributing ids exactly once.
@@ -15,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +37,7 @@ tf = pytest.importorskip("tensorflow", reason="tensorflow is not importable: the
 keras = pytest.importorskip("keras", reason="keras is not importable: the layer needs it")
 
 from lookup_table.config import TableSpec  # noqa: E402
-from lookup_table.keras import DistributedEmbedding  # noqa: E402
+from lookup_table.keras import DistributedEmbedding, RecordedLookup  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -37,6 +47,7 @@ ATOL = 1e-6
 TABLE = "emb"
 PAD = 0
 COMBINERS = ["sum", "mean", "sqrtn"]
+MODES = ["eager", "graph"]
 
 V: NDArray[np.float32] = (
     np.random.default_rng(20240611).normal(size=(VOCAB, DIM)).astype(np.float32)
@@ -84,6 +95,17 @@ def bound_layer(
     return layer, source
 
 
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    """The layer's execution path: "eager", or "graph" (inside the trainer's tf.function)."""
+    return str(request.param)
+
+
+def run_in(mode: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs), eagerly or traced and run as a tf.function."""
+    return fn(*args, **kwargs) if mode == "eager" else tf.function(fn)(*args, **kwargs)
+
+
 # ---------------------------------------- running and comparing
 
 
@@ -94,15 +116,18 @@ class Result:
     fetched: NDArray[np.bool_] | None = None  # (VOCAB,): rows the layer looked up
 
 
-def loss_weights(shape: Any) -> Any:
-    """Fixed random weights W of loss = sum(out * W): every output element matters."""
-    values = np.random.default_rng(99).uniform(-1.0, 1.0, size=tuple(shape))
-    return tf.constant(values.astype(np.float32))
+# loss = sum(out * W) with W the first out.size values of a fixed random pool, so
+# every output element matters; it takes a dynamic shape (ragged values, retraces)
+LOSS_POOL: NDArray[np.float32] = (
+    np.random.default_rng(99).uniform(-1.0, 1.0, size=4096).astype(np.float32)
+)
 
 
 def weighted_sum(out: Any) -> Any:
     values = out.flat_values if isinstance(out, tf.RaggedTensor) else out
-    return tf.reduce_sum(values * loss_weights(values.shape))
+    # (an output larger than the pool fails in the reshape)
+    weights = tf.reshape(tf.constant(LOSS_POOL)[: tf.size(values)], tf.shape(values))
+    return tf.reduce_sum(values * weights)
 
 
 def dense_grad(grad: Any) -> NDArray[np.float32]:
@@ -110,33 +135,121 @@ def dense_grad(grad: Any) -> NDArray[np.float32]:
     return np.asarray(tf.convert_to_tensor(grad).numpy())
 
 
+@dataclass
+class Step:
+    """What one training step gives the trainer."""
+
+    out: Any  # what `forward` returned as outputs (eager tensors)
+    loss: float
+    records: list[RecordedLookup]  # one per lookup: the table and the unique ids
+    grads: list[NDArray[np.float32]]  # d loss / d rows, paired with `records`
+    trace: int | None = None  # graph: which trace of the step ran (1, 2, ...)
+
+
+class Stepper:
+    """Runs `forward(*args, **kwargs) -> (outputs, loss)` as the trainer runs a step.
+
+    eager (`Trainer.train_step`, graph=False): under a tape, after
+    `begin_step(tape)`; the gradients w.r.t. the rows of `layer.records`.
+
+    graph (`Trainer._make_graph_step`): one `tf.function(reduce_retracing=True)`
+    kept across calls; at trace time `begin_step(tape)` starts a trace and the
+    gradients are taken w.r.t. `layer.graph_rows` before `end_step()`; after each
+    call the returned gradients pair, in order, with
+    `layer.graph_records[:len(layer.graph_rows)]`, as `Trainer.train_step` pairs
+    them. `traces` counts the traces.
+    """
+
+    def __init__(
+        self, layers: Sequence[DistributedEmbedding], forward: Callable[..., Any], mode: str
+    ) -> None:
+        assert mode in MODES
+        self.layers = list(layers)
+        self.forward = forward
+        self.mode = mode
+        self.traces = 0
+        self._graph_step = tf.function(self._traced_step, reduce_retracing=True)
+
+    def _traced_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.traces += 1
+        with tf.GradientTape() as tape:
+            for layer in self.layers:
+                layer.begin_step(tape)  # at trace time: a new trace, rows watched
+            out, loss = self.forward(*args, **kwargs)
+        rows = [r for layer in self.layers for r in layer.graph_rows]
+        grads = tape.gradient(loss, rows)
+        for layer in self.layers:
+            layer.end_step()
+        # the trainer turns a None gradient into zeros; None stays None here, so that
+        # dense_grad() can fail on a loss that does not depend on the rows
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        return out, loss, grads, tf.constant(self.traces)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Step:
+        if self.mode == "graph":
+            out, loss, grads, trace_t = self._graph_step(*args, **kwargs)
+            trace: int | None = int(trace_t)
+            records = [
+                rec for layer in self.layers for rec in layer.graph_records[: len(layer.graph_rows)]
+            ]
+            assert all(rec is not None for rec in records), "a lookup of the step recorded no ids"
+        else:
+            with tf.GradientTape() as tape:
+                for layer in self.layers:
+                    layer.begin_step(tape)
+                out, loss = self.forward(*args, **kwargs)
+            records = [r for layer in self.layers for r in layer.records]
+            grads = tape.gradient(loss, [r.rows for r in records])
+            for layer in self.layers:
+                layer.begin_step(None)
+            trace = None
+        assert len(records) == len(grads), f"{len(records)} records for {len(grads)} gradients"
+        dense = [dense_grad(g) for g in grads]
+        for record, grad in zip(records, dense, strict=True):
+            assert record.table == TABLE
+            assert grad.shape == (len(record.ids), DIM), "a gradient paired with the wrong ids"
+        return Step(out, float(loss), records, dense, trace)
+
+
+def embed_and_sum(layer: Callable[..., Any]) -> Callable[..., Any]:
+    """forward(inputs, **kwargs) = (layer(inputs, **kwargs), weighted_sum of it)."""
+
+    def forward(inputs: Any, **kwargs: Any) -> Any:
+        out = layer(inputs, **kwargs)
+        return out, weighted_sum(out)
+
+    return forward
+
+
 def run_layer(
-    layer: DistributedEmbedding, source: MemorySource, inputs: Any, ids: list[Any], **kwargs: Any
+    layer: DistributedEmbedding,
+    source: MemorySource,
+    inputs: Any,
+    ids: list[Any],
+    mode: str,
+    *,
+    stepper: Stepper | None = None,
+    **kwargs: Any,
 ) -> Result:
-    """One training step's worth: output and table gradient, as the trainer computes them.
+    """One training step's worth, in `mode`: output and table gradient, as the trainer
+    computes them (with `stepper`, a step of it: the same tf.function across calls).
 
     `ids` are the ids that must reach the source (with repeats): one request, of
-    their unique values, recorded with the watched rows tensor.
+    their unique values, recorded with the rows the gradient is paired with.
     """
     before = len(source.requests)
-    with tf.GradientTape() as tape:
-        layer.begin_step(tape)
-        out = layer(inputs, **kwargs)
-        loss = weighted_sum(out)
-    records = list(layer.records)
-    grads = tape.gradient(loss, [r.rows for r in records])
-    layer.begin_step(None)
+    stepper = Stepper([layer], embed_and_sum(layer), mode) if stepper is None else stepper
+    step = stepper(inputs, **kwargs)
     requests = source.requests[before:]
     assert len(requests) == 1, f"one call must look its ids up once, got {len(requests)}"
-    assert len(records) == 1, f"one call must record one lookup, got {len(records)}"
-    request, record = requests[0].tolist(), records[0]
+    assert len(step.records) == 1, f"one call must record one lookup, got {len(step.records)}"
+    request, record = requests[0].tolist(), step.records[0]
     assert len(set(request)) == len(request), f"an id was requested twice: {request}"
     assert sorted(request) == sorted(set(ids))
-    assert record.table == TABLE
     assert record.ids.tolist() == request, "the recorded ids are the fetched ids"
     fetched = np.zeros(VOCAB, dtype=bool)
     fetched[source.row_index(record.ids)] = True
-    return Result(out, table_grad(source, records, grads), fetched)
+    return Result(step.out, table_grad(source, step.records, step.grads), fetched)
 
 
 def table_grad(source: MemorySource, records: list[Any], grads: list[Any]) -> NDArray[np.float32]:
@@ -220,38 +333,81 @@ def int_ids(shape: tuple[int, ...], seed: int) -> NDArray[np.int64]:
 @pytest.mark.parametrize(
     "shape", [(6,), (6, 4), (3, 4, 2), (), (0, 4)], ids=["b", "b-k", "b-k-m", "scalar", "empty"]
 )
-def test_matches_keras_embedding(shape: tuple[int, ...]) -> None:
+def test_matches_keras_embedding(shape: tuple[int, ...], mode: str) -> None:
     ids = int_ids(shape, seed=len(shape))
     layer, source = bound_layer()
-    got = run_layer(layer, source, tf.constant(ids), ids.reshape(-1).tolist())
+    got = run_layer(layer, source, tf.constant(ids), ids.reshape(-1).tolist(), mode)
     assert tuple(got.out.shape) == (*shape, DIM)
     assert_matches(got, keras_reference(tf.constant(ids)))
 
 
-def test_two_calls_in_one_step_record_two_lookups() -> None:
+def two_calls(layer: DistributedEmbedding) -> Callable[..., Any]:
+    """forward(a, b): the layer called twice in one step, loss = ws(a) + 2 ws(b)."""
+
+    def forward(a: Any, b: Any) -> Any:
+        out_a, out_b = layer(a, training=True), layer(b, training=True)
+        return (out_a, out_b), weighted_sum(out_a) + 2.0 * weighted_sum(out_b)
+
+    return forward
+
+
+def test_two_calls_in_one_step_record_two_lookups(mode: str) -> None:
     a, b = int_ids((5, 3), seed=1), int_ids((4,), seed=2)
     b[0] = a[0, 0]  # an id in both calls: the trainer adds its two gradients
     layer, source = bound_layer()
-    with tf.GradientTape() as tape:
-        layer.begin_step(tape)
-        loss = weighted_sum(layer(tf.constant(a))) + 2.0 * weighted_sum(layer(tf.constant(b)))
-    grads = tape.gradient(loss, [r.rows for r in layer.records])
-    assert [r.ids.tolist() for r in layer.records] == [sorted(set(a.ravel())), sorted(set(b))]
-    assert [r.tolist() for r in source.requests] == [r.ids.tolist() for r in layer.records]
+    step = Stepper([layer], two_calls(layer), mode)(tf.constant(a), tf.constant(b))
+    assert [r.ids.tolist() for r in step.records] == [sorted(set(a.ravel())), sorted(set(b))]
+    assert [r.tolist() for r in source.requests] == [r.ids.tolist() for r in step.records]
+    assert source.training == [True, True]
 
     emb = keras.layers.Embedding(VOCAB, DIM)
     emb.build(None)
     emb.embeddings.assign(V)
     with tf.GradientTape() as tape:
-        ref_loss = weighted_sum(emb(tf.constant(a))) + 2.0 * weighted_sum(emb(tf.constant(b)))
+        ref_a, ref_b = emb(tf.constant(a)), emb(tf.constant(b))
+        ref_loss = weighted_sum(ref_a) + 2.0 * weighted_sum(ref_b)
     want = dense_grad(tape.gradient(ref_loss, emb.embeddings))
-    assert_close(table_grad(source, layer.records, grads), want)
-    assert_close(float(loss), float(ref_loss), atol=1e-5)  # a sum of ~50 terms of size ~1
+    assert_close(step.out[0].numpy(), ref_a.numpy())
+    assert_close(step.out[1].numpy(), ref_b.numpy())
+    assert_close(table_grad(source, step.records, step.grads), want)
+    assert_close(step.loss, float(ref_loss), atol=1e-5)  # a sum of ~50 terms of size ~1
 
-    layer.begin_step(None)
-    assert layer.records == []
-    layer(tf.constant(a))
-    assert layer.records == [], "no tape, nothing recorded"
+
+def test_a_call_outside_a_step_records_nothing(mode: str) -> None:
+    """Eager: no tape, no record. Graph: a predict trace (no begin_step, as the
+    trainer's evaluate) neither adds a slot to the training trace nor overwrites
+    its records, and the training step still pairs its gradients afterwards."""
+    a = int_ids((5, 3), seed=1)
+    other = np.array([[41, 42], [43, 41]], dtype=np.int64)
+    layer, source = bound_layer("mean")
+    stepper = Stepper([layer], embed_and_sum(layer), mode)
+    first = stepper(tf.constant(a), training=True)
+    assert [r.ids.tolist() for r in first.records] == [sorted(set(a.ravel()))]
+
+    if mode == "eager":
+        layer(tf.constant(other))
+        assert layer.records == [], "no tape, nothing recorded"
+    else:
+        rows, records = list(layer.graph_rows), list(layer.graph_records)
+        out = tf.function(lambda x: layer(x, training=False), reduce_retracing=True)(
+            tf.constant(other)
+        )
+        assert_close(out.numpy(), V[other].mean(axis=1))
+        assert [id(r) for r in layer.graph_rows] == [id(r) for r in rows], (
+            "a predict trace changed the rows of the training trace"
+        )
+        assert [r.ids.tolist() for r in layer.graph_records] == [r.ids.tolist() for r in records], (
+            "a predict call overwrote a training record"
+        )
+    assert [r.tolist() for r in source.requests[1:]] == [[41, 42, 43]]
+    assert source.training == [True, False]
+
+    again = stepper(tf.constant(a), training=True)
+    assert stepper.traces == (1 if mode == "graph" else 0), "the step was not reused"
+    assert [r.ids.tolist() for r in again.records] == [sorted(set(a.ravel()))]
+    first_grad = table_grad(source, first.records, first.grads)
+    assert first_grad.any()
+    assert_close(table_grad(source, again.records, again.grads), first_grad)
 
 
 # ---------------------------------------- 2. padding_id
@@ -271,20 +427,20 @@ def without_pad_grad(result: Result) -> Result:
 
 
 @pytest.mark.parametrize("shape", [(6,), (5, 4), (2, 3, 4)], ids=["b", "b-k", "b-k-m"])
-def test_padding_without_combiner_is_a_zero_vector(shape: tuple[int, ...]) -> None:
+def test_padding_without_combiner_is_a_zero_vector(shape: tuple[int, ...], mode: str) -> None:
     ids = int_ids(shape, seed=7)
     ids.reshape(-1)[[0, 2, -1]] = PAD
     layer, source = bound_layer(padding_id=PAD)
-    got = run_layer(layer, source, tf.constant(ids), [i for i in ids.ravel() if i != PAD])
+    got = run_layer(layer, source, tf.constant(ids), [i for i in ids.ravel() if i != PAD], mode)
     assert not np.any(got.out.numpy()[ids == PAD]), "padded positions must be zero vectors"
     # keras.layers.Embedding on a table whose padding row is zero
     assert_matches(got, without_pad_grad(keras_reference(tf.constant(ids), padded_table())))
 
 
-def test_padding_without_combiner_ragged() -> None:
+def test_padding_without_combiner_ragged(mode: str) -> None:
     ids = tf.ragged.constant([[PAD, 4, 9], [], [PAD], [5, PAD, 5]], dtype=tf.int64)
     layer, source = bound_layer(padding_id=PAD)
-    got = run_layer(layer, source, ids, [4, 9, 5])
+    got = run_layer(layer, source, ids, [4, 9, 5], mode)
     assert_matches(got, without_pad_grad(gather_reference(ids, padded_table())))
 
 
@@ -397,12 +553,12 @@ def contributing(
         for kind in KINDS
     ],
 )
-def test_combiner_matches_safe_embedding_lookup_sparse(combiner: str, kind: str) -> None:
+def test_combiner_matches_safe_embedding_lookup_sparse(combiner: str, kind: str, mode: str) -> None:
     case = combiner_case(kind)
     layer, source = bound_layer(combiner)
     kwargs = {} if case.weights is None else {"sparse_weights": case.weights}
     ids, nonempty = contributing(case.ref_ids, case.weights, combiner)
-    got = run_layer(layer, source, case.inputs, ids, **kwargs)
+    got = run_layer(layer, source, case.inputs, ids, mode, **kwargs)
     assert_matches(got, sparse_reference(case.ref_ids, case.weights, combiner))
     assert not np.any(got.out.numpy()[~nonempty]), "a row with no ids must be zeros"
     if kind in ("ragged", "sparse", "sparse_zero_weights"):
@@ -413,13 +569,13 @@ def test_combiner_matches_safe_embedding_lookup_sparse(combiner: str, kind: str)
     "kind", ["dense_1d", "dense_2d", "dense_3d", "ragged", "sparse_zero_weights"]
 )
 @pytest.mark.parametrize("combiner", COMBINERS)
-def test_padding_is_excluded_from_combiners(combiner: str, kind: str) -> None:
+def test_padding_is_excluded_from_combiners(combiner: str, kind: str, mode: str) -> None:
     case = combiner_case(kind)
     layer, source = bound_layer(combiner, padding_id=PAD)
     kwargs = {} if case.weights is None else {"sparse_weights": case.weights}
     ids, nonempty = contributing(case.ref_ids, case.weights, combiner, padding_id=PAD)
     assert PAD in case.ref_ids.values.numpy().tolist() and PAD not in ids
-    got = run_layer(layer, source, case.inputs, ids, **kwargs)
+    got = run_layer(layer, source, case.inputs, ids, mode, **kwargs)
     # the reference gets the SparseTensor of the non-padding positions
     keep = tf.not_equal(case.ref_ids.values, PAD)
     ref_ids = tf.sparse.retain(case.ref_ids, keep)
@@ -428,19 +584,19 @@ def test_padding_is_excluded_from_combiners(combiner: str, kind: str) -> None:
     assert not np.any(got.out.numpy()[~nonempty]), "a row of padding only must be zeros"
 
 
-def test_negative_ids_are_real_ids() -> None:
+def test_negative_ids_are_real_ids(mode: str) -> None:
     """Unlike safe_embedding_lookup_sparse, a negative id is an id: -25 is row 0 here."""
     offset = 25
     source = MemorySource(offset=offset)
     ids = int_ids((4, 3), seed=5) - offset
     assert (ids < 0).any()
     layer, _ = bound_layer(source=source)
-    got = run_layer(layer, source, tf.constant(ids), ids.ravel().tolist())
+    got = run_layer(layer, source, tf.constant(ids), ids.ravel().tolist(), mode)
     assert_matches(got, keras_reference(tf.constant(ids + offset)))
 
     layer, _ = bound_layer("mean", source=source)
     sp = dense_as_sparse(ids)
-    got = run_layer(layer, source, sp, ids.ravel().tolist())
+    got = run_layer(layer, source, sp, ids.ravel().tolist(), mode)
     assert_matches(got, sparse_reference(sp, None, "mean", offset=offset))
 
 
@@ -467,39 +623,40 @@ def to_words(inputs: Any, words: Any = WORDS_T) -> Any:
         if combiner or not kind.startswith("sparse")  # a SparseTensor needs a combiner
     ],
 )
-def test_string_ids_match_int_ids(combiner: str | None, kind: str) -> None:
+def test_string_ids_match_int_ids(combiner: str | None, kind: str, mode: str) -> None:
     case = combiner_case(kind)
     kwargs = {} if case.weights is None else {"sparse_weights": case.weights}
     ids, _ = contributing(case.ref_ids, case.weights, combiner)
+    # the int ids, eagerly (matched against the references by the tests above)
     int_layer, int_source = bound_layer(combiner)
-    want = run_layer(int_layer, int_source, case.inputs, ids, **kwargs)
+    want = run_layer(int_layer, int_source, case.inputs, ids, "eager", **kwargs)
     str_layer, str_source = bound_layer(combiner)
     words = to_words(case.inputs)
     assert words.dtype == tf.string
-    got = run_layer(str_layer, str_source, words, [WORDS[i] for i in ids], **kwargs)
+    got = run_layer(str_layer, str_source, words, [WORDS[i] for i in ids], mode, **kwargs)
     assert_matches(got, want)
 
 
 @pytest.mark.parametrize("kind", ["dense_2d", "ragged"])
 @pytest.mark.parametrize("combiner", [None, "mean"])
-def test_string_padding(combiner: str | None, kind: str) -> None:
+def test_string_padding(combiner: str | None, kind: str, mode: str) -> None:
     case = combiner_case(kind)
     ids, _ = contributing(case.ref_ids, None, combiner, padding_id=PAD)
     int_layer, int_source = bound_layer(combiner, padding_id=PAD)
-    want = run_layer(int_layer, int_source, case.inputs, ids)
+    want = run_layer(int_layer, int_source, case.inputs, ids, "eager")
     str_layer, str_source = bound_layer(combiner, padding_id="")
     words = to_words(case.inputs, tf.constant(["", *WORDS[1:]]))  # id PAD=0 becomes ""
-    got = run_layer(str_layer, str_source, words, [WORDS[i] for i in ids])
+    got = run_layer(str_layer, str_source, words, [WORDS[i] for i in ids], mode)
     assert_matches(got, want)
 
 
 # ---------------------------------------- 5. ragged, combiner=None
 
 
-def test_ragged_without_combiner_is_a_ragged_gather() -> None:
+def test_ragged_without_combiner_is_a_ragged_gather(mode: str) -> None:
     ids = tf.ragged.constant(RAGGED, dtype=tf.int64)
     layer, source = bound_layer()
-    got = run_layer(layer, source, ids, [i for row in RAGGED for i in row])
+    got = run_layer(layer, source, ids, [i for row in RAGGED for i in row], mode)
     assert isinstance(got.out, tf.RaggedTensor)
     assert got.out.shape.as_list() == [len(RAGGED), None, DIM]
     for out_row, row in zip(got.out, RAGGED, strict=True):
@@ -507,7 +664,238 @@ def test_ragged_without_combiner_is_a_ragged_gather() -> None:
     assert_matches(got, gather_reference(ids))
 
 
-# ---------------------------------------- 6. keras integration and arguments
+# ---------------------------------------- 6. the trainer's tf.function: retraces, several layers
+
+
+def random_case(
+    kind: str, rows: int, cols: int, distinct: int, seed: int
+) -> tuple[Case, list[int]]:
+    """A batch of `rows` examples of up to `cols` ids drawn from `distinct` ids; and its
+    ids (with repeats). "sparse" has positive weights."""
+    rng = np.random.default_rng(seed)
+    pool = rng.choice(VOCAB, size=distinct, replace=False).astype(np.int64)
+    if kind == "dense":
+        ids = rng.choice(pool, size=(rows, cols))
+        return Case(tf.constant(ids), None, dense_as_sparse(ids)), ids.ravel().tolist()
+    if kind == "ragged":
+        lengths = rng.integers(0, cols + 1, size=rows)
+        lengths[0] = cols  # the dense shape of the reference's SparseTensor is (rows, cols)
+        values = rng.choice(pool, size=int(lengths.sum()))
+        ragged = tf.RaggedTensor.from_row_lengths(
+            tf.constant(values, tf.int64), tf.constant(lengths, tf.int64)
+        )
+        return Case(ragged, None, ragged.to_sparse()), values.tolist()
+    assert kind == "sparse"
+    mask = rng.random((rows, cols)) < 0.6
+    mask[0, 0] = True
+    indices = np.argwhere(mask)
+    values = rng.choice(pool, size=indices.shape[0])
+    weights = rng.uniform(0.25, 1.0, size=indices.shape[0])
+    ids = sparse(indices, values, [rows, cols])
+    return Case(ids, sparse(indices, weights, [rows, cols], tf.float32), ids), values.tolist()
+
+
+def reference(case: Case, combiner: str | None) -> Result:
+    if combiner is not None:
+        return sparse_reference(case.ref_ids, case.weights, combiner)
+    if isinstance(case.inputs, tf.RaggedTensor):
+        return gather_reference(case.inputs)
+    return keras_reference(case.inputs)
+
+
+# (rows, cols, distinct ids) of the batches x and y of each step: the batch size, the
+# width and the number of unique ids change, so the step retraces (reduce_retracing
+# relaxes to a dynamic batch, then width) and a later batch reuses the first trace
+# after a newer trace has replaced graph_rows
+RETRACE_STEPS = [
+    ((6, 3, 5), (4, 3, 4)),
+    ((9, 3, 20), (6, 3, 1)),
+    ((6, 3, 3), (4, 3, 4)),
+    ((5, 2, 7), (3, 4, 2)),
+]
+
+
+@pytest.mark.parametrize(
+    ("combiner", "kind", "words"),
+    [
+        (None, "dense", False),
+        ("sum", "dense", True),
+        ("mean", "ragged", True),
+        ("sqrtn", "sparse", False),
+    ],
+    ids=["None-dense", "sum-dense-str", "mean-ragged-str", "sqrtn-sparse"],
+)
+def test_graph_retraces_keep_records_and_grads_paired(
+    combiner: str | None, kind: str, words: bool
+) -> None:
+    """One tf.function(reduce_retracing=True) across batches of other sizes and other
+    numbers of unique ids: each step's gradients pair with that step's ids."""
+    layer, source = bound_layer(combiner)
+
+    def forward(x: Any, y: Any, wx: Any, wy: Any) -> Any:
+        a = layer(x, training=True) if wx is None else layer(x, sparse_weights=wx, training=True)
+        b = layer(y, training=True) if wy is None else layer(y, sparse_weights=wy, training=True)
+        return (a, b), weighted_sum(a) + 2.0 * weighted_sum(b)
+
+    stepper = Stepper([layer], forward, "graph")
+    traces = []
+    for i, (x_shape, y_shape) in enumerate(RETRACE_STEPS):
+        (x, x_ids), (y, y_ids) = (
+            random_case(kind, *x_shape, 2 * i),
+            random_case(kind, *y_shape, 2 * i + 1),
+        )
+        if words:
+            inputs = (to_words(x.inputs), to_words(y.inputs))
+            want_ids = [sorted({WORDS[j] for j in x_ids}), sorted({WORDS[j] for j in y_ids})]
+        else:
+            inputs = (x.inputs, y.inputs)
+            want_ids = [sorted(set(x_ids)), sorted(set(y_ids))]
+        before = len(source.requests)
+        step = stepper(*inputs, x.weights, y.weights)
+        traces.append(step.trace)
+        assert [r.ids.tolist() for r in step.records] == want_ids, f"step {i}"
+        assert [r.tolist() for r in source.requests[before:]] == want_ids, f"step {i}"
+        ref_x, ref_y = reference(x, combiner), reference(y, combiner)
+        assert_close(output_values(step.out[0]), output_values(ref_x.out))
+        assert_close(output_values(step.out[1]), output_values(ref_y.out))
+        assert_close(table_grad(source, step.records, step.grads), ref_x.grad + 2.0 * ref_y.grad)
+    assert stepper.traces >= 2, f"the step never retraced: {traces}"
+    assert any(t < max(traces[:i]) for i, t in enumerate(traces) if i), (
+        f"no step ran an older trace after a newer one (stale graph_rows): {traces}"
+    )
+    assert set(source.training) == {True}
+
+
+@pytest.mark.parametrize("combiner", ["mean"])
+def test_a_step_over_ids_of_other_ranks_combines_the_last_axis(combiner: str, mode: str) -> None:
+    layer, source = bound_layer(combiner)
+    stepper = Stepper([layer], embed_and_sum(layer), mode)
+    for kind in ("dense_1d", "dense_2d", "dense_3d"):
+        case = combiner_case(kind)
+        ids, _ = contributing(case.ref_ids, None, combiner)
+        got = run_layer(layer, source, case.inputs, ids, mode, stepper=stepper)
+        assert_matches(got, sparse_reference(case.ref_ids, None, combiner))
+
+
+@pytest.mark.parametrize("combiner", COMBINERS)
+def test_combiner_over_zero_width_ids_gives_zeros(combiner: str, mode: str) -> None:
+    """A padded batch whose examples are all empty: (batch, 0) ids."""
+    ids = np.zeros((3, 0), dtype=np.int64)
+    layer, source = bound_layer(combiner)
+    got = run_layer(layer, source, tf.constant(ids), [], mode)
+    assert_matches(got, sparse_reference(dense_as_sparse(ids), None, combiner))
+    assert not got.out.numpy().any()
+
+
+def test_two_layers_on_one_table_in_one_model(mode: str) -> None:
+    """Two layers of one table in a functional model: each records its own lookup and
+    the trainer adds the gradients of an id both looked up."""
+    source = MemorySource()
+    user = DistributedEmbedding(TABLE, dim=DIM, name="user_emb")
+    tags = DistributedEmbedding(TABLE, "mean", dim=DIM, padding_id=PAD, name="tags_emb")
+    for layer in (user, tags):
+        layer.bind(source)
+    user_in = keras.Input((), dtype="int64", name="user")
+    tags_in = keras.Input((None,), dtype="int64", name="tags")
+    model = keras.Model(
+        {"user": user_in, "tags": tags_in},
+        keras.layers.Concatenate()([user(user_in), tags(tags_in)]),
+    )
+    stepper = Stepper([user, tags], lambda x: embed_and_sum(model)(x, training=True), mode)
+    batches = [
+        (np.array([4, 17, 4, 9]), DENSE_2D[:4]),  # 4 and 9 in both
+        (np.array([5, 6, 12, 31, 1, 1]), np.concatenate([DENSE_2D, DENSE_2D[:1]])),
+        (np.array([8, 2]), DENSE_2D[1:3]),  # row 0 is padding only
+    ]
+    for users, tag_ids in batches:
+        before = len(source.requests)
+        step = stepper({"user": tf.constant(users), "tags": tf.constant(tag_ids)})
+        want_ids = [sorted(set(users.tolist())), sorted(set(tag_ids.ravel().tolist()) - {PAD})]
+        assert [r.ids.tolist() for r in step.records] == want_ids
+        assert [r.tolist() for r in source.requests[before:]] == want_ids
+
+        var = tf.Variable(V)
+        keep = tf.not_equal(dense_as_sparse(tag_ids).values, PAD)
+        tag_sparse = tf.sparse.retain(dense_as_sparse(tag_ids), keep)
+        with tf.GradientTape() as tape:
+            ref = tf.concat(
+                [
+                    tf.gather(var, users),
+                    tf.nn.safe_embedding_lookup_sparse(var, tag_sparse, None, combiner="mean"),
+                ],
+                axis=1,
+            )
+            ref_loss = weighted_sum(ref)
+        assert_close(step.out.numpy(), ref.numpy())
+        assert_close(
+            table_grad(source, step.records, step.grads), dense_grad(tape.gradient(ref_loss, var))
+        )
+    assert set(source.training) == {True}
+    if mode == "graph":
+        assert stepper.traces == 2
+
+
+# the inputs where the pruning of weights <= 0 (or == 0 for sum) and padding decide
+# what is fetched
+PRUNING_KINDS = ["sparse_zero_weights", "sparse_pruned"]
+PADDING_KINDS = ["dense_2d", "ragged", "sparse_zero_weights", "sparse_pruned"]
+
+
+def embed_each(layers: list[DistributedEmbedding]) -> Callable[..., Any]:
+    """forward(xs, ws): layers[i] on xs[i] (with sparse_weights ws[i] if not None)."""
+
+    def forward(xs: Any, ws: Any) -> Any:
+        outs = tuple(
+            layer(x, training=True) if w is None else layer(x, sparse_weights=w, training=True)
+            for layer, x, w in zip(layers, xs, ws, strict=True)
+        )
+        return outs, tf.add_n([weighted_sum(o) for o in outs])
+
+    return forward
+
+
+@pytest.mark.parametrize(
+    ("combiner", "padding"),
+    [
+        pytest.param(c, p, id=f"{c}-{'padding' if p else 'no-padding'}")
+        for c in [None, *COMBINERS]
+        for p in (False, True)
+        if c or p  # combiner=None prunes nothing without padding
+    ],
+)
+def test_graph_fetches_what_eager_fetches(combiner: str | None, padding: bool) -> None:
+    """The padding and pruning rules are the same in both modes: for every input
+    where they decide something (int ids; str ids with padding "") each layer's
+    source gets the same requests, and the outputs and gradients agree. One step of
+    one layer per input, so one trace."""
+    cases = []  # (inputs, sparse weights, padding id, the requests the source must get)
+    for kind in PADDING_KINDS if padding else PRUNING_KINDS:
+        if combiner is None and kind.startswith("sparse"):
+            continue  # a SparseTensor needs a combiner
+        case = combiner_case(kind)
+        ids, _ = contributing(case.ref_ids, case.weights, combiner, PAD if padding else None)
+        cases.append((case.inputs, case.weights, PAD if padding else None, [sorted(set(ids))]))
+        if padding and not kind.startswith("sparse"):
+            vocab = ["", *WORDS[1:]]  # id PAD=0 becomes ""
+            words = to_words(case.inputs, tf.constant(vocab))
+            cases.append((words, case.weights, "", [sorted({vocab[i] for i in ids})]))
+    inputs, weights, pads, want = (list(x) for x in zip(*cases, strict=True))
+
+    steps, fetched = {}, {}
+    for mode in MODES:
+        bound = [bound_layer(combiner, padding_id=pad) for pad in pads]
+        layers = [layer for layer, _ in bound]
+        steps[mode] = Stepper(layers, embed_each(layers), mode)(tuple(inputs), tuple(weights))
+        fetched[mode] = [[r.tolist() for r in source.requests] for _, source in bound]
+        assert fetched[mode] == want, mode
+    assert fetched["graph"] == fetched["eager"]
+    for got, eager in zip(steps["graph"].out, steps["eager"].out, strict=True):
+        assert_close(output_values(got), output_values(eager))
+    for got, eager in zip(steps["graph"].grads, steps["eager"].grads, strict=True):
+        assert_close(got, eager)
+
+
+# ---------------------------------------- 7. keras integration and arguments
 
 
 @pytest.mark.parametrize(
@@ -534,7 +922,7 @@ def test_functional_model_output_shape(
     assert layer.compute_output_shape((None, *shape)) == want
 
 
-def test_functional_model_runs_once_bound() -> None:
+def test_functional_model_runs_once_bound(mode: str) -> None:
     source = MemorySource()
     layer = DistributedEmbedding(TABLE, dim=DIM)
     layer.bind(source)
@@ -542,31 +930,44 @@ def test_functional_model_runs_once_bound() -> None:
     model = keras.Model(inputs, layer(inputs))
     assert source.requests == [], "building the model must not call the store"
     ids = np.array([3, 1, 3, 49], dtype=np.int64)
-    assert_close(model(tf.constant(ids)).numpy(), V[ids])
+    assert_close(run_in(mode, model, tf.constant(ids)).numpy(), V[ids])
     assert [r.tolist() for r in source.requests] == [[1, 3, 49]]
 
 
-def test_training_flag_reaches_the_source() -> None:
+def test_training_flag_reaches_the_source(mode: str) -> None:
     layer, source = bound_layer()
     inputs = keras.Input(shape=(), dtype="int64")
     model = keras.Model(inputs, layer(inputs))
     ids = tf.constant([1, 2], tf.int64)
-    layer(ids)
-    layer(ids, training=True)
-    model(ids, training=True)
-    model(ids)
-    assert source.training == [False, True, True, False]
+
+    def calls(x: Any) -> Any:
+        layer(x)
+        layer(x, training=True)
+        model(x, training=True)
+        model(x)
+        model(x, training=False)  # as Trainer.evaluate
+        return layer(x, training=False)
+
+    run_in(mode, calls, ids)
+    assert source.training == [False, True, True, False, False, False]
+
+    # a training step's flag as a Python argument of the step: one trace per value
+    stepper = Stepper([layer], lambda x, training: embed_and_sum(model)(x, training=training), mode)
+    for training in (False, True, False, True):
+        stepper(ids, training=training)
+    assert source.training[6:] == [False, True, False, True]
+    assert stepper.traces == (2 if mode == "graph" else 0)
 
 
-def test_unbound_layer_raises_a_clear_error() -> None:
+def test_unbound_layer_raises_a_clear_error(mode: str) -> None:
     layer = DistributedEmbedding(TABLE, dim=DIM)
     with pytest.raises(RuntimeError) as excinfo:
-        layer(tf.constant([1, 2], tf.int64))
+        run_in(mode, layer, tf.constant([1, 2], tf.int64))
     assert "bind" in str(excinfo.value) and "Trainer" in str(excinfo.value)
     layer, _ = bound_layer()
     layer.bind(None)
     with pytest.raises(RuntimeError, match="bind"):
-        layer(tf.constant([1, 2], tf.int64))
+        run_in(mode, layer, tf.constant([1, 2], tf.int64))
 
 
 SPEC = TableSpec(name=TABLE, dim=DIM, seed=1)
@@ -609,16 +1010,49 @@ def test_tablespec_gives_name_and_dim() -> None:
         assert (layer.table, layer.dim) == (TABLE, DIM)
 
 
-def test_bad_inputs_raise_value_error_before_any_lookup() -> None:
-    layer, source = bound_layer()
+def bad_input(name: str) -> tuple[str | None, Any, dict[str, Any], str]:
+    """(combiner, inputs, call kwargs, what the ValueError says) of a bad call."""
     case = combiner_case("sparse_weighted")
-    with pytest.raises(ValueError, match="combiner"):
-        layer(case.inputs)
-    mean, _ = bound_layer("mean", source=source)
-    with pytest.raises(ValueError, match="sparse_weights"):
-        mean(tf.constant(DENSE_2D), sparse_weights=case.weights)
-    with pytest.raises(ValueError, match="ragged_rank"):
-        mean(tf.ragged.constant([[[1], [2, 3]], []], dtype=tf.int64))
+    if name == "sparse-without-combiner":
+        return None, case.inputs, {"sparse_weights": case.weights}, "combiner"
+    if name == "sparse_weights-with-dense-ids":
+        return "mean", tf.constant(DENSE_2D), {"sparse_weights": case.weights}, "sparse_weights"
+    if name == "sparse_weights-of-other-length":
+        one = sparse([[0, 0]], [2.0], SPARSE_SHAPE, tf.float32)  # 1 weight for 10 ids
+        return "sum", case.inputs, {"sparse_weights": one}, "sparse_weights"
+    if name == "ragged_rank-2":
+        return "mean", tf.ragged.constant([[[1], [2, 3]], []], dtype=tf.int64), {}, "ragged_rank"
+    assert name == "combiner-on-scalar-ids"
+    return "mean", tf.constant(3, tf.int64), {}, "1-D"
+
+
+@pytest.mark.parametrize(
+    ("name", "mode"),
+    [
+        pytest.param(
+            name,
+            mode,
+            id=f"{mode}-{name}",
+        )
+        for name in [
+            "sparse-without-combiner",
+            "sparse_weights-with-dense-ids",
+            "sparse_weights-of-other-length",
+            "ragged_rank-2",
+            "combiner-on-scalar-ids",
+        ]
+        for mode in MODES
+    ],
+)
+def test_bad_inputs_raise_value_error_before_any_lookup(name: str, mode: str) -> None:
+    combiner, inputs, kwargs, match = bad_input(name)
+    layer, source = bound_layer(combiner)
+    # In a tf.function the number of sparse values is known only when it runs: there
+    # the ValueError may come out of the py_function as an OpError with its message.
+    runtime_only = mode == "graph" and name == "sparse_weights-of-other-length"
+    errors = (ValueError, tf.errors.OpError) if runtime_only else ValueError
+    with pytest.raises(errors, match=match):
+        run_in(mode, lambda x, kw: layer(x, **kw), inputs, kwargs)
     assert source.requests == []
 
 
