@@ -57,7 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-index", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--dense-refresh-steps", type=int, default=1)
-    p.add_argument("--pushes-in-flight", type=int, default=2)
+    p.add_argument(
+        "--pushes-in-flight",
+        type=int,
+        default=0,
+        help="async mode: 0 waits for each push (default); K >= 1 pipelines K "
+        "pushes, row prefetch and dense pulls: faster, staler",
+    )
     p.add_argument("--seed", type=int, default=0, help="initial dense weights")
     p.add_argument("--plot", help="write the loss/AUC curves to this PNG")
     p.add_argument("--output", help="write the summary JSON here")

@@ -8,8 +8,14 @@ optimizer service. Dense weights start from `/v1/dense/init` (the first trainer
 wins, so every trainer starts from the same weights) and are refreshed from the
 service every `dense_refresh_steps` steps.
 
-* `mode = "async"`: at most `max_pushes_in_flight` pushes are outstanding; a
-  step does not wait for its own push (ElasticDL/Paddle asynchronous SGD).
+* `mode = "async"` (ElasticDL/Paddle asynchronous SGD): each push is applied on
+  arrival; other workers' pushes interleave with ours. By default
+  (`max_pushes_in_flight=0`) a step reads rows and weights only after its
+  previous push was applied, so one worker alone trains exactly like local
+  training. `max_pushes_in_flight=K >= 1` pipelines: up to K pushes stay
+  outstanding, the next batch's rows are prefetched and the dense weights pulled
+  during the previous step — faster, at the price of up to K+1 steps of
+  staleness (measured: -0.06 eval AUC after 150 steps of the demo model).
 * `mode = "sync"`: each push carries the model version the step was computed on;
   the service applies the mean of every worker's push once, the trainer then
   reads the new dense weights and rows (no prefetch across versions).
@@ -119,7 +125,9 @@ class Trainer:
         worker_index: this trainer's index (0..workers-1); sent with each push.
         loss: a Keras loss (default binary cross-entropy on a sigmoid output).
         dense_refresh_steps: pull the dense weights every K steps (default 1).
-        max_pushes_in_flight: async mode: pushes outstanding before a step waits.
+        max_pushes_in_flight: async mode: 0 (default) waits for each push before the
+            next step reads; K >= 1 pipelines K pushes, the row prefetch and the dense
+            pull (more examples/s, more staleness).
         progress: show a tqdm progress bar.
         graph: run each step as one tf.function (the lookups run inside it as
             py_functions); False runs eagerly, for debugging.
@@ -133,7 +141,7 @@ class Trainer:
         worker_index: int = 0,
         loss: keras.losses.Loss | None = None,
         dense_refresh_steps: int = 1,
-        max_pushes_in_flight: int = 2,
+        max_pushes_in_flight: int = 0,
         progress: bool = True,
         graph: bool = True,
     ) -> None:
@@ -144,7 +152,9 @@ class Trainer:
         self.worker_index = worker_index
         self.loss_fn = loss or keras.losses.BinaryCrossentropy()
         self.dense_refresh_steps = dense_refresh_steps
-        self.max_pushes_in_flight = max(1, max_pushes_in_flight)
+        if max_pushes_in_flight < 0:
+            raise ConfigError(f"max_pushes_in_flight must be >= 0, got {max_pushes_in_flight}")
+        self.max_pushes_in_flight = max_pushes_in_flight
         self.progress = progress
         self.graph = graph
         self._graph_step: Any = None
@@ -207,6 +217,11 @@ class Trainer:
         self.close()
 
     @property
+    def _pipelined(self) -> bool:
+        """Whether steps overlap pushes, prefetches and dense pulls (async mode, K >= 1)."""
+        return self.config.mode == "async" and self.max_pushes_in_flight > 0
+
+    @property
     def rows_created(self) -> dict[str, int]:
         return dict(self._store.created)
 
@@ -260,10 +275,10 @@ class Trainer:
         self.version = version
 
     def _refresh_dense(self, *, fresh: bool = False) -> None:
-        """Pull the dense weights. Async mode overlaps the fetch with a step: it assigns
-        the weights fetched during the previous step and starts the next fetch (one step
-        of extra staleness, like a push in flight); sync mode and `fresh` wait for them."""
-        if fresh or self.config.mode == "sync":
+        """Pull the dense weights. Pipelined, the fetch overlaps a step: it assigns the
+        weights fetched during the previous step and starts the next fetch (one step of
+        extra staleness); otherwise, and with `fresh`, it waits for them."""
+        if fresh or not self._pipelined:
             self._dense_future = None
             version, params = self._run(self._client.dense())
             self._assign_dense(version, params)
@@ -293,11 +308,11 @@ class Trainer:
             )
             for name, (i, g) in tables.items()
         }
-        while len(self._pushes) >= self.max_pushes_in_flight:
+        while self._pushes and len(self._pushes) >= self.max_pushes_in_flight:
             self._pushes.popleft().result()
         fut = self._submit(self._client.push(payload, dense=dense, version=self.version))
         self._pushes.append(fut)
-        if self.config.mode == "sync":
+        if not self._pipelined:
             self._drain_pushes()
 
     # ------------------------------------------------------------ training
@@ -410,7 +425,7 @@ class Trainer:
             return result
         if not self._dense_ready:
             self._init_dense()
-        prefetch_ok = self.config.mode == "async"
+        prefetch_ok = self._pipelined
         if prefetch_ok:
             self._prefetched = self._prefetch(_split(current)[0])
         interactive = sys.stderr.isatty()
