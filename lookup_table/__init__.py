@@ -21,12 +21,14 @@ from lookup_table.config import (
     parse_config,
 )
 from lookup_table.errors import (
+    CheckpointError,
     ClusterNotInitializedError,
     ConfigError,
     CorruptValueError,
     DataLossError,
     KeyEncodingError,
     LookupTableError,
+    NamespaceNotEmptyError,
     NodeUnavailableError,
     ProtocolError,
     PushRejectedError,
@@ -41,6 +43,7 @@ from lookup_table.store import EmbeddingStore
 __all__ = [
     "AdagradConfig",
     "AdamConfig",
+    "CheckpointError",
     "ClusterConfig",
     "ClusterNotInitializedError",
     "ConfigError",
@@ -50,6 +53,7 @@ __all__ = [
     "InitializerSpec",
     "KeyEncodingError",
     "LookupTableError",
+    "NamespaceNotEmptyError",
     "NodeSpec",
     "NodeUnavailableError",
     "OptimizerClient",

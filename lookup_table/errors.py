@@ -6,6 +6,10 @@
     ├── ConfigError (ValueError)            bad cluster file or argument: fix the config
     ├── KeyEncodingError (ValueError)       an id or name that cannot become a memcached key
     ├── ClusterNotInitializedError          no node has a sentinel: run `lookup-table-admin init`
+    ├── CheckpointError                     a checkpoint is missing, partial, corrupt or does not
+    │                                       fit the cluster file: fix or pick another checkpoint
+    ├── NamespaceNotEmptyError              a restore target already holds data: --force or a new
+    │                                       namespace
     ├── DataLossError                       a node lost its data (restart, flush): restore or reinit
     ├── StoreError                          memcached said or did something we cannot use
     │   ├── StoreFullError                  `-M` server out of memory: add nodes or memory
@@ -22,12 +26,14 @@ is one, what the user can do about it.
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
     "ClusterNotInitializedError",
     "ConfigError",
     "CorruptValueError",
     "DataLossError",
     "KeyEncodingError",
     "LookupTableError",
+    "NamespaceNotEmptyError",
     "NodeUnavailableError",
     "ProtocolError",
     "PushRejectedError",
@@ -51,6 +57,21 @@ class KeyEncodingError(LookupTableError, ValueError):
 
 class ClusterNotInitializedError(LookupTableError):
     """No node of the namespace has a sentinel: `lookup-table-admin init` was never run."""
+
+
+class CheckpointError(LookupTableError):
+    """A checkpoint directory is missing, partial or corrupt, or does not fit the config.
+
+    The message names the file (and the table or parameter) at fault. Nothing was
+    written to memcached when this is raised by a restore's verification.
+    """
+
+
+class NamespaceNotEmptyError(LookupTableError):
+    """A restore found keys of the namespace (other than its sentinels) on the nodes.
+
+    Restore with `--force` (the namespace's keys are deleted first) or into a new namespace.
+    """
 
 
 class DataLossError(LookupTableError):

@@ -1,0 +1,477 @@
+"""Benchmark `lookup-table-checkpoint` save and restore against the raw ceiling.
+
+Run from the repository root::
+
+    python benchmarks/checkpoint.py            # 1,000,000 rows of dim 16, 2 nodes, 3 rounds
+    python benchmarks/checkpoint.py --quick    # smoke run: 50,000 rows, 2 rounds
+
+It starts 2 local memcached nodes (`-M`) and fills two cases, each in its own
+namespace (untimed, through `EmbeddingStore.set`):
+
+* `rows`: one table of dim 16 with SGD (no slots): N row keys.
+* `adam`: one table of dim 16 with Adam: N rows and N slots of 33 floats, 2N keys
+  (`--no-adam` skips it).
+
+Per case, four methods, interleaved round by round (order rotated), `gc.collect()`
+before each, after one untimed warm-up round that checks that the ceiling and the
+checkpoint hold the same rows:
+
+* `ceiling_read`: raw. `lru_crawler metadump hash` on every node at once, the
+  case's keys pulled out of each dump with one regex, then raw pipelined `mg`
+  requests (65,536 keys each) to the node that listed them, every reply checked
+  and sliced at a fixed stride with numpy into one float32 array per kind. No id
+  decoding, no files: the floor of what any save must do.
+* `save`: `save_checkpoint(config, dir, pause=False)` into a new directory:
+  enumeration, id decoding, pipelined reads, .npy files, sha256, fsync, rename.
+* `restore`: `restore_checkpoint` of the warm-up checkpoint into an empty
+  namespace: full verification (sha256 of every file), the emptiness check,
+  pipelined writes, sentinels.
+* `ceiling_write`: raw pipelined `ms` (65,536 keys per request, nodes in
+  parallel) of the same keys and values into an empty namespace.
+
+rows/s is the table's rows per second (in the `adam` case each row moves two
+values). The ratios save/ceiling_read and restore/ceiling_read are the
+acceptance figures (target >= 0.5); restore/ceiling_write is for information.
+Restored namespaces are deleted between rounds, and each case's data after it
+(untimed), so every dump lists about the case's own keys only. Results go to
+`<out-dir>/checkpoint.json` (default `benchmarks/results/`). memcached is always
+stopped; a failure exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lookup_table import checkpoint
+from lookup_table.config import ClusterConfig, NodeSpec, parse_config
+from lookup_table.keys import int_key_matrix, key_prefix
+from lookup_table.localcluster import memcached_binary, memcached_cluster
+from lookup_table.protocol import build_mg, build_ms
+from lookup_table.store import EmbeddingStore
+
+NODES = 2
+DIM = 16
+MEMORY_MB = 3072
+SEED = 20240611
+CHUNK = 65_536
+METHODS = ("ceiling_read", "save", "restore", "ceiling_write")
+ACCEPT = 0.5
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+_READ = 1 << 20
+_LIMIT = 1 << 22
+
+
+# ---------------------------------------------------------------- raw ceiling
+
+
+async def _exchange(spec: NodeSpec, request: bytes, end: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection(spec.host, spec.port, limit=_LIMIT)
+    try:
+        writer.write(request)
+        chunks: list[bytes] = []
+        tail = b""
+        async with asyncio.timeout(120):
+            while True:
+                chunk = await reader.read(_READ)
+                if not chunk:
+                    raise ConnectionError(f"{spec.address} closed the connection")
+                chunks.append(chunk)
+                tail = (tail + chunk)[-len(end) :]
+                if tail == end:
+                    return b"".join(chunks)
+    finally:
+        writer.close()
+
+
+async def _pipeline(
+    spec: NodeSpec, requests: list[bytes], parse: Callable[[bytes, int], None]
+) -> None:
+    """Requests ending in `mn`, one after the other on one connection."""
+    reader, writer = await asyncio.open_connection(spec.host, spec.port, limit=_LIMIT)
+    try:
+        for i, request in enumerate(requests):
+            writer.write(request)
+            chunks: list[bytes] = []
+            tail = b""
+            async with asyncio.timeout(60):
+                while tail != b"MN\r\n":
+                    chunk = await reader.read(_READ)
+                    if not chunk:
+                        raise ConnectionError(f"{spec.address} closed the connection")
+                    chunks.append(chunk)
+                    tail = (tail + chunk)[-4:]
+            parse(b"".join(chunks), i)
+    finally:
+        writer.close()
+
+
+def _kind_pattern(namespace: str, table: str, kind: str) -> re.Pattern[bytes]:
+    return re.compile(
+        rb"key=" + f"{namespace}%2F{table}%2F{kind}%2F".encode() + rb"(i[0-9a-f]{16}) "
+    )
+
+
+async def ceiling_read(
+    config: ClusterConfig, table: str, widths: dict[str, int]
+) -> dict[str, tuple[NDArray[np.uint8], NDArray[np.float32]]]:
+    """Per kind: (every key body, uint8 (n, 17); its value, float32 (n, width))."""
+    dumps = await asyncio.gather(
+        *(_exchange(s, b"lru_crawler metadump hash\r\n", b"END\r\n") for s in config.memcached)
+    )
+    out: dict[str, tuple[NDArray[np.uint8], NDArray[np.float32]]] = {}
+    for kind, width in widths.items():
+        pattern = _kind_pattern(config.namespace, table, kind)
+        prefix = key_prefix(config.namespace, table, kind)
+        nbytes = 4 * width
+        header = np.frombuffer(b"VA %d\r\n" % nbytes, dtype=np.uint8)
+        stride = header.shape[0] + nbytes + 2
+        parts_bodies: list[NDArray[np.uint8]] = []
+        parts_values: list[NDArray[np.float32]] = []
+        jobs = []
+        for spec, dump in zip(config.memcached, dumps, strict=True):
+            found = pattern.findall(dump)
+            bodies = np.frombuffer(b"".join(found), dtype=np.uint8).reshape(-1, 17)
+            keys = np.empty((bodies.shape[0], len(prefix) + 17), dtype=np.uint8)
+            keys[:, : len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+            keys[:, len(prefix) :] = bodies
+            values = np.empty((bodies.shape[0], width), dtype=np.float32)
+            starts = list(range(0, keys.shape[0], CHUNK))
+            requests = [build_mg(keys[s : s + CHUNK]) + b"mn\r\n" for s in starts]
+
+            def parse(
+                data: bytes,
+                i: int,
+                values: Any = values,
+                starts: list[int] = starts,
+                stride: int = stride,
+                header: NDArray[np.uint8] = header,
+                nbytes: int = nbytes,
+            ) -> None:
+                m = min(CHUNK, values.shape[0] - starts[i])
+                if len(data) != m * stride + 4:
+                    raise RuntimeError("ceiling: a miss or an error reply")
+                block = np.frombuffer(data, dtype=np.uint8, count=m * stride).reshape(m, stride)
+                if not (block[:, : header.shape[0]] == header).all():
+                    raise RuntimeError("ceiling: bad reply framing")
+                rows = block[:, header.shape[0] : header.shape[0] + nbytes]
+                values[starts[i] : starts[i] + m] = rows.view("<f4")
+
+            jobs.append(_pipeline(spec, requests, parse))
+            parts_bodies.append(bodies)
+            parts_values.append(values)
+        await asyncio.gather(*jobs)
+        out[kind] = (np.concatenate(parts_bodies), np.concatenate(parts_values))
+    return out
+
+
+async def ceiling_write(
+    config: ClusterConfig,
+    table: str,
+    ids: NDArray[np.int64],
+    values: dict[str, NDArray[np.float32]],
+) -> None:
+    """Raw pipelined `ms` of every kind's values into `config`'s namespace."""
+    from lookup_table.sharding import node_of
+
+    placement = node_of(table, ids, config.node_addresses)
+    jobs = []
+    for j, spec in enumerate(config.memcached):
+        index = np.flatnonzero(placement == j)
+        requests = []
+        for kind, array in values.items():
+            keys = int_key_matrix(key_prefix(config.namespace, table, kind), ids[index])
+            raw = np.ascontiguousarray(array[index], dtype="<f4").view(np.uint8)
+            requests += [
+                build_ms(keys[s : s + CHUNK], raw[s : s + CHUNK]) + b"mn\r\n"
+                for s in range(0, index.shape[0], CHUNK)
+            ]
+
+        def parse(data: bytes, i: int) -> None:
+            codes = np.frombuffer(data, dtype="<u4", count=(len(data) - 4) // 4)
+            if len(data) % 4 or not (codes == np.frombuffer(b"HD\r\n", "<u4")[0]).all():
+                raise RuntimeError("ceiling_write: a write was refused")
+
+        jobs.append(_pipeline(spec, requests, parse))
+    await asyncio.gather(*jobs)
+
+
+# ---------------------------------------------------------------- driver
+
+
+def case_config(addresses: list[str], case: str) -> ClusterConfig:
+    optimizer = {"name": "sgd", "learning_rate": 0.01} if case == "rows" else {"name": "adam"}
+    return parse_config(
+        {
+            "namespace": f"ck{case}{uuid.uuid4().hex[:6]}",
+            "memcached": addresses,
+            "tables": [{"name": "emb", "dim": DIM, "seed": 1, "optimizer": optimizer}],
+        },
+        env={},
+    )
+
+
+def fresh(config: ClusterConfig) -> ClusterConfig:
+    from dataclasses import replace
+
+    return replace(config, namespace=config.namespace + "r" + uuid.uuid4().hex[:4])
+
+
+async def fill(config: ClusterConfig, ids: NDArray[np.int64], slot_width: int) -> None:
+    rng = np.random.default_rng(SEED)
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        for s in range(0, ids.shape[0], 4 * CHUNK):
+            part = ids[s : s + 4 * CHUNK]
+            await store.set("emb", part, rng.standard_normal((part.size, DIM), dtype=np.float32))
+            if slot_width:
+                slots = rng.standard_normal((part.size, slot_width), dtype=np.float32)
+                await store.set("emb", part, slots, kind="s")
+
+
+async def clear(config: ClusterConfig) -> None:
+    """Delete every key of the namespace (untimed, between rounds)."""
+    async with EmbeddingStore(config, check_sentinels=False) as store:
+        found = await checkpoint._namespace_keys(store)
+        for spec in config.memcached:
+            keys = found[spec.address].keys(config.namespace)
+            if keys:
+                await checkpoint._delete_keys(spec, config.store, keys)
+
+
+async def timed(call: Callable[[], Awaitable[object]]) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    await call()
+    return time.perf_counter() - start
+
+
+async def run_case(
+    addresses: list[str], case: str, n: int, rounds: int, work: Path
+) -> dict[str, list[float]]:
+    config = case_config(addresses, case)
+    width = 2 * DIM + 1 if case == "adam" else 0
+    widths = {"w": DIM, **({"s": width} if width else {})}
+    rng = np.random.default_rng(SEED)
+    ids = np.empty(0, dtype=np.int64)
+    while ids.shape[0] < n:  # n unique ids over the whole int64 range
+        more = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=n)
+        ids = np.unique(np.concatenate([ids, more]))
+    ids = rng.permutation(ids)[:n]
+    await fill(config, ids, width)
+
+    # warm-up: one of each, and the ceiling and the checkpoint must hold the same rows
+    base = work / f"{case}-base"
+    manifest = await checkpoint.save_checkpoint(config, base, pause=False, progress=False)
+    raw = await ceiling_read(config, "emb", widths)
+    table = manifest["tables"][0]
+    saved_ids = np.load(base / table["files"]["ids"])
+    for kind, name in (("w", "rows"), ("s", "slots")):
+        if kind not in raw:
+            continue
+        bodies, values = raw[kind]
+        got_ids = checkpoint.decode_int_bodies([bytes(b) for b in bodies])
+        order = np.argsort(got_ids)
+        if not (
+            np.array_equal(got_ids[order], saved_ids)
+            and np.array_equal(values[order], np.load(base / table["files"][name]))
+        ):
+            raise RuntimeError(f"{case}: the ceiling and the checkpoint read different {name}")
+    target = fresh(config)
+    await checkpoint.restore_checkpoint(target, base, progress=False)
+    await clear(target)
+    target = fresh(config)
+    await ceiling_write(target, "emb", saved_ids, {"w": np.load(base / table["files"]["rows"])})
+    await clear(target)
+
+    rows_values = {"w": np.load(base / table["files"]["rows"])}
+    if width:
+        rows_values["s"] = np.load(base / table["files"]["slots"])
+    timings: dict[str, list[float]] = {m: [] for m in METHODS}
+    for r in range(rounds):
+        shift = r % len(METHODS)
+        for method in METHODS[shift:] + METHODS[:shift]:
+            if method == "ceiling_read":
+                seconds = await timed(lambda: ceiling_read(config, "emb", widths))
+            elif method == "save":
+                out = work / f"{case}-{r}"
+                seconds = await timed(
+                    lambda out=out: checkpoint.save_checkpoint(
+                        config, out, pause=False, progress=False
+                    )
+                )
+                shutil.rmtree(out)
+            elif method == "restore":
+                target = fresh(config)
+                seconds = await timed(
+                    lambda target=target: checkpoint.restore_checkpoint(
+                        target, base, progress=False
+                    )
+                )
+                await clear(target)
+            else:
+                target = fresh(config)
+                seconds = await timed(
+                    lambda target=target: ceiling_write(target, "emb", saved_ids, rows_values)
+                )
+                await clear(target)
+            timings[method].append(seconds)
+            print(f"  {case} round {r + 1}/{rounds} {method}: {seconds:.2f} s", file=sys.stderr)
+    await clear(config)  # the next case's dumps list only its own keys
+    return timings
+
+
+def summarize(timings: dict[str, list[float]], n: int) -> dict[str, Any]:
+    med = {m: statistics.median(t) for m, t in timings.items()}
+    rate = {m: n / s for m, s in med.items()}
+    paired = {
+        f"{num}/{den}": statistics.median(
+            d / u for u, d in zip(timings[num], timings[den], strict=True)
+        )
+        for num, den in (
+            ("save", "ceiling_read"),
+            ("restore", "ceiling_read"),
+            ("restore", "ceiling_write"),
+        )
+    }
+    ratios = {
+        "save/ceiling_read": rate["save"] / rate["ceiling_read"],
+        "restore/ceiling_read": rate["restore"] / rate["ceiling_read"],
+        "restore/ceiling_write": rate["restore"] / rate["ceiling_write"],
+    }
+    return {
+        "seconds_per_round": timings,
+        "median_seconds": med,
+        "rows_per_s": rate,
+        "ratios": ratios,
+        "ratios_median_of_paired_rounds": paired,
+        "acceptance": {
+            f"save/ceiling_read >= {ACCEPT}": ratios["save/ceiling_read"] >= ACCEPT,
+            f"restore/ceiling_read >= {ACCEPT}": ratios["restore/ceiling_read"] >= ACCEPT,
+        },
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    version = subprocess.run(
+        [memcached_binary(), "-V"], capture_output=True, text=True, check=True, timeout=10
+    ).stdout.strip()
+    return {
+        "nproc": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "memcached": version,
+        "loadavg_at_start": list(os.getloadavg()),
+    }
+
+
+def code_fingerprint() -> dict[str, Any]:
+    import lookup_table
+
+    root = Path(lookup_table.__file__).parent
+    files = {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in sorted(root.glob("*.py"))
+    }
+    combined = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+    return {"lookup_table": str(root), "sha256_16": combined, "files": files}
+
+
+def render(summary: dict[str, Any], n: int, rounds: int) -> str:
+    lines = [f"{n:,} rows of dim {DIM}, {NODES} nodes, median of {rounds} rounds"]
+    for case, s in summary.items():
+        lines.append("")
+        lines.append(
+            f"{case}: {'rows only (sgd, no slots)' if case == 'rows' else 'rows + Adam slots'}"
+        )
+        lines.append(f"  {'method':<16} {'median s':>9} {'rows/s':>11}")
+        lines.extend(
+            f"  {m:<16} {s['median_seconds'][m]:>9.2f} {s['rows_per_s'][m]:>11,.0f}"
+            for m in METHODS
+        )
+        r, p = s["ratios"], s["ratios_median_of_paired_rounds"]
+        for name in r:
+            target = f"  target >= {ACCEPT}: " if name.endswith("ceiling_read") else ""
+            met = r[name] >= ACCEPT
+            verdict = ("met" if met else "NOT MET") if target else ""
+            lines.append(f"  {name:<22} {r[name]:5.2f}  (paired {p[name]:.2f}){target}{verdict}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=None, help="rows (default 1,000,000)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 50,000 rows, 2 rounds")
+    parser.add_argument("--no-adam", action="store_true", help="skip the case with Adam slots")
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    args = parser.parse_args(argv)
+    n = args.rows or (50_000 if args.quick else 1_000_000)
+    rounds = args.rounds or (2 if args.quick else 3)
+    cases = ["rows"] if args.no_adam else ["rows", "adam"]
+    machine = machine_info()
+    started = time.time()
+    summary: dict[str, Any] = {}
+    with (
+        memcached_cluster(NODES, memory_mb=MEMORY_MB) as servers,
+        tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as work,
+    ):
+        addresses = [s.address for s in servers]
+        for case in cases:
+            timings = asyncio.run(run_case(addresses, case, n, rounds, Path(work)))
+            summary[case] = summarize(timings, n)
+    print(render(summary, n, rounds))
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "benchmark": "checkpoint",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "wall_seconds": time.time() - started,
+        "machine": machine,
+        "code": code_fingerprint(),
+        "parameters": {
+            "rows": n,
+            "dim": DIM,
+            "rounds": rounds,
+            "quick": args.quick,
+            "nodes": NODES,
+            "memcached_memory_mb": MEMORY_MB,
+            "cases": cases,
+            "raw_chunk_keys": CHUNK,
+            "checkpoint_batch_ids": checkpoint.DEFAULT_BATCH_IDS,
+            "notes": [
+                "rows/s = table rows / seconds; in the adam case each row moves 2 values",
+                "save runs with pause=False (no optimizer service in this benchmark)",
+                "save and restore include files, sha256 and fsync; the ceilings do not",
+                "methods interleaved round by round, order rotated; gc.collect() before each",
+            ],
+        },
+        "acceptance_targets": {"save/ceiling_read": ACCEPT, "restore/ceiling_read": ACCEPT},
+        **summary,
+    }
+    path = args.out_dir / "checkpoint.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
