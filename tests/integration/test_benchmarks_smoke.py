@@ -1,7 +1,9 @@
-"""The benchmarks must keep running: `benchmarks/store.py --quick` end to end.
+"""The benchmarks must keep running: `benchmarks/store.py --quick`,
+`benchmarks/optimizer.py --quick` and `benchmarks/train.py --quick` end to end.
 
-The figures of a quick run mean nothing (3 rounds of 8,192 ids); this only checks
-that the script starts its cluster, measures every method and writes its report.
+The figures of a quick run mean nothing (3 rounds of 8,192 or 4,096 ids, or 12
+training steps); this only checks that each script starts its cluster (and
+service), measures every method, writes its report and stops what it started.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "store.py"
+OPTIMIZER_SCRIPT = ROOT / "benchmarks" / "optimizer.py"
 METHODS = ("ceiling", "lookup", "create", "pymemcache")
 RATIOS = ("lookup/ceiling", "lookup/pymemcache", "create/ceiling")
 
@@ -56,3 +59,131 @@ def test_store_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     keys = report["key_encoding"]
     assert set(keys["ratios"]) == {"naive_loop/encode_keys", "naive_loop/int_key_matrix"}
     assert (tmp_path / "store.png").stat().st_size > 0
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_optimizer_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(OPTIMIZER_SCRIPT), "--quick", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "http/inprocess" in proc.stdout
+
+    report = json.loads((tmp_path / "optimizer.json").read_text())
+    assert report["benchmark"] == "optimizer"
+    assert {"timestamp", "machine", "code", "parameters", "acceptance_targets"} <= set(report)
+    assert {"dim16", "dim64"} <= set(report)
+    assert {"nproc", "python", "numpy", "aiohttp", "memcached"} <= set(report["machine"])
+    assert report["machine"]["memcached"].startswith("memcached ")
+    params = report["parameters"]
+    assert (params["rounds"], params["ids_per_push"], params["quick"]) == (3, 4096, True)
+    assert params["dims"] == [16, 64]
+    assert report["acceptance_targets"] == {"http/inprocess": 0.7}
+
+    for dim in (16, 64):
+        result = report[f"dim{dim}"]
+        for method in ("http", "inprocess"):
+            rounds = result["seconds_per_round"][method]
+            assert len(rounds) == 3 and all(t > 0 for t in rounds), (dim, method, rounds)
+            assert result["median_seconds"][method] > 0
+            assert result["rows_per_s"][method] > 0
+        ratio = result["ratio_http_vs_inprocess"]
+        assert ratio == pytest.approx(
+            result["rows_per_s"]["http"] / result["rows_per_s"]["inprocess"]
+        )
+        assert ratio > 0 and result["ratio_median_of_paired_rounds"] > 0
+        split = result["http_split_mean_seconds"]
+        assert 0 < split["inside_apply"] < split["total"]
+        assert set(result["acceptance"]) == {"http/inprocess >= 0.7"}
+    assert (tmp_path / "optimizer.png").stat().st_size > 0
+
+
+TRAIN_SCRIPT = ROOT / "benchmarks" / "train.py"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
+    """`benchmarks/train.py --quick`: local Keras and a local cluster, 12 steps each."""
+    from lookup_table.localcluster import wait_for_port
+
+    proc = subprocess.Popen(
+        [sys.executable, str(TRAIN_SCRIPT), "--quick", "--out-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=270)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # SIGTERM: the script stops its cluster on the way out
+        stdout, stderr = proc.communicate(timeout=25)
+        pytest.fail(f"timed out; stdout:\n{stdout}\nstderr:\n{stderr}")
+    assert proc.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{stderr}"
+    assert "distributed/local examples/s" in stdout
+
+    report = json.loads((tmp_path / "train.json").read_text())
+    assert report["benchmark"] == "train"
+    assert {"timestamp", "machine", "code", "parameters", "summary", "rounds"} <= set(report)
+    assert {"nproc", "python", "tensorflow", "keras", "memcached"} <= set(report["machine"])
+    params = report["parameters"]
+    assert (params["steps"], params["warmup"], params["rounds"], params["quick"]) == (
+        12,
+        2,
+        1,
+        True,
+    )
+    assert params["batch_size"] == 1024
+    assert report["acceptance_targets"] == {
+        "distributed/local examples/s": 0.5,
+        "abs eval AUC gap": 0.01,
+    }
+
+    rounds = report["rounds"]
+    assert [r["method"] for r in rounds] == ["local", "distributed"]
+    for r in rounds:
+        assert r["steps"] == 12 and r["timed_steps"] == 10
+        assert len(r["losses"]) == 12 and all(0 < x < 10 for x in r["losses"])
+        assert r["examples_per_s"] > 0 and r["seconds"] > 0
+        assert 0 <= r["eval_auc"] <= 1 and r["eval_logloss"] > 0
+        assert r["eval_examples"] == 2 * 1024
+        assert r["attempt"] == 0 and isinstance(r["disturbed"], bool)  # --quick: no retries
+        assert all(v >= 0 for v in r["cpu"]["cpu_ms_per_step"].values())
+    local, dist = rounds
+    assert set(local["cpu"]["cpu_ms_per_step"]) == {"local"}
+    assert set(dist["cpu"]["cpu_ms_per_step"]) == {
+        "trainer",
+        "optimizer",
+        "memcached-1",
+        "memcached-2",
+    }
+    assert dist["data_digest"] == params["data"]["digest"]
+    assert dist["rows_created"] > 0 and dist["final_version"] >= 12
+    assert dist["service_log_errors"] == []
+
+    summary = report["summary"]
+    assert summary["ratio_distributed_vs_local"] == pytest.approx(
+        summary["distributed"]["examples_per_s"] / summary["local"]["examples_per_s"]
+    )
+    assert summary["auc_gap_distributed_minus_local"] == pytest.approx(
+        summary["distributed"]["eval_auc"] - summary["local"]["eval_auc"]
+    )
+    assert summary["ratio_examples_per_cpu_s"] > 0
+    assert 0.5 < summary["reference_auc_hidden_model"] <= 1
+    assert len(summary["acceptance"]) == 2
+    assert (tmp_path / "train.png").stat().st_size > 0
+
+    # the cluster was stopped: nothing listens on its ports any more
+    for address in dist["cluster"]["memcached"]:
+        host, port = address.rsplit(":", 1)
+        assert not wait_for_port(host, int(port), timeout_s=0.2), address
+    service = dist["cluster"]["optimizers"][0].removeprefix("http://")
+    host, port = service.rsplit(":", 1)
+    assert not wait_for_port(host, int(port), timeout_s=0.2), service
