@@ -42,20 +42,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
-import hashlib
-import json
-import os
-import platform
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +59,19 @@ from numpy.typing import NDArray
 from lookup_table import checkpoint
 from lookup_table.config import ClusterConfig, NodeSpec, parse_config
 from lookup_table.keys import int_key_matrix, key_prefix
-from lookup_table.localcluster import memcached_binary, memcached_cluster
+from lookup_table.localcluster import memcached_cluster
 from lookup_table.protocol import build_mg, build_ms
 from lookup_table.store import EmbeddingStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    lookup_table_fingerprint,
+    machine_info,
+    paired_ratio,
+    report_head,
+    timed,
+    write_json,
+)
 
 NODES = 2
 DIM = 16
@@ -258,13 +262,6 @@ async def clear(config: ClusterConfig) -> None:
                 await checkpoint._delete_keys(spec, config.store, keys)
 
 
-async def timed(call: Callable[[], Awaitable[object]]) -> float:
-    gc.collect()
-    start = time.perf_counter()
-    await call()
-    return time.perf_counter() - start
-
-
 async def run_case(
     addresses: list[str], case: str, n: int, rounds: int, work: Path
 ) -> dict[str, list[float]]:
@@ -344,9 +341,7 @@ def summarize(timings: dict[str, list[float]], n: int) -> dict[str, Any]:
     med = {m: statistics.median(t) for m, t in timings.items()}
     rate = {m: n / s for m, s in med.items()}
     paired = {
-        f"{num}/{den}": statistics.median(
-            d / u for u, d in zip(timings[num], timings[den], strict=True)
-        )
+        f"{num}/{den}": paired_ratio(timings[num], timings[den])
         for num, den in (
             ("save", "ceiling_read"),
             ("restore", "ceiling_read"),
@@ -369,31 +364,6 @@ def summarize(timings: dict[str, list[float]], n: int) -> dict[str, Any]:
             f"restore/ceiling_read >= {ACCEPT}": ratios["restore/ceiling_read"] >= ACCEPT,
         },
     }
-
-
-def machine_info() -> dict[str, Any]:
-    version = subprocess.run(
-        [memcached_binary(), "-V"], capture_output=True, text=True, check=True, timeout=10
-    ).stdout.strip()
-    return {
-        "nproc": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "memcached": version,
-        "loadavg_at_start": list(os.getloadavg()),
-    }
-
-
-def code_fingerprint() -> dict[str, Any]:
-    import lookup_table
-
-    root = Path(lookup_table.__file__).parent
-    files = {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in sorted(root.glob("*.py"))
-    }
-    combined = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
-    return {"lookup_table": str(root), "sha256_16": combined, "files": files}
 
 
 def render(summary: dict[str, Any], n: int, rounds: int) -> str:
@@ -428,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.rows or (50_000 if args.quick else 1_000_000)
     rounds = args.rounds or (2 if args.quick else 3)
     cases = ["rows"] if args.no_adam else ["rows", "adam"]
-    machine = machine_info()
+    machine = machine_info(cpu=False, nproc_usable=False)
     started = time.time()
     summary: dict[str, Any] = {}
     with (
@@ -442,11 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     print(render(summary, n, rounds))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
-        "benchmark": "checkpoint",
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "wall_seconds": time.time() - started,
-        "machine": machine,
-        "code": code_fingerprint(),
+        **report_head("checkpoint", started, machine),
+        "code": lookup_table_fingerprint(),
         "parameters": {
             "rows": n,
             "dim": DIM,
@@ -468,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         **summary,
     }
     path = args.out_dir / "checkpoint.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(path, report)
     print(f"\nwrote {path}")
     return 0
 

@@ -55,11 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
-import hashlib
-import json
 import os
-import platform
 import re
 import resource
 import signal
@@ -71,7 +67,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,9 +77,24 @@ from numpy.typing import NDArray
 
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, load_config
-from lookup_table.localcluster import free_port, memcached_binary, memcached_cluster
+from lookup_table.localcluster import free_port, memcached_cluster
 from lookup_table.store import EmbeddingStore
 from optimizer_service.optimizers import Optimizer, make_optimizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    code_fingerprint,
+    fmt_rate,
+    machine_busy_s,
+    machine_info,
+    paired_ratio,
+    plot_rates,
+    progress,
+    report_head,
+    timed,
+    to_toml,
+    write_json,
+)
 
 DIMS = (16, 64)
 NODES = 2
@@ -100,40 +111,10 @@ SERVICE_START_TIMEOUT_S = 60.0
 OTHER_CPU_WARNING = 0.10
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+PACKAGES = ("lookup_table", "optimizer_service")  # whose source files `code` hashes
 
 
 # ---------------------------------------------------------------- the cluster file
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {type(value).__name__} as TOML")
-
-
-def to_toml(raw: dict[str, Any]) -> str:
-    """The cluster file: scalars and lists on top, then [tables], then [[arrays of tables]]."""
-    lines = [
-        f"{k} = {_toml_value(v)}"
-        for k, v in raw.items()
-        if not isinstance(v, dict) and not (isinstance(v, list) and v and isinstance(v[0], dict))
-    ]
-    for k, v in raw.items():
-        if isinstance(v, dict):
-            lines += ["", f"[{k}]", *(f"{kk} = {_toml_value(vv)}" for kk, vv in v.items())]
-    for k, v in raw.items():
-        if isinstance(v, list) and v and isinstance(v[0], dict):
-            for item in v:
-                lines += ["", f"[[{k}]]", *(f"{kk} = {_toml_value(vv)}" for kk, vv in item.items())]
-    return "\n".join(lines) + "\n"
 
 
 def cluster_file(addresses: list[str], port: int) -> dict[str, Any]:
@@ -363,25 +344,6 @@ def unique_ids(rng: np.random.Generator, n: int) -> NDArray[np.int64]:
             return ids
 
 
-def progress(total: int, desc: str) -> Iterator[int]:
-    """tqdm on a terminal, one plain line per step otherwise."""
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        yield from tqdm(range(total), desc=desc, file=sys.stderr, leave=False)
-        return
-    for i in range(total):
-        print(f"  {desc}: round {i + 1}/{total}", file=sys.stderr, flush=True)
-        yield i
-
-
-async def timed(call: Callable[[], Awaitable[object]]) -> float:
-    gc.collect()
-    start = time.perf_counter()
-    await call()
-    return time.perf_counter() - start
-
-
 async def check_service_update(
     store: EmbeddingStore,
     client: OptimizerClient,
@@ -507,49 +469,13 @@ async def write_sentinels(config: ClusterConfig) -> None:
 # ---------------------------------------------------------------- reporting
 
 
-def machine_info() -> dict[str, Any]:
-    import aiohttp
-    import msgpack
-
-    version = subprocess.run(
-        [memcached_binary(), "-V"], capture_output=True, text=True, check=True, timeout=10
-    ).stdout.strip()
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), ""
-            )
-    except OSError:
-        pass
-    return {
-        "nproc": os.cpu_count(),
-        "nproc_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu": cpu,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "aiohttp": aiohttp.__version__,
-        "msgpack": ".".join(map(str, msgpack.version)),
-        "memcached": version,
-        "loadavg_at_start": list(os.getloadavg()),
-    }
-
-
 def cpu_snapshot() -> tuple[float, float, float]:
     """(wall s, CPU s busy on the whole machine, CPU s of this process and its reaped children).
 
     Other processes' share of the run, (busy - ours) / (wall * nproc), says how
     much the figures were disturbed (PERF-NOTES.md: they vary 15-30% anyway).
     """
-    busy = float("nan")
-    try:
-        with open("/proc/stat", encoding="ascii") as fh:
-            fields = [int(x) for x in fh.readline().split()[1:]]
-        # user nice system idle iowait irq softirq steal ...: all but idle and iowait
-        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        pass
+    busy = machine_busy_s()
     ours = 0.0
     for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
         usage = resource.getrusage(who)
@@ -574,17 +500,6 @@ def foreign_cpu(
     }
 
 
-def code_fingerprint() -> dict[str, Any]:
-    """sha256 of every lookup_table and optimizer_service source file."""
-    files = {
-        str(p.relative_to(ROOT)): hashlib.sha256(p.read_bytes()).hexdigest()[:16]
-        for pkg in ("lookup_table", "optimizer_service")
-        for p in sorted((ROOT / pkg).rglob("*.py"))
-    }
-    combined = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
-    return {"root": str(ROOT), "sha256_16": combined, "files": files}
-
-
 def summarize(results: dict[str, Timings], n_ids: int) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for dim in DIMS:
@@ -592,9 +507,7 @@ def summarize(results: dict[str, Timings], n_ids: int) -> dict[str, Any]:
         med = {m: t.median(m) for m in METHODS}
         rate = {m: n_ids / med[m] for m in METHODS}
         ratio = rate["http"] / rate["inprocess"]
-        paired = statistics.median(
-            b / a for a, b in zip(t.rounds["http"], t.rounds["inprocess"], strict=True)
-        )
+        paired = paired_ratio(t.rounds["http"], t.rounds["inprocess"])
         mean_http = statistics.fmean(t.rounds["http"])
         inside = t.service_apply["mean_seconds"]
         summary[f"dim{dim}"] = {
@@ -618,10 +531,6 @@ def summarize(results: dict[str, Timings], n_ids: int) -> dict[str, Any]:
     return summary
 
 
-def _k(rate: float) -> str:
-    return f"{rate / 1e6:.2f}M" if rate >= 1e6 else f"{rate / 1e3:.0f}k"
-
-
 def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
     lines = [
         f"Adam push of {n_ids:,} unique int64 ids, 2 memcached nodes, median of {rounds} rounds"
@@ -632,7 +541,8 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
         lines.append(f"dim {dim}")
         lines.append(f"  {'method':<40} {'median ms':>10} {'rows/s':>9}")
         lines.extend(
-            f"  {LABELS[m]:<40} {s['median_seconds'][m] * 1e3:>10.1f} {_k(s['rows_per_s'][m]):>9}"
+            f"  {LABELS[m]:<40} {s['median_seconds'][m] * 1e3:>10.1f} "
+            f"{fmt_rate(s['rows_per_s'][m]):>9}"
             for m in METHODS
         )
         split = s["http_split_mean_seconds"]
@@ -651,31 +561,19 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
 
 
 def plot(summary: dict[str, Any], path: Path, n_ids: int, rounds: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    width = 0.8 / len(METHODS)
-    x = np.arange(len(DIMS))
-    for i, m in enumerate(METHODS):
-        rates = [summary[f"dim{d}"]["rows_per_s"][m] / 1e3 for d in DIMS]
-        bars = ax.bar(x + (i - (len(METHODS) - 1) / 2) * width, rates, width, label=LABELS[m])
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax.set_xticks(
-        x,
-        [
+    plot_rates(
+        summary,
+        path,
+        methods=METHODS,
+        labels=LABELS,
+        dims=DIMS,
+        xticks=[
             f"dim {d}\nhttp/inprocess = {summary[f'dim{d}']['ratio_http_vs_inprocess']:.2f}"
             for d in DIMS
         ],
+        ylabel="thousand rows/s updated (median)",
+        title=f"Adam push of {n_ids:,} rows, 2 memcached nodes, median of {rounds} rounds",
     )
-    ax.set_ylabel("thousand rows/s updated (median)")
-    ax.set_title(f"Adam push of {n_ids:,} rows, 2 memcached nodes, median of {rounds} rounds")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -706,8 +604,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    machine = machine_info()
-    code = code_fingerprint()
+    import aiohttp
+    import msgpack
+
+    machine = machine_info(
+        {"aiohttp": aiohttp.__version__, "msgpack": ".".join(map(str, msgpack.version))}
+    )
+    code = code_fingerprint(PACKAGES)
     started = time.time()
     cpu_start = cpu_snapshot()
     with (
@@ -750,11 +653,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
-        "benchmark": "optimizer",
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "wall_seconds": time.time() - started,
-        "machine": machine,
-        "code": code,
+        **report_head("optimizer", started, machine, code),
         "parameters": {
             "rounds": args.rounds,
             "ids_per_push": args.ids,
@@ -792,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
         "acceptance_targets": {"http/inprocess": ACCEPT_HTTP_VS_INPROCESS},
         **summary,
     }
-    if code_fingerprint()["sha256_16"] != code["sha256_16"]:
+    if code_fingerprint(PACKAGES)["sha256_16"] != code["sha256_16"]:
         report["code"]["changed_on_disk_during_run"] = True
         print(
             "warning: lookup_table/ or optimizer_service/ changed on disk during the run; the "
@@ -800,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     json_path = args.out_dir / "optimizer.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(json_path, report)
     png_path = args.out_dir / "optimizer.png"
     plot(summary, png_path, args.ids, args.rounds)
     print(f"\nwrote {json_path} and {png_path}")

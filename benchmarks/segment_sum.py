@@ -33,9 +33,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -47,6 +44,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from optimizer_service.optimizers import segment_sum
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine_info, report_head, write_json
 
 DIM = 64
 ZIPF_A = 1.2
@@ -188,25 +188,6 @@ def render(title: str, result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def machine_info() -> dict[str, Any]:
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), ""
-            )
-    except OSError:
-        pass
-    return {
-        "nproc": os.cpu_count(),
-        "cpu": cpu,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "loadavg_at_start": list(os.getloadavg()),
-    }
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=15)
@@ -224,7 +205,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
-    machine = machine_info()
+    machine = machine_info(memcached=False, nproc_usable=False)
     int_names = tuple(METHODS)
     ids, grads = make_batch(args.rows, strings=False)
     bitwise = check_agree(ids, grads, int_names)
@@ -238,10 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
-        "benchmark": "segment_sum",
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "wall_seconds": time.time() - started,
-        "machine": machine,
+        **report_head("segment_sum", started, machine),
         "parameters": {
             "rounds": args.rounds,
             "rows": args.rows,
@@ -259,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "string_ids": str_result,
     }
     json_path = args.out_dir / "segment_sum.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(json_path, report)
     print(f"\nwrote {json_path}")
     return 0
 

@@ -50,16 +50,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import hashlib
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -70,9 +65,22 @@ from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig, NodeSpec, parse_config
 from lookup_table.keys import encode_keys, int_key_matrix, key_prefix
-from lookup_table.localcluster import memcached_binary, memcached_cluster
+from lookup_table.localcluster import memcached_cluster
 from lookup_table.sharding import node_of
 from lookup_table.store import EmbeddingStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    fmt_rate,
+    lookup_table_fingerprint,
+    machine_info,
+    paired_ratio,
+    plot_rates,
+    progress,
+    report_head,
+    timed,
+    write_json,
+)
 
 DIMS = (16, 64)
 NODES = 2
@@ -259,25 +267,6 @@ def unique_id_blocks(rng: np.random.Generator, blocks: int, n: int) -> list[NDAr
             return [ids[b * n : (b + 1) * n].copy() for b in range(blocks)]
 
 
-def progress(total: int, desc: str) -> Iterator[int]:
-    """tqdm on a terminal, one plain line per step otherwise."""
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        yield from tqdm(range(total), desc=desc, file=sys.stderr, leave=False)
-        return
-    for i in range(total):
-        print(f"  {desc}: round {i + 1}/{total}", file=sys.stderr, flush=True)
-        yield i
-
-
-async def timed(call: Callable[[], Awaitable[object]]) -> float:
-    gc.collect()
-    start = time.perf_counter()
-    await call()
-    return time.perf_counter() - start
-
-
 def timed_sync(call: Callable[[], object]) -> float:
     gc.collect()
     start = time.perf_counter()
@@ -383,45 +372,6 @@ async def run_cluster(config: ClusterConfig, *, n_ids: int, rounds: int) -> dict
 # ---------------------------------------------------------------- reporting
 
 
-def machine_info() -> dict[str, Any]:
-    import pymemcache
-
-    version = subprocess.run(
-        [memcached_binary(), "-V"], capture_output=True, text=True, check=True, timeout=10
-    ).stdout.strip()
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), ""
-            )
-    except OSError:
-        pass
-    return {
-        "nproc": os.cpu_count(),
-        "nproc_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu": cpu,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "pymemcache": pymemcache.__version__,
-        "memcached": version,
-        "loadavg_at_start": list(os.getloadavg()),
-    }
-
-
-def code_fingerprint() -> dict[str, Any]:
-    """sha256 of every lookup_table source file: which code these figures belong to."""
-    import lookup_table
-
-    root = Path(lookup_table.__file__).parent
-    files = {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in sorted(root.glob("*.py"))
-    }
-    combined = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
-    return {"lookup_table": str(root), "sha256_16": combined, "files": files}
-
-
 def summarize(results: dict[str, Any], n_ids: int) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for dim in DIMS:
@@ -429,9 +379,7 @@ def summarize(results: dict[str, Any], n_ids: int) -> dict[str, Any]:
         med = {m: t.median(m) for m in METHODS}
         rate = {m: n_ids / med[m] for m in METHODS}
         paired = {
-            name: statistics.median(
-                a / b for a, b in zip(t.rounds[den], t.rounds[num], strict=True)
-            )
+            name: paired_ratio(t.rounds[num], t.rounds[den])
             for name, num, den in (
                 ("lookup/ceiling", "lookup", "ceiling"),
                 ("lookup/pymemcache", "lookup", "pymemcache"),
@@ -469,10 +417,6 @@ def summarize(results: dict[str, Any], n_ids: int) -> dict[str, Any]:
     return summary
 
 
-def _k(rate: float) -> str:
-    return f"{rate / 1e6:.2f}M" if rate >= 1e6 else f"{rate / 1e3:.0f}k"
-
-
 def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
     lines = [f"{n_ids:,} unique int64 ids per batch, 2 nodes, median of {rounds} rounds"]
     for dim in DIMS:
@@ -483,7 +427,7 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
         for m in METHODS:
             rate = s["rows_per_s"][m]
             lines.append(
-                f"  {LABELS[m]:<36} {s['median_seconds'][m] * 1e3:>10.1f} {_k(rate):>9} "
+                f"  {LABELS[m]:<36} {s['median_seconds'][m] * 1e3:>10.1f} {fmt_rate(rate):>9} "
                 f"{rate / s['rows_per_s']['ceiling']:>10.2f}"
             )
         r, p = s["ratios"], s["ratios_median_of_paired_rounds"]
@@ -504,7 +448,7 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
     lines.append("")
     lines.append(f"key encoding of {n_ids:,} int ids")
     lines.extend(
-        f"  {m:<36} {k['median_seconds'][m] * 1e3:>10.2f} ms {_k(k['ids_per_s'][m]):>9} ids/s"
+        f"  {m:<36} {k['median_seconds'][m] * 1e3:>10.2f} ms {fmt_rate(k['ids_per_s'][m]):>9} ids/s"
         for m in KEY_METHODS
     )
     lines.append(
@@ -515,25 +459,16 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
 
 
 def plot(summary: dict[str, Any], path: Path, n_ids: int, rounds: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    width = 0.8 / len(METHODS)
-    x = np.arange(len(DIMS))
-    for i, m in enumerate(METHODS):
-        rates = [summary[f"dim{d}"]["rows_per_s"][m] / 1e3 for d in DIMS]
-        bars = ax.bar(x + (i - (len(METHODS) - 1) / 2) * width, rates, width, label=LABELS[m])
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax.set_xticks(x, [f"dim {d}" for d in DIMS])
-    ax.set_ylabel("thousand rows/s (median)")
-    ax.set_title(f"Reading {n_ids:,} rows from 2 memcached nodes, median of {rounds} rounds")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_rates(
+        summary,
+        path,
+        methods=METHODS,
+        labels=LABELS,
+        dims=DIMS,
+        xticks=[f"dim {d}" for d in DIMS],
+        ylabel="thousand rows/s (median)",
+        title=f"Reading {n_ids:,} rows from 2 memcached nodes, median of {rounds} rounds",
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -558,8 +493,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    machine = machine_info()
-    code = code_fingerprint()
+    import pymemcache
+
+    machine = machine_info({"pymemcache": pymemcache.__version__})
+    code = lookup_table_fingerprint()
     started = time.time()
     with memcached_cluster(NODES, memory_mb=MEMORY_MB) as servers:
         config = make_config([s.address for s in servers])
@@ -570,11 +507,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
-        "benchmark": "store",
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "wall_seconds": time.time() - started,
-        "machine": machine,
-        "code": code,
+        **report_head("store", started, machine, code),
         "parameters": {
             "rounds": args.rounds,
             "ids_per_batch": args.ids,
@@ -603,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         **summary,
     }
-    if code_fingerprint()["sha256_16"] != code["sha256_16"]:
+    if lookup_table_fingerprint()["sha256_16"] != code["sha256_16"]:
         # This process kept the code it imported at start (hashed in `code.files`).
         report["code"]["changed_on_disk_during_run"] = True
         print(
@@ -612,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     json_path = args.out_dir / "store.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(json_path, report)
     png_path = args.out_dir / "store.png"
     plot(summary, png_path, args.ids, args.rounds)
     print(f"\nwrote {json_path} and {png_path}")

@@ -89,7 +89,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import re
 import signal
 import statistics
@@ -105,13 +104,24 @@ from typing import Any
 
 import numpy as np
 
-from lookup_table.localcluster import free_port, memcached_binary
+from lookup_table.localcluster import free_port
 from trainer.data import Batch, SyntheticSource
 from trainer.metrics import auc, logloss
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    code_fingerprint,
+    machine_busy_s,
+    machine_info,
+    report_head,
+    to_toml,
+    write_json,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "deploy" / "demo.toml"
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+PACKAGES = ("lookup_table", "optimizer_service", "trainer")  # whose source files `code` hashes
 
 MODEL = "mlp"
 HIDDEN = (256, 128)
@@ -203,16 +213,6 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
             fields = text[text.rindex(")") + 2 :].split()
             out[re.sub(r"\d+$", "#", comm)] += (int(fields[11]) + int(fields[12])) / _CLK_TCK
     return dict(out)
-
-
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine spent busy since boot (all but idle and iowait)."""
-    try:
-        with open("/proc/stat", encoding="ascii") as fh:
-            fields = [int(x) for x in fh.readline().split()[1:]]
-    except (OSError, ValueError):
-        return float("nan")
-    return (sum(fields[:8]) - fields[3] - fields[4]) / _CLK_TCK
 
 
 MEMCACHED_COUNTERS = (
@@ -455,41 +455,6 @@ def run_local(
 
 
 # ---------------------------------------------------------------- (b) the cluster
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {type(value).__name__} as TOML")
-
-
-def to_toml(raw: Mapping[str, Any]) -> str:
-    """Scalars and lists on top, then [tables], then [[arrays of tables]]."""
-
-    def is_table_array(v: Any) -> bool:
-        return isinstance(v, list) and bool(v) and isinstance(v[0], dict)
-
-    lines = [
-        f"{k} = {_toml_value(v)}"
-        for k, v in raw.items()
-        if not isinstance(v, dict) and not is_table_array(v)
-    ]
-    for k, v in raw.items():
-        if isinstance(v, dict):
-            lines += ["", f"[{k}]", *(f"{kk} = {_toml_value(vv)}" for kk, vv in v.items())]
-    for k, v in raw.items():
-        if is_table_array(v):
-            for item in v:
-                lines += ["", f"[[{k}]]", *(f"{kk} = {_toml_value(vv)}" for kk, vv in item.items())]
-    return "\n".join(lines) + "\n"
 
 
 def write_cluster_file(path: Path, *, mode: str = "async") -> dict[str, Any]:
@@ -757,44 +722,6 @@ def summarize_py_spy(path: Path, *, steps: int, top: int = 15) -> dict[str, Any]
 # ---------------------------------------------------------------- reporting
 
 
-def machine_info() -> dict[str, Any]:
-    import keras
-    import tensorflow as tf
-
-    version = subprocess.run(
-        [memcached_binary(), "-V"], capture_output=True, text=True, check=True, timeout=10
-    ).stdout.strip()
-    cpu = ""
-    with (
-        contextlib.suppress(OSError),
-        open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh,
-    ):
-        cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), "")
-    return {
-        "nproc": os.cpu_count(),
-        "nproc_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu": cpu,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "tensorflow": tf.__version__,
-        "keras": keras.__version__,
-        "memcached": version,
-        "loadavg_at_start": list(os.getloadavg()),
-    }
-
-
-def code_fingerprint() -> dict[str, Any]:
-    """sha256 of every lookup_table, optimizer_service and trainer source file."""
-    files = {
-        str(p.relative_to(ROOT)): hashlib.sha256(p.read_bytes()).hexdigest()[:16]
-        for pkg in ("lookup_table", "optimizer_service", "trainer")
-        for p in sorted((ROOT / pkg).rglob("*.py"))
-    }
-    combined = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
-    return {"root": str(ROOT), "sha256_16": combined, "files": files}
-
-
 def summarize(
     rounds: Sequence[Mapping[str, Any]], reference_auc: float, batch_size: int
 ) -> dict[str, Any]:
@@ -1054,8 +981,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # a SIGTERM (e.g. a test's timeout) unwinds through the finally that stops the cluster
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.time()
-    machine = machine_info()
-    code = code_fingerprint()
+    import keras
+    import tensorflow as tf
+
+    machine = machine_info({"tensorflow": tf.__version__, "keras": keras.__version__})
+    code = code_fingerprint(PACKAGES)
 
     from lookup_table.config import load_config
     from trainer.models import build_model
@@ -1152,11 +1082,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
-        "benchmark": "train",
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "wall_seconds": time.time() - started,
-        "machine": machine,
-        "code": code,
+        **report_head("train", started, machine, code),
         "parameters": {
             **params,
             "model": MODEL,
@@ -1201,7 +1127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if profile is not None:
         report["profile"] = profile
-    changed = code_fingerprint()["sha256_16"] != code["sha256_16"]
+    changed = code_fingerprint(PACKAGES)["sha256_16"] != code["sha256_16"]
     if changed:
         report["code"]["changed_on_disk_during_run"] = True
         print("warning: the code changed on disk during the run", file=sys.stderr)
@@ -1213,7 +1139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     json_path = args.out_dir / "train.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(json_path, report)
     png_path = args.out_dir / "train.png"
     used = [
         r for r in rounds if f"{r['round']}.{r['attempt']}" in summary[r["method"]]["rounds_used"]
