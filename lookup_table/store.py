@@ -664,20 +664,45 @@ class EmbeddingStore:
             )
         return reply.end
 
+    async def _batch(
+        self,
+        node: _Node,
+        keys: Keys,
+        commands: bytes,
+        parse_reply: Callable[[bytes, int], protocol.MgReply | protocol.MsReply | None],
+        finish: Callable[[bytes, Any], T],
+        *,
+        check: bool = True,
+    ) -> T:
+        """One pipelined round trip: [sentinel read] + `commands` + `mn`.
+
+        `parse_reply(data, pos)` parses the commands' replies from `pos` (None while
+        incomplete); the sentinel, completeness and per-key error lines are checked
+        here once for every kind of batch, then `finish(data, reply)` builds the result.
+        """
+        check = check and self._check_sentinels
+        request = (self._sentinel_request() if check else b"") + commands
+
+        def parse(data: bytes) -> T | None:
+            pos = self._check_sentinel(node, data) if check else 0
+            if pos is None:
+                return None
+            reply = parse_reply(data, pos)
+            if reply is None or data[reply.end :] != protocol.END_REPLY:
+                return self._incomplete(node, data, reply)
+            self._raise_reply_errors(node, keys, reply.errors)
+            return finish(data, reply)
+
+        return await node.roundtrip(request, parse)
+
     async def _mg_fixed(
         self, node: _Node, keys: Keys, nbytes: int
     ) -> tuple[NDArray[np.uint8], NDArray[np.bool_]]:
         n = _num_keys(keys)
-        request = self._sentinel_request() + protocol.build_mg(keys)
 
-        def parse(data: bytes) -> tuple[NDArray[np.uint8], NDArray[np.bool_]] | None:
-            pos = self._check_sentinel(node, data)
-            if pos is None:
-                return None
-            reply = protocol.parse_mg(data, pos, n, nbytes=nbytes)
-            if reply is None or data[reply.end :] != protocol.END_REPLY:
-                return self._incomplete(node, data, reply)
-            self._raise_reply_errors(node, keys, reply.errors)
+        def finish(
+            data: bytes, reply: protocol.MgReply
+        ) -> tuple[NDArray[np.uint8], NDArray[np.bool_]]:
             found = reply.found
             bad = np.flatnonzero(found & (reply.sizes != nbytes))
             if bad.size:
@@ -691,27 +716,31 @@ class EmbeddingStore:
                 )
             return protocol.gather_values(data, reply, nbytes), found
 
-        return await node.roundtrip(request, parse)
+        return await self._batch(
+            node,
+            keys,
+            protocol.build_mg(keys),
+            lambda data, pos: protocol.parse_mg(data, pos, n, nbytes=nbytes),
+            finish,
+        )
 
     async def _mg_blobs(self, node: _Node, keys: Keys, *, check: bool = True) -> list[bytes | None]:
         n = _num_keys(keys)
-        check = check and self._check_sentinels
-        request = (self._sentinel_request() if check else b"") + protocol.build_mg(keys)
 
-        def parse(data: bytes) -> list[bytes | None] | None:
-            pos = self._check_sentinel(node, data) if check else 0
-            if pos is None:
-                return None
-            reply = protocol.parse_mg(data, pos, n)
-            if reply is None or data[reply.end :] != protocol.END_REPLY:
-                return self._incomplete(node, data, reply)
-            self._raise_reply_errors(node, keys, reply.errors)
+        def finish(data: bytes, reply: protocol.MgReply) -> list[bytes | None]:
             return [
                 data[s : s + z] if s >= 0 else None
                 for s, z in zip(reply.starts.tolist(), reply.sizes.tolist(), strict=True)
             ]
 
-        return await node.roundtrip(request, parse)
+        return await self._batch(
+            node,
+            keys,
+            protocol.build_mg(keys),
+            lambda data, pos: protocol.parse_mg(data, pos, n),
+            finish,
+            check=check,
+        )
 
     async def _ms(
         self,
@@ -724,19 +753,8 @@ class EmbeddingStore:
         ttl_s: int = 0,
     ) -> NDArray[np.bool_]:
         n = _num_keys(keys)
-        check = check and self._check_sentinels
-        request = (self._sentinel_request() if check else b"") + protocol.build_ms(
-            keys, values, add=add, ttl_s=ttl_s
-        )
 
-        def parse(data: bytes) -> NDArray[np.bool_] | None:
-            pos = self._check_sentinel(node, data) if check else 0
-            if pos is None:
-                return None
-            reply = protocol.parse_ms(data, pos, n)
-            if reply is None or data[reply.end :] != protocol.END_REPLY:
-                return self._incomplete(node, data, reply)
-            self._raise_reply_errors(node, keys, reply.errors)
+        def finish(data: bytes, reply: protocol.MsReply) -> NDArray[np.bool_]:
             ok: NDArray[np.bool_] = np.equal(reply.status, protocol.STATUS_STORED)
             if not add and not ok.all():
                 i = int(np.flatnonzero(~ok)[0])
@@ -752,24 +770,29 @@ class EmbeddingStore:
                 )
             return ok
 
-        return await node.roundtrip(request, parse)
+        return await self._batch(
+            node,
+            keys,
+            protocol.build_ms(keys, values, add=add, ttl_s=ttl_s),
+            lambda data, pos: protocol.parse_ms(data, pos, n),
+            finish,
+            check=check,
+        )
 
     async def _md(self, node: _Node, keys: Keys) -> NDArray[np.bool_]:
         n = _num_keys(keys)
-        request = self._sentinel_request() + protocol.build_md(keys)
 
-        def parse(data: bytes) -> NDArray[np.bool_] | None:
-            pos = self._check_sentinel(node, data)
-            if pos is None:
-                return None
-            reply = protocol.parse_ms(data, pos, n)
-            if reply is None or data[reply.end :] != protocol.END_REPLY:
-                return self._incomplete(node, data, reply)
-            self._raise_reply_errors(node, keys, reply.errors)
+        def finish(data: bytes, reply: protocol.MsReply) -> NDArray[np.bool_]:
             existed: NDArray[np.bool_] = np.equal(reply.status, protocol.STATUS_STORED)
             return existed
 
-        return await node.roundtrip(request, parse)
+        return await self._batch(
+            node,
+            keys,
+            protocol.build_md(keys),
+            lambda data, pos: protocol.parse_ms(data, pos, n),
+            finish,
+        )
 
     @staticmethod
     def _incomplete(node: _Node, data: bytes, reply: object) -> None:
