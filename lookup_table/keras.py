@@ -199,7 +199,9 @@ class DistributedEmbedding(keras.layers.Layer):
             self.records.append(RecordedLookup(table=self.table, ids=uniq, rows=tensor))
         return tensor, inverse.reshape(-1).astype(np.intp)
 
-    def _valid(self, ids: IdArray) -> NDArray[np.bool_]:
+    def not_padding(self, ids: IdArray) -> NDArray[np.bool_]:
+        """Which of `ids` (n,) are not the padding id, bool (n,) (the trainer prefetches
+        exactly these)."""
         if self.padding_id is None:
             return np.ones(ids.shape[0], dtype=bool)
         pad = self.padding_id
@@ -241,7 +243,7 @@ class DistributedEmbedding(keras.layers.Layer):
         values = inputs.numpy()
         shape = values.shape
         flat = _to_ids(values.reshape(-1), self.table)
-        valid = self._valid(flat)
+        valid = self.not_padding(flat)
         rows, inverse = self._lookup(flat[valid], training)
         if self.combiner is None:
             # padded positions gather an extra zero row (its gradient is dropped)
@@ -262,7 +264,7 @@ class DistributedEmbedding(keras.layers.Layer):
             raise ValueError(f"ragged ids must have ragged_rank 1, got {inputs.ragged_rank}")
         values = _to_ids(inputs.flat_values.numpy(), self.table)
         splits = inputs.row_splits.numpy()
-        valid = self._valid(values)
+        valid = self.not_padding(values)
         rows, inverse = self._lookup(values[valid], training)
         if self.combiner is None:
             index = np.full(values.shape[0], rows.shape[0], dtype=np.int64)
@@ -288,7 +290,7 @@ class DistributedEmbedding(keras.layers.Layer):
         batch = int(inputs.dense_shape.numpy()[0])
         segments = inputs.indices.numpy()[:, 0]
         w = None
-        keep = self._valid(values)
+        keep = self.not_padding(values)
         if weights is not None:
             w = weights.values.numpy().astype(np.float32)
             if w.shape[0] != values.shape[0]:
@@ -334,7 +336,7 @@ class DistributedEmbedding(keras.layers.Layer):
         """Runs inside the graph (tf.py_function): rows of the unique contributing ids
         and, per flat position, its row (or u, the zero row, if it contributes nothing)."""
         ids = _to_ids(ids_t.numpy(), self.table)
-        keep = self._valid(ids)
+        keep = self.not_padding(ids)
         weights = weights_t.numpy()
         if weights.shape[0] not in (0, ids.shape[0]):
             raise ValueError(f"sparse_weights has {weights.shape[0]} values for {ids.shape[0]} ids")

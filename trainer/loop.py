@@ -242,8 +242,7 @@ class Trainer:
                 continue
             raw = _column_ids(features[layer.feature])
             ids = as_ids(raw.tolist() if raw.dtype.kind in "SO" else raw, table=layer.table)
-            if layer.padding_id is not None:
-                ids = ids[np.asarray([x != layer.padding_id for x in ids.tolist()], bool)]
+            ids = ids[layer.not_padding(ids)]
             uniq = cast(IdArray, np.unique(ids)) if ids.shape[0] else ids
             fut = self._submit(self._store.lookup(layer.table, uniq))
             pre.entries.setdefault(layer.table, []).append((uniq, fut))
