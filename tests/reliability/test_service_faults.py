@@ -10,23 +10,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gzip
-import hashlib
 import io
 import itertools
 import json
 import math
-import os
 import random
-import signal
-import subprocess
-import sys
 import time
 import uuid
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote_to_bytes
+from urllib.parse import quote
 
 import aiohttp
 import msgpack
@@ -34,20 +29,25 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
-from pymemcache.client.base import Client as MemcacheClient
 
 from lookup_table import EmbeddingStore, initial_rows
 from lookup_table.client import OptimizerClient
-from lookup_table.config import ClusterConfig, load_config
+from lookup_table.config import load_config
 from lookup_table.localcluster import MemcachedProcess, free_port
 from lookup_table.wire import CONTENT_TYPE, encode_array, encode_ids, pack
 from optimizer_service.app import make_app
-from optimizer_service.optimizers import make_optimizer
 from tests.conftest import make_config
+from tests.reliability.harness import (
+    ServiceProcess,
+    cluster_file,
+    fingerprint,
+    item_counts,
+    memcache_client,
+    metadump_keys,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.integration
-
-REPO = Path(__file__).resolve().parents[2]
 
 FUZZ_TABLES: list[dict[str, Any]] = [
     {"name": "user", "dim": 8, "seed": 1, "optimizer": {"name": "sgd", "learning_rate": 0.5}},
@@ -81,76 +81,6 @@ WEIRD_IDS = [
 ]
 # ids that can never be a memcached key (the encoded key is > 250 bytes).
 TOO_LONG_IDS = ["x" * 300, "é" * 60, "\r\n" * 80, "%" * 100, "a" * 251, "a b" * 90]
-
-
-# ------------------------------------------------------------------ helpers (memcached side)
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, port = address.rsplit(":", 1)
-    return host, int(port)
-
-
-def _memcache(address: str) -> MemcacheClient:
-    return MemcacheClient(_host_port(address), connect_timeout=2, timeout=2)
-
-
-def _item_counts(nodes: list[str]) -> dict[str, tuple[int, int]]:
-    """(curr_items, total_items) of every node, read with pymemcache (not our store)."""
-    out = {}
-    for address in nodes:
-        client = _memcache(address)
-        try:
-            stats = client.stats()
-        finally:
-            client.close()
-        out[address] = (int(stats[b"curr_items"]), int(stats[b"total_items"]))
-    return out
-
-
-async def _metadump_keys(address: str) -> list[bytes]:
-    """Every key on a node, raw (memcached URL-encodes them in `lru_crawler metadump`)."""
-    host, port = _host_port(address)
-    for _ in range(50):
-        reader, writer = await asyncio.open_connection(host, port)
-        try:
-            writer.write(b"lru_crawler metadump all\r\n")
-            await writer.drain()
-            data = b""
-            while not (data.endswith(b"END\r\n") or data.startswith((b"BUSY", b"ERROR"))):
-                chunk = await asyncio.wait_for(reader.read(1 << 16), timeout=5)
-                if not chunk:
-                    break
-                data += chunk
-        finally:
-            writer.close()
-            await writer.wait_closed()
-        if data.endswith(b"END\r\n"):
-            return [
-                unquote_to_bytes(line.split(b" ", 1)[0][len(b"key=") :].decode("ascii"))
-                for line in data.splitlines()
-                if line.startswith(b"key=")
-            ]
-        await asyncio.sleep(0.05)  # the crawler is busy: try again
-    raise AssertionError(f"lru_crawler metadump on {address} never finished: {data[:200]!r}")
-
-
-async def _fingerprint(
-    config: ClusterConfig, created: dict[str, Any]
-) -> dict[str, tuple[str, bool]]:
-    """A checksum of every row and slot of the ids created beforehand, and whether all exist."""
-    out: dict[str, tuple[str, bool]] = {}
-    async with EmbeddingStore(config) as store:
-        for table, ids in created.items():
-            spec = config.table(table)
-            widths = {"w": spec.dim, "s": make_optimizer(spec.optimizer).slot_width(spec.dim)}
-            for kind, width in widths.items():
-                if width == 0:
-                    continue
-                values, found = await store.get(table, ids, kind=kind, width=width)
-                digest = hashlib.blake2b(values.tobytes() + found.tobytes()).hexdigest()
-                out[f"{table}/{kind}"] = (digest, bool(found.all()))
-    return out
 
 
 # ------------------------------------------------------------------ the fuzz corpus
@@ -839,10 +769,10 @@ async def test_fuzzed_bodies_never_5xx_and_leave_the_store_unchanged(
         result = await client.push({"ads": (created["ads"], np.ones((10, 16), np.float32))})
         assert result["applied"]
 
-    before = await _fingerprint(config, created)
+    before = await fingerprint(config, created)
     assert all(found for _, found in before.values()), before
     assert set(before) == {"user/w", "word/w", "ads/w", "ads/s"}
-    counts_before = _item_counts(nodes)
+    counts_before = item_counts(nodes)
 
     cases = _Corpus(seed=20241122).build(n_random=300)
     assert len(cases) >= 300
@@ -886,8 +816,8 @@ async def test_fuzzed_bodies_never_5xx_and_leave_the_store_unchanged(
             healthz = health.status
     elapsed = time.monotonic() - started
 
-    after = await _fingerprint(config, created)
-    counts_after = _item_counts(nodes)
+    after = await fingerprint(config, created)
+    counts_after = item_counts(nodes)
     failures = []
     if healthz != 200:
         failures.append(f"/healthz answered {healthz} after the fuzzing")
@@ -948,7 +878,7 @@ async def test_hostile_string_ids_are_percent_encoded_never_raw(
     np.testing.assert_allclose(rows, init - np.float32(0.25) * grads, rtol=1e-6)
 
     # memcached's own view: every key printable ASCII, no raw id, no injected key
-    keys = [k for address in nodes for k in await _metadump_keys(address)]
+    keys = [k for address in nodes for k in await metadump_keys(address)]
     for key in keys:
         assert len(key) <= 250 and all(0x21 <= b <= 0x7E for b in key), key
     prefix = f"{config.namespace}/word/w/".encode()
@@ -956,7 +886,7 @@ async def test_hostile_string_ids_are_percent_encoded_never_raw(
     assert {k for k in keys if k.startswith(prefix)} == want
     stored = 0
     for address in nodes:
-        client = _memcache(address)
+        client = memcache_client(address)
         try:
             for raw in (b"x", b"y", b"v", b"set", b"a"):
                 assert client.get(raw) is None, (address, raw)
@@ -964,115 +894,6 @@ async def test_hostile_string_ids_are_percent_encoded_never_raw(
         finally:
             client.close()
     assert stored == len(ids)  # each row on exactly one node
-
-
-# ------------------------------------------------------------------ the service as a process
-
-
-class _Service:
-    """`python -m optimizer_service.app` as a real subprocess, logs appended to files."""
-
-    def __init__(self, config_path: Path, port: int, log_dir: Path, *, log_level: str) -> None:
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "optimizer_service.app",
-            "--config",
-            str(config_path),
-            "--port",
-            str(port),
-            "--log-level",
-            log_level,
-        ]
-        self.url = f"http://127.0.0.1:{port}"
-        self.stdout_path = log_dir / "service.stdout.log"
-        self.stderr_path = log_dir / "service.stderr.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "LOOKUP_TABLE_TOKEN"}
-        env["PYTHONUNBUFFERED"] = "1"
-        with open(self.stdout_path, "ab") as out, open(self.stderr_path, "ab") as err:
-            self.proc = subprocess.Popen(
-                self.cmd,
-                cwd=REPO,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-            )
-
-    def exit_code(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def kill(self) -> None:
-        """kill -9 (idempotent)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait(timeout=10)
-
-    def terminate(self) -> None:
-        """SIGTERM (a graceful stop that flushes the logs), then kill -9 after 10 s."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def log(self) -> str:
-        return "".join(
-            p.read_text(errors="replace")
-            for p in (self.stdout_path, self.stderr_path)
-            if p.exists()
-        )
-
-
-async def _wait_healthy(service: _Service, *, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
-        while True:
-            code = service.exit_code()
-            if code is not None:
-                raise AssertionError(f"the service exited ({code}):\n{service.log()[-3000:]}")
-            try:
-                async with session.get(service.url + "/healthz") as resp:
-                    if resp.status == 200:
-                        return
-            except (aiohttp.ClientError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"/healthz not 200 within {timeout_s} s:\n{service.log()[-3000:]}"
-                )
-            await asyncio.sleep(0.05)
-
-
-def _cluster_file(tmp_path: Path, nodes: list[str], port: int, *, token: str = "") -> Path:
-    path = tmp_path / "cluster.toml"
-    lines = [
-        f'namespace = "k{uuid.uuid4().hex[:12]}"',
-        "memcached = [" + ", ".join(f'"{n}"' for n in nodes) + "]",
-        f'optimizers = ["http://127.0.0.1:{port}"]',
-    ]
-    if token:
-        lines.append(f'token = "{token}"')
-    lines += [
-        "",
-        "[service]",
-        "request_timeout_s = 15.0",
-        "",
-        "[[tables]]",
-        'name = "user"',
-        "dim = 8",
-        "seed = 1",
-        'optimizer = { name = "sgd", learning_rate = 0.5 }',
-        "",
-    ]
-    path.write_text("\n".join(lines))
-    return path
 
 
 # ------------------------------------------------------------------ 2. kill -9 under load
@@ -1086,7 +907,7 @@ async def test_killed_service_applies_every_retried_push_exactly_once(
     kill -9'ed 3 times and restarted: rows == init - 0.5 * sum(grads), so no push was lost
     and none was applied twice (journal replay + done records)."""
     port = free_port()
-    path = _cluster_file(tmp_path, memcached_nodes, port)
+    path = cluster_file(tmp_path, memcached_nodes, port)
     config = load_config(path)
     rng = np.random.default_rng(31337)
     hot = np.unique(
@@ -1102,7 +923,7 @@ async def test_killed_service_applies_every_retried_push_exactly_once(
         await store.write_sentinels()
         init = await store.lookup("user", hot)
 
-    service = _Service(path, port, tmp_path, log_level="INFO")
+    service = ServiceProcess(path, port, tmp_path, log_level="INFO")
     total = np.zeros((64, 8), dtype=np.float64)
     min_pushes, max_pushes, window = 150, 2000, 4
     killer_done = asyncio.Event()
@@ -1155,13 +976,13 @@ async def test_killed_service_applies_every_retried_push_exactly_once(
                 kills_at.append(pushes_done)
                 service.kill()
                 service.start()
-                await _wait_healthy(service)
+                await wait_healthy(service)
         finally:
             killer_done.set()
 
     try:
         service.start()
-        await _wait_healthy(service)
+        await wait_healthy(service)
         started = time.monotonic()
         await asyncio.gather(trainer(), killer())
         elapsed = time.monotonic() - started
@@ -1217,7 +1038,7 @@ async def test_auth_token_never_logged(memcached_nodes: list[str], tmp_path: Pat
     works, and the token appears nowhere in the service's stdout/stderr, even at DEBUG."""
     token = "tok" + uuid.uuid4().hex + uuid.uuid4().hex
     port = free_port()
-    path = _cluster_file(tmp_path, memcached_nodes, port, token=token)
+    path = cluster_file(tmp_path, memcached_nodes, port, token=token)
     config = load_config(path)
     assert config.token == token
     async with EmbeddingStore(config) as store:
@@ -1235,10 +1056,10 @@ async def test_auth_token_never_logged(memcached_nodes: list[str], tmp_path: Pat
         "token twice": f"Bearer {token} {token}",
     }
     statuses: dict[str, int] = {}
-    service = _Service(path, port, tmp_path, log_level="DEBUG")
+    service = ServiceProcess(path, port, tmp_path, log_level="DEBUG")
     try:
         service.start()
-        await _wait_healthy(service)
+        await wait_healthy(service)
         async with aiohttp.ClientSession() as http:
             for label, value in wrong.items():
                 headers = {} if value is None else {"Authorization": value}
