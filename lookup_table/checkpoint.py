@@ -1,7 +1,7 @@
 """`lookup-table-checkpoint`: consistent checkpoints that do not depend on the node count.
 
     lookup-table-checkpoint save    --config C --dir D [--no-pause]
-    lookup-table-checkpoint restore --config C --dir D [--force]
+    lookup-table-checkpoint restore --config C --dir D [--force] [--no-pause]
     lookup-table-checkpoint export  --dir D --out model.npz
 
 **save** pauses every optimizer replica (in-flight pushes finish, new ones wait;
@@ -30,8 +30,11 @@ namespace's sentinels, writes rows, slots, the dense generation, its `current`
 pointer and the version keys into the cluster file's nodes (any number: the
 placement is recomputed), and writes the sentinels last: a restore that fails
 part-way leaves the namespace without sentinels, so trainers get
-`DataLossError` instead of training on half a model. Restart the optimizer
-replicas afterwards (they load their version at startup).
+`DataLossError` instead of training on half a model. The running optimizer
+replicas are paused for the whole restore (no push mixes old and restored rows)
+and resumed with `?reload=1`, which makes them read the restored version; a
+replica that is not running loads it when it starts (`--no-pause`: leave them
+alone and restart them afterwards).
 
 **export** writes every table's ids and rows (and the dense parameters) into one
 `.npz` that `np.load(path, allow_pickle=False)` reads without memcached.
@@ -1412,13 +1415,20 @@ async def restore_checkpoint(
     directory: str | os.PathLike[str],
     *,
     force: bool = False,
+    pause: bool = True,
     batch_ids: int = DEFAULT_BATCH_IDS,
     progress: bool | None = None,
 ) -> dict[str, Any]:
     """Restore a checkpoint into the namespace and nodes of `config`; return a summary.
 
+    Running optimizer replicas are paused for the restore (no push mixes old and restored
+    rows) and then resumed with a reload, so they serve the restored version without a
+    restart; replicas that are not running load it when they start.
+
     Args:
         force: replace a namespace that already holds data (its keys are deleted first).
+        pause: pause and reload the running replicas (false: leave them alone; restart
+            them afterwards).
         batch_ids: ids per pipelined write (each is split by node).
         progress: a tqdm bar on stderr; None = only on a terminal.
 
@@ -1435,7 +1445,10 @@ async def restore_checkpoint(
     for warning in check_compatible(manifest, config):
         logger.warning("%s", warning)
     ns = config.namespace
-    async with EmbeddingStore(config, check_sentinels=False) as store:
+    async with (
+        EmbeddingStore(config, check_sentinels=False) as store,
+        _PausedReplicas(config, enabled=pause) as replicas,
+    ):
         dumps = await _namespace_keys(store)
         sentinel_body = sentinel_key(ns).rsplit(b"/", 1)[1]
         data = {
@@ -1475,9 +1488,65 @@ async def restore_checkpoint(
         "nodes": list(config.node_addresses),
         "deleted_keys": deleted,
         "sentinels": written,
+        "replicas_reloaded": replicas.paused,
+        "replicas_not_running": replicas.unreachable,
         "seconds": seconds,
         "rows_per_s": rows / seconds if seconds > 0 else 0.0,
     }
+
+
+class _PausedReplicas:
+    """Pause the optimizer replicas that answer; on exit, resume them with a reload.
+
+    A replica that does not answer is not running (or not reachable): it reads the
+    restored version when it starts. A replica that answers but refuses (e.g. a wrong
+    token) stops the restore before anything is written.
+    """
+
+    def __init__(self, config: ClusterConfig, *, enabled: bool) -> None:
+        self.config = config
+        self.enabled = enabled and bool(config.optimizers)
+        self.paused: list[str] = []
+        self.unreachable: list[str] = []
+        self._client: OptimizerClient | None = None
+        self._indexes: list[int] = []
+
+    async def __aenter__(self) -> _PausedReplicas:
+        if not self.enabled:
+            return self
+        self._client = OptimizerClient(self.config, max_retries=1, backoff_s=0.2)
+        try:
+            for k, url in enumerate(self.config.optimizers):
+                try:
+                    await self._client.pause(timeout_s=DEFAULT_PAUSE_TIMEOUT_S, replicas=[k])
+                except NodeUnavailableError as exc:
+                    logger.warning("replica %d (%s) not paused: %s", k, url, exc)
+                    self.unreachable.append(url)
+                else:
+                    self.paused.append(url)
+                    self._indexes.append(k)
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is None:
+            return
+        try:
+            if self._indexes:
+                await self._client.resume(reload=True, replicas=self._indexes)
+        except LookupTableError as exc:
+            logger.warning(
+                "could not resume the optimizer replicas %s (they resume by themselves after "
+                "%g s; restart them to load the restored version): %s",
+                self.paused,
+                DEFAULT_PAUSE_TIMEOUT_S,
+                exc,
+            )
+        finally:
+            await self._client.close()
+            self._client = None
 
 
 async def _write_checkpoint(
@@ -1634,6 +1703,11 @@ def _parser() -> argparse.ArgumentParser:
         help="replicas resume by themselves after this (default 3600)",
     )
     restore.add_argument(
+        "--no-pause",
+        action="store_true",
+        help="do not pause and reload the running optimizer replicas (restart them after)",
+    )
+    restore.add_argument(
         "--force",
         action="store_true",
         help="delete the namespace's keys first if it already holds data",
@@ -1680,7 +1754,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = load_config(args.config)
             summary = asyncio.run(
                 restore_checkpoint(
-                    config, args.dir, force=args.force, batch_ids=args.batch_ids, progress=progress
+                    config,
+                    args.dir,
+                    force=args.force,
+                    pause=not args.no_pause,
+                    batch_ids=args.batch_ids,
+                    progress=progress,
                 )
             )
             print(
@@ -1690,7 +1769,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{summary['seconds']:.2f} s, {summary['rows_per_s']:,.0f} rows/s"
                 + (f" (deleted {summary['deleted_keys']:,} old keys)" if args.force else "")
             )
-            if config.optimizers:
+            if summary["replicas_reloaded"]:
+                print(
+                    "optimizer replicas paused, reloaded and resumed: "
+                    + ", ".join(summary["replicas_reloaded"])
+                )
+            if summary["replicas_not_running"]:
+                print(
+                    "optimizer replicas not reached (they load the restored version when they "
+                    "start): " + ", ".join(summary["replicas_not_running"])
+                )
+            elif config.optimizers and args.no_pause:
                 print("restart the optimizer replicas: they load their version at startup")
         else:
             result = export_checkpoint(args.dir, args.out)

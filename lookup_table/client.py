@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -179,22 +179,36 @@ class OptimizerClient:
         )
         return min(int(d["version"]) for d in docs)
 
-    async def pause(self, *, timeout_s: float = 600.0) -> None:
-        """Pause every replica (in-flight pushes finish, new ones wait); auto-resumes."""
+    async def pause(
+        self, *, timeout_s: float = 600.0, replicas: Sequence[int] | None = None
+    ) -> None:
+        """Pause every replica (or those given): in-flight pushes finish, new ones wait.
+
+        They resume by themselves after `timeout_s`.
+        """
         await asyncio.gather(
             *(
                 self._request(k, "POST", f"/v1/admin/pause?timeout_s={timeout_s}", b"")
-                for k in range(len(self.config.optimizers))
+                for k in self._replicas(replicas)
             )
         )
 
-    async def resume(self) -> None:
+    async def resume(self, *, reload: bool = False, replicas: Sequence[int] | None = None) -> None:
+        """Resume every replica (or those given); `reload` (paused replicas only) makes them
+        read their version again first, as after a checkpoint restore."""
+        path = "/v1/admin/resume" + ("?reload=1" if reload else "")
         await asyncio.gather(
-            *(
-                self._request(k, "POST", "/v1/admin/resume", b"")
-                for k in range(len(self.config.optimizers))
-            )
+            *(self._request(k, "POST", path, b"") for k in self._replicas(replicas))
         )
+
+    def _replicas(self, replicas: Sequence[int] | None) -> range | Sequence[int]:
+        n = len(self.config.optimizers)
+        if replicas is None:
+            return range(n)
+        bad = [k for k in replicas if not 0 <= k < n]
+        if bad:
+            raise ValueError(f"replicas {bad} out of range: the cluster file has {n}")
+        return replicas
 
     async def _post(self, replica: int, path: str, body: bytes) -> dict[str, Any]:
         return await self._request(replica, "POST", path, body)

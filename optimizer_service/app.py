@@ -243,8 +243,20 @@ async def post_pause(request: web.Request) -> web.Response:
 
 
 async def post_resume(request: web.Request) -> web.Response:
-    request.app[UPDATER].resume()
-    return _msgpack({"paused": False})
+    """Let held pushes go; `?reload=1` first re-reads the version (after a restore)."""
+    updater = request.app[UPDATER]
+    reload = request.query.get("reload", "0")
+    if reload not in ("0", "1"):
+        raise BadRequestError(f"query parameter reload: expected 0 or 1, got {describe(reload)}")
+    if reload == "1":
+        if not updater.paused:
+            raise BadRequestError(
+                "reload=1 needs a paused replica (POST /v1/admin/pause first): pushes in "
+                "flight would mix the old rows with the restored ones"
+            )
+        await updater.reload()
+    updater.resume()
+    return _msgpack({"paused": False, "version": updater.version})
 
 
 async def get_tables(request: web.Request) -> web.Response:

@@ -193,6 +193,27 @@ class Updater:
         self._auto_resume = asyncio.get_running_loop().call_later(timeout_s, self.resume)
         async with self._idle:
             await self._idle.wait_for(lambda: self._active == 0)
+        # a push whose write failed is finished in the background (journal replay): the
+        # rows are not consistent until it sticks
+        while self._finishers:
+            await asyncio.wait(set(self._finishers))
+
+    async def reload(self) -> int:
+        """Forget in-memory model state and read the version again (after a restore).
+
+        Only while paused: nothing is in flight, so no push can mix the old state with
+        the restored one. Returns the version now served.
+        """
+        if not self.paused:
+            raise RuntimeError("reload() needs a paused replica")
+        self._rounds.clear()
+        self._recent_rounds.clear()
+        version = await self._stored_version()
+        async with self._version_changed:
+            self.version = version  # may go back: the checkpoint is older
+            self._version_changed.notify_all()
+        logger.warning("replica %d: reloaded after a restore, version %d", self.replica, version)
+        return version
 
     def resume(self) -> None:
         if self._auto_resume is not None:
@@ -495,14 +516,17 @@ class Updater:
                 await self._write_plan(plan)
                 finished += 1
             await self._clear_journal(slot)
+        await self._set_version(await self._stored_version())
+        return finished
+
+    async def _stored_version(self) -> int:
         (raw,) = await self.store.get_blobs(META_TABLE, [self._version_id()], kind="m")
         version = int(raw) if raw else 0
         if self.replica == 0:
             state = await self.dense.read()
             if state is not None:
                 version = max(version, state.version)
-        await self._set_version(version)
-        return finished
+        return version
 
     def _finish_later(self, slot: int, plan: _Plan, keys: set[int]) -> None:
         """Replay a journaled push until it sticks; owns (and finally releases) its row locks."""

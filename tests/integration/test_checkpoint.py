@@ -16,7 +16,13 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
-from lookup_table import CheckpointError, EmbeddingStore, NamespaceNotEmptyError, checkpoint
+from lookup_table import (
+    CheckpointError,
+    EmbeddingStore,
+    NamespaceNotEmptyError,
+    PushRejectedError,
+    checkpoint,
+)
 from lookup_table.checkpoint import (
     MANIFEST,
     _namespace_keys,
@@ -27,7 +33,7 @@ from lookup_table.checkpoint import (
 )
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
-from lookup_table.localcluster import memcached_cluster
+from lookup_table.localcluster import free_port, memcached_cluster
 from lookup_table.store import META_TABLE
 from optimizer_service.app import make_app
 from optimizer_service.dense import DenseParams
@@ -257,6 +263,56 @@ async def test_3_to_1_nodes_gives_the_same_files_and_training_goes_on(
             got_slots, _ = await store.get("user", ids, kind="s", width=slots.shape[1])
         assert np.array_equal(_bits(got_rows), _bits(want_rows))
         assert np.array_equal(_bits(got_slots), _bits(want_slots))
+
+
+async def test_restore_pauses_and_reloads_running_replicas(
+    trained: ClusterConfig, tmp_path: Path
+) -> None:
+    """A replica that kept training past the checkpoint serves the restored version and rows
+    right after the restore, with no restart; a replica that is not running is reported."""
+    ck = tmp_path / "ck"
+    first = await save_checkpoint(trained, ck, progress=False)
+    saved_version = first["dense"]["version"]
+    rng = np.random.default_rng(7)
+    async with OptimizerClient(trained) as client:
+        for _ in range(3):
+            await _push(client, 0, rng)
+        assert await client.version() == saved_version + 3
+
+        down = f"http://127.0.0.1:{free_port()}"
+        with_down = dataclasses.replace(trained, optimizers=(*trained.optimizers, down))
+        summary = await restore_checkpoint(with_down, ck, force=True, progress=False)
+        assert summary["replicas_reloaded"] == list(trained.optimizers)
+        assert summary["replicas_not_running"] == [down]
+        await _assert_store_equals_checkpoint(trained, ck)
+        assert await client.version() == saved_version  # went back with the rows
+
+        user = next(t for t in first["tables"] if t["name"] == "user")
+        ids = _ids(ck, user)[:5]
+        rows = _load(ck, user["files"]["rows"])[:5]
+        slots = _load(ck, user["files"]["slots"])[:5]
+        grads = np.full((5, 8), -0.5, np.float32)
+        want_rows, want_slots = make_optimizer(trained.table("user").optimizer).update(
+            rows, grads, slots
+        )
+        result = await client.push(
+            {"user": (ids, grads)}, dense={n: np.ones_like(v) for n, v in DENSE.items()}
+        )
+        assert result["applied"] and result["version"] == saved_version + 1
+    async with EmbeddingStore(trained) as store:
+        got_rows, _ = await store.get("user", ids)
+        got_slots, _ = await store.get("user", ids, kind="s", width=slots.shape[1])
+    assert np.array_equal(_bits(got_rows), _bits(want_rows))
+    assert np.array_equal(_bits(got_slots), _bits(want_slots))
+
+
+async def test_resume_with_reload_needs_a_paused_replica(trained: ClusterConfig) -> None:
+    async with OptimizerClient(trained, max_retries=0) as client:
+        with pytest.raises(PushRejectedError, match="reload=1 needs a paused replica"):
+            await client.resume(reload=True)
+        await client.pause(timeout_s=30)
+        await client.resume(reload=True)
+        await _push(client, 0, np.random.default_rng(3))  # not left paused
 
 
 def _write_toml(path: Path, config: ClusterConfig) -> Path:
