@@ -235,7 +235,9 @@ class OptimizerClient:
                             status=resp.status,
                         )
                     problem = f"answered {resp.status}: {message}"
-            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            # a replica killed mid-answer cuts the body (ClientPayloadError): retrying is
+            # safe, a push keeps its push_id
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             if attempt == self.max_retries:
                 break

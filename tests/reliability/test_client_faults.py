@@ -1,0 +1,59 @@
+"""OptimizerClient against a replica that dies mid-answer: it retries, it never leaks
+aiohttp's own errors to the trainer."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from lookup_table.client import OptimizerClient
+from lookup_table.errors import NodeUnavailableError
+from lookup_table.wire import pack
+from tests.conftest import make_config
+
+
+async def _cut_then_answer(cuts: int) -> tuple[asyncio.Server, list[int]]:
+    """An HTTP server whose first `cuts` answers announce 100 bytes, send 10 and close
+    (what a kill -9 mid-answer looks like to the client); later answers are whole."""
+    served: list[int] = []
+    body = pack({"version": 5})
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        served.append(len(served))
+        if len(served) <= cuts:
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\n"
+                b"Content-Length: 100\r\n\r\n" + body[:10]
+            )
+        else:
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\n"
+                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + body
+            )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, served
+
+
+@pytest.mark.parametrize("cuts", [1, 3])
+async def test_an_answer_cut_mid_body_is_retried(cuts: int) -> None:
+    server, served = await _cut_then_answer(cuts)
+    port = server.sockets[0].getsockname()[1]
+    config = dataclasses.replace(
+        make_config(["127.0.0.1:1"]), optimizers=(f"http://127.0.0.1:{port}",)
+    )
+    async with server:
+        async with OptimizerClient(config, max_retries=5, backoff_s=0.01) as client:
+            assert await client.version() == 5
+        assert len(served) == cuts + 1
+        async with OptimizerClient(config, max_retries=1, backoff_s=0.01) as client:
+            served.clear()
+            if cuts > 1:  # more cuts than attempts: a clear error, not aiohttp's
+                with pytest.raises(NodeUnavailableError, match="ClientPayloadError"):
+                    await client.version()
