@@ -81,6 +81,7 @@ _LABEL_BYTES = _NAME_BYTES + 3 + _KIND_BYTES + 3  # table %2F kind %2F
 _SIZE_FIELD = b" size="
 _SIZE_DIGITS = 12
 _BLOCK_LINES = 1 << 18  # lines summarized per numpy block (bounds the window matrices)
+_NODES_AT_ONCE = 4  # key listings held in memory at once (~100 bytes per key each)
 
 
 # ================================================================ init, reinit
@@ -319,9 +320,16 @@ def _slot_width(config: ClusterConfig, table: str) -> int:
 
 
 async def _inspect_node(
-    spec: NodeSpec, config: ClusterConfig
+    spec: NodeSpec, config: ClusterConfig, limit: asyncio.Semaphore
 ) -> tuple[dict[str, Any], dict[tuple[str, str], tuple[int, int]]]:
     """One node's whole-node figures and the namespace's keys on it; an error is reported."""
+    async with limit:
+        return await _inspect_node_now(spec, config)
+
+
+async def _inspect_node_now(
+    spec: NodeSpec, config: ClusterConfig
+) -> tuple[dict[str, Any], dict[tuple[str, str], tuple[int, int]]]:
     try:
         stats = await memcached_stats(spec, config.store)
         slabs = await memcached_stats(spec, config.store, "slabs")
@@ -379,7 +387,10 @@ async def table_stats(config: ClusterConfig) -> dict[str, Any]:
     the nodes that answered; `complete` is false when one did not. `problems`
     lists what needs the operator: a node down, missing sentinels.
     """
-    results = await asyncio.gather(*(_inspect_node(spec, config) for spec in config.memcached))
+    limit = asyncio.Semaphore(_NODES_AT_ONCE)
+    results = await asyncio.gather(
+        *(_inspect_node(spec, config, limit) for spec in config.memcached)
+    )
     nodes = {spec.address: r for spec, (r, _) in zip(config.memcached, results, strict=True)}
     answered = [spec.address for spec in config.memcached if nodes[spec.address]["ok"]]
 
