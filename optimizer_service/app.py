@@ -384,7 +384,7 @@ def make_app(
     return app
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lookup-table-optimizer", description="run one optimizer service replica"
     )
@@ -393,7 +393,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", help="listen address (default: from the replica's URL)")
     parser.add_argument("--port", type=int, help="listen port (default: from the replica's URL)")
     parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -1,5 +1,6 @@
 """The benchmarks must keep running: `benchmarks/store.py --quick`,
-`benchmarks/optimizer.py --quick` and `benchmarks/train.py --quick` end to end.
+`benchmarks/optimizer.py --quick`, `benchmarks/train.py --quick`,
+`benchmarks/checkpoint.py --quick` and `benchmarks/sizing.py --quick` end to end.
 
 The figures of a quick run mean nothing (3 rounds of 8,192 or 4,096 ids, or 12
 training steps); this only checks that each script starts its cluster (and
@@ -187,3 +188,91 @@ def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     service = dist["cluster"]["optimizers"][0].removeprefix("http://")
     host, port = service.rsplit(":", 1)
     assert not wait_for_port(host, int(port), timeout_s=0.2), service
+
+
+CHECKPOINT_SCRIPT = ROOT / "benchmarks" / "checkpoint.py"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(200)
+def test_checkpoint_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
+    """`benchmarks/checkpoint.py --quick`: 50,000 rows, 2 rounds, both cases."""
+    proc = subprocess.run(
+        [sys.executable, str(CHECKPOINT_SCRIPT), "--quick", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "save/ceiling_read" in proc.stdout
+
+    report = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert report["benchmark"] == "checkpoint"
+    assert {"timestamp", "machine", "code", "parameters", "acceptance_targets"} <= set(report)
+    assert report["machine"]["memcached"].startswith("memcached ")
+    params = report["parameters"]
+    assert (params["rows"], params["rounds"], params["quick"]) == (50_000, 2, True)
+    assert params["cases"] == ["rows", "adam"] and params["nodes"] == 2
+    assert report["acceptance_targets"] == {"save/ceiling_read": 0.5, "restore/ceiling_read": 0.5}
+    for case in ("rows", "adam"):
+        result = report[case]
+        for method in ("ceiling_read", "save", "restore", "ceiling_write"):
+            rounds = result["seconds_per_round"][method]
+            assert len(rounds) == 2 and all(t > 0 for t in rounds), (case, method, rounds)
+            assert result["rows_per_s"][method] == pytest.approx(
+                50_000 / result["median_seconds"][method]
+            )
+        assert set(result["ratios"]) == {
+            "save/ceiling_read",
+            "restore/ceiling_read",
+            "restore/ceiling_write",
+        }
+        assert all(r > 0 for r in result["ratios"].values())
+        assert len(result["acceptance"]) == 2
+
+
+SIZING_SCRIPT = ROOT / "benchmarks" / "sizing.py"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_sizing_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
+    """`benchmarks/sizing.py --quick`: 10,000 rows per case, dims 8/16/64, sgd and adam."""
+    proc = subprocess.run(
+        [sys.executable, str(SIZING_SCRIPT), "--quick", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=130,
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "GiB of -m per 100M rows" in proc.stdout
+
+    report = json.loads((tmp_path / "sizing.json").read_text())
+    assert report["benchmark"] == "sizing"
+    assert {"timestamp", "machine", "code", "parameters", "results"} <= set(report)
+    assert report["machine"]["memcached"].startswith("memcached ")
+    params = report["parameters"]
+    assert (params["rows"], params["quick"]) == (10_000, True)
+    assert params["dims"] == [8, 16, 64] and params["optimizers"] == ["sgd", "adam"]
+    results = {(r["dim"], r["optimizer"]): r for r in report["results"]}
+    assert set(results) == {(d, o) for d in (8, 16, 64) for o in ("sgd", "adam")}
+    for (dim, optimizer), r in results.items():
+        assert r["rows"] == 10_000
+        assert r["slot_width"] == (2 * dim + 1 if optimizer == "adam" else 0)
+        # an item is memcached's header + key + value: more than key and value alone
+        payload = sum(r["key_bytes"].values()) + 4 * (dim + r["slot_width"])
+        p = r["per_row"]
+        assert payload < p["item_bytes"] < payload + 64 * (2 if r["slot_width"] else 1)
+        assert p["item_bytes"] <= p["chunk_bytes"] <= p["m_bytes"] * 1.01
+        assert p["m_bytes_measured"] > 0 and p["rss_bytes_measured"] > 0
+        assert r["gib_of_m_per_100m_rows"] == pytest.approx(p["m_bytes"] * 1e8 / 2**30)
+        assert r["snapshots"]["full"]["curr_items"] >= 10_000 * (2 if r["slot_width"] else 1)
+    for dim in (8, 16, 64):  # slots cost memory
+        assert (
+            results[(dim, "adam")]["per_row"]["m_bytes"]
+            > results[(dim, "sgd")]["per_row"]["m_bytes"]
+        )

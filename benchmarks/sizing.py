@@ -1,0 +1,392 @@
+"""Measure how much memcached memory a row takes, with and without Adam slots.
+
+Run from the repository root::
+
+    python benchmarks/sizing.py            # 500,000 rows per case, dims 8, 16, 64
+    python benchmarks/sizing.py --quick    # smoke run: 10,000 rows per case
+
+Per case (dim x optimizer: `sgd`, rows only; `adam`, rows and slots) it starts a
+fresh local memcached (`-M`, one node: a row's size does not depend on the node
+count), writes the sentinel, and fills it the way production does, in two equal
+halves:
+
+* rows: `EmbeddingStore.lookup` of new ids (each row created with `add`, its
+  deterministic initial value);
+* then one gradient push per batch of those ids through the real optimizer
+  service, in this process (`optimizer_service.app.make_app` on aiohttp's
+  `TestServer`, `OptimizerClient.push` over loopback), so the slots (Adam: m, v
+  and the row's step, 2 * dim + 1 floats) and the bookkeeping (push records) are
+  exactly what the service writes.
+
+After the sentinel (the empty baseline), after the first half and at the end it
+reads memcached's `stats` (`bytes`: the items' own size, header + key + value,
+and `hash_bytes`), `stats slabs` (`total_malloced`: the 1 MiB slab pages taken
+from the `-m` limit; `chunk_size` x `used_chunks`: the chunks the items occupy)
+and the server's RSS (`/proc/<pid>/status`). At the end
+`lookup_table.admin.table_stats` splits the bytes into rows, slots and
+bookkeeping from the key listing.
+
+Per row it reports: item bytes (what `stats bytes` grows by), chunk bytes (items
+rounded up to their slab class), `-m` bytes (pages taken; the average over all
+rows, and the marginal cost between the half and the end, which leaves out the
+first, partly used page of each slab class), and RSS bytes (adds the hash table,
+which is outside `-m`). `-m` bytes per row is the figure to size `-m` with:
+`rows per node x that x (1 + headroom)`. Results go to `<out-dir>/sizing.json`
+(default `benchmarks/results/`). memcached and the service are always stopped; a
+failure exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from aiohttp.test_utils import TestServer
+from numpy.typing import NDArray
+from prometheus_client import CollectorRegistry
+
+from lookup_table.admin import table_stats
+from lookup_table.checkpoint import memcached_stats
+from lookup_table.client import OptimizerClient
+from lookup_table.config import ClusterConfig, parse_config
+from lookup_table.keys import key_prefix
+from lookup_table.localcluster import MemcachedProcess, memcached_cluster
+from lookup_table.store import META_TABLE, EmbeddingStore
+from optimizer_service.app import make_app
+from optimizer_service.engine import JOURNAL_SLOTS
+from optimizer_service.optimizers import make_optimizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import lookup_table_fingerprint, machine_info, report_head, write_json
+
+DIMS = (8, 16, 64)
+OPTIMIZERS = ("sgd", "adam")
+NAMESPACE = "demo"  # the key length depends on the names: see "key_bytes" in the report
+TABLE = "user"
+MEMORY_MB = 2048
+BATCH_IDS = 16_384
+SEED = 20240611
+HEADROOM = 0.15
+PROJECT_ROWS = 100_000_000
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+_PAGE = 2**20
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+async def snapshot(config: ClusterConfig, server: MemcachedProcess) -> dict[str, int]:
+    """memcached's own accounting of the node, and its RSS."""
+    (spec,) = config.memcached
+    stats = await memcached_stats(spec, config.store)
+    slabs = await memcached_stats(spec, config.store, "slabs")
+    chunks = sum(
+        int(slabs[f"{c}:chunk_size"]) * int(slabs[f"{c}:used_chunks"])
+        for c in {name.split(":", 1)[0] for name in slabs if ":" in name}
+    )
+    if server.pid is None:
+        raise RuntimeError("memcached is not running")
+    return {
+        "curr_items": int(stats["curr_items"]),
+        "bytes": int(stats["bytes"]),
+        "chunk_bytes": chunks,
+        "malloced_bytes": int(slabs["total_malloced"]),
+        "hash_bytes": int(stats["hash_bytes"]),
+        "rss_bytes": _rss_bytes(server.pid),
+        "store_no_memory": int(stats["store_no_memory"]),
+        "evictions": int(stats["evictions"]),
+    }
+
+
+def slab_classes(slabs: dict[str, str]) -> list[dict[str, int]]:
+    classes = sorted({int(name.split(":", 1)[0]) for name in slabs if ":" in name})
+    return [
+        {
+            "class": c,
+            "chunk_size": int(slabs[f"{c}:chunk_size"]),
+            "chunks_per_page": int(slabs[f"{c}:chunks_per_page"]),
+            "used_chunks": int(slabs[f"{c}:used_chunks"]),
+            "total_pages": int(slabs[f"{c}:total_pages"]),
+        }
+        for c in classes
+    ]
+
+
+def slab_class_of(item_bytes: int, classes: list[dict[str, int]]) -> dict[str, int]:
+    """The slab class memcached stores an item of `item_bytes` in.
+
+    The smallest class whose chunk fits it; among the classes that have pages,
+    which include that one (the items are there).
+    """
+    fits = [c for c in classes if c["chunk_size"] >= item_bytes and c["used_chunks"]]
+    if not fits:
+        raise RuntimeError(f"no slab class holds items of {item_bytes} bytes: {classes}")
+    return min(fits, key=lambda c: c["chunk_size"])
+
+
+# ---------------------------------------------------------------- one case
+
+
+def case_config(address: str, dim: int, optimizer: str) -> ClusterConfig:
+    opt = {"name": "sgd", "learning_rate": 0.01} if optimizer == "sgd" else {"name": "adam"}
+    return parse_config(
+        {
+            "namespace": NAMESPACE,
+            "memcached": [address],
+            "tables": [{"name": TABLE, "dim": dim, "seed": 1, "optimizer": opt}],
+            "store": {"timeout_s": 30.0},
+        },
+        env={},
+    )
+
+
+async def fill(
+    store: EmbeddingStore, client: OptimizerClient, ids: NDArray[np.int64], dim: int
+) -> None:
+    """Create the rows of `ids` (lookup), then push one gradient for each (the service)."""
+    rng = np.random.default_rng(SEED + dim)
+    for s in range(0, ids.shape[0], BATCH_IDS):
+        await store.lookup(TABLE, ids[s : s + BATCH_IDS])
+    for s in range(0, ids.shape[0], BATCH_IDS):
+        part = ids[s : s + BATCH_IDS]
+        grads = (rng.standard_normal((part.shape[0], dim)) * 0.01).astype(np.float32)
+        result = await client.push({TABLE: (part, grads)})
+        if result["rows"] != part.shape[0]:
+            raise RuntimeError(f"the service updated {result['rows']} of {part.shape[0]} rows")
+
+
+async def run_case(server: MemcachedProcess, dim: int, optimizer: str, n: int) -> dict[str, Any]:
+    config = case_config(server.address, dim, optimizer)
+    slot_width = make_optimizer(config.table(TABLE).optimizer).slot_width(dim)
+    rng = np.random.default_rng(SEED)
+    ids = np.empty(0, dtype=np.int64)
+    while ids.shape[0] < n:  # n unique ids over the whole int64 range
+        more = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=n)
+        ids = np.unique(np.concatenate([ids, more]))
+    ids = rng.permutation(ids)[:n]
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        app = make_app(config, replica=0, registry=CollectorRegistry())
+        service = TestServer(app, host="127.0.0.1")
+        await service.start_server()
+        try:
+            served = dataclasses.replace(
+                config, optimizers=(str(service.make_url("")).rstrip("/"),)
+            )
+            async with OptimizerClient(served) as client:
+                empty = await snapshot(config, server)
+                started = time.perf_counter()
+                await fill(store, client, ids[: n // 2], dim)
+                half = await snapshot(config, server)
+                await fill(store, client, ids[n // 2 :], dim)
+                seconds = time.perf_counter() - started
+                full = await snapshot(config, server)
+        finally:
+            await service.close()
+    stats = await table_stats(config)
+    slabs = await memcached_stats(config.memcached[0], config.store, "slabs")
+    kinds = stats["tables"][TABLE]["kinds"]
+    if kinds["rows"]["keys"] != n or (slot_width and kinds["slots"]["keys"] != n):
+        raise RuntimeError(f"dim {dim} {optimizer}: expected {n} rows and slots, got {kinds}")
+    if full["store_no_memory"] or full["evictions"]:
+        raise RuntimeError(f"dim {dim} {optimizer}: memcached ran out of memory: {full}")
+    bookkeeping = {
+        f"{name}/{kind}": k["bytes"]
+        for name, t in stats["tables"].items()
+        if name != TABLE
+        for kind, k in t["kinds"].items()
+    }
+    classes = slab_classes(slabs)
+    items = {"row": kinds["rows"]["bytes"] // n}
+    if slot_width:
+        items["slots"] = kinds["slots"]["bytes"] // n
+    for kind, size in items.items():  # int ids: every key and value has the same length
+        if size * n != kinds["rows" if kind == "row" else "slots"]["bytes"]:
+            raise RuntimeError(f"dim {dim} {optimizer}: {kind} items differ in size")
+    held_in = {kind: slab_class_of(size, classes) for kind, size in items.items()}
+    grown = {name: full[name] - empty[name] for name in empty}
+    second = {name: full[name] - half[name] for name in empty}
+    m_bytes = sum(_PAGE / c["chunks_per_page"] for c in held_in.values())
+    per_row = {
+        "item_bytes": float(sum(items.values())),
+        "chunk_bytes": float(sum(c["chunk_size"] for c in held_in.values())),
+        "m_bytes": m_bytes,
+        "m_bytes_measured": grown["malloced_bytes"] / n,
+        "m_bytes_measured_marginal": second["malloced_bytes"] / (n - n // 2),
+        "rss_bytes_measured": grown["rss_bytes"] / n,
+    }
+    prefix = len(key_prefix(NAMESPACE, TABLE, "w"))
+    pushes = -(-(n // 2) // BATCH_IDS) + -(-(n - n // 2) // BATCH_IDS)
+    return {
+        "dim": dim,
+        "optimizer": optimizer,
+        "slot_width": slot_width,
+        "rows": n,
+        "fill_seconds": seconds,
+        "key_bytes": {"row": prefix + 17, "slots": prefix + 17 if slot_width else 0},
+        "value_bytes": {"row": 4 * dim, "slots": 4 * slot_width},
+        "item_bytes": items,
+        "slab_class": held_in,
+        "per_row": per_row,
+        "bookkeeping_item_bytes": bookkeeping,
+        "pushes": pushes,
+        "biggest_push_ids": min(BATCH_IDS, n - n // 2),
+        "journal_item_bytes_per_slot": bookkeeping.get(f"{META_TABLE}/journal", 0)
+        / min(JOURNAL_SLOTS, pushes),
+        "fixed_m_bytes": grown["malloced_bytes"] - m_bytes * n,
+        "hash_bytes": full["hash_bytes"],
+        "gib_of_m_per_100m_rows": m_bytes * PROJECT_ROWS / 2**30,
+        "gib_of_m_per_100m_rows_with_headroom": m_bytes * PROJECT_ROWS * (1 + HEADROOM) / 2**30,
+        "snapshots": {"empty": empty, "half": half, "full": full},
+        "slab_classes": classes,
+    }
+
+
+# ---------------------------------------------------------------- report
+
+
+def render(results: list[dict[str, Any]], n: int) -> str:
+    r0 = results[0]
+    lines = [
+        f"{n:,} rows per case, a fresh memcached each (-M -m {MEMORY_MB}), namespace "
+        f"{NAMESPACE!r}, table {TABLE!r}: keys of {r0['key_bytes']['row']} bytes",
+        "",
+        "bytes per row    item: memcached's item sizes (header + key + value), rows + slots",
+        "                 chunk: the slab chunks they occupy (item rounded up to its class)",
+        "                 -m: what a row takes from the -m limit (1 MiB pages / chunks per page)",
+        "                 measured: growth of total_malloced / rows (all, and the second half)",
+        "                 RSS: growth of the server's RSS / rows (adds the hash table)",
+        "",
+    ]
+    header = [
+        "dim",
+        "optimizer",
+        "floats",
+        "item",
+        "chunk",
+        "-m",
+        "measured",
+        "2nd half",
+        "RSS",
+        "fixed MiB",
+        f"GiB of -m per {PROJECT_ROWS / 1e6:.0f}M rows",
+        f"+{HEADROOM:.0%}",
+    ]
+    rows = []
+    for r in results:
+        p = r["per_row"]
+        rows.append(
+            [
+                str(r["dim"]),
+                "adam (rows + slots)" if r["optimizer"] == "adam" else "sgd (rows only)",
+                str(r["dim"] + r["slot_width"]),
+                f"{p['item_bytes']:.0f}",
+                f"{p['chunk_bytes']:.0f}",
+                f"{p['m_bytes']:.0f}",
+                f"{p['m_bytes_measured']:.0f}",
+                f"{p['m_bytes_measured_marginal']:.0f}",
+                f"{p['rss_bytes_measured']:.0f}",
+                f"{r['fixed_m_bytes'] / 2**20:.0f}",
+                f"{r['gib_of_m_per_100m_rows']:.1f}",
+                f"{r['gib_of_m_per_100m_rows_with_headroom']:.1f}",
+            ]
+        )
+    widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
+    lines.extend(
+        "  ".join(
+            c.ljust(w) if i == 1 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+        for cells in [header, *rows]
+    )
+    biggest = max(results, key=lambda r: r["journal_item_bytes_per_slot"])
+    journal, push_ids = biggest["journal_item_bytes_per_slot"], biggest["biggest_push_ids"]
+    lines += [
+        "",
+        f"-m per node = rows on the node x '-m' bytes x (1 + {HEADROOM:.0%} headroom) + the "
+        "fixed part ('fixed MiB': the first page of each slab class,",
+        f"and the journals: each replica keeps {JOURNAL_SLOTS} journal slots in memcached, "
+        f"each as large as the biggest push it applied (new rows + slots;",
+        f"about {journal / 2**20:.1f} MiB for {push_ids:,} ids at dim {biggest['dim']} with "
+        f"{biggest['optimizer']}), "
+        "spread over the nodes). Leave RAM beyond -m for the hash table",
+        "(8 bytes per bucket, 5-11 bytes per item) and connection buffers.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=None, help="rows per case (default 500,000)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 10,000 rows per case")
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    args = parser.parse_args(argv)
+    n = args.rows or (10_000 if args.quick else 500_000)
+    if n < 2:
+        parser.error("--rows must be at least 2")
+    machine = machine_info(cpu=False, nproc_usable=False)
+    started = time.time()
+    results = []
+    for dim in DIMS:
+        for optimizer in OPTIMIZERS:
+            with memcached_cluster(1, memory_mb=MEMORY_MB) as (server,):
+                result = asyncio.run(run_case(server, dim, optimizer, n))
+            print(
+                f"  dim {dim} {optimizer}: {n:,} rows in {result['fill_seconds']:.1f} s",
+                file=sys.stderr,
+            )
+            results.append(result)
+    print(render(results, n))
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        **report_head("sizing", started, machine),
+        "code": lookup_table_fingerprint(),
+        "parameters": {
+            "rows": n,
+            "quick": args.quick,
+            "dims": list(DIMS),
+            "optimizers": list(OPTIMIZERS),
+            "namespace": NAMESPACE,
+            "table": TABLE,
+            "memcached_memory_mb": MEMORY_MB,
+            "memcached_nodes": 1,
+            "push_batch_ids": BATCH_IDS,
+            "headroom": HEADROOM,
+            "project_rows": PROJECT_ROWS,
+            "notes": [
+                "rows created with EmbeddingStore.lookup, then one push per row through the "
+                "in-process optimizer service (aiohttp TestServer, OptimizerClient.push)",
+                "item bytes: memcached `stats bytes`; chunk bytes: sum of chunk_size x "
+                "used_chunks; -m bytes: `stats slabs` total_malloced (1 MiB pages)",
+                "per-row figures are growth over the empty node (after the sentinel) / rows; "
+                "'marginal' is growth between half and full / the second half's rows",
+                "fixed_m_bytes: total_malloced growth minus rows x '-m' bytes: the first page "
+                "of each slab class and the journals (JOURNAL_SLOTS x the biggest push)",
+                "a longer namespace or table name adds 1 byte per character per key "
+                "(2 keys per row with slots); that can move an item to the next slab class",
+            ],
+        },
+        "results": results,
+    }
+    path = args.out_dir / "sizing.json"
+    write_json(path, report)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
