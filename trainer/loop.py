@@ -215,8 +215,18 @@ class Trainer:
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception:
+            # a push still in flight failed too (often of the same fault): the error that
+            # ended the block is the one the caller must see, not this one
+            logger.warning("closing the trainer after %r failed as well", exc, exc_info=True)
 
     @property
     def _pipelined(self) -> bool:
