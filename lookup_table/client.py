@@ -7,8 +7,12 @@ One aiohttp session per client. A push is split by replica (each replica owns a
 fixed hash partition of the rows); every part carries the same `push_id`, and a
 part that fails with a connection error, a timeout or a 5xx is retried with that
 same `push_id` and exponential backoff, so a retry is applied at most once.
-A 4xx raises `PushRejectedError` with the service's message; a node that lost
-its data raises `DataLossError`, a full node `StoreFullError`, without retries.
+A 4xx raises `PushRejectedError` with the service's message. A memcached error
+the replica reports is raised at once, without retries, as the store's own
+error naming the node: `DataLossError` (a node lost its data), `StoreFullError`
+(a `-M` node is full), `StoreTimeoutError`/`NodeUnavailableError` (a node did
+not answer within `store.timeout_s` or refused), `CorruptValueError`; so a push
+fails within about `store.timeout_s`, as a trainer's own lookups do.
 """
 
 from __future__ import annotations
@@ -26,10 +30,15 @@ from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig
 from lookup_table.errors import (
+    CorruptValueError,
     DataLossError,
+    LookupTableError,
     NodeUnavailableError,
+    ProtocolError,
     PushRejectedError,
+    StoreError,
     StoreFullError,
+    StoreTimeoutError,
 )
 from lookup_table.keys import as_ids
 from lookup_table.sharding import owner_of
@@ -39,9 +48,17 @@ __all__ = ["OptimizerClient"]
 
 logger = logging.getLogger(__name__)
 
-_TYPED_ERRORS: dict[str, type[Exception]] = {
-    "DataLossError": DataLossError,
-    "StoreFullError": StoreFullError,
+# The store errors a replica answers with (JSON `type`), re-raised here without retries.
+_STORE_ERRORS: dict[str, type[StoreError]] = {
+    cls.__name__: cls
+    for cls in (
+        StoreError,
+        StoreFullError,
+        CorruptValueError,
+        ProtocolError,
+        NodeUnavailableError,
+        StoreTimeoutError,
+    )
 }
 
 
@@ -219,16 +236,16 @@ class OptimizerClient:
         url = self.config.optimizers[replica] + path
         delay = self.backoff_s
         for attempt in range(self.max_retries + 1):
+            typed: LookupTableError | None = None
             try:
                 async with self._get_session().request(method, url, data=body) as resp:
                     raw = await resp.read()
                     if resp.status < 300:
                         result: dict[str, Any] = unpack(raw)
                         return result
-                    message, kind = _error_of(raw, resp.status)
-                    if kind in _TYPED_ERRORS:
-                        raise _TYPED_ERRORS[kind](f"replica {replica} ({url}): {message}")
-                    if resp.status < 500:
+                    message, doc = _error_of(raw, resp.status)
+                    typed = _store_error(doc, f"replica {replica} ({url}): {message}")
+                    if typed is None and resp.status < 500:
                         raise PushRejectedError(
                             f"replica {replica} ({url}) refused the request ({resp.status}): "
                             f"{message}",
@@ -239,6 +256,8 @@ class OptimizerClient:
             # safe, a push keeps its push_id
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
+            if typed is not None:  # raised out here: a StoreTimeoutError is a TimeoutError
+                raise typed
             if attempt == self.max_retries:
                 break
             logger.debug("replica %d %s; retry %d in %.2f s", replica, problem, attempt + 1, delay)
@@ -254,10 +273,25 @@ def _arrays(doc: Mapping[str, Any]) -> dict[str, NDArray[np.float32]]:
     return {n: decode_array(v, field=f"params.{n}", dtype="<f4").copy() for n, v in doc.items()}
 
 
-def _error_of(raw: bytes, status: int) -> tuple[str, str | None]:
-    """The message and error type of a JSON error body (or its first bytes)."""
+def _error_of(raw: bytes, status: int) -> tuple[str, dict[str, Any]]:
+    """The message and the whole document of a JSON error body (or its first bytes)."""
     try:
         doc = json.loads(raw)
-        return str(doc.get("error", doc)), doc.get("type")
+        return str(doc.get("error", doc)), doc
     except (ValueError, AttributeError):
-        return raw[:200].decode("utf-8", "replace") or f"HTTP {status}", None
+        return raw[:200].decode("utf-8", "replace") or f"HTTP {status}", {}
+
+
+def _store_error(doc: Mapping[str, Any], message: str) -> LookupTableError | None:
+    """The store error a replica answered with (its `type`, `node`, `nodes`), if any."""
+    kind = doc.get("type")
+    if kind == "DataLossError":
+        nodes = doc.get("nodes")
+        return DataLossError(
+            message, nodes=tuple(str(n) for n in nodes) if isinstance(nodes, list) else ()
+        )
+    cls = _STORE_ERRORS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        return None
+    node = doc.get("node")
+    return cls(message, node=node if isinstance(node, str) else None)

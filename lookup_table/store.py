@@ -19,8 +19,10 @@ gone has lost its rows (restart, flush), so the batch raises `DataLossError`
 naming it before anything is created. (A node that dies between a batch's read
 and its `add`, a window of one round trip, is caught by the sentinel read
 pipelined in front of the adds: that batch raises, and the sentinel stays
-missing until an operator restores or re-initializes.) A `-M` node that is out
-of memory raises `StoreFullError`; a value of the wrong length
+missing until an operator restores or re-initializes. Its adds, which memcached
+ran all the same, may be on the node; nothing reads them, and `restore --force`
+deletes them. The same holds for any write batch sent to a lost node.) A `-M`
+node that is out of memory raises `StoreFullError`; a value of the wrong length
 `CorruptValueError`; timeouts and refused connections `NodeUnavailableError`.
 
 Connections: the pipelined path owns its connections (a small pool per node of
@@ -242,7 +244,7 @@ def _raise_first(errors: Sequence[BaseException]) -> None:
             raise lost[0]
         raise DataLossError(
             f"memcached nodes {', '.join(nodes)} have lost their data: their sentinels are "
-            f"gone (restart or flush). Nothing was created on them. Restore a checkpoint "
+            f"gone (restart or flush). Nothing is read from them until you restore a checkpoint "
             f"(lookup-table-checkpoint restore) or accept the loss (lookup-table-admin reinit "
             f"--yes)",
             nodes=nodes,
@@ -642,8 +644,12 @@ class EmbeddingStore:
     def _sentinel_request(self) -> bytes:
         return protocol.build_mg([self._sentinel_key]) if self._check_sentinels else b""
 
-    def _check_sentinel(self, node: _Node, data: bytes) -> int | None:
-        """Parse the sentinel reply at the start of `data`; return the offset after it."""
+    def _check_sentinel(self, node: _Node, data: bytes, *, writes: bool = False) -> int | None:
+        """Parse the sentinel reply at the start of `data`; return the offset after it.
+
+        The commands pipelined behind the sentinel read ran whatever it found: the writes
+        of a batch (`writes`) may have reached a node that has lost its data.
+        """
         if not self._check_sentinels:
             return 0
         reply = protocol.parse_mg(data, 0, 1)
@@ -654,12 +660,17 @@ class EmbeddingStore:
                 f"memcached node {node.address} answered {reply.errors[0]!r}", node=node.address
             )
         if not reply.found[0]:
+            done = (
+                "This batch's writes may have reached it, but nothing is read from it until "
+                "you restore"
+                if writes
+                else "Nothing was created on it. Restore"
+            )
             raise DataLossError(
                 f"memcached node {node.address} has lost its data: its sentinel "
                 f"{self._sentinel_key.decode()!r} is gone (the server restarted or was "
-                f"flushed). Nothing was created on it. Restore a checkpoint "
-                f"(lookup-table-checkpoint restore) or accept the loss "
-                f"(lookup-table-admin reinit --yes)",
+                f"flushed). {done} a checkpoint (lookup-table-checkpoint restore) or accept "
+                f"the loss (lookup-table-admin reinit --yes)",
                 nodes=(node.address,),
             )
         return reply.end
@@ -673,6 +684,7 @@ class EmbeddingStore:
         finish: Callable[[bytes, Any], T],
         *,
         check: bool = True,
+        writes: bool = False,
     ) -> T:
         """One pipelined round trip: [sentinel read] + `commands` + `mn`.
 
@@ -684,7 +696,7 @@ class EmbeddingStore:
         request = (self._sentinel_request() if check else b"") + commands
 
         def parse(data: bytes) -> T | None:
-            pos = self._check_sentinel(node, data) if check else 0
+            pos = self._check_sentinel(node, data, writes=writes) if check else 0
             if pos is None:
                 return None
             reply = parse_reply(data, pos)
@@ -777,6 +789,7 @@ class EmbeddingStore:
             lambda data, pos: protocol.parse_ms(data, pos, n),
             finish,
             check=check,
+            writes=True,
         )
 
     async def _md(self, node: _Node, keys: Keys) -> NDArray[np.bool_]:

@@ -67,9 +67,13 @@ _PUBLIC_PATHS = frozenset({"/healthz", "/metrics"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _json_error(status: int, message: str, kind: str | None = None) -> web.Response:
-    """`{"error": message}`, plus `type` (e.g. DataLossError) so clients can re-raise it."""
-    body = {"error": message} if kind is None else {"error": message, "type": kind}
+def _json_error(status: int, message: str, kind: str | None = None, **extra: Any) -> web.Response:
+    """`{"error": message}`, plus `type` (e.g. DataLossError) and the fields the error
+    carries (`node`, `nodes`) so clients can re-raise it as it was raised here."""
+    body: dict[str, Any] = {"error": message}
+    if kind is not None:
+        body["type"] = kind
+    body.update(extra)
     return web.json_response(body, status=status)
 
 
@@ -103,10 +107,15 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except (KeyEncodingError, ConfigError) as exc:
         response, reason = _json_error(400, str(exc)), "bad_request"
     except DataLossError as exc:
-        response, reason = _json_error(503, str(exc), "DataLossError"), "data_loss"
+        response = _json_error(503, str(exc), "DataLossError", nodes=list(exc.nodes))
+        reason = "data_loss"
     except StoreFullError as exc:
-        response, reason = _json_error(507, str(exc), "StoreFullError"), "store_full"
-    except (StoreError, LookupTableError) as exc:
+        response = _json_error(507, str(exc), "StoreFullError", node=exc.node)
+        reason = "store_full"
+    except StoreError as exc:  # a node timed out, refused, sent corrupt values: name it
+        response = _json_error(503, str(exc), type(exc).__name__, node=exc.node)
+        reason = "store_unavailable"
+    except LookupTableError as exc:
         response, reason = _json_error(503, str(exc)), "store_unavailable"
     except Exception as exc:  # the boundary: log once, answer 500
         logger.exception("unexpected error in %s %s", request.method, request.path)

@@ -18,7 +18,10 @@ crash after 4 leaves a journal: a restarting replica replays every journal whose
 push has no done record *before it serves* (`recover`), so the retry finds the
 done record. If writing fails after 4 in a live replica, the push's rows stay
 locked and a background task replays the journal until it succeeds, so no other
-push can read a half-written row.
+push can read a half-written row. While that replay keeps failing (a full `-M`
+node, a lost or stopped one), a push that needs those rows, or a journal slot when
+every slot is held so, fails at once with the replay's last error (the same store
+error, naming the node) instead of waiting for rows that may never be released.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,12 +39,18 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig
+from lookup_table.errors import DataLossError, StoreError
 from lookup_table.initializers import initial_rows
 from lookup_table.sharding import row_hashes
 from lookup_table.store import META_TABLE, EmbeddingStore
 from lookup_table.wire import decode_array, decode_ids, encode_array, encode_ids, pack, unpack
 from optimizer_service.dense import DenseParams
-from optimizer_service.errors import BadRequestError, NotOwnerError, StaleVersionError
+from optimizer_service.errors import (
+    BadRequestError,
+    NotOwnerError,
+    StaleVersionError,
+    UnavailableError,
+)
 from optimizer_service.optimizers import Optimizer, make_optimizer, segment_sum
 from optimizer_service.push import Push, TableGrads
 
@@ -61,25 +70,48 @@ class RowLocks:
     A push waits until none of its rows is held by another push, then takes all
     of them at once (no lock ordering, so no deadlock). Waiters are woken in
     arrival order. Two different rows with the same 64-bit hash would only
-    serialize needlessly.
+    serialize needlessly. Rows held by a failed write that is being retried
+    (`fail`) are not waited for: `acquire` raises that write's error instead.
     """
 
     def __init__(self) -> None:
         self._held: set[int] = set()
+        self._failed: dict[int, Callable[[], BaseException]] = {}
         self._changed = asyncio.Condition()
 
     @property
     def held(self) -> int:
         return len(self._held)
 
+    def _blocker(self, keys: set[int]) -> Callable[[], BaseException] | None:
+        if not self._failed:
+            return None
+        return next((self._failed[k] for k in keys if k in self._failed), None)
+
     async def acquire(self, keys: set[int]) -> None:
+        """Take `keys`; raises the error of a failed write that holds any of them."""
         async with self._changed:
-            await self._changed.wait_for(lambda: self._held.isdisjoint(keys))
+            await self._changed.wait_for(
+                lambda: self._held.isdisjoint(keys) or self._blocker(keys) is not None
+            )
+            blocker = self._blocker(keys)
+            if blocker is not None:
+                raise blocker()
             self._held |= keys
+
+    async def fail(self, keys: set[int], error: Callable[[], BaseException]) -> None:
+        """Mark held `keys` as held by a failed write: whoever waits for them, now or
+        later, raises `error()` until they are released."""
+        async with self._changed:
+            self._failed.update(dict.fromkeys(keys, error))
+            self._changed.notify_all()
 
     async def release(self, keys: set[int]) -> None:
         async with self._changed:
             self._held -= keys
+            if self._failed:
+                for k in keys:
+                    self._failed.pop(k, None)
             self._changed.notify_all()
 
     @asynccontextmanager
@@ -154,6 +186,7 @@ class Updater:
         for slot in range(JOURNAL_SLOTS):
             self._journal_slots.put_nowait(slot)
         self._finishers: set[asyncio.Task[None]] = set()
+        self._failing: dict[int, Callable[[], BaseException]] = {}  # journal slot -> error
         self._on_rows = on_rows
         self._rounds: dict[int, _Round] = {}
         self._recent_rounds: dict[str, dict[str, Any]] = {}
@@ -335,7 +368,7 @@ class Updater:
         try:
             async with self.dense.lock if push.dense or version is not None else _nolock():
                 plan = await self._plan(push, version)
-                slot = await self._journal_slots.get()
+                slot = await self._journal_slot()
                 journaled = False
                 try:
                     await self._write_journal(slot, plan)
@@ -528,10 +561,31 @@ class Updater:
                 version = max(version, state.version)
         return version
 
+    async def _journal_slot(self) -> int:
+        """A free journal slot. Raises the error of the failed writes when every slot is
+        held by one: they wait for the store to recover, which may be never."""
+        while True:
+            if len(self._failing) >= JOURNAL_SLOTS:
+                raise next(iter(self._failing.values()))()
+            try:
+                async with asyncio.timeout(0.5):  # then look again: a slot may have failed
+                    return await self._journal_slots.get()
+            except TimeoutError:
+                continue
+
     def _finish_later(self, slot: int, plan: _Plan, keys: set[int]) -> None:
-        """Replay a journaled push until it sticks; owns (and finally releases) its row locks."""
+        """Replay a journaled push until it sticks; owns (and finally releases) its row locks.
+
+        Once a replay has failed, pushes that need its rows (or a journal slot, when all
+        are held so) fail fast with its last error rather than wait: see `RowLocks.fail`.
+        """
+        last: Exception | None = None
+
+        def blocked() -> BaseException:
+            return _held_by_failed_write(plan.push_id, last)
 
         async def finish() -> None:
+            nonlocal last
             delay = 0.1
             try:
                 while True:
@@ -539,7 +593,11 @@ class Updater:
                         await self._write_plan(plan)
                         await self._clear_journal(slot)
                         break
-                    except Exception:
+                    except Exception as exc:
+                        first, last = last is None, exc
+                        if first:  # the store still fails: stop others waiting for it
+                            self._failing[slot] = blocked
+                            await self.locks.fail(keys, blocked)
                         logger.warning(
                             "replica %d: finishing push %s failed, retrying in %.1f s",
                             self.replica,
@@ -551,6 +609,7 @@ class Updater:
                         delay = min(delay * 2, 5.0)
                 self._journal_slots.put_nowait(slot)
             finally:
+                self._failing.pop(slot, None)
                 await self.locks.release(keys)
 
         task = asyncio.get_running_loop().create_task(finish())
@@ -566,6 +625,20 @@ class Updater:
 @asynccontextmanager
 async def _nolock() -> AsyncIterator[None]:
     yield
+
+
+def _held_by_failed_write(push_id: str, error: Exception | None) -> BaseException:
+    """The error for a push that needs rows a failed, journaled push still holds: the
+    same kind of error (so the service answers the same status and `type`), naming it."""
+    message = (
+        f"rows of this push are held by push {push_id!r}, whose write failed and is retried "
+        f"in the background until it succeeds: {error}"
+    )
+    if isinstance(error, DataLossError):
+        return DataLossError(message, nodes=error.nodes)
+    if isinstance(error, StoreError):
+        return type(error)(message, node=error.node)
+    return UnavailableError(message)
 
 
 def _mean_push(push_id: str, pushes: list[Push], workers: int) -> Push:

@@ -10,7 +10,10 @@
     └── UnavailableError       503  the service is pausing or recovering
 
 Store errors (lookup_table.errors) are mapped by the error middleware:
-DataLossError and NodeUnavailableError 503, StoreFullError 507.
+StoreFullError 507, every other store error (DataLossError, NodeUnavailableError,
+StoreTimeoutError, CorruptValueError, ...) 503; the JSON body carries the error's
+`type` and its `node` (`nodes` for DataLossError), and OptimizerClient re-raises it
+as that error without retrying.
 """
 
 from __future__ import annotations

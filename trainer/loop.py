@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import sys
 import threading
@@ -187,6 +188,7 @@ class Trainer:
         self._dense_ready = False
         self._dense_future: concurrent.futures.Future[Any] | None = None
         self._closed = False
+        self._lookup_error: Exception | None = None
 
     # ------------------------------------------------------------ plumbing
 
@@ -213,8 +215,18 @@ class Trainer:
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception:
+            # a push still in flight failed too (often of the same fault): the error that
+            # ended the block is the one the caller must see, not this one
+            logger.warning("closing the trainer after %r failed as well", exc, exc_info=True)
 
     @property
     def _pipelined(self) -> bool:
@@ -229,11 +241,32 @@ class Trainer:
 
     def rows(self, table: str, ids: IdArray, *, training: bool) -> NDArray[np.float32]:
         """Rows for a layer's lookup: prefetched when possible, else fetched now."""
-        if training:
-            fut = self._prefetched.find(table, ids)
-            if fut is not None:
-                return np.asarray(fut.result())
-        return self._run(self._store.lookup(table, ids, create=training))
+        try:
+            if training:
+                fut = self._prefetched.find(table, ids)
+                if fut is not None:
+                    return np.asarray(fut.result())
+            return self._run(self._store.lookup(table, ids, create=training))
+        except Exception as exc:
+            if self._lookup_error is None:  # the first failure is the one TF reports
+                self._lookup_error = exc
+            raise
+
+    @contextlib.contextmanager
+    def _lookups(self) -> Iterator[None]:
+        """Run the model so that a failed lookup raises its own error (DataLossError,
+        StoreFullError, StoreTimeoutError, ...): inside a tf.function TF turns it into an
+        UnknownError, and Keras (eager) into a copy without its `node`/`nodes`."""
+        self._lookup_error = None
+        try:
+            yield
+        except Exception as exc:
+            error, self._lookup_error = self._lookup_error, None
+            if error is None or error is exc:
+                raise
+            # as it was raised in the I/O thread, with its own cause (TF's copy adds nothing)
+            raise error from error.__cause__
+        self._lookup_error = None
 
     def _prefetch(self, features: Mapping[str, Any]) -> _Prefetched:
         pre = _Prefetched()
@@ -364,7 +397,8 @@ class Trainer:
         if self.graph:
             if self._graph_step is None:
                 self._graph_step = self._make_graph_step()
-            loss_t, row_grads, dense_grads = self._graph_step(inputs, tf.constant(labels))
+            with self._lookups():
+                loss_t, row_grads, dense_grads = self._graph_step(inputs, tf.constant(labels))
             # declared for both branches: the eager one below assigns a list[RecordedLookup]
             records: list[RecordedLookup | None] | list[RecordedLookup] = [
                 rec for layer in self.layers for rec in layer.graph_records[: len(layer.graph_rows)]
@@ -377,7 +411,8 @@ class Trainer:
         with tf.GradientTape() as tape:
             for layer in self.layers:
                 layer.begin_step(tape)
-            preds = self.model(inputs, training=True)
+            with self._lookups():
+                preds = self.model(inputs, training=True)
             loss = self.loss_fn(
                 tf.reshape(tf.constant(labels), (-1, 1)), tf.reshape(preds, (-1, 1))
             )
@@ -487,9 +522,11 @@ class Trainer:
             if self.graph:
                 if self._graph_predict is None:
                     self._graph_predict = self._make_graph_predict()
-                preds = self._graph_predict(inputs)
+                with self._lookups():
+                    preds = self._graph_predict(inputs)
             else:
-                preds = self.model(inputs, training=False)
+                with self._lookups():
+                    preds = self.model(inputs, training=False)
             preds_all.append(np.asarray(preds, np.float32).reshape(-1))
             labels_all.append(labels)
         if not preds_all:

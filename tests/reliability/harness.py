@@ -213,6 +213,30 @@ def item_counts(nodes: Sequence[str]) -> dict[str, tuple[int, int]]:
     return out
 
 
+def node_stats(address: str) -> dict[str, int]:
+    """The numeric `stats` of one node (curr_items, evictions, bytes, limit_maxbytes, ...)."""
+    client = memcache_client(address)
+    try:
+        stats = client.stats()
+    finally:
+        client.close()
+    out = {}
+    for key, value in stats.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[key.decode()] = int(value)
+    return out
+
+
+def delete_keys(address: str, keys: Sequence[bytes]) -> None:
+    """Delete raw keys on one node with pymemcache (e.g. to free memory on a `-M` node)."""
+    client = memcache_client(address)
+    try:
+        for start in range(0, len(keys), 1000):
+            client.delete_many([k.decode("ascii") for k in keys[start : start + 1000]])
+    finally:
+        client.close()
+
+
 async def metadump_keys(address: str) -> list[bytes]:
     """Every key on a node, raw (memcached URL-encodes them in `lru_crawler metadump`)."""
     host, port = host_port(address)
