@@ -1157,7 +1157,16 @@ async def save_checkpoint(
                 logger.warning("no optimizer replicas in the cluster file: nothing to pause")
             try:
                 if client is not None:
-                    await client.pause(timeout_s=pause_timeout_s)
+                    unfinished = await client.pause(timeout_s=pause_timeout_s)
+                    if any(unfinished.values()):
+                        raise CheckpointError(
+                            "optimizer replicas are still finishing pushes whose memcached "
+                            "write failed ("
+                            + ", ".join(f"replica {k}: {n}" for k, n in unfinished.items() if n)
+                            + "; see their logs): their rows are half written, so the "
+                            "checkpoint would not be consistent. Fix the node they name "
+                            "(lookup-table-admin stats) and save again"
+                        )
                 paused_at = time.monotonic()
                 body = await _read_namespace(store, tmp, batch_ids=batch_ids, progress=progress)
                 if client is not None and time.monotonic() - paused_at >= pause_timeout_s:
@@ -1513,6 +1522,7 @@ async def restore_checkpoint(
                 f"namespace {ns!r} already holds {sum(data.values())} keys ({where}); restore "
                 f"into a new namespace, or pass --force to delete them and restore over them"
             )
+        await replicas.drop_unfinished()
         deleted = 0
         for spec in config.memcached:
             keys = dumps[spec.address].keys(ns)
@@ -1581,6 +1591,14 @@ class _PausedReplicas:
             await self.__aexit__(None, None, None)
             raise
         return self
+
+    async def drop_unfinished(self) -> None:
+        """Cancel the paused replicas' background replays of failed writes: the restore
+        replaces their rows, and they must not write pre-restore rows over it."""
+        if self._client is not None and self._indexes:
+            await self._client.pause(
+                timeout_s=DEFAULT_PAUSE_TIMEOUT_S, replicas=self._indexes, drop_unfinished=True
+            )
 
     async def __aexit__(self, *exc: object) -> None:
         if self._client is None:

@@ -197,18 +197,25 @@ class OptimizerClient:
         return min(int(d["version"]) for d in docs)
 
     async def pause(
-        self, *, timeout_s: float = 600.0, replicas: Sequence[int] | None = None
-    ) -> None:
+        self,
+        *,
+        timeout_s: float = 600.0,
+        replicas: Sequence[int] | None = None,
+        drop_unfinished: bool = False,
+    ) -> dict[int, int]:
         """Pause every replica (or those given): in-flight pushes finish, new ones wait.
 
-        They resume by themselves after `timeout_s`.
+        They resume by themselves after `timeout_s`. Returns, per replica, how many
+        pushes it is still finishing in the background (a failed write being replayed):
+        non-zero means the rows are not consistent yet. `drop_unfinished` cancels those
+        (only for a restore, which replaces their rows).
         """
-        await asyncio.gather(
-            *(
-                self._request(k, "POST", f"/v1/admin/pause?timeout_s={timeout_s}", b"")
-                for k in self._replicas(replicas)
-            )
+        path = f"/v1/admin/pause?timeout_s={timeout_s}" + (
+            "&drop_unfinished=1" if drop_unfinished else ""
         )
+        indexes = list(self._replicas(replicas))
+        docs = await asyncio.gather(*(self._request(k, "POST", path, b"") for k in indexes))
+        return {k: int(d.get("unfinished_pushes", 0)) for k, d in zip(indexes, docs, strict=True)}
 
     async def resume(self, *, reload: bool = False, replicas: Sequence[int] | None = None) -> None:
         """Resume every replica (or those given); `reload` (paused replicas only) makes them

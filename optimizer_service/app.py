@@ -247,8 +247,13 @@ async def get_version(request: web.Request) -> web.Response:
 async def post_pause(request: web.Request) -> web.Response:
     """Finish in-flight pushes and hold new ones (for a consistent checkpoint)."""
     timeout_s = _float_query(request, "timeout_s", 600.0)
-    await request.app[UPDATER].pause(timeout_s=timeout_s)
-    return _msgpack({"paused": True, "auto_resume_s": timeout_s})
+    drop = request.query.get("drop_unfinished", "0")
+    if drop not in ("0", "1"):
+        raise BadRequestError(
+            f"query parameter drop_unfinished: expected 0 or 1, got {describe(drop)}"
+        )
+    unfinished = await request.app[UPDATER].pause(timeout_s=timeout_s, drop_unfinished=drop == "1")
+    return _msgpack({"paused": True, "auto_resume_s": timeout_s, "unfinished_pushes": unfinished})
 
 
 async def post_resume(request: web.Request) -> web.Response:

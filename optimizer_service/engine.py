@@ -218,18 +218,33 @@ class Updater:
     def paused(self) -> bool:
         return not self._open.is_set()
 
-    async def pause(self, *, timeout_s: float = 600.0) -> None:
-        """Hold new pushes and wait for those in flight; resumes by itself after `timeout_s`."""
+    async def pause(self, *, timeout_s: float = 600.0, drop_unfinished: bool = False) -> int:
+        """Hold new pushes and wait for those in flight; resumes by itself after `timeout_s`.
+
+        Returns how many pushes are still being finished in the background (their write
+        failed and their journal is replayed until it sticks): their rows are half
+        written, so a checkpoint taken now would not be consistent. `drop_unfinished`
+        cancels those replays first: only for a restore, which replaces every row they
+        would write (and deletes their journals); otherwise they could write pre-restore
+        rows over the restored ones.
+        """
         self._open.clear()
         if self._auto_resume is not None:
             self._auto_resume.cancel()
         self._auto_resume = asyncio.get_running_loop().call_later(timeout_s, self.resume)
         async with self._idle:
             await self._idle.wait_for(lambda: self._active == 0)
-        # a push whose write failed is finished in the background (journal replay): the
-        # rows are not consistent until it sticks
-        while self._finishers:
-            await asyncio.wait(set(self._finishers))
+        if self._finishers and drop_unfinished:
+            logger.warning(
+                "replica %d: dropping %d unfinished pushes (a restore replaces their rows)",
+                self.replica,
+                len(self._finishers),
+            )
+            for task in self._finishers:
+                task.cancel()
+        if self._finishers:  # a replay about to succeed (or to end its cancellation)
+            await asyncio.wait(set(self._finishers), timeout=2.0)
+        return len(self._finishers)
 
     async def reload(self) -> int:
         """Forget in-memory model state and read the version again (after a restore).
@@ -607,8 +622,8 @@ class Updater:
                         )
                         await asyncio.sleep(delay)
                         delay = min(delay * 2, 5.0)
+            finally:  # done, or cancelled by a restore (pause(drop_unfinished=True))
                 self._journal_slots.put_nowait(slot)
-            finally:
                 self._failing.pop(slot, None)
                 await self.locks.release(keys)
 

@@ -635,3 +635,85 @@ async def test_failed_journaled_write_fails_other_pushes_fast_then_finishes_once
         big.stop()
         if small is not None:
             small.stop()
+
+
+async def test_unfinished_push_blocks_a_save_and_a_restore_drops_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, aiohttp_server: Any
+) -> None:
+    """A push whose write a full node refused is replayed in the background: a save then
+    refuses (its rows are half written) instead of hanging in the pause, and a restore
+    cancels the replay before it writes, so no pre-restore row lands over the restored
+    ones, even once the node has room again."""
+    import dataclasses
+
+    from prometheus_client import CollectorRegistry
+
+    from lookup_table.checkpoint import restore_checkpoint
+    from lookup_table.errors import CheckpointError
+    from optimizer_service import engine
+    from optimizer_service.app import UPDATER, make_app
+    from tests.conftest import make_config
+
+    monkeypatch.setattr(engine, "JOURNAL_SLOTS", 1)
+    big = start_memcached(memory_mb=64)
+    small: MemcachedProcess | None = None
+    try:
+        for _ in range(200):  # slot 0's journal on the healthy node (see the test above)
+            port = free_port()
+            if _meta_on(0, ["r0-j0", "r0-j0-c0"], [big.address, f"127.0.0.1:{port}"]):
+                break
+        small = start_memcached(port=port, memory_mb=2)
+        nodes = [big.address, small.address]
+        config = make_config(
+            nodes, tables=TABLES, store={"timeout_s": 2.0}, optimizers=["http://127.0.0.1:1"]
+        )
+        async with EmbeddingStore(config) as store:
+            await store.write_sentinels()
+            with pytest.raises(StoreFullError):
+                for start in range(0, 10**7, 20_000):
+                    await store.lookup("C3", np.arange(start, start + 20_000, dtype=np.int64))
+        app = make_app(config, registry=CollectorRegistry())
+        server = await aiohttp_server(app)
+        config = dataclasses.replace(config, optimizers=(str(server.make_url("")).rstrip("/"),))
+        ck = tmp_path / "ck"
+        await save_checkpoint(config, ck, progress=False)
+
+        ids = _ids_on("C1", 1, nodes, 4, start=10**12)
+        grads = np.full((4, 16), 2.0, dtype=np.float32)
+        async with OptimizerClient(config, max_retries=0) as client:
+            with pytest.raises(StoreFullError, match=small.address):
+                await client.push({"C1": (ids, grads)}, push_id=_push_id_on(0, nodes, "stuck"))
+        updater = app[UPDATER]
+        assert len(updater._finishers) == 1  # journaled, replayed in the background
+
+        async with asyncio.timeout(MARGIN_S + 5):  # refused, not hung in the pause
+            with pytest.raises(CheckpointError, match="replica 0: 1; see their logs"):
+                await save_checkpoint(config, tmp_path / "ck2", progress=False)
+        assert not (tmp_path / "ck2").exists() and not updater.paused
+
+        summary = await restore_checkpoint(config, ck, force=True, progress=False)
+        assert summary["replicas_reloaded"] == list(config.optimizers)
+        assert not updater._finishers and updater.locks.held == 0 and not updater.paused
+        # the checkpoint filled the node again: make room, so a replay still alive would
+        # now write its rows
+        keys = [
+            k
+            for k in await metadump_keys(small.address)
+            if k.startswith(f"{config.namespace}/C3/w/".encode())
+        ]
+        delete_keys(small.address, keys)
+        await asyncio.sleep(1.0)
+        async with EmbeddingStore(config) as store:
+            _, found = await store.get("C1", ids)
+            assert not found.any(), "the dropped replay wrote pre-restore rows"
+        async with OptimizerClient(config, max_retries=0) as client:  # not blocked any more
+            result = await client.push({"C1": (ids, grads)})
+            assert result["applied"]
+        async with EmbeddingStore(config) as store:
+            values, found = await store.get("C1", ids)
+        assert found.all()
+        np.testing.assert_allclose(values, _sgd_rows(config, "C1", ids, grads), atol=1e-6)
+    finally:
+        big.stop()
+        if small is not None:
+            small.stop()
