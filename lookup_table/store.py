@@ -139,7 +139,20 @@ class _Node:
         """
         if self._closed:
             raise NodeUnavailableError(f"store is closed (node {self.address})", node=self.address)
-        async with self._slots:
+        # The wait for a free connection has its own deadline: behind `pool_size` calls
+        # stuck on a stopped node, a call fails after at most 2 x timeout_s, not after
+        # one timeout per call queued in front of it.
+        try:
+            async with asyncio.timeout(self._cfg.timeout_s):
+                await self._slots.acquire()
+        except TimeoutError as exc:
+            raise StoreTimeoutError(
+                f"memcached node {self.address}: all {self._cfg.pool_size} connections "
+                f"(store.pool_size) stayed busy for {self._cfg.timeout_s:g} s "
+                f"(store.timeout_s); is it overloaded or stopped?",
+                node=self.address,
+            ) from exc
+        try:
             try:
                 async with asyncio.timeout(self._cfg.timeout_s):
                     while self._idle:
@@ -163,6 +176,8 @@ class _Node:
                     f"(is it restarting or at its connection limit?)",
                     node=self.address,
                 ) from exc
+        finally:
+            self._slots.release()
 
     async def _exchange(self, conn: _Conn, request: bytes, parse: Callable[[bytes], T | None]) -> T:
         """One request/reply on `conn`; the connection goes back to the pool only if clean."""

@@ -259,6 +259,31 @@ async def test_stopped_node_times_out_naming_it(own_nodes) -> None:
         np.testing.assert_array_equal(await s.lookup("user", np.arange(100, dtype=np.int64)), rows)
 
 
+async def test_calls_queued_behind_a_stopped_node_fail_within_two_timeouts(own_nodes) -> None:
+    """6 concurrent batches on one pooled connection to a stopped node: each fails within
+    2 x timeout_s (its wait for the connection, then its own round trip), not after one
+    timeout per batch queued in front of it (6 x 0.5 s)."""
+    config = make_config([own_nodes[0].address], store={"timeout_s": 0.5, "pool_size": 1})
+    async with EmbeddingStore(config) as s:
+        await s.write_sentinels()
+        await s.lookup("user", np.arange(10, dtype=np.int64))
+        stopped = own_nodes[0]
+        os.kill(stopped.pid, signal.SIGSTOP)
+        try:
+
+            async def one(i: int) -> float:
+                t0 = time.monotonic()
+                with pytest.raises(StoreTimeoutError, match=stopped.address):
+                    await s.lookup("user", np.arange(i, i + 10, dtype=np.int64))
+                return time.monotonic() - t0
+
+            took = await asyncio.gather(*(one(i) for i in range(6)))
+        finally:
+            os.kill(stopped.pid, signal.SIGCONT)
+        assert max(took) < 2.0, took  # 6 x 0.5 = 3 s before the fix
+        await s.lookup("user", np.arange(10, dtype=np.int64))  # the pool recovers
+
+
 async def test_unreachable_node_names_it() -> None:
     address = f"127.0.0.1:{free_port()}"
     config = make_config([address])
