@@ -189,7 +189,11 @@ class _Run:
     def window(self) -> list[dict[str, Any]]:
         """The samples taken while both trainers were stepping."""
         assert self.t_both is not None and self.t_end is not None
-        return [s for s in self.samples if self.t_both <= s["t"] < self.t_end]
+        return [
+            s
+            for s in self.samples
+            if self.t_both <= s["t"] < self.t_end and None not in s["trainers"]  # not exiting
+        ]
 
     def baseline(self) -> dict[str, Any]:
         assert self.t_both is not None
@@ -228,9 +232,9 @@ class _Run:
             if self.t_end is not None and s["t"] >= self.t_end:
                 phase = "end"
             lines.append(
-                f"{s['t']:6.1f}  {phase:6} {_mb(s['service']):>10}  "
-                f"{' '.join(f'{_mb(v):>6}' for v in s['memcached'])}  "
-                f"{' '.join(f'{_mb(v):>7}' for v in s['trainers'])}  "
+                f"{s['t']:6.1f}  {phase:6} {_mb(s['service'])!s:>10}  "
+                f"{' '.join(f'{_mb(v)!s:>6}' for v in s['memcached'])}  "
+                f"{' '.join(f'{_mb(v)!s:>7}' for v in s['trainers'])}  "
                 f"{s['pushes']:>10.0f}  {s['dense_gets']:>10.0f}"
             )
         return "\n".join(lines)
@@ -402,10 +406,15 @@ async def _soak(soak_s: float, tmp_path: Path) -> None:
         assert "Traceback" not in t.log(), t.log()[-4000:]
     for bad in ("unexpected error", "Traceback"):
         assert bad not in log, f"{bad!r} in the service log:\n{log[-4000:]}"
+    # nothing went wrong quietly either (a journal replay, a failed memcached stats, ...)
+    warnings = [line for line in log.splitlines() if " WARNING " in line or " ERROR " in line]
+    assert not warnings, "\n".join(warnings[:20])
     metrics = run.metrics
     assert not _http_5xx(metrics), f"5xx answers: {_http_5xx(metrics)}"
     rejected = _metric(metrics, "lookup_table_rejected_pushes_total")
     assert rejected == 0, f"{rejected:.0f} pushes rejected"
+    assert _metric(metrics, "lookup_table_node_evictions") == 0
+    assert _metric(metrics, "lookup_table_node_up") == 2
     steps = [s["steps"] for s in summaries]
     pushes = _metric(metrics, "lookup_table_pushes_total", status="applied")
     version = _metric(metrics, "lookup_table_version")
