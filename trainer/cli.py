@@ -1,12 +1,15 @@
 """`lookup-table-train`: train a model on a cluster, with progress, evaluation and a summary.
 
     lookup-table-train --config C --data synthetic:200000 [--model mlp] [--batch-size 1024]
-        [--epochs E | --steps S] [--eval-fraction 0.2] [--worker-index I --num-workers N]
-        [--plot loss.png] [--output summary.json]
+        [--epochs E | --steps S] [--max-seconds T] [--eval-fraction 0.2]
+        [--worker-index I --num-workers N] [--plot loss.png] [--output summary.json]
 
-Worker I of N trains on every N-th batch; every worker evaluates on the same
-held-out batches. The final summary (JSON, also printed) has examples/s, the
-training loss, eval AUC and log loss, and the rows this worker created per table.
+Training stops at the end of the data (`--epochs`, default 1), after `--steps`, or
+after `--max-seconds` of training, whichever comes first; `--max-seconds` alone
+repeats the data until the time is up. Worker I of N trains on every N-th batch;
+every worker evaluates on the same held-out batches. The final summary (JSON, also
+printed) has examples/s, the training loss, eval AUC and log loss, and the rows this
+worker created per table.
 """
 
 from __future__ import annotations
@@ -17,17 +20,48 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["main"]
 
 logger = logging.getLogger("trainer")
+T = TypeVar("T")
 
 
 def _columns(text: str | None) -> list[str] | None:
     return [c for c in text.split(",") if c] if text else None
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def _until(
+    batches: Iterable[T], max_seconds: float, *, clock: Callable[[], float] = time.monotonic
+) -> Iterator[T]:
+    """`batches` until `max_seconds` have passed since the first one was taken.
+
+    The training loop reads one batch ahead, so the step under way when the time is up
+    and the one whose batch was already read still run: training ends at most one step
+    after the step that crosses `max_seconds`.
+    """
+    start: float | None = None
+    for batch in batches:
+        now = clock()
+        if start is None:
+            start = now
+        elif now - start >= max_seconds:
+            return
+        yield batch
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,8 +83,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", default="256,128", help="MLP widths (default 256,128)")
     p.add_argument("--batch-size", type=int, default=1024)
     stop = p.add_mutually_exclusive_group()
-    stop.add_argument("--epochs", type=int, default=1)
-    stop.add_argument("--steps", type=int)
+    stop.add_argument(
+        "--epochs", type=int, help="passes over the data (default 1; unlimited with --max-seconds)"
+    )
+    stop.add_argument("--steps", type=int, help="stop after this many steps")
+    p.add_argument(
+        "--max-seconds",
+        type=_positive_seconds,
+        metavar="T",
+        help="stop after T seconds of training (wall time from the first batch; the step "
+        "under way and the one already read ahead finish); combines with --epochs or "
+        "--steps (whichever comes first), alone it repeats the data until the time is up",
+    )
     p.add_argument("--eval-fraction", type=float, default=0.2)
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every K steps (0: end)")
     p.add_argument("--eval-batches", type=int, default=20, help="eval batches (default 20)")
@@ -69,6 +113,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="write the summary JSON here")
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+def _train_batches(source: Any, args: argparse.Namespace) -> Iterable[Any]:
+    """This worker's training batches, as long as --epochs / --steps / --max-seconds say."""
+    if args.steps is not None:
+        epochs: int | None = None  # fit stops after --steps
+    elif args.epochs is not None:
+        epochs = args.epochs
+    else:
+        epochs = None if args.max_seconds is not None else 1
+    train: Iterable[Any] = source.batches(
+        args.batch_size,
+        worker_index=args.worker_index,
+        num_workers=args.num_workers,
+        split="train",
+        eval_fraction=args.eval_fraction,
+        epochs=epochs,
+    )
+    return train if args.max_seconds is None else _until(train, args.max_seconds)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -96,14 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     hidden = [int(h) for h in args.hidden.split(",") if h]
     model = build_model(args.model, source.schema, config, hidden=hidden, seed=args.seed)
-    train = source.batches(
-        args.batch_size,
-        worker_index=args.worker_index,
-        num_workers=args.num_workers,
-        split="train",
-        eval_fraction=args.eval_fraction,
-        epochs=args.epochs if args.steps is None else 10**9,
-    )
+    train = _train_batches(source, args)
     evals = (
         list(
             itertools.islice(
@@ -135,6 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "data": args.data,
         "batch_size": args.batch_size,
+        "max_seconds": args.max_seconds,
         "steps": result.steps,
         "examples": result.examples,
         "seconds": round(result.seconds, 3),

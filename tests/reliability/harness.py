@@ -281,3 +281,22 @@ async def fingerprint(
                 digest = hashlib.blake2b(values.tobytes() + found.tobytes()).hexdigest()
                 out[f"{table}/{kind}"] = (digest, bool(found.all()))
     return out
+
+
+# ------------------------------------------------------------------ processes, seen from outside
+
+
+def rss_bytes(pid: int | None) -> int | None:
+    """Resident memory of a live process (VmRSS of /proc/PID/status); None once it is gone."""
+    if pid is None:
+        return None
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            value, unit = line.split()[1:3]
+            assert unit == "kB", line
+            return int(value) * 1024
+    return None  # a zombie has no VmRSS line
