@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -257,17 +258,26 @@ class _Run:
         path.write_text(json.dumps(doc, indent=1))
         return path
 
-    def plot(self, out: Path) -> Path:
+    def plot(self, out: Path) -> Path | None:
+        """soak.png: RSS of every process and the push counts over time (also on failure)."""
+        if not self.samples:
+            return None
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        def mb(value: int | None) -> float:
+            return math.nan if value is None else value / 2**20
+
         t = [s["t"] for s in self.samples]
         fig, (ax_service, ax_rss, ax_push) = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
-        ax_service.plot(t, [_mb(s["service"]) for s in self.samples], label="optimizer service")
-        if self.t_both is not None and self.t_end is not None and self.window():
-            base = _mb(self.baseline()["service"]) or 0.0
+        ax_service.plot(t, [mb(s["service"]) for s in self.samples], label="optimizer service")
+        try:
+            base = mb(self.baseline()["service"])
+        except AssertionError:  # the run did not get past the warm-up
+            base = math.nan
+        if not math.isnan(base):
             ax_service.axhline(base, color="grey", linewidth=0.8, label="after the warm-up")
             ax_service.axhline(
                 base * (1 + MAX_RSS_GROWTH), color="red", linewidth=0.8, label="+10 %: fails"
@@ -275,8 +285,8 @@ class _Run:
         ax_service.set_ylabel("service RSS (MB)")
         ax_service.set_ylim(bottom=0)
         for i in range(2):
-            ax_rss.plot(t, [_mb(s["memcached"][i]) for s in self.samples], label=f"memcached {i}")
-            ax_rss.plot(t, [_mb(s["trainers"][i]) for s in self.samples], label=f"trainer {i}")
+            ax_rss.plot(t, [mb(s["memcached"][i]) for s in self.samples], label=f"memcached {i}")
+            ax_rss.plot(t, [mb(s["trainers"][i]) for s in self.samples], label=f"trainer {i}")
         ax_rss.set_ylabel("RSS (MB)")
         ax_push.plot(t, [s["pushes"] for s in self.samples], label="pushes applied")
         ax_push.plot(t, [s["dense_gets"] for s in self.samples], "--", label="GET /v1/dense")
@@ -397,13 +407,14 @@ async def _soak(soak_s: float, tmp_path: Path) -> None:
             service.terminate()
             service.kill()
             run.write(tmp_path)
+            run.plot(tmp_path)
         log = service.log()
 
     # -- no error
-    summaries = [t.summary() for t in trainers]
     for t in trainers:
         assert t.proc.returncode == 0, f"trainer {t.worker}:\n{t.log()[-4000:]}"
         assert "Traceback" not in t.log(), t.log()[-4000:]
+    summaries = [t.summary() for t in trainers]
     for bad in ("unexpected error", "Traceback"):
         assert bad not in log, f"{bad!r} in the service log:\n{log[-4000:]}"
     # nothing went wrong quietly either (a journal replay, a failed memcached stats, ...)
@@ -445,10 +456,6 @@ async def _soak(soak_s: float, tmp_path: Path) -> None:
 
     # -- the service's memory stays flat
     figures = run.figures()
-    (tmp_path / "soak.json").write_text(
-        json.dumps({**json.loads((tmp_path / "soak.json").read_text()), "figures": figures})
-    )
-    png = run.plot(tmp_path)
     print(  # noqa: T201 - the soak's report, shown with -s
         f"\nsoak {soak_s:.0f} s: {both_s:.0f} s with both trainers stepping, steps {steps}, "
         f"{pushes:.0f} pushes, version {version:.0f}\n"
@@ -458,7 +465,8 @@ async def _soak(soak_s: float, tmp_path: Path) -> None:
         f" {100 * figures['service_rss_growth']:+.1f} %\n"
         f"memcached RSS {figures['memcached_rss_mb_warm']} -> "
         f"{figures['memcached_rss_mb_end']} MB, trainers {figures['trainer_rss_mb_warm']} -> "
-        f"{figures['trainer_rss_mb_end']} MB\nsamples: {tmp_path / 'soak.json'}, plot: {png}"
+        f"{figures['trainer_rss_mb_end']} MB\nsamples: {tmp_path / 'soak.json'}, plot: "
+        f"{tmp_path / 'soak.png'}"
     )
     assert figures["service_rss_growth"] < MAX_RSS_GROWTH, (
         f"the service's RSS grew {100 * figures['service_rss_growth']:.1f} % after the warm-up "
