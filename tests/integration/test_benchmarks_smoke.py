@@ -13,31 +13,42 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "store.py"
-OPTIMIZER_SCRIPT = ROOT / "benchmarks" / "optimizer.py"
 METHODS = ("ceiling", "lookup", "create", "pymemcache")
 RATIOS = ("lookup/ceiling", "lookup/pymemcache", "create/ceiling")
+
+
+def _run_quick(name: str, tmp_path: Path, *, timeout_s: float, expect: str) -> dict[str, Any]:
+    """Run `benchmarks/<name>.py --quick`; check it succeeded and printed `expect`; return
+    its JSON report. On a timeout it gets SIGTERM, so it stops the cluster it started."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick"]
+        + ["--out-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        stdout, stderr = proc.communicate(timeout=25)
+        pytest.fail(f"timed out; stdout:\n{stdout}\nstderr:\n{stderr}")
+    assert proc.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{stderr}"
+    assert expect in stdout, stdout
+    report: dict[str, Any] = json.loads((tmp_path / f"{name}.json").read_text())
+    return report
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_store_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        check=False,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "lookup/ceiling" in proc.stdout
-
-    report = json.loads((tmp_path / "store.json").read_text())
+    report = _run_quick("store", tmp_path, timeout_s=120, expect="lookup/ceiling")
     assert {"timestamp", "machine", "code", "parameters", "dim16", "dim64", "key_encoding"} <= set(
         report
     )
@@ -65,18 +76,7 @@ def test_store_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_optimizer_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(OPTIMIZER_SCRIPT), "--quick", "--out-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=140,
-        cwd=ROOT,
-        check=False,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "http/inprocess" in proc.stdout
-
-    report = json.loads((tmp_path / "optimizer.json").read_text())
+    report = _run_quick("optimizer", tmp_path, timeout_s=140, expect="http/inprocess")
     assert report["benchmark"] == "optimizer"
     assert {"timestamp", "machine", "code", "parameters", "acceptance_targets"} <= set(report)
     assert {"dim16", "dim64"} <= set(report)
@@ -105,32 +105,13 @@ def test_optimizer_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None
     assert (tmp_path / "optimizer.png").stat().st_size > 0
 
 
-TRAIN_SCRIPT = ROOT / "benchmarks" / "train.py"
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     """`benchmarks/train.py --quick`: local Keras and a local cluster, 12 steps each."""
     from lookup_table.localcluster import wait_for_port
 
-    proc = subprocess.Popen(
-        [sys.executable, str(TRAIN_SCRIPT), "--quick", "--out-dir", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=270)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # SIGTERM: the script stops its cluster on the way out
-        stdout, stderr = proc.communicate(timeout=25)
-        pytest.fail(f"timed out; stdout:\n{stdout}\nstderr:\n{stderr}")
-    assert proc.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{stderr}"
-    assert "distributed/local examples/s" in stdout
-
-    report = json.loads((tmp_path / "train.json").read_text())
+    report = _run_quick("train", tmp_path, timeout_s=270, expect="distributed/local examples/s")
     assert report["benchmark"] == "train"
     assert {"timestamp", "machine", "code", "parameters", "summary", "rounds"} <= set(report)
     assert {"nproc", "python", "tensorflow", "keras", "memcached"} <= set(report["machine"])
@@ -190,25 +171,11 @@ def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     assert not wait_for_port(host, int(port), timeout_s=0.2), service
 
 
-CHECKPOINT_SCRIPT = ROOT / "benchmarks" / "checkpoint.py"
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(200)
 def test_checkpoint_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     """`benchmarks/checkpoint.py --quick`: 50,000 rows, 2 rounds, both cases."""
-    proc = subprocess.run(
-        [sys.executable, str(CHECKPOINT_SCRIPT), "--quick", "--out-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-        check=False,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "save/ceiling_read" in proc.stdout
-
-    report = json.loads((tmp_path / "checkpoint.json").read_text())
+    report = _run_quick("checkpoint", tmp_path, timeout_s=180, expect="save/ceiling_read")
     assert report["benchmark"] == "checkpoint"
     assert {"timestamp", "machine", "code", "parameters", "acceptance_targets"} <= set(report)
     assert report["machine"]["memcached"].startswith("memcached ")
@@ -233,25 +200,11 @@ def test_checkpoint_benchmark_quick_run_writes_its_report(tmp_path: Path) -> Non
         assert len(result["acceptance"]) == 2
 
 
-SIZING_SCRIPT = ROOT / "benchmarks" / "sizing.py"
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_sizing_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     """`benchmarks/sizing.py --quick`: 10,000 rows per case, dims 8/16/64, sgd and adam."""
-    proc = subprocess.run(
-        [sys.executable, str(SIZING_SCRIPT), "--quick", "--out-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=130,
-        cwd=ROOT,
-        check=False,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "GiB of -m per 100M rows" in proc.stdout
-
-    report = json.loads((tmp_path / "sizing.json").read_text())
+    report = _run_quick("sizing", tmp_path, timeout_s=130, expect="GiB of -m per 100M rows")
     assert report["benchmark"] == "sizing"
     assert {"timestamp", "machine", "code", "parameters", "results"} <= set(report)
     assert report["machine"]["memcached"].startswith("memcached ")
