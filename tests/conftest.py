@@ -72,6 +72,20 @@ DEFAULT_TABLES: list[dict[str, Any]] = [
 ]
 
 
+# Two SGD tables (exact values to check; one with string ids) and an Adam one (slots).
+SERVICE_TABLES: list[dict[str, Any]] = [
+    {"name": "user", "dim": 8, "seed": 1, "optimizer": {"name": "sgd", "learning_rate": 0.5}},
+    {
+        "name": "word",
+        "dim": 4,
+        "seed": 2,
+        "id_type": "string",
+        "optimizer": {"name": "sgd", "learning_rate": 0.25},
+    },
+    {"name": "ads", "dim": 16, "seed": 3},  # adam, the default
+]
+
+
 def make_config(
     nodes: list[str], *, tables: list[dict[str, Any]] | None = None, **overrides: Any
 ) -> ClusterConfig:

@@ -20,26 +20,14 @@ from lookup_table.config import ClusterConfig
 from lookup_table.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
 from optimizer_service.app import UPDATER, make_app
 from optimizer_service.push import parse_push
-from tests.conftest import make_config
+from tests.conftest import SERVICE_TABLES, make_config
 
 pytestmark = pytest.mark.integration
-
-SGD_TABLES: list[dict[str, Any]] = [
-    {"name": "user", "dim": 8, "seed": 1, "optimizer": {"name": "sgd", "learning_rate": 0.5}},
-    {
-        "name": "word",
-        "dim": 4,
-        "seed": 2,
-        "id_type": "string",
-        "optimizer": {"name": "sgd", "learning_rate": 0.25},
-    },
-    {"name": "ads", "dim": 16, "seed": 3},  # adam, the default
-]
 
 
 def _config(nodes: list[str], **kw: Any) -> ClusterConfig:
     kw.setdefault("optimizers", ["http://127.0.0.1:1"])
-    return make_config(nodes, tables=SGD_TABLES, **kw)
+    return make_config(nodes, tables=SERVICE_TABLES, **kw)
 
 
 async def _serve(config: ClusterConfig, aiohttp_server: Any, replica: int = 0) -> TestServer:

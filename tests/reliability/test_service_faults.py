@@ -36,7 +36,7 @@ from lookup_table.config import load_config
 from lookup_table.localcluster import MemcachedProcess, free_port
 from lookup_table.wire import CONTENT_TYPE, encode_array, encode_ids, pack
 from optimizer_service.app import make_app
-from tests.conftest import make_config
+from tests.conftest import SERVICE_TABLES, make_config
 from tests.reliability.harness import (
     ServiceProcess,
     cluster_file,
@@ -49,17 +49,6 @@ from tests.reliability.harness import (
 
 pytestmark = pytest.mark.integration
 
-FUZZ_TABLES: list[dict[str, Any]] = [
-    {"name": "user", "dim": 8, "seed": 1, "optimizer": {"name": "sgd", "learning_rate": 0.5}},
-    {
-        "name": "word",
-        "dim": 4,
-        "seed": 2,
-        "id_type": "string",
-        "optimizer": {"name": "sgd", "learning_rate": 0.25},
-    },
-    {"name": "ads", "dim": 16, "seed": 3},  # adam: rows *and* slots
-]
 DIMS = {"user": 8, "word": 4, "ads": 16}
 MAX_BODY = 1 << 20
 
@@ -749,7 +738,7 @@ async def test_fuzzed_bodies_never_5xx_and_leave_the_store_unchanged(
     nodes = [s.address for s in own_nodes]
     config = make_config(
         nodes,
-        tables=FUZZ_TABLES,
+        tables=SERVICE_TABLES,
         optimizers=["http://127.0.0.1:1"],
         service={"max_body_bytes": MAX_BODY},
     )
@@ -840,7 +829,7 @@ async def test_hostile_string_ids_are_percent_encoded_never_raw(
     under its percent-encoded key, no raw command ever reaches memcached (no key `x` from
     "a b\\r\\nset x 0 0 1"), and lookalike ids ("%41" vs "A", "a%20b" vs "a b") stay apart."""
     nodes = [s.address for s in own_nodes]
-    config = make_config(nodes, tables=FUZZ_TABLES, optimizers=["http://127.0.0.1:1"])
+    config = make_config(nodes, tables=SERVICE_TABLES, optimizers=["http://127.0.0.1:1"])
     async with EmbeddingStore(config) as store:
         await store.write_sentinels()
     server: TestServer = await aiohttp_server(make_app(config, registry=CollectorRegistry()))
