@@ -24,7 +24,7 @@ Splits and sharding, the same for every source:
   source; for many workers, give each its own file.
 * Shuffling (`shuffle_buffer` > 0): within the chosen split, examples pass
   through a bounded buffer, like `tf.data.Dataset.shuffle`: whenever it holds
-  1.5x its size, a random half-and-more leaves in random order. The order is a
+  1.5x its size, a random third of it leaves, in random order. The order is a
   pure function of (seed, epoch) computed with counter-based hashes, so every
   worker sees the same shuffled stream (their batches stay disjoint) on any
   machine, and each epoch has another order. Without it, examples come in
