@@ -58,7 +58,7 @@ from numpy.typing import NDArray
 
 from lookup_table import checkpoint
 from lookup_table.config import ClusterConfig, NodeSpec, parse_config
-from lookup_table.keys import int_key_matrix, key_prefix
+from lookup_table.core.keys import int_key_matrix, key_prefix
 from lookup_table.localcluster import memcached_cluster
 from lookup_table.protocol import build_mg, build_ms
 from lookup_table.store import EmbeddingStore
@@ -195,7 +195,7 @@ async def ceiling_write(
     values: dict[str, NDArray[np.float32]],
 ) -> None:
     """Raw pipelined `ms` of every kind's values into `config`'s namespace."""
-    from lookup_table.sharding import node_of
+    from lookup_table.core.sharding import node_of
 
     placement = node_of(table, ids, config.node_addresses)
     jobs = []

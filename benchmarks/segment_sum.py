@@ -19,7 +19,7 @@ segment in its own blocked order, not one after another:
   `np.add.reduceat` over the sorted rows.
 * `argsort_reduceat`: one stable argsort of the ids themselves (no inverse), the
   segment starts where the sorted ids change, then `np.add.reduceat`.
-* `segment_sum`: the library function (`optimizer_service.optimizers.segment_sum`).
+* `segment_sum`: the library function (`lookup_table.core.optimizers.segment_sum`).
 * `python_loop`: a dict of id -> row, `row += grad` per id: the baseline.
 
 A second section does the same for string ids (an object array of str), where
@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from optimizer_service.optimizers import segment_sum
+from lookup_table.core.optimizers import segment_sum
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, report_head, write_json

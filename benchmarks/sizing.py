@@ -55,12 +55,13 @@ from lookup_table.admin import table_stats
 from lookup_table.checkpoint import memcached_stats
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, parse_config
-from lookup_table.keys import key_prefix
+from lookup_table.core.keys import key_prefix
+from lookup_table.core.keyspace import META_TABLE
+from lookup_table.core.optimizers import make_optimizer
 from lookup_table.localcluster import MemcachedProcess, memcached_cluster
-from lookup_table.store import META_TABLE, EmbeddingStore
+from lookup_table.store import EmbeddingStore
 from optimizer_service.app import make_app
 from optimizer_service.engine import JOURNAL_SLOTS
-from optimizer_service.optimizers import make_optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import lookup_table_fingerprint, machine_info, report_head, write_json

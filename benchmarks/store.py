@@ -13,8 +13,8 @@ random int64 ids:
   connection per node; every `mg <key> v` of the node in one write, then `mn`;
   the reply read until its known end and parsed with numpy at a fixed stride
   (all hits; the `VA`/CRLF framing of every row is still checked). The keys come
-  from `lookup_table.keys.int_key_matrix` and the node split from
-  `lookup_table.sharding.node_of`, so they are exactly the store's keys. Key
+  from `lookup_table.core.keys.int_key_matrix` and the node split from
+  `lookup_table.core.sharding.node_of`, so they are exactly the store's keys. Key
   building, node split and request building are timed, as the store does them too.
 * `lookup`: `await store.lookup(table, ids)` on rows that exist.
 * `create`: `await store.lookup(table, ids)` on ids never seen before (a fresh id
@@ -64,9 +64,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig, NodeSpec, parse_config
-from lookup_table.keys import encode_keys, int_key_matrix, key_prefix
+from lookup_table.core.keys import encode_keys, int_key_matrix, key_prefix
+from lookup_table.core.sharding import node_of
 from lookup_table.localcluster import memcached_cluster
-from lookup_table.sharding import node_of
 from lookup_table.store import EmbeddingStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

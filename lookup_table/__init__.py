@@ -2,43 +2,58 @@
 
 Rows live in plain memcached servers ("storage doesn't optimize"); trainers read
 them in pipelined batches and an optimizer service applies the updates.
+
+The names below are imported on first use (PEP 562): `import lookup_table.core.keys`
+loads numpy, not aiohttp or the store.
 """
 
 from __future__ import annotations
 
-from lookup_table.client import OptimizerClient
-from lookup_table.config import (
-    AdagradConfig,
-    AdamConfig,
-    ClusterConfig,
-    NodeSpec,
-    OptimizerConfig,
-    ServiceConfig,
-    SGDConfig,
-    StoreConfig,
-    TableSpec,
-    load_config,
-    parse_config,
-)
-from lookup_table.errors import (
-    CheckpointError,
-    ClusterNotInitializedError,
-    ConfigError,
-    CorruptValueError,
-    DataLossError,
-    KeyEncodingError,
-    LookupTableError,
-    NamespaceNotEmptyError,
-    NodeUnavailableError,
-    ProtocolError,
-    PushRejectedError,
-    StoreError,
-    StoreFullError,
-    StoreTimeoutError,
-)
-from lookup_table.initializers import InitializerSpec, initial_rows
-from lookup_table.keys import decode_key, encode_key, encode_keys
-from lookup_table.store import EmbeddingStore
+import importlib as _importlib
+import typing as _typing
+
+if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ below
+    from lookup_table.client import OptimizerClient
+    from lookup_table.config import (
+        AdagradConfig,
+        AdamConfig,
+        ClusterConfig,
+        NodeSpec,
+        OptimizerConfig,
+        ServiceConfig,
+        SGDConfig,
+        StoreConfig,
+        TableSpec,
+        load_config,
+        parse_config,
+    )
+    from lookup_table.core.initializers import (
+        InitializerSpec,
+        initial_rows,
+    )
+    from lookup_table.core.keys import (
+        decode_key,
+        encode_key,
+        encode_keys,
+    )
+    from lookup_table.errors import (
+        CheckpointError,
+        ClusterNotInitializedError,
+        ConfigError,
+        CorruptValueError,
+        DataLossError,
+        DenseParamError,
+        KeyEncodingError,
+        LookupTableError,
+        NamespaceNotEmptyError,
+        NodeUnavailableError,
+        ProtocolError,
+        PushRejectedError,
+        StoreError,
+        StoreFullError,
+        StoreTimeoutError,
+    )
+    from lookup_table.store import EmbeddingStore
 
 __all__ = [
     "AdagradConfig",
@@ -49,6 +64,7 @@ __all__ = [
     "ConfigError",
     "CorruptValueError",
     "DataLossError",
+    "DenseParamError",
     "EmbeddingStore",
     "InitializerSpec",
     "KeyEncodingError",
@@ -74,3 +90,53 @@ __all__ = [
     "load_config",
     "parse_config",
 ]
+
+# name -> the module that defines it
+_LAZY = {
+    "AdagradConfig": "lookup_table.config",
+    "AdamConfig": "lookup_table.config",
+    "CheckpointError": "lookup_table.errors",
+    "ClusterConfig": "lookup_table.config",
+    "ClusterNotInitializedError": "lookup_table.errors",
+    "ConfigError": "lookup_table.errors",
+    "CorruptValueError": "lookup_table.errors",
+    "DataLossError": "lookup_table.errors",
+    "DenseParamError": "lookup_table.errors",
+    "EmbeddingStore": "lookup_table.store",
+    "InitializerSpec": "lookup_table.core.initializers",
+    "KeyEncodingError": "lookup_table.errors",
+    "LookupTableError": "lookup_table.errors",
+    "NamespaceNotEmptyError": "lookup_table.errors",
+    "NodeSpec": "lookup_table.config",
+    "NodeUnavailableError": "lookup_table.errors",
+    "OptimizerClient": "lookup_table.client",
+    "OptimizerConfig": "lookup_table.config",
+    "ProtocolError": "lookup_table.errors",
+    "PushRejectedError": "lookup_table.errors",
+    "SGDConfig": "lookup_table.config",
+    "ServiceConfig": "lookup_table.config",
+    "StoreConfig": "lookup_table.config",
+    "StoreError": "lookup_table.errors",
+    "StoreFullError": "lookup_table.errors",
+    "StoreTimeoutError": "lookup_table.errors",
+    "TableSpec": "lookup_table.config",
+    "decode_key": "lookup_table.core.keys",
+    "encode_key": "lookup_table.core.keys",
+    "encode_keys": "lookup_table.core.keys",
+    "initial_rows": "lookup_table.core.initializers",
+    "load_config": "lookup_table.config",
+    "parse_config": "lookup_table.config",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lookup_table' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

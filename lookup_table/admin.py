@@ -36,6 +36,8 @@ from numpy.typing import NDArray
 
 from lookup_table.checkpoint import memcached_stats, metadump, metadump_prefix, namespace_lines
 from lookup_table.config import ClusterConfig, NodeSpec, load_config
+from lookup_table.core.keyspace import DENSE_TABLE, META_TABLE, Kind, sentinel_key
+from lookup_table.core.optimizers import make_optimizer
 from lookup_table.errors import (
     ConfigError,
     DataLossError,
@@ -43,9 +45,7 @@ from lookup_table.errors import (
     NodeUnavailableError,
     StoreError,
 )
-from lookup_table.store import META_TABLE, EmbeddingStore, sentinel_key
-from optimizer_service.dense import DENSE_TABLE
-from optimizer_service.optimizers import make_optimizer
+from lookup_table.store import EmbeddingStore
 
 __all__ = [
     "KIND_NAMES",
@@ -61,16 +61,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-KIND_NAMES = {
-    "w": "rows",
-    "s": "slots",
-    "d": "dense",
-    "ds": "dense_slots",
-    "m": "meta",
-    "p": "push_records",
-    "j": "journal",
-}
-"""What each key kind holds (keys.py); a kind not listed is shown as `kind_<tag>`."""
+KIND_NAMES = {str(kind): kind.label for kind in Kind}
+"""What each key kind holds (core/keyspace.py); another kind is shown as `kind_<tag>`."""
 UNPARSED = ("(unparsed)", "?")
 """The (table, kind) of namespace keys the key codec did not write."""
 

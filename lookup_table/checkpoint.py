@@ -81,6 +81,19 @@ from tqdm import tqdm
 from lookup_table import protocol
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, NodeSpec, StoreConfig, TableSpec, load_config
+from lookup_table.core.keys import INT_ID_BYTES, IdArray, decode_key, int_key_matrix, key_prefix
+from lookup_table.core.keyspace import (
+    DENSE_TABLE,
+    META_TABLE,
+    ROW_KINDS,
+    Kind,
+    is_journal_header,
+    sentinel_key,
+    version_replica,
+)
+from lookup_table.core.optimizers import make_optimizer
+from lookup_table.core.sharding import node_of
+from lookup_table.dense import DenseParams
 from lookup_table.errors import (
     CheckpointError,
     ClusterNotInitializedError,
@@ -93,11 +106,7 @@ from lookup_table.errors import (
     StoreError,
     StoreTimeoutError,
 )
-from lookup_table.keys import INT_ID_BYTES, IdArray, decode_key, int_key_matrix, key_prefix
-from lookup_table.sharding import node_of
-from lookup_table.store import META_TABLE, EmbeddingStore, sentinel_key
-from optimizer_service.dense import DENSE_TABLE, DenseParams
-from optimizer_service.optimizers import make_optimizer
+from lookup_table.store import EmbeddingStore
 
 __all__ = [
     "DEFAULT_BATCH_IDS",
@@ -143,9 +152,6 @@ _HASH_CHUNK = 1 << 22
 _INT_BODY_BYTES = INT_ID_BYTES  # "i" + 16 hex digits
 _HEX_VALUES = np.full(256, 255, dtype=np.uint8)
 _HEX_VALUES[np.frombuffer(b"0123456789abcdef", dtype=np.uint8)] = np.arange(16, dtype=np.uint8)
-_VERSION_RE = re.compile(r"version-r(\d+)\Z")
-_JOURNAL_HEADER_RE = re.compile(r"r\d+-j\d+\Z")
-_ROW_KINDS = ("w", "s")
 
 
 # ================================================================ pure: ids, keys, names
@@ -299,7 +305,7 @@ def _int_rows(
         return handled
     windows = np.lib.stride_tricks.sliding_window_view(arr, span)
     room = np.flatnonzero(starts <= arr.shape[0] - span)  # the last lines: general parser
-    kinds = {k: np.frombuffer(b"%2F" + k.encode() + b"%2Fi", "<u8")[0] for k in _ROW_KINDS}
+    kinds = {k: np.frombuffer(b"%2F" + k.encode() + b"%2Fi", "<u8")[0] for k in ROW_KINDS}
     for block in range(0, room.shape[0], _PARSE_BLOCK_LINES):
         lines = room[block : block + _PARSE_BLOCK_LINES]
         tail = windows[starts[lines]][:, namespace_bytes:]
@@ -1059,7 +1065,7 @@ def _id_text(value: object) -> str:
 class _TableKeys:
     """The ids of one table found by metadump, per kind (each a list of per-node parts)."""
 
-    parts: dict[str, list[IdArray]] = field(default_factory=lambda: {"w": [], "s": []})
+    parts: dict[str, list[IdArray]] = field(default_factory=lambda: {k: [] for k in ROW_KINDS})
 
     def ids(self, kind: str, id_type: str) -> IdArray:
         parts = self.parts[kind]
@@ -1246,16 +1252,16 @@ async def _read_namespace(
             _check_placement(config.table(table), kind, int_ids, j, store.nodes)
             by_table[table].parts[kind].append(int_ids)
         for (table, kind), bodies in found.bodies.items():
-            if table in by_table and kind in _ROW_KINDS:
+            if table in by_table and kind in ROW_KINDS:
                 spec = config.table(table)
                 ids = _decode_ids(ns, spec, kind, bodies, node)
                 _check_placement(spec, kind, ids, j, store.nodes)
                 by_table[table].parts[kind].append(ids)
-            elif table == META_TABLE and kind in ("m", "j"):
+            elif table == META_TABLE and kind in (Kind.META, Kind.JOURNAL):
                 meta.setdefault(kind, []).extend(
                     str(x) for x in decode_bodies(ns, table, kind, bodies)
                 )
-            elif (table == META_TABLE and kind == "p") or table == DENSE_TABLE:
+            elif (table == META_TABLE and kind == Kind.PUSH_RECORD) or table == DENSE_TABLE:
                 transient += len(bodies)  # push records; dense chunks are read via `current`
             else:
                 skipped[f"{table}/{kind}"] = skipped.get(f"{table}/{kind}", 0) + len(bodies)
@@ -1268,7 +1274,7 @@ async def _read_namespace(
     total = 0
     for spec in config.tables:
         keys = by_table[spec.name]
-        w_ids, s_ids = keys.ids("w", spec.id_type), keys.ids("s", spec.id_type)
+        w_ids, s_ids = keys.ids(Kind.ROW, spec.id_type), keys.ids(Kind.SLOTS, spec.id_type)
         width = _slot_width(spec)
         if not width and s_ids.shape[0]:
             logger.warning(
@@ -1362,7 +1368,7 @@ async def _save_table(
             if slots is not None:
                 (values, found), (slot_values, hit) = await asyncio.gather(
                     store.get(spec.name, part, width=spec.dim, unique=True),
-                    store.get(spec.name, part, kind="s", width=width, unique=True),
+                    store.get(spec.name, part, kind=Kind.SLOTS, width=width, unique=True),
                 )
                 lost = np.flatnonzero(enumerated_s[start:stop] & ~hit)
                 if lost.size:
@@ -1434,17 +1440,17 @@ async def _save_dense(store: EmbeddingStore, tmp: Path) -> dict[str, Any] | None
 
 
 async def _read_versions(store: EmbeddingStore, meta_ids: list[str]) -> dict[str, int]:
-    wanted = sorted(i for i in meta_ids if _VERSION_RE.match(i))
+    wanted = sorted(i for i in meta_ids if version_replica(i) is not None)
     if not wanted:
         return {}
-    values = await store.get_blobs(META_TABLE, wanted, kind="m")
+    values = await store.get_blobs(META_TABLE, wanted, kind=Kind.META)
     out: dict[str, int] = {}
     for name, raw in zip(wanted, values, strict=True):
-        match = _VERSION_RE.match(name)
-        if raw is None or match is None:
+        replica = version_replica(name)
+        if raw is None or replica is None:
             continue
         try:
-            out[match.group(1)] = int(raw)
+            out[str(replica)] = int(raw)
         except ValueError:
             raise CheckpointError(
                 f"version key {name!r} holds {raw[:40]!r}, not an integer"
@@ -1453,10 +1459,10 @@ async def _read_versions(store: EmbeddingStore, meta_ids: list[str]) -> dict[str
 
 
 async def _unfinished_journals(store: EmbeddingStore, journal_ids: list[str]) -> int:
-    headers = sorted(i for i in journal_ids if _JOURNAL_HEADER_RE.match(i))
+    headers = sorted(i for i in journal_ids if is_journal_header(i))
     if not headers:
         return 0
-    values = await store.get_blobs(META_TABLE, headers, kind="j")
+    values = await store.get_blobs(META_TABLE, headers, kind=Kind.JOURNAL)
     busy = [h for h, v in zip(headers, values, strict=True) if v]
     if busy:
         logger.warning(
@@ -1513,7 +1519,7 @@ async def restore_checkpoint(
         dumps = await _namespace_keys(store)
         sentinel_body = sentinel_key(ns).rsplit(b"/", 1)[1]
         data = {
-            node: found.count - found.bodies.get((META_TABLE, "m"), []).count(sentinel_body)
+            node: found.count - found.bodies.get((META_TABLE, Kind.META), []).count(sentinel_body)
             for node, found in dumps.items()
         }
         if any(data.values()) and not force:
@@ -1650,7 +1656,7 @@ async def _write_checkpoint(
             META_TABLE,
             [f"version-r{k}" for k in versions],
             [str(int(v)).encode() for v in versions.values()],
-            kind="m",
+            kind=Kind.META,
         )
     return {
         "rows": rows_total,
@@ -1680,7 +1686,9 @@ async def _restore_table(
             if slots is not None and has_slots is not None:
                 pick = np.flatnonzero(has_slots[start:stop]) + start
                 if pick.size:
-                    jobs.append(store.set(name, ids[pick], np.asarray(slots[pick]), kind="s"))
+                    jobs.append(
+                        store.set(name, ids[pick], np.asarray(slots[pick]), kind=Kind.SLOTS)
+                    )
             await asyncio.gather(*jobs)
             bar.update(stop - start)
 

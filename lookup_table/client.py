@@ -29,6 +29,16 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig
+from lookup_table.core.keys import as_ids
+from lookup_table.core.sharding import owner_of
+from lookup_table.core.wire import (
+    CONTENT_TYPE,
+    decode_array,
+    encode_array,
+    encode_ids,
+    pack,
+    unpack,
+)
 from lookup_table.errors import (
     CorruptValueError,
     DataLossError,
@@ -40,9 +50,6 @@ from lookup_table.errors import (
     StoreFullError,
     StoreTimeoutError,
 )
-from lookup_table.keys import as_ids
-from lookup_table.sharding import owner_of
-from lookup_table.wire import CONTENT_TYPE, decode_array, encode_array, encode_ids, pack, unpack
 
 __all__ = ["OptimizerClient"]
 

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, Literal, TypeAlias, cast
 from urllib.parse import urlsplit
 
+from lookup_table.core.hashing import stable_hash
+from lookup_table.core.initializers import InitializerSpec
+from lookup_table.core.keys import validate_name
 from lookup_table.errors import ConfigError, KeyEncodingError
-from lookup_table.hashing import stable_hash
-from lookup_table.initializers import InitializerSpec
-from lookup_table.keys import validate_name
 
 __all__ = [
     "AdagradConfig",

@@ -5,6 +5,8 @@
     LookupTableError
     ├── ConfigError (ValueError)            bad cluster file or argument: fix the config
     ├── KeyEncodingError (ValueError)       an id or name that cannot become a memcached key
+    ├── DenseParamError (ValueError)        dense parameters or gradients that do not fit the
+    │                                       model's (unknown name, wrong shape, not finite)
     ├── ClusterNotInitializedError          no node has a sentinel: run `lookup-table-admin init`
     ├── CheckpointError                     a checkpoint is missing, partial, corrupt or does not
     │                                       fit the cluster file: fix or pick another checkpoint
@@ -31,6 +33,7 @@ __all__ = [
     "ConfigError",
     "CorruptValueError",
     "DataLossError",
+    "DenseParamError",
     "KeyEncodingError",
     "LookupTableError",
     "NamespaceNotEmptyError",
@@ -53,6 +56,18 @@ class ConfigError(LookupTableError, ValueError):
 
 class KeyEncodingError(LookupTableError, ValueError):
     """An id, table name or namespace cannot be encoded as a memcached key."""
+
+
+class DenseParamError(LookupTableError, ValueError):
+    """Dense parameters or gradients that do not fit the stored model: an unknown name,
+    a wrong shape, or initial values that are not finite (the caller's bug: a 400).
+
+    `.reason` is a short label for metrics ("unknown_dense", "shape", "nan").
+    """
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class ClusterNotInitializedError(LookupTableError):

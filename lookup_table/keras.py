@@ -48,7 +48,7 @@ import tensorflow as tf
 from numpy.typing import NDArray
 
 from lookup_table.config import TableSpec
-from lookup_table.keys import IdArray, as_ids
+from lookup_table.core.keys import IdArray, as_ids
 
 __all__ = ["DistributedEmbedding", "RecordedLookup", "RowSource"]
 

@@ -50,6 +50,11 @@ from numpy.typing import NDArray
 
 from lookup_table import protocol
 from lookup_table.config import ClusterConfig, NodeSpec, StoreConfig
+from lookup_table.core.initializers import initial_rows
+from lookup_table.core.keys import IdArray, as_ids, encode_keys, int_key_matrix, key_prefix
+from lookup_table.core.keyspace import Kind, sentinel_key
+from lookup_table.core.rows import ROW_DTYPE, encode_rows, row_bytes
+from lookup_table.core.sharding import node_of
 from lookup_table.errors import (
     ClusterNotInitializedError,
     CorruptValueError,
@@ -62,25 +67,15 @@ from lookup_table.errors import (
     StoreFullError,
     StoreTimeoutError,
 )
-from lookup_table.initializers import initial_rows
-from lookup_table.keys import IdArray, as_ids, encode_keys, int_key_matrix, key_prefix
 from lookup_table.protocol import Keys
-from lookup_table.rows import ROW_DTYPE, encode_rows, row_bytes
-from lookup_table.sharding import node_of
 
-__all__ = ["META_TABLE", "EmbeddingStore", "sentinel_key"]
+__all__ = ["EmbeddingStore"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-META_TABLE = "_meta"
 _READ_CHUNK = 1 << 20
 _STREAM_LIMIT = 1 << 22
-
-
-def sentinel_key(namespace: str) -> bytes:
-    """The key of a node's data-loss sentinel: the same key on every node."""
-    return key_prefix(namespace, META_TABLE, "m") + b"ssentinel"
 
 
 class _StaleConnectionError(Exception):
@@ -368,7 +363,7 @@ class EmbeddingStore:
         table: str,
         ids: Any,
         *,
-        kind: str = "w",
+        kind: str = Kind.ROW,
         width: int | None = None,
         unique: bool = False,
     ) -> tuple[NDArray[np.float32], NDArray[np.bool_]]:
@@ -385,7 +380,7 @@ class EmbeddingStore:
         """
         if width is None:
             width = self.config.table(table).dim
-        id_array = self._table_ids(table, ids) if kind == "w" else as_ids(ids, table=table)
+        id_array = self._table_ids(table, ids) if kind == Kind.ROW else as_ids(ids, table=table)
         if not unique:
             uniq, inverse = np.unique(id_array, return_inverse=True)
             if uniq.shape[0] != id_array.shape[0]:
@@ -404,7 +399,7 @@ class EmbeddingStore:
         return out, found
 
     async def set(
-        self, table: str, ids: Any, values: NDArray[np.float32], *, kind: str = "w"
+        self, table: str, ids: Any, values: NDArray[np.float32], *, kind: str = Kind.ROW
     ) -> None:
         """Write fixed-width float32 values (n, width) of unique `ids` (overwrite).
 
@@ -425,7 +420,7 @@ class EmbeddingStore:
         ids: Any,
         values: NDArray[np.float32],
         *,
-        kind: str = "w",
+        kind: str = Kind.ROW,
         unique: bool = False,
     ) -> NDArray[np.bool_]:
         """Set-if-absent for unique `ids`; returns which values were stored, bool (n,).
@@ -601,14 +596,14 @@ class EmbeddingStore:
         *,
         unique: bool = False,
     ) -> tuple[IdArray, NDArray[np.uint8]]:
-        id_array = self._table_ids(table, ids) if kind == "w" else as_ids(ids, table=table)
+        id_array = self._table_ids(table, ids) if kind == Kind.ROW else as_ids(ids, table=table)
         arr = np.asarray(values)
         if arr.ndim != 2 or arr.shape[0] != id_array.shape[0]:
             raise ValueError(
                 f"values for table {table!r} must be (n, width) with n={id_array.shape[0]} "
                 f"ids; got shape {arr.shape}"
             )
-        if kind == "w" and arr.shape[1] != self.config.table(table).dim:
+        if kind == Kind.ROW and arr.shape[1] != self.config.table(table).dim:
             raise ValueError(
                 f"table {table!r} has dim={self.config.table(table).dim} but the rows have "
                 f"{arr.shape[1]} floats"

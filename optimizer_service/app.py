@@ -27,16 +27,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from lookup_table.config import ClusterConfig, load_config
-from lookup_table.errors import (
-    ConfigError,
-    DataLossError,
-    KeyEncodingError,
-    LookupTableError,
-    StoreError,
-    StoreFullError,
-)
-from lookup_table.store import EmbeddingStore
-from lookup_table.wire import (
+from lookup_table.core.wire import (
     CONTENT_TYPE,
     WireError,
     decode_array,
@@ -45,6 +36,16 @@ from lookup_table.wire import (
     pack,
     unpack,
 )
+from lookup_table.errors import (
+    ConfigError,
+    DataLossError,
+    DenseParamError,
+    KeyEncodingError,
+    LookupTableError,
+    StoreError,
+    StoreFullError,
+)
+from lookup_table.store import EmbeddingStore
 from optimizer_service.engine import Updater
 from optimizer_service.errors import (
     BadRequestError,
@@ -106,6 +107,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             raise
         reason = "too_large" if exc.status == 413 else f"http_{exc.status}"
         response = _json_error(exc.status, exc.text or exc.reason)
+    except DenseParamError as exc:
+        response, reason = _json_error(400, str(exc)), exc.reason
     except (KeyEncodingError, ConfigError) as exc:
         response, reason = _json_error(400, str(exc)), "bad_request"
     except DataLossError as exc:

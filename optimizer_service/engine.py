@@ -39,19 +39,26 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig
+from lookup_table.core.initializers import initial_rows
+from lookup_table.core.keyspace import (
+    META_TABLE,
+    Kind,
+    journal_id,
+    push_record_id,
+    version_id,
+)
+from lookup_table.core.optimizers import Optimizer, make_optimizer, segment_sum
+from lookup_table.core.sharding import row_hashes
+from lookup_table.core.wire import decode_array, decode_ids, encode_array, encode_ids, pack, unpack
+from lookup_table.dense import DenseParams
 from lookup_table.errors import DataLossError, StoreError
-from lookup_table.initializers import initial_rows
-from lookup_table.sharding import row_hashes
-from lookup_table.store import META_TABLE, EmbeddingStore
-from lookup_table.wire import decode_array, decode_ids, encode_array, encode_ids, pack, unpack
-from optimizer_service.dense import DenseParams
+from lookup_table.store import EmbeddingStore
 from optimizer_service.errors import (
     BadRequestError,
     NotOwnerError,
     StaleVersionError,
     UnavailableError,
 )
-from optimizer_service.optimizers import Optimizer, make_optimizer, segment_sum
 from optimizer_service.push import Push, TableGrads
 
 __all__ = ["RowLocks", "Updater"]
@@ -199,17 +206,18 @@ class Updater:
     # ------------------------------------------------------------ bookkeeping keys
 
     def _record_id(self, push_id: str) -> str:
-        return f"r{self.replica}:{push_id}"
+        return push_record_id(self.replica, push_id)
 
     def _journal_id(self, slot: int, chunk: int | None = None) -> str:
-        base = f"r{self.replica}-j{slot}"
-        return base if chunk is None else f"{base}-c{chunk}"
+        return journal_id(self.replica, slot, chunk)
 
     def _version_id(self) -> str:
-        return f"version-r{self.replica}"
+        return version_id(self.replica)
 
     async def is_done(self, push_id: str) -> bool:
-        (value,) = await self.store.get_blobs(META_TABLE, [self._record_id(push_id)], kind="p")
+        (value,) = await self.store.get_blobs(
+            META_TABLE, [self._record_id(push_id)], kind=Kind.PUSH_RECORD
+        )
         return value is not None
 
     # ------------------------------------------------------------ pause / resume
@@ -436,7 +444,7 @@ class Updater:
         if width:
             (rows, found), (slots, has_slots) = await asyncio.gather(
                 self.store.get(grads.table, grads.ids, width=spec.dim, unique=True),
-                self.store.get(grads.table, grads.ids, kind="s", width=width, unique=True),
+                self.store.get(grads.table, grads.ids, kind=Kind.SLOTS, width=width, unique=True),
             )
         else:
             rows, found = await self.store.get(grads.table, grads.ids, width=spec.dim, unique=True)
@@ -465,7 +473,7 @@ class Updater:
         for u in updates:
             jobs.append(self.store.set(u.table, u.ids, u.rows))
             if u.slots.shape[1]:
-                jobs.append(self.store.set(u.table, u.ids, u.slots, kind="s"))
+                jobs.append(self.store.set(u.table, u.ids, u.slots, kind=Kind.SLOTS))
         await asyncio.gather(*jobs)
 
     async def _write_plan(self, plan: _Plan) -> None:
@@ -477,7 +485,7 @@ class Updater:
         if plan.version is not None:
             jobs.append(
                 self.store.set_blobs(
-                    META_TABLE, [self._version_id()], [str(plan.version).encode()], kind="m"
+                    META_TABLE, [self._version_id()], [str(plan.version).encode()], kind=Kind.META
                 )
             )
         await asyncio.gather(*jobs)
@@ -485,7 +493,7 @@ class Updater:
             META_TABLE,
             [self._record_id(plan.push_id)],
             [b"1"],
-            kind="p",
+            kind=Kind.PUSH_RECORD,
             ttl_s=self.push_record_ttl_s,
         )
         if plan.version is not None:
@@ -502,20 +510,25 @@ class Updater:
         else:
             chunks, header = _journal_encode(plan)
         await self.store.set_blobs(
-            META_TABLE, [self._journal_id(slot, i) for i in range(len(chunks))], chunks, kind="j"
+            META_TABLE,
+            [self._journal_id(slot, i) for i in range(len(chunks))],
+            chunks,
+            kind=Kind.JOURNAL,
         )
-        await self.store.set_blobs(META_TABLE, [self._journal_id(slot)], [header], kind="j")
+        await self.store.set_blobs(
+            META_TABLE, [self._journal_id(slot)], [header], kind=Kind.JOURNAL
+        )
 
     async def _clear_journal(self, slot: int) -> None:
-        await self.store.set_blobs(META_TABLE, [self._journal_id(slot)], [b""], kind="j")
+        await self.store.set_blobs(META_TABLE, [self._journal_id(slot)], [b""], kind=Kind.JOURNAL)
 
     async def _read_journal(self, slot: int) -> _Plan | None:
-        (raw,) = await self.store.get_blobs(META_TABLE, [self._journal_id(slot)], kind="j")
+        (raw,) = await self.store.get_blobs(META_TABLE, [self._journal_id(slot)], kind=Kind.JOURNAL)
         if not raw:
             return None
         header = unpack(raw)
         ids = [self._journal_id(slot, i) for i in range(int(header["chunks"]))]
-        chunks = await self.store.get_blobs(META_TABLE, ids, kind="j")
+        chunks = await self.store.get_blobs(META_TABLE, ids, kind=Kind.JOURNAL)
         if any(c is None for c in chunks):
             raise RuntimeError(f"journal slot {slot} of replica {self.replica} is missing chunks")
         body = b"".join(c for c in chunks if c is not None)
@@ -568,7 +581,7 @@ class Updater:
         return finished
 
     async def _stored_version(self) -> int:
-        (raw,) = await self.store.get_blobs(META_TABLE, [self._version_id()], kind="m")
+        (raw,) = await self.store.get_blobs(META_TABLE, [self._version_id()], kind=Kind.META)
         version = int(raw) if raw else 0
         if self.replica == 0:
             state = await self.dense.read()

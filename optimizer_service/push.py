@@ -17,12 +17,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig
+from lookup_table.core.keys import IdArray, encode_keys
+from lookup_table.core.optimizers import check_finite, segment_sum
+from lookup_table.core.sharding import owner_of
+from lookup_table.core.wire import WireError, decode_array, decode_ids, describe
 from lookup_table.errors import KeyEncodingError
-from lookup_table.keys import IdArray, encode_keys
-from lookup_table.sharding import owner_of
-from lookup_table.wire import WireError, decode_array, decode_ids, describe
 from optimizer_service.errors import BadRequestError, NotOwnerError
-from optimizer_service.optimizers import check_finite, segment_sum
 
 __all__ = ["PUSH_ID_RE", "Push", "TableGrads", "parse_push"]
 

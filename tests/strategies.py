@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from lookup_table.keys import MAX_KEY_BYTES
+from lookup_table.core.keys import MAX_KEY_BYTES
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _NAME_REGEX = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"

@@ -287,8 +287,8 @@ def _check_eval_schema(train: Any, evals: Any, spec: str) -> None:
 
 def tables_toml(schema: Any, *, dim: int, spec: str) -> str:
     """The `[[tables]]` entries a model over `schema` needs, as cluster-file TOML."""
+    from lookup_table.core.keys import validate_name
     from lookup_table.errors import LookupTableError
-    from lookup_table.keys import validate_name
 
     lines = [f"# the tables for the columns of {spec} (one per categorical column); "]
     lines[0] += "paste them into the cluster file"

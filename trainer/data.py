@@ -53,8 +53,8 @@ from typing import IO, Any, Literal, Protocol, TypeAlias, TypeVar, cast
 import numpy as np
 from numpy.typing import NDArray
 
+from lookup_table.core.hashing import combine, mix64, stable_hash
 from lookup_table.errors import LookupTableError
-from lookup_table.hashing import combine, mix64, stable_hash
 
 __all__ = [
     "Batch",

@@ -45,9 +45,9 @@ from numpy.typing import NDArray
 
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
+from lookup_table.core.keys import IdArray, as_ids
 from lookup_table.errors import ConfigError
 from lookup_table.keras import DistributedEmbedding, RecordedLookup
-from lookup_table.keys import IdArray, as_ids
 from lookup_table.store import EmbeddingStore
 from trainer.metrics import auc, logloss
 

@@ -33,11 +33,11 @@ from lookup_table.checkpoint import (
 )
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
+from lookup_table.core.keyspace import META_TABLE
+from lookup_table.core.optimizers import make_optimizer
+from lookup_table.dense import DenseParams
 from lookup_table.localcluster import free_port, memcached_cluster
-from lookup_table.store import META_TABLE
 from optimizer_service.app import make_app
-from optimizer_service.dense import DenseParams
-from optimizer_service.optimizers import make_optimizer
 from tests.conftest import make_config
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from lookup_table import EmbeddingStore, PushRejectedError, initial_rows
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
-from lookup_table.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
+from lookup_table.core.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
 from optimizer_service.app import UPDATER, make_app
 from optimizer_service.push import parse_push
 from tests.conftest import SERVICE_TABLES, make_config
@@ -326,7 +326,7 @@ async def test_journaled_push_is_finished_by_the_next_replica_exactly_once(
 
 
 async def test_dense_first_writer_wins_and_updates_with_the_optimizer(served) -> None:
-    from optimizer_service.optimizers import make_optimizer
+    from lookup_table.core.optimizers import make_optimizer
 
     config, _ = served
     mine = {"w": np.full((3, 2), 0.5, np.float32), "b": np.zeros(2, np.float32)}

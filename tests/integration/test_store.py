@@ -27,8 +27,8 @@ from lookup_table import (
     encode_key,
     initial_rows,
 )
+from lookup_table.core.sharding import node_of
 from lookup_table.localcluster import free_port, start_memcached
-from lookup_table.sharding import node_of
 from tests.conftest import make_config
 
 pytestmark = pytest.mark.integration

@@ -25,7 +25,7 @@ from pymemcache.client.base import Client as MemcacheClient
 
 from lookup_table import EmbeddingStore
 from lookup_table.config import ClusterConfig
-from optimizer_service.optimizers import make_optimizer
+from lookup_table.core.optimizers import make_optimizer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from lookup_table.client import OptimizerClient
+from lookup_table.core.wire import pack
 from lookup_table.errors import NodeUnavailableError
-from lookup_table.wire import pack
 from tests.conftest import make_config
 
 

@@ -34,6 +34,10 @@ from lookup_table.admin import init_cluster
 from lookup_table.checkpoint import save_checkpoint
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, load_config
+from lookup_table.core.keys import as_ids, decode_key
+from lookup_table.core.keyspace import META_TABLE
+from lookup_table.core.sharding import node_of
+from lookup_table.core.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
 from lookup_table.errors import (
     DataLossError,
     LookupTableError,
@@ -41,11 +45,7 @@ from lookup_table.errors import (
     StoreFullError,
     StoreTimeoutError,
 )
-from lookup_table.keys import as_ids, decode_key
 from lookup_table.localcluster import MemcachedProcess, free_port, start_memcached
-from lookup_table.sharding import node_of
-from lookup_table.store import META_TABLE
-from lookup_table.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
 from tests.reliability.harness import (
     REPO,
     ServiceProcess,

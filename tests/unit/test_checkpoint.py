@@ -28,7 +28,7 @@ from lookup_table.checkpoint import (
     unpack_str_ids,
     verify_checkpoint,
 )
-from lookup_table.keys import decode_key, encode_key, encode_keys
+from lookup_table.core.keys import decode_key, encode_key, encode_keys
 from tests.conftest import make_config
 from tests.strategies import INT64_MAX, INT64_MIN, int_ids, str_id_lists
 

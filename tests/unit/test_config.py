@@ -22,8 +22,8 @@ from lookup_table.config import (
     load_config,
     parse_config,
 )
+from lookup_table.core.initializers import InitializerSpec
 from lookup_table.errors import ConfigError, LookupTableError
-from lookup_table.initializers import InitializerSpec
 
 pytestmark = pytest.mark.unit
 

@@ -11,6 +11,7 @@ import pytest
 
 import lookup_table
 from lookup_table import errors
+from tests.unit._fresh import fresh_json
 
 pytestmark = pytest.mark.unit
 
@@ -18,8 +19,8 @@ pytestmark = pytest.mark.unit
 # names at the top level (the rest is for the library's own use).
 FULLY_PUBLIC = ["lookup_table.errors", "lookup_table.config", "lookup_table.client"]
 PARTLY_PUBLIC = {
-    "lookup_table.keys": ["decode_key", "encode_key", "encode_keys"],
-    "lookup_table.initializers": ["InitializerSpec", "initial_rows"],
+    "lookup_table.core.keys": ["decode_key", "encode_key", "encode_keys"],
+    "lookup_table.core.initializers": ["InitializerSpec", "initial_rows"],
     "lookup_table.store": ["EmbeddingStore"],
 }
 # Named by DESIGN.md "Python API" (the client may not be written yet).
@@ -42,6 +43,9 @@ def test_every_exported_name_exists() -> None:
 
 def test_all_lists_every_public_name_of_the_package() -> None:
     """Nothing importable from `lookup_table` is missing from __all__ (httpx's check)."""
+    for name in lookup_table.__all__:  # the names are lazy: load them all first
+        getattr(lookup_table, name)
+    assert set(lookup_table.__all__) <= set(dir(lookup_table))
     public = {
         name
         for name, value in vars(lookup_table).items()
@@ -115,3 +119,22 @@ def test_error_tree_matches_design() -> None:
     assert e.PushRejectedError("no", status=400).status == 400
     assert e.DataLossError("lost", nodes=("a:1",)).nodes == ("a:1",)
     assert e.StoreError("x", node="a:1").node == "a:1"
+
+
+def test_the_pure_core_loads_without_the_network_stack() -> None:
+    """`import lookup_table.core.keys` pulls in numpy only: no aiohttp, aiomcache, store, TF."""
+    loaded = fresh_json(
+        """
+        import json, sys
+        import lookup_table.core.keys, lookup_table.core.sharding, lookup_table.core.initializers
+        import lookup_table.core.keyspace, lookup_table.core.optimizers
+        heavy = ["aiohttp", "aiomcache", "tensorflow", "keras", "lookup_table.store"]
+        print(json.dumps([m for m in heavy if m in sys.modules]))
+        """
+    )
+    assert loaded == []
+
+
+def test_unknown_names_are_attribute_errors() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        lookup_table.nope  # noqa: B018

@@ -1,4 +1,4 @@
-"""Stable hashing (lookup_table.hashing): golden values, process independence, no warnings."""
+"""Stable hashing (lookup_table.core.hashing): golden values, process independence, no warnings."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis.extra.numpy import arrays
 
-from lookup_table.hashing import combine, id_hashes, mix64, stable_hash
+from lookup_table.core.hashing import combine, id_hashes, mix64, stable_hash
 from tests.strategies import INT64_MAX, INT64_MIN, int_id_arrays, int_ids, str_id_lists
 from tests.unit._fresh import fresh_json
 
@@ -70,7 +70,7 @@ def test_same_values_in_a_fresh_interpreter() -> None:
         f"""
         import json
         import numpy as np
-        from lookup_table.hashing import id_hashes, stable_hash
+        from lookup_table.core.hashing import id_hashes, stable_hash
         print(json.dumps({{
             "int": id_hashes(np.array({GOLDEN_INT_IDS!r}, dtype=np.int64)).tolist(),
             "str": id_hashes(np.array({GOLDEN_STR_IDS!r}, dtype=object)).tolist(),

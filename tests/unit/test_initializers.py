@@ -1,4 +1,4 @@
-"""Deterministic initial rows (lookup_table.initializers)."""
+"""Deterministic initial rows (lookup_table.core.initializers)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lookup_table.initializers import INITIALIZER_DEFAULTS, InitializerSpec, initial_rows
-from lookup_table.keys import as_ids
+from lookup_table.core.initializers import INITIALIZER_DEFAULTS, InitializerSpec, initial_rows
+from lookup_table.core.keys import as_ids
 from tests.strategies import int_id_arrays, str_id_lists
 from tests.unit._fresh import fresh_json
 
@@ -90,8 +90,8 @@ def test_same_rows_in_a_fresh_interpreter() -> None:
         f"""
         import json
         import numpy as np
-        from lookup_table.initializers import InitializerSpec, initial_rows
-        from lookup_table.keys import as_ids
+        from lookup_table.core.initializers import InitializerSpec, initial_rows
+        from lookup_table.core.keys import as_ids
         ids = np.random.default_rng(9).integers(-2**63, 2**63 - 1, size=256, dtype=np.int64)
         out = {{}}
         for name in {RANDOM_NAMES!r}:

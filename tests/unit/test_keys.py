@@ -1,4 +1,4 @@
-"""The key codec: ids <-> memcached keys (lookup_table.keys)."""
+"""The key codec: ids <-> memcached keys (lookup_table.core.keys)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lookup_table.errors import KeyEncodingError
-from lookup_table.keys import (
+from lookup_table.core.keys import (
     INT_ID_BYTES,
     MAX_KEY_BYTES,
     DecodedKey,
@@ -23,6 +22,7 @@ from lookup_table.keys import (
     key_prefix,
     validate_name,
 )
+from lookup_table.errors import KeyEncodingError
 from tests.strategies import (
     INT64_MAX,
     INT64_MIN,

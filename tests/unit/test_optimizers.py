@@ -1,4 +1,4 @@
-"""The optimizer math (optimizer_service.optimizers): Keras parity, golden values, segment sum.
+"""The optimizer math (lookup_table.core.optimizers): Keras parity, golden values, segment sum.
 
 The Keras comparisons need tensorflow; they skip with a reason when it cannot be
 imported. Everything else is pure numpy.
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-import optimizer_service.optimizers as optimizers
+import lookup_table.core.optimizers as optimizers
 from lookup_table.config import (
     AdagradConfig,
     AdamConfig,
@@ -26,7 +26,7 @@ from lookup_table.config import (
     SGDConfig,
     parse_config,
 )
-from optimizer_service.optimizers import (
+from lookup_table.core.optimizers import (
     SGD,
     Adagrad,
     Adam,
@@ -101,8 +101,9 @@ def test_all_is_sorted_and_complete() -> None:
 
 def test_core_imports_only_numpy_and_stdlib() -> None:
     code = (
-        "import sys, optimizer_service.optimizers\n"
-        "bad = ('asyncio', 'aiohttp', 'aiomcache', 'tensorflow', 'keras', 'lookup_table')\n"
+        "import sys, lookup_table.core.optimizers\n"
+        "bad = ('asyncio', 'aiohttp', 'aiomcache', 'tensorflow', 'keras', 'lookup_table.store',\n"
+        "       'lookup_table.config')\n"
         "print(sorted(m for m in bad if m in sys.modules))"
     )
     proc = subprocess.run(

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from lookup_table.core.keys import int_key_matrix, key_prefix
 from lookup_table.errors import ProtocolError, StoreError
-from lookup_table.keys import int_key_matrix, key_prefix
 from lookup_table.protocol import (
     END,
     END_REPLY,

@@ -1,4 +1,4 @@
-"""The row codec (lookup_table.rows): exactly `width` little-endian float32."""
+"""The row codec (lookup_table.core.rows): exactly `width` little-endian float32."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given
 
+from lookup_table.core.rows import ROW_DTYPE, decode_row, encode_rows, row_bytes
 from lookup_table.errors import CorruptValueError, StoreError
-from lookup_table.rows import ROW_DTYPE, decode_row, encode_rows, row_bytes
 from tests.strategies import float32_rows
 
 pytestmark = pytest.mark.unit

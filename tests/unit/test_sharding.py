@@ -1,4 +1,4 @@
-"""Rendezvous placement (lookup_table.sharding): balance, minimal movement, stability."""
+"""Rendezvous placement (lookup_table.core.sharding): balance, minimal movement, stability."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lookup_table.hashing import id_hashes
-from lookup_table.sharding import assign, node_of, owner_of, row_hashes
+from lookup_table.core.hashing import id_hashes
+from lookup_table.core.sharding import assign, node_of, owner_of, row_hashes
 from tests.strategies import INT64_MAX, INT64_MIN, int_id_arrays, table_names
 from tests.unit._fresh import fresh_json
 
@@ -71,7 +71,7 @@ def test_assignment_identical_in_a_fresh_interpreter(random_ids: np.ndarray) -> 
         f"""
         import json
         import numpy as np
-        from lookup_table.sharding import node_of, owner_of
+        from lookup_table.core.sharding import node_of, owner_of
         ids = np.random.default_rng(4).integers(
             -2**63, 2**63 - 1, size={N_IDS}, dtype=np.int64)
         nodes = {GOLDEN_NODES!r}

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from lookup_table.hashing import combine, id_hashes, mix64, stable_hash
-from lookup_table.keys import IdArray
+from lookup_table.core.hashing import combine, id_hashes, mix64, stable_hash
+from lookup_table.core.keys import IdArray
 
 __all__ = ["INITIALIZER_DEFAULTS", "InitializerSpec", "initial_rows"]
 

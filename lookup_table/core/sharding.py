@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from lookup_table.hashing import combine, id_hashes, mix64, stable_hash
-from lookup_table.keys import IdArray
+from lookup_table.core.hashing import combine, id_hashes, mix64, stable_hash
+from lookup_table.core.keys import IdArray
 
 __all__ = ["assign", "node_of", "owner_of", "row_hashes"]
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from optimizer_service.optimizers.base import Float32Array
+from lookup_table.core.optimizers.base import Float32Array
 
 __all__ = ["check_finite", "segment_sum"]
 

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from optimizer_service.optimizers.adagrad import Adagrad
-from optimizer_service.optimizers.adam import Adam
-from optimizer_service.optimizers.base import Float32Array, Optimizer
-from optimizer_service.optimizers.gradients import check_finite, segment_sum
-from optimizer_service.optimizers.sgd import SGD
+from lookup_table.core.optimizers.adagrad import Adagrad
+from lookup_table.core.optimizers.adam import Adam
+from lookup_table.core.optimizers.base import Float32Array, Optimizer
+from lookup_table.core.optimizers.gradients import check_finite, segment_sum
+from lookup_table.core.optimizers.sgd import SGD
 
 if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
     from lookup_table.config import AdagradConfig, AdamConfig, OptimizerConfig, SGDConfig

@@ -28,14 +28,14 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from lookup_table.core.keyspace import DENSE_CURRENT_ID, DENSE_TABLE, Kind, dense_chunk_id
+from lookup_table.core.optimizers import Optimizer
+from lookup_table.core.wire import pack, unpack
+from lookup_table.errors import DenseParamError
 from lookup_table.store import EmbeddingStore
-from lookup_table.wire import pack, unpack
-from optimizer_service.errors import BadRequestError
-from optimizer_service.optimizers import Optimizer
 
-__all__ = ["DENSE_TABLE", "DenseParams", "DenseState"]
+__all__ = ["DenseParams", "DenseState"]
 
-DENSE_TABLE = "_dense"
 CHUNK_BYTES = 512 * 1024
 _READ_ATTEMPTS = 5
 
@@ -63,7 +63,7 @@ class DenseParams:
         self.lock = asyncio.Lock()
 
     async def _meta(self) -> dict[str, Any] | None:
-        (raw,) = await self.store.get_blobs(DENSE_TABLE, ["current"], kind="m")
+        (raw,) = await self.store.get_blobs(DENSE_TABLE, [DENSE_CURRENT_ID], kind=Kind.META)
         return None if raw is None else dict(unpack(raw))
 
     async def read(self, *, with_slots: bool = False) -> DenseState | None:
@@ -77,14 +77,16 @@ class DenseParams:
             names = list(meta["params"])
             ids: list[str] = []
             for name in names:
-                ids += [f"{gen}/{name}/{i}" for i in range(meta["params"][name]["chunks"])]
-            values = await self.store.get_blobs(DENSE_TABLE, ids, kind="d") if ids else []
+                ids += [dense_chunk_id(gen, name, i) for i in range(meta["params"][name]["chunks"])]
+            values = await self.store.get_blobs(DENSE_TABLE, ids, kind=Kind.DENSE) if ids else []
             slot_ids: list[str] = []
             if with_slots:
                 for name in names:
-                    slot_ids += [f"{gen}/{name}/{i}" for i in range(meta["slots"][name])]
+                    slot_ids += [dense_chunk_id(gen, name, i) for i in range(meta["slots"][name])]
             slot_values = (
-                await self.store.get_blobs(DENSE_TABLE, slot_ids, kind="ds") if slot_ids else []
+                await self.store.get_blobs(DENSE_TABLE, slot_ids, kind=Kind.DENSE_SLOTS)
+                if slot_ids
+                else []
             )
             if any(v is None for v in values) or any(v is None for v in slot_values):
                 continue  # switched and deleted under us: read the new generation
@@ -120,25 +122,27 @@ class DenseParams:
         for name, value in params.items():
             parts = _chunks(np.ascontiguousarray(value, dtype="<f4").tobytes())
             info[name] = {"shape": list(value.shape), "chunks": len(parts)}
-            ids += [f"{gen}/{name}/{i}" for i in range(len(parts))]
+            ids += [dense_chunk_id(gen, name, i) for i in range(len(parts))]
             blobs += parts
             sparts = _chunks(np.ascontiguousarray(slots[name], dtype="<f4").tobytes())
             slot_chunks[name] = len(sparts)
-            sids += [f"{gen}/{name}/{i}" for i in range(len(sparts))]
+            sids += [dense_chunk_id(gen, name, i) for i in range(len(sparts))]
             sblobs += sparts
         await asyncio.gather(
-            self.store.set_blobs(DENSE_TABLE, ids, blobs, kind="d"),
-            self.store.set_blobs(DENSE_TABLE, sids, sblobs, kind="ds"),
+            self.store.set_blobs(DENSE_TABLE, ids, blobs, kind=Kind.DENSE),
+            self.store.set_blobs(DENSE_TABLE, sids, sblobs, kind=Kind.DENSE_SLOTS),
         )
         return gen, info, slot_chunks
 
     async def _delete_generation(self, meta: Mapping[str, Any]) -> None:
         gen = meta["generation"]
-        ids = [f"{gen}/{n}/{i}" for n, p in meta["params"].items() for i in range(p["chunks"])]
-        sids = [f"{gen}/{n}/{i}" for n, k in meta["slots"].items() for i in range(k)]
+        ids = [
+            dense_chunk_id(gen, n, i) for n, p in meta["params"].items() for i in range(p["chunks"])
+        ]
+        sids = [dense_chunk_id(gen, n, i) for n, k in meta["slots"].items() for i in range(k)]
         await asyncio.gather(
-            self.store.delete_blobs(DENSE_TABLE, ids, kind="d"),
-            self.store.delete_blobs(DENSE_TABLE, sids, kind="ds"),
+            self.store.delete_blobs(DENSE_TABLE, ids, kind=Kind.DENSE),
+            self.store.delete_blobs(DENSE_TABLE, sids, kind=Kind.DENSE_SLOTS),
         )
 
     def initial_slots(self, params: Mapping[str, NDArray[np.float32]]) -> dict[str, Any]:
@@ -148,11 +152,11 @@ class DenseParams:
         """First writer wins: returns (created, the parameters every trainer starts from)."""
         for name, value in params.items():
             if not np.isfinite(value).all():
-                raise BadRequestError(f"params.{name}: initial values must be finite")
+                raise DenseParamError(f"params.{name}: initial values must be finite", reason="nan")
         gen, info, slot_chunks = await self._write_generation(params, self.initial_slots(params))
         meta = {"version": 0, "generation": gen, "params": info, "slots": slot_chunks}
         (created,) = await self.store.set_blobs(
-            DENSE_TABLE, ["current"], [pack(meta)], kind="m", add=True
+            DENSE_TABLE, [DENSE_CURRENT_ID], [pack(meta)], kind=Kind.META, add=True
         )
         if not created:
             await self._delete_generation(meta)
@@ -162,16 +166,16 @@ class DenseParams:
         return bool(created), state
 
     def check_grads(self, state: DenseState, grads: Mapping[str, NDArray[np.float32]]) -> None:
-        """Refuse gradients for unknown parameters or of the wrong shape (400)."""
+        """Refuse gradients for unknown parameters or of the wrong shape (DenseParamError)."""
         for name, grad in grads.items():
             if name not in state.params:
                 known = ", ".join(sorted(state.params)) or "none"
-                raise BadRequestError(
+                raise DenseParamError(
                     f"dense.{name}: unknown dense parameter; known: {known}", reason="unknown_dense"
                 )
             want = state.params[name].shape
             if tuple(grad.shape) != tuple(want):
-                raise BadRequestError(
+                raise DenseParamError(
                     f"dense.{name}: expected shape {tuple(want)}, got {tuple(grad.shape)}",
                     reason="shape",
                 )
@@ -202,6 +206,6 @@ class DenseParams:
         old = await self._meta()
         gen, info, slot_chunks = await self._write_generation(params, slots)
         meta = {"version": version, "generation": gen, "params": info, "slots": slot_chunks}
-        await self.store.set_blobs(DENSE_TABLE, ["current"], [pack(meta)], kind="m")
+        await self.store.set_blobs(DENSE_TABLE, [DENSE_CURRENT_ID], [pack(meta)], kind=Kind.META)
         if old is not None and old["generation"] != gen:
             await self._delete_generation(old)

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from optimizer_service.optimizers.base import Float32Array, check_update_args
+from lookup_table.core.optimizers.base import Float32Array, check_update_args
 
 if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
     from lookup_table.config import AdamConfig

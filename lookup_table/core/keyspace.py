@@ -1,0 +1,126 @@
+"""Every key the system writes: the kinds, the bookkeeping tables and their ids (pure).
+
+A key is `{namespace}/{table}/{kind}/{encoded id}` (`keys.py` encodes the id;
+version 1 of the stored data depends on all of this, see docs/wire-format.md).
+This module is the one place that names the kinds and builds or parses the ids of
+bookkeeping keys; the store, the service, checkpoints and `admin stats` all use it.
+
+| table    | kind | id                  | value |
+|----------|------|---------------------|-------|
+| a table  | `w`  | the feature id      | the row: `dim` float32 |
+| a table  | `s`  | the feature id      | the row's optimizer slots: float32 |
+| `_meta`  | `m`  | `sentinel`          | JSON from `lookup-table-admin init`, on every node |
+| `_meta`  | `m`  | `version-r{K}`      | replica K's model version (ASCII int) |
+| `_meta`  | `p`  | `r{K}:{push_id}`    | done record of a push replica K applied (TTL) |
+| `_meta`  | `j`  | `r{K}-j{slot}`      | replica K's journal header (msgpack; empty: clear) |
+| `_meta`  | `j`  | `r{K}-j{slot}-c{i}` | chunk i of that journal |
+| `_dense` | `m`  | `current`           | msgpack pointer to the dense parameters' generation |
+| `_dense` | `d`  | `{gen}/{param}/{i}` | chunk i of a dense parameter's float32 values |
+| `_dense` | `ds` | `{gen}/{param}/{i}` | chunk i of its optimizer slots |
+
+All bookkeeping ids are strings (key body `s...`); feature ids are int64 or str.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+
+from lookup_table.core.keys import encode_key
+
+__all__ = [
+    "BOOKKEEPING_TABLES",
+    "DENSE_CURRENT_ID",
+    "DENSE_TABLE",
+    "META_TABLE",
+    "ROW_KINDS",
+    "SENTINEL_ID",
+    "Kind",
+    "dense_chunk_id",
+    "is_journal_header",
+    "journal_id",
+    "push_record_id",
+    "sentinel_key",
+    "version_id",
+    "version_replica",
+]
+
+
+class Kind(enum.StrEnum):
+    """The kind tag of a key: what its value holds."""
+
+    ROW = "w"
+    SLOTS = "s"
+    META = "m"
+    PUSH_RECORD = "p"
+    JOURNAL = "j"
+    DENSE = "d"
+    DENSE_SLOTS = "ds"
+
+    @property
+    def label(self) -> str:
+        """A readable plural for reports (`admin stats`): "rows", "push_records", ..."""
+        return _LABELS[self]
+
+
+_LABELS = {
+    Kind.ROW: "rows",
+    Kind.SLOTS: "slots",
+    Kind.META: "meta",
+    Kind.PUSH_RECORD: "push_records",
+    Kind.JOURNAL: "journal",
+    Kind.DENSE: "dense",
+    Kind.DENSE_SLOTS: "dense_slots",
+}
+
+ROW_KINDS = (Kind.ROW, Kind.SLOTS)
+"""The kinds keyed by feature ids: what a checkpoint saves per table."""
+
+META_TABLE = "_meta"
+"""Bookkeeping of the cluster and the replicas: sentinel, versions, push records, journals."""
+DENSE_TABLE = "_dense"
+"""The dense parameters (the model on top of the embeddings) and their slots."""
+BOOKKEEPING_TABLES = (META_TABLE, DENSE_TABLE)
+
+SENTINEL_ID = "sentinel"
+DENSE_CURRENT_ID = "current"
+
+_VERSION_RE = re.compile(r"version-r(\d+)\Z")
+_JOURNAL_HEADER_RE = re.compile(r"r\d+-j\d+\Z")
+
+
+def version_id(replica: int) -> str:
+    """`_meta/m` id of replica `replica`'s model version."""
+    return f"version-r{replica}"
+
+
+def version_replica(meta_id: str) -> int | None:
+    """The replica whose version `meta_id` holds, or None if it is not a version id."""
+    match = _VERSION_RE.match(meta_id)
+    return int(match.group(1)) if match else None
+
+
+def push_record_id(replica: int, push_id: str) -> str:
+    """`_meta/p` id of the done record of `push_id` applied by `replica`."""
+    return f"r{replica}:{push_id}"
+
+
+def journal_id(replica: int, slot: int, chunk: int | None = None) -> str:
+    """`_meta/j` id of a journal header (`chunk` None) or of one of its chunks."""
+    base = f"r{replica}-j{slot}"
+    return base if chunk is None else f"{base}-c{chunk}"
+
+
+def is_journal_header(journal: str) -> bool:
+    """Whether a `_meta/j` id is a journal header (not one of its chunks)."""
+    return _JOURNAL_HEADER_RE.match(journal) is not None
+
+
+def dense_chunk_id(generation: str, param: str, chunk: int) -> str:
+    """`_dense/d` (or `ds`) id of chunk `chunk` of `param` in `generation`."""
+    return f"{generation}/{param}/{chunk}"
+
+
+def sentinel_key(namespace: str) -> bytes:
+    """The key of the sentinel every node of `namespace` holds (`_meta/m/ssentinel`)."""
+    return encode_key(namespace, META_TABLE, Kind.META, SENTINEL_ID)
