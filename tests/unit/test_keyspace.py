@@ -52,12 +52,9 @@ def test_golden_keys() -> None:
     )
     assert encode_key(ns, META_TABLE, Kind.JOURNAL, journal_id(1, 2)) == b"demo/_meta/j/sr1-j2"
     assert (
-        encode_key(ns, META_TABLE, Kind.JOURNAL, journal_id(1, 2, 5))
-        == b"demo/_meta/j/sr1-j2-c5"
+        encode_key(ns, META_TABLE, Kind.JOURNAL, journal_id(1, 2, 5)) == b"demo/_meta/j/sr1-j2-c5"
     )
-    assert (
-        encode_key(ns, DENSE_TABLE, Kind.META, DENSE_CURRENT_ID) == b"demo/_dense/m/scurrent"
-    )
+    assert encode_key(ns, DENSE_TABLE, Kind.META, DENSE_CURRENT_ID) == b"demo/_dense/m/scurrent"
     assert (
         encode_key(ns, DENSE_TABLE, Kind.DENSE_SLOTS, dense_chunk_id("ab12", "dense/kernel", 0))
         == b"demo/_dense/ds/sab12%2Fdense%2Fkernel%2F0"
