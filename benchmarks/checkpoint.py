@@ -60,7 +60,8 @@ from lookup_table import checkpoint
 from lookup_table.config import ClusterConfig, NodeSpec, parse_config
 from lookup_table.core.keys import int_key_matrix, key_prefix
 from lookup_table.localcluster import memcached_cluster
-from lookup_table.protocol import build_mg, build_ms
+from lookup_table.memcached import commands
+from lookup_table.memcached.protocol import build_mg, build_ms
 from lookup_table.store import EmbeddingStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -259,7 +260,7 @@ async def clear(config: ClusterConfig) -> None:
         for spec in config.memcached:
             keys = found[spec.address].keys(config.namespace)
             if keys:
-                await checkpoint._delete_keys(spec, config.store, keys)
+                await commands.delete_keys(spec, config.store, keys)
 
 
 async def run_case(

@@ -52,13 +52,13 @@ from numpy.typing import NDArray
 from prometheus_client import CollectorRegistry
 
 from lookup_table.admin import table_stats
-from lookup_table.checkpoint import memcached_stats
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, parse_config
 from lookup_table.core.keys import key_prefix
 from lookup_table.core.keyspace import META_TABLE
 from lookup_table.core.optimizers import make_optimizer
 from lookup_table.localcluster import MemcachedProcess, memcached_cluster
+from lookup_table.memcached import commands
 from lookup_table.store import EmbeddingStore
 from optimizer_service.app import make_app
 from optimizer_service.engine import JOURNAL_SLOTS
@@ -93,8 +93,8 @@ def _rss_bytes(pid: int) -> int:
 async def snapshot(config: ClusterConfig, server: MemcachedProcess) -> dict[str, int]:
     """memcached's own accounting of the node, and its RSS."""
     (spec,) = config.memcached
-    stats = await memcached_stats(spec, config.store)
-    slabs = await memcached_stats(spec, config.store, "slabs")
+    stats = await commands.stats(spec, config.store)
+    slabs = await commands.stats(spec, config.store, "slabs")
     chunks = sum(
         int(slabs[f"{c}:chunk_size"]) * int(slabs[f"{c}:used_chunks"])
         for c in {name.split(":", 1)[0] for name in slabs if ":" in name}
@@ -199,7 +199,7 @@ async def run_case(server: MemcachedProcess, dim: int, optimizer: str, n: int) -
         finally:
             await service.close()
     stats = await table_stats(config)
-    slabs = await memcached_stats(config.memcached[0], config.store, "slabs")
+    slabs = await commands.stats(config.memcached[0], config.store, "slabs")
     kinds = stats["tables"][TABLE]["kinds"]
     if kinds["rows"]["keys"] != n or (slot_width and kinds["slots"]["keys"] != n):
         raise RuntimeError(f"dim {dim} {optimizer}: expected {n} rows and slots, got {kinds}")

@@ -34,7 +34,7 @@ from urllib.parse import quote
 import numpy as np
 from numpy.typing import NDArray
 
-from lookup_table.checkpoint import memcached_stats, metadump, metadump_prefix, namespace_lines
+from lookup_table.checkpoint import metadump_prefix, namespace_lines
 from lookup_table.config import ClusterConfig, NodeSpec, load_config
 from lookup_table.core.keyspace import DENSE_TABLE, META_TABLE, Kind, sentinel_key
 from lookup_table.core.optimizers import make_optimizer
@@ -45,6 +45,7 @@ from lookup_table.errors import (
     NodeUnavailableError,
     StoreError,
 )
+from lookup_table.memcached import commands
 from lookup_table.store import EmbeddingStore
 
 __all__ = [
@@ -323,9 +324,9 @@ async def _inspect_node_now(
     spec: NodeSpec, config: ClusterConfig
 ) -> tuple[dict[str, Any], dict[tuple[str, str], tuple[int, int]]]:
     try:
-        stats = await memcached_stats(spec, config.store)
-        slabs = await memcached_stats(spec, config.store, "slabs")
-        dump = await metadump(spec, config.store)
+        stats = await commands.stats(spec, config.store)
+        slabs = await commands.stats(spec, config.store, "slabs")
+        dump = await commands.metadump(spec, config.store)
         groups = await asyncio.to_thread(
             summarize_metadump,
             dump,

@@ -78,9 +78,8 @@ import numpy as np
 from numpy.typing import NDArray
 from tqdm import tqdm
 
-from lookup_table import protocol
 from lookup_table.client import OptimizerClient
-from lookup_table.config import ClusterConfig, NodeSpec, StoreConfig, TableSpec, load_config
+from lookup_table.config import ClusterConfig, NodeSpec, TableSpec, load_config
 from lookup_table.core.keys import INT_ID_BYTES, IdArray, decode_key, int_key_matrix, key_prefix
 from lookup_table.core.keyspace import (
     DENSE_TABLE,
@@ -104,8 +103,8 @@ from lookup_table.errors import (
     NamespaceNotEmptyError,
     NodeUnavailableError,
     StoreError,
-    StoreTimeoutError,
 )
+from lookup_table.memcached import commands
 from lookup_table.store import EmbeddingStore
 
 __all__ = [
@@ -120,8 +119,6 @@ __all__ = [
     "dense_file_stems",
     "export_checkpoint",
     "main",
-    "memcached_stats",
-    "metadump",
     "metadump_prefix",
     "namespace_lines",
     "pack_str_ids",
@@ -140,14 +137,6 @@ MANIFEST = "manifest.json"
 DEFAULT_BATCH_IDS = 32_768
 DEFAULT_PAUSE_TIMEOUT_S = 3600.0
 _WINDOW = 4  # batches in flight at once (each is split by node and max_batch_keys)
-_METADUMP_HASH = b"lru_crawler metadump hash\r\n"
-_METADUMP_ALL = b"lru_crawler metadump all\r\n"
-_VERIFY_ATTEMPTS = 5
-_METADUMP_END = b"END\r\n"
-_BUSY_ATTEMPTS = 100
-_BUSY_DELAY_S = 0.1
-_READ_CHUNK = 1 << 20
-_STREAM_LIMIT = 1 << 22
 _HASH_CHUNK = 1 << 22
 _INT_BODY_BYTES = INT_ID_BYTES  # "i" + 16 hex digits
 _HEX_VALUES = np.full(256, 255, dtype=np.uint8)
@@ -798,228 +787,17 @@ def _table_ids(root: Path, t: Mapping[str, Any]) -> IdArray:
         raise CheckpointError(f"{root / files['ids_utf8']}: {exc}") from None
 
 
-# ================================================================ memcached: raw commands
-
-
-async def _raw_exchange(
-    spec: NodeSpec,
-    cfg: StoreConfig,
-    request: bytes,
-    done: Callable[[bytes, bytes], bool],
-    *,
-    what: str,
-) -> bytes:
-    """Send `request` on a fresh connection; read until `done(head, tail)`, return the reply.
-
-    `head` is the reply's first 64 bytes and `tail` its last 8, so a long reply is
-    joined once, at the end. Each read has `cfg.timeout_s` (the deadline is per
-    read: a long dump may take longer in total, a stopped node is still noticed).
-    """
-    address = spec.address
-    try:
-        async with asyncio.timeout(cfg.connect_timeout_s):
-            reader, writer = await asyncio.open_connection(
-                spec.host, spec.port, limit=_STREAM_LIMIT
-            )
-    except TimeoutError as exc:
-        raise StoreTimeoutError(
-            f"memcached node {address} did not accept a connection within "
-            f"{cfg.connect_timeout_s:g} s (store.connect_timeout_s)",
-            node=address,
-        ) from exc
-    except OSError as exc:
-        raise NodeUnavailableError(
-            f"memcached node {address} is unreachable: {exc.strerror or exc}; is it running?",
-            node=address,
-        ) from exc
-    try:
-        writer.write(request)
-        chunks: list[bytes] = []
-        head = tail = b""
-        while True:
-            try:
-                async with asyncio.timeout(cfg.timeout_s):
-                    chunk = await reader.read(_READ_CHUNK)
-            except TimeoutError as exc:
-                raise StoreTimeoutError(
-                    f"memcached node {address} stopped answering `{what}` for "
-                    f"{cfg.timeout_s:g} s (store.timeout_s)",
-                    node=address,
-                ) from exc
-            if not chunk:
-                raise NodeUnavailableError(
-                    f"memcached node {address} closed the connection during `{what}`",
-                    node=address,
-                )
-            chunks.append(chunk)
-            if len(head) < 64:
-                head = (head + chunk)[:64]
-            tail = (tail + chunk)[-8:]
-            if done(head, tail):
-                return b"".join(chunks)
-    except (ConnectionError, OSError) as exc:
-        if isinstance(exc, StoreError):
-            raise
-        raise NodeUnavailableError(
-            f"memcached node {address} failed during `{what}`: {exc}", node=address
-        ) from exc
-    finally:
-        writer.close()
-
-
-def _metadump_done(head: bytes, tail: bytes) -> bool:
-    if tail.endswith(_METADUMP_END):
-        return True
-    # an error or BUSY reply is one line ending in CRLF that does not start with "key="
-    # (key lines end in a bare LF; only the final END has a CRLF)
-    return not head.startswith(b"key=") and tail.endswith(b"\r\n")
-
-
-def _md_done(head: bytes, tail: bytes) -> bool:
-    return tail.endswith(protocol.END_REPLY)  # md replies are HD/NF lines, then MN
-
-
-async def _crawler_dump(spec: NodeSpec, cfg: StoreConfig, request: bytes) -> bytes | str:
-    """One metadump reply (retried while the crawler is BUSY), or the refusal line."""
-    for _ in range(_BUSY_ATTEMPTS):
-        data = await _raw_exchange(spec, cfg, request, _metadump_done, what="metadump")
-        if data.startswith(b"BUSY"):
-            await asyncio.sleep(_BUSY_DELAY_S)
-            continue
-        if data.endswith(_METADUMP_END) and (data.startswith(b"key=") or data == _METADUMP_END):
-            return data
-        return data.split(b"\r\n", 1)[0].decode("ascii", "replace")[:200]
-    raise StoreError(
-        f"memcached node {spec.address} stayed busy with another LRU crawler request for "
-        f"{_BUSY_ATTEMPTS * _BUSY_DELAY_S:g} s (another checkpoint running?); retry later",
-        node=spec.address,
-    )
-
-
-async def memcached_stats(spec: NodeSpec, cfg: StoreConfig, group: str = "") -> dict[str, str]:
-    """One node's `stats` (or `stats <group>`, e.g. "slabs") as name -> value text.
-
-    On its own connection, so one node that is down fails only its own call.
-
-    Raises:
-        NodeUnavailableError, StoreTimeoutError: as the store.
-        StoreError: a reply that is not a `STAT` listing.
-    """
-    request = f"stats {group}\r\n" if group else "stats\r\n"
-    data = await _raw_exchange(
-        spec,
-        cfg,
-        request.encode("ascii"),
-        lambda _h, t: t.endswith(b"END\r\n") or t.endswith(b"ERROR\r\n"),
-        what=request.strip(),
-    )
-    lines = data.decode("ascii", "replace").split("\r\n")
-    if lines[-2:] != ["END", ""] or not all(ln.startswith("STAT ") for ln in lines[:-2]):
-        raise StoreError(
-            f"memcached node {spec.address} answered `{request.strip()}` with {data[:120]!r}",
-            node=spec.address,
-        )
-    pairs = (ln[5:].partition(" ") for ln in lines[:-2])
-    return {name: value for name, _, value in pairs}
-
-
-async def _curr_items(spec: NodeSpec, cfg: StoreConfig) -> int:
-    data = await _raw_exchange(
-        spec, cfg, b"stats\r\n", lambda _h, t: t.endswith(b"END\r\n"), what="stats"
-    )
-    match = re.search(rb"STAT curr_items (\d+)\r\n", data)
-    if match is None:
-        raise StoreError(
-            f"memcached node {spec.address}: no curr_items in `stats`", node=spec.address
-        )
-    return int(match.group(1))
-
-
-async def metadump(spec: NodeSpec, cfg: StoreConfig) -> bytes:
-    """Every item of one node, as memcached's `lru_crawler metadump` lists them.
-
-    Lines `key=<URL-encoded key> exp=... la=... cas=... fetch=... cls=... size=...`
-    ending with `END`, for every namespace on the node.
-
-    It walks the hash table (`metadump hash`): an item that exists during the
-    whole dump is listed exactly once. The LRU walk (`metadump all`) is not
-    reliable: the LRU maintainer moves items between queues while it walks, and
-    here it missed keys in 10 of 30 dumps (up to 9,000 of 400,000) taken right
-    after writes or reads. It is the fallback only for a memcached without `hash`,
-    repeated until it lists exactly the `curr_items` that `stats` counts before
-    and after it.
-
-    Raises:
-        StoreError: the node refused (crawler disabled), stayed busy, or (fallback)
-            never gave a complete listing.
-        NodeUnavailableError, StoreTimeoutError: as the store.
-    """
-    data = await _crawler_dump(spec, cfg, _METADUMP_HASH)
-    if isinstance(data, bytes):
-        return data
-    logger.warning(
-        "memcached node %s refused `lru_crawler metadump hash` (%s); using the LRU walk, "
-        "checked against `stats curr_items`",
-        spec.address,
-        data,
-    )
-    listed = expected = 0
-    for attempt in range(_VERIFY_ATTEMPTS):
-        if attempt:
-            await asyncio.sleep(0.2 * attempt)
-        before = await _curr_items(spec, cfg)
-        dumped = await _crawler_dump(spec, cfg, _METADUMP_ALL)
-        if isinstance(dumped, str):
-            raise StoreError(
-                f"memcached node {spec.address} refused `lru_crawler metadump`: {dumped!r}; "
-                f"checkpoints need the LRU crawler (enabled by default)",
-                node=spec.address,
-            )
-        after = await _curr_items(spec, cfg)
-        lines = dumped.split(b"\n")[:-1]
-        listed, expected = len({line.split(b" ", 1)[0] for line in lines}), after
-        if before == after == listed == len(lines):
-            return dumped
-    raise StoreError(
-        f"memcached node {spec.address} has no `lru_crawler metadump hash`, and its LRU walk "
-        f"listed {listed} of {expected} items in each of {_VERIFY_ATTEMPTS} tries (is something "
-        f"writing?); use a memcached with `metadump hash`, or stop the writers",
-        node=spec.address,
-    )
-
-
 async def _namespace_keys(store: EmbeddingStore) -> dict[str, NodeKeys]:
     """Per node address: the namespace's keys grouped by (table, kind)."""
     cfg = store.config
     int_tables = [t.name for t in cfg.tables if t.id_type == "int64"]
 
     async def one(spec: NodeSpec) -> NodeKeys:
-        data = await metadump(spec, cfg.store)
+        data = await commands.metadump(spec, cfg.store)
         return parse_metadump(data, cfg.namespace, int_tables=int_tables, node=spec.address)
 
     results = await asyncio.gather(*(one(spec) for spec in cfg.memcached))
     return dict(zip(store.nodes, results, strict=True))
-
-
-async def _delete_keys(spec: NodeSpec, cfg: StoreConfig, keys: Sequence[bytes]) -> int:
-    """Pipelined `md` of `keys` on one node; returns how many existed."""
-    deleted = 0
-    for start in range(0, len(keys), cfg.max_batch_keys):
-        part = list(keys[start : start + cfg.max_batch_keys])
-        n = len(part)
-
-        data = await _raw_exchange(
-            spec, cfg, protocol.build_md(part) + protocol.END, _md_done, what="md"
-        )
-        reply = protocol.parse_ms(data, 0, n)
-        if reply is None or reply.errors or data[reply.end :] != protocol.END_REPLY:
-            raise StoreError(
-                f"memcached node {spec.address} refused a delete: "
-                f"{next(iter(reply.errors.values()), b'') if reply else b''!r}",
-                node=spec.address,
-            )
-        deleted += int(np.count_nonzero(reply.status == protocol.STATUS_STORED))
-    return deleted
 
 
 # ================================================================ helpers
@@ -1533,7 +1311,7 @@ async def restore_checkpoint(
         for spec in config.memcached:
             keys = dumps[spec.address].keys(ns)
             if keys:
-                deleted += await _delete_keys(spec, config.store, keys)
+                deleted += await commands.delete_keys(spec, config.store, keys)
         try:
             summary = await _write_checkpoint(
                 store, root, manifest, batch_ids=batch_ids, progress=progress

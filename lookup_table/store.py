@@ -25,12 +25,11 @@ deletes them. The same holds for any write batch sent to a lost node.) A `-M`
 node that is out of memory raises `StoreFullError`; a value of the wrong length
 `CorruptValueError`; timeouts and refused connections `NodeUnavailableError`.
 
-Connections: the pipelined path owns its connections (a small pool per node of
-`store.pool_size` streams). A connection that saw a timeout, a cancellation or
-any error mid-reply is closed, never reused, so a stale reply can never be read
-as someone else's miss (the hazard of aiomcache#489). aiomcache, one client per
-node, serves the single commands (`stats`, sentinel `add`), each under
-`asyncio.timeout` and replaced after a timeout or a cancellation.
+Connections: `lookup_table.memcached` is the one transport. Each node has a small
+pool of `store.pool_size` connections (`memcached.node.Node`); a connection that
+saw a timeout, a cancellation or any error mid-reply is closed, never reused, so a
+stale reply can never be read as someone else's miss (the hazard of
+aiomcache#489). `stats` runs on a connection of its own (`memcached.commands`).
 """
 
 from __future__ import annotations
@@ -41,15 +40,12 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
-import aiomcache
 import numpy as np
 from numpy.typing import NDArray
 
-from lookup_table import protocol
-from lookup_table.config import ClusterConfig, NodeSpec, StoreConfig
+from lookup_table.config import ClusterConfig
 from lookup_table.core.initializers import initial_rows
 from lookup_table.core.keys import IdArray, as_ids, encode_keys, int_key_matrix, key_prefix
 from lookup_table.core.keyspace import Kind, sentinel_key
@@ -61,172 +57,19 @@ from lookup_table.errors import (
     DataLossError,
     KeyEncodingError,
     LookupTableError,
-    NodeUnavailableError,
     ProtocolError,
     StoreError,
     StoreFullError,
-    StoreTimeoutError,
 )
-from lookup_table.protocol import Keys
+from lookup_table.memcached import commands, protocol
+from lookup_table.memcached.node import Node
+from lookup_table.memcached.protocol import Keys
 
 __all__ = ["EmbeddingStore"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_READ_CHUNK = 1 << 20
-_STREAM_LIMIT = 1 << 22
-
-
-class _StaleConnectionError(Exception):
-    """The connection was dead before any reply byte arrived (internal, retried once)."""
-
-
-@dataclass(slots=True)
-class _Conn:
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class _Node:
-    """Pipelined round trips to one memcached node over a small pool of connections."""
-
-    def __init__(self, spec: NodeSpec, cfg: StoreConfig) -> None:
-        self.spec = spec
-        self.address = spec.address
-        self._cfg = cfg
-        self._idle: list[_Conn] = []
-        self._slots = asyncio.Semaphore(cfg.pool_size)
-        self._closed = False
-
-    async def _connect(self) -> _Conn:
-        try:
-            async with asyncio.timeout(self._cfg.connect_timeout_s):
-                reader, writer = await asyncio.open_connection(
-                    self.spec.host, self.spec.port, limit=_STREAM_LIMIT
-                )
-        except TimeoutError as exc:
-            raise StoreTimeoutError(
-                f"memcached node {self.address} did not accept a connection within "
-                f"{self._cfg.connect_timeout_s:g} s (store.connect_timeout_s)",
-                node=self.address,
-            ) from exc
-        except OSError as exc:
-            raise NodeUnavailableError(
-                f"memcached node {self.address} is unreachable: {exc.strerror or exc}; "
-                f"is it running? (deploy/cluster.sh status)",
-                node=self.address,
-            ) from exc
-        return _Conn(reader, writer)
-
-    async def roundtrip(self, request: bytes, parse: Callable[[bytes], T | None]) -> T:
-        """Send one pipelined request ending in `mn` and parse the whole reply.
-
-        `parse(data)` returns None while the reply is incomplete. The reply is
-        complete only after `MN\\r\\n`; data ending in those bytes by chance
-        is simply parsed again after the next read. A pooled connection that
-        turns out dead before any reply byte (the node restarted while it sat
-        idle) is retried once on a fresh connection: every batch starts with the
-        sentinel read, so a restarted node is then reported as data loss.
-        """
-        if self._closed:
-            raise NodeUnavailableError(f"store is closed (node {self.address})", node=self.address)
-        # The wait for a free connection has its own deadline: behind `pool_size` calls
-        # stuck on a stopped node, a call fails after at most 2 x timeout_s, not after
-        # one timeout per call queued in front of it.
-        try:
-            async with asyncio.timeout(self._cfg.timeout_s):
-                await self._slots.acquire()
-        except TimeoutError as exc:
-            raise StoreTimeoutError(
-                f"memcached node {self.address}: all {self._cfg.pool_size} connections "
-                f"(store.pool_size) stayed busy for {self._cfg.timeout_s:g} s "
-                f"(store.timeout_s); is it overloaded or stopped?",
-                node=self.address,
-            ) from exc
-        try:
-            try:
-                async with asyncio.timeout(self._cfg.timeout_s):
-                    while self._idle:
-                        conn = self._idle.pop()
-                        try:
-                            return await self._exchange(conn, request, parse)
-                        except _StaleConnectionError:
-                            logger.debug(
-                                "node %s: pooled connection was dead, retrying", self.address
-                            )
-                    return await self._exchange(await self._connect(), request, parse)
-            except TimeoutError as exc:
-                raise StoreTimeoutError(
-                    f"memcached node {self.address} did not answer within "
-                    f"{self._cfg.timeout_s:g} s (store.timeout_s); is it overloaded or stopped?",
-                    node=self.address,
-                ) from exc
-            except _StaleConnectionError as exc:
-                raise NodeUnavailableError(
-                    f"memcached node {self.address} closed a new connection before answering "
-                    f"(is it restarting or at its connection limit?)",
-                    node=self.address,
-                ) from exc
-        finally:
-            self._slots.release()
-
-    async def _exchange(self, conn: _Conn, request: bytes, parse: Callable[[bytes], T | None]) -> T:
-        """One request/reply on `conn`; the connection goes back to the pool only if clean."""
-        reusable = False
-        received = 0
-        try:
-            conn.writer.write(request + protocol.END)
-            chunks: list[bytes] = []
-            tail = b""
-            while True:
-                chunk = await conn.reader.read(_READ_CHUNK)
-                if not chunk:
-                    if received == 0:
-                        raise _StaleConnectionError
-                    raise NodeUnavailableError(
-                        f"memcached node {self.address} closed the connection mid-reply "
-                        f"(did it restart?)",
-                        node=self.address,
-                    )
-                received += len(chunk)
-                chunks.append(chunk)
-                tail = (tail + chunk)[-4:]
-                if tail != protocol.END_REPLY:
-                    continue
-                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                chunks = [data]
-                result = parse(data)
-                if result is not None:
-                    reusable = True
-                    return result
-        except (ConnectionError, OSError) as exc:
-            if isinstance(exc, StoreError):
-                raise
-            if received == 0 and isinstance(exc, ConnectionError):
-                raise _StaleConnectionError from exc
-            raise NodeUnavailableError(
-                f"memcached node {self.address} failed mid-request: {exc}", node=self.address
-            ) from exc
-        finally:
-            if reusable and not self._closed:
-                self._idle.append(conn)
-            else:
-                conn.close()
-
-    async def close(self) -> None:
-        self._closed = True
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
-        for conn in idle:
-            try:
-                await conn.writer.wait_closed()
-            except (ConnectionError, OSError):  # closing a dead socket is fine
-                pass
 
 
 def _keys_for(namespace: str, table: str, kind: str, ids: IdArray) -> Keys:
@@ -294,8 +137,7 @@ class EmbeddingStore:
         self.config = config
         self.namespace = config.namespace
         self.nodes: tuple[str, ...] = config.node_addresses
-        self._nodes = [_Node(spec, config.store) for spec in config.memcached]
-        self._clients: dict[str, aiomcache.Client] = {}
+        self._nodes = [Node(spec, config.store) for spec in config.memcached]
         self._check_sentinels = check_sentinels
         self._sentinel_key = sentinel_key(config.namespace)
         self.created: dict[str, int] = {}  # rows this store created, per table
@@ -310,9 +152,6 @@ class EmbeddingStore:
         """Close every connection. The store cannot be used afterwards."""
         for node in self._nodes:
             await node.close()
-        clients, self._clients = self._clients, {}
-        for client in clients.values():
-            await client.close()
 
     # ------------------------------------------------------------ public API
 
@@ -390,7 +229,7 @@ class EmbeddingStore:
         out = np.zeros((id_array.shape[0], width), dtype=np.float32)
         found = np.zeros(id_array.shape[0], dtype=bool)
 
-        async def one(node: _Node, index: NDArray[np.intp], keys: Keys) -> None:
+        async def one(node: Node, index: NDArray[np.intp], keys: Keys) -> None:
             raw, hit = await self._mg_fixed(node, keys, nbytes)
             out[index] = raw.view(ROW_DTYPE)
             found[index] = hit
@@ -409,7 +248,7 @@ class EmbeddingStore:
         """
         id_array, matrix = self._prepare_write(table, ids, values, kind)
 
-        async def one(node: _Node, index: NDArray[np.intp], keys: Keys) -> None:
+        async def one(node: Node, index: NDArray[np.intp], keys: Keys) -> None:
             await self._ms(node, keys, matrix[index], add=False)
 
         await self._fan_out(table, kind, id_array, one, check_sentinel=True)
@@ -430,7 +269,7 @@ class EmbeddingStore:
         id_array, matrix = self._prepare_write(table, ids, values, kind, unique=unique)
         stored = np.zeros(id_array.shape[0], dtype=bool)
 
-        async def one(node: _Node, index: NDArray[np.intp], keys: Keys) -> None:
+        async def one(node: Node, index: NDArray[np.intp], keys: Keys) -> None:
             stored[index] = await self._ms(node, keys, matrix[index], add=True)
 
         await self._fan_out(table, kind, id_array, one, check_sentinel=True)
@@ -441,7 +280,7 @@ class EmbeddingStore:
         id_array = as_ids(ids, table=table)
         out: list[bytes | None] = [None] * id_array.shape[0]
 
-        async def one(node: _Node, index: NDArray[np.intp], keys: Keys) -> None:
+        async def one(node: Node, index: NDArray[np.intp], keys: Keys) -> None:
             values = await self._mg_blobs(node, keys)
             for i, value in zip(index.tolist(), values, strict=True):
                 out[i] = value
@@ -469,7 +308,7 @@ class EmbeddingStore:
         self._require_unique(table, id_array)
         stored = np.zeros(id_array.shape[0], dtype=bool)
 
-        async def one(node: _Node, index: NDArray[np.intp], keys: Keys) -> None:
+        async def one(node: Node, index: NDArray[np.intp], keys: Keys) -> None:
             stored[index] = await self._ms(
                 node, keys, [values[i] for i in index.tolist()], add=add, ttl_s=ttl_s
             )
@@ -484,7 +323,7 @@ class EmbeddingStore:
         id_array = as_ids(ids, table=table)
         existed = np.zeros(id_array.shape[0], dtype=bool)
 
-        async def one(node: _Node, index: NDArray[np.intp], keys: Keys) -> None:
+        async def one(node: Node, index: NDArray[np.intp], keys: Keys) -> None:
             existed[index] = await self._md(node, keys)
 
         await self._fan_out(table, kind, id_array, one, check_sentinel=True)
@@ -496,7 +335,7 @@ class EmbeddingStore:
         """Each node's sentinel value (None where it is missing), one round trip per node."""
         key = [self._sentinel_key]
 
-        async def read(node: _Node) -> bytes | None:
+        async def read(node: Node) -> bytes | None:
             return (await self._mg_blobs(node, key, check=False))[0]
 
         values = await _gather([read(node) for node in self._nodes])
@@ -514,7 +353,7 @@ class EmbeddingStore:
             raise ValueError(f"not nodes of this cluster: {', '.join(unknown)}")
         cluster_id = uuid.uuid4().hex
 
-        async def write(node: _Node) -> bool:
+        async def write(node: Node) -> bool:
             value = json.dumps(
                 {
                     "namespace": self.namespace,
@@ -531,44 +370,13 @@ class EmbeddingStore:
         return {n.address: ok for n, ok in zip(targets, results, strict=True)}
 
     async def stats(self) -> dict[str, dict[str, str]]:
-        """memcached `stats` of every node (values as text), via aiomcache."""
-
-        async def one(spec: NodeSpec) -> dict[str, str]:
-            client = self._client(spec)
-            try:
-                async with asyncio.timeout(self.config.store.timeout_s):
-                    raw = await client.stats()
-            except BaseException as exc:
-                await self._drop_client(spec)
-                if isinstance(exc, TimeoutError):
-                    raise StoreTimeoutError(
-                        f"memcached node {spec.address} did not answer `stats` within "
-                        f"{self.config.store.timeout_s:g} s",
-                        node=spec.address,
-                    ) from exc
-                if isinstance(exc, OSError | aiomcache.exceptions.ClientException):
-                    raise NodeUnavailableError(
-                        f"memcached node {spec.address} failed `stats`: {exc}", node=spec.address
-                    ) from exc
-                raise
-            return {k.decode(): v.decode() for k, v in raw.items() if v is not None}
-
-        values = await _gather([one(spec) for spec in self.config.memcached])
+        """memcached `stats` of every node (values as text), each on its own connection."""
+        values = await _gather(
+            [commands.stats(spec, self.config.store) for spec in self.config.memcached]
+        )
         return dict(zip(self.nodes, values, strict=True))
 
     # ------------------------------------------------------------ internals
-
-    def _client(self, spec: NodeSpec) -> aiomcache.Client:
-        client = self._clients.get(spec.address)
-        if client is None:
-            client = aiomcache.Client(spec.host, spec.port, pool_size=1)
-            self._clients[spec.address] = client
-        return client
-
-    async def _drop_client(self, spec: NodeSpec) -> None:
-        client = self._clients.pop(spec.address, None)
-        if client is not None:
-            await client.close()
 
     def _table_ids(self, table: str, ids: Any) -> IdArray:
         spec = self.config.table(table)
@@ -617,7 +425,7 @@ class EmbeddingStore:
         table: str,
         kind: str,
         ids: IdArray,
-        job: Callable[[_Node, NDArray[np.intp], Keys], Coroutine[Any, Any, None]],
+        job: Callable[[Node, NDArray[np.intp], Keys], Coroutine[Any, Any, None]],
         *,
         check_sentinel: bool,
     ) -> None:
@@ -654,7 +462,7 @@ class EmbeddingStore:
     def _sentinel_request(self) -> bytes:
         return protocol.build_mg([self._sentinel_key]) if self._check_sentinels else b""
 
-    def _check_sentinel(self, node: _Node, data: bytes, *, writes: bool = False) -> int | None:
+    def _check_sentinel(self, node: Node, data: bytes, *, writes: bool = False) -> int | None:
         """Parse the sentinel reply at the start of `data`; return the offset after it.
 
         The commands pipelined behind the sentinel read ran whatever it found: the writes
@@ -687,7 +495,7 @@ class EmbeddingStore:
 
     async def _batch(
         self,
-        node: _Node,
+        node: Node,
         keys: Keys,
         commands: bytes,
         parse_reply: Callable[[bytes, int], protocol.MgReply | protocol.MsReply | None],
@@ -718,7 +526,7 @@ class EmbeddingStore:
         return await node.roundtrip(request, parse)
 
     async def _mg_fixed(
-        self, node: _Node, keys: Keys, nbytes: int
+        self, node: Node, keys: Keys, nbytes: int
     ) -> tuple[NDArray[np.uint8], NDArray[np.bool_]]:
         n = _num_keys(keys)
 
@@ -746,7 +554,7 @@ class EmbeddingStore:
             finish,
         )
 
-    async def _mg_blobs(self, node: _Node, keys: Keys, *, check: bool = True) -> list[bytes | None]:
+    async def _mg_blobs(self, node: Node, keys: Keys, *, check: bool = True) -> list[bytes | None]:
         n = _num_keys(keys)
 
         def finish(data: bytes, reply: protocol.MgReply) -> list[bytes | None]:
@@ -766,7 +574,7 @@ class EmbeddingStore:
 
     async def _ms(
         self,
-        node: _Node,
+        node: Node,
         keys: Keys,
         values: NDArray[np.uint8] | list[bytes],
         *,
@@ -802,7 +610,7 @@ class EmbeddingStore:
             writes=True,
         )
 
-    async def _md(self, node: _Node, keys: Keys) -> NDArray[np.bool_]:
+    async def _md(self, node: Node, keys: Keys) -> NDArray[np.bool_]:
         n = _num_keys(keys)
 
         def finish(data: bytes, reply: protocol.MsReply) -> NDArray[np.bool_]:
@@ -818,7 +626,7 @@ class EmbeddingStore:
         )
 
     @staticmethod
-    def _incomplete(node: _Node, data: bytes, reply: object) -> None:
+    def _incomplete(node: Node, data: bytes, reply: object) -> None:
         if reply is not None and len(data) > getattr(reply, "end", 0) + len(protocol.END_REPLY):
             raise ProtocolError(
                 f"memcached node {node.address} sent more replies than commands",
@@ -827,7 +635,7 @@ class EmbeddingStore:
         return None
 
     @staticmethod
-    def _raise_reply_errors(node: _Node, keys: Keys, errors: dict[int, bytes]) -> None:
+    def _raise_reply_errors(node: Node, keys: Keys, errors: dict[int, bytes]) -> None:
         if not errors:
             return
         i, line = next(iter(errors.items()))

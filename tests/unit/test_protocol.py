@@ -1,4 +1,4 @@
-"""memcached meta protocol (lookup_table.protocol): build and parse pipelined batches."""
+"""memcached meta protocol (lookup_table.memcached.protocol): build and parse pipelined batches."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis.extra.numpy import arrays
 
 from lookup_table.core.keys import int_key_matrix, key_prefix
 from lookup_table.errors import ProtocolError, StoreError
-from lookup_table.protocol import (
+from lookup_table.memcached.protocol import (
     END,
     END_REPLY,
     STATUS_ERROR,
