@@ -49,9 +49,11 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __get
         NodeUnavailableError,
         ProtocolError,
         PushRejectedError,
+        ReplicaUnavailableError,
         StoreError,
         StoreFullError,
         StoreTimeoutError,
+        WireError,
     )
     from lookup_table.store import EmbeddingStore
 
@@ -76,6 +78,7 @@ __all__ = [
     "OptimizerConfig",
     "ProtocolError",
     "PushRejectedError",
+    "ReplicaUnavailableError",
     "SGDConfig",
     "ServiceConfig",
     "StoreConfig",
@@ -83,6 +86,7 @@ __all__ = [
     "StoreFullError",
     "StoreTimeoutError",
     "TableSpec",
+    "WireError",
     "decode_key",
     "encode_key",
     "encode_keys",
@@ -113,6 +117,7 @@ _LAZY = {
     "OptimizerConfig": "lookup_table.config",
     "ProtocolError": "lookup_table.errors",
     "PushRejectedError": "lookup_table.errors",
+    "ReplicaUnavailableError": "lookup_table.errors",
     "SGDConfig": "lookup_table.config",
     "ServiceConfig": "lookup_table.config",
     "StoreConfig": "lookup_table.config",
@@ -120,6 +125,7 @@ _LAZY = {
     "StoreFullError": "lookup_table.errors",
     "StoreTimeoutError": "lookup_table.errors",
     "TableSpec": "lookup_table.config",
+    "WireError": "lookup_table.errors",
     "decode_key": "lookup_table.core.keys",
     "encode_key": "lookup_table.core.keys",
     "encode_keys": "lookup_table.core.keys",

@@ -46,6 +46,7 @@ from lookup_table.errors import (
     NodeUnavailableError,
     ProtocolError,
     PushRejectedError,
+    ReplicaUnavailableError,
     StoreError,
     StoreFullError,
     StoreTimeoutError,
@@ -134,7 +135,7 @@ class OptimizerClient:
         Raises:
             PushRejectedError: a replica answered 4xx (its message says why).
             DataLossError, StoreFullError: the store refused; not retried.
-            NodeUnavailableError: a replica stayed unreachable through every retry.
+            ReplicaUnavailableError: a replica stayed unreachable through every retry.
         """
         push_id = push_id or uuid.uuid4().hex
         n_replicas = len(self.config.optimizers)
@@ -277,7 +278,7 @@ class OptimizerClient:
             logger.debug("replica %d %s; retry %d in %.2f s", replica, problem, attempt + 1, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
-        raise NodeUnavailableError(
+        raise ReplicaUnavailableError(
             f"optimizer replica {replica} ({url}) failed after {self.max_retries + 1} attempts: "
             f"{problem}; is it running? (deploy/cluster.sh status)"
         )

@@ -19,7 +19,11 @@
     │   ├── ProtocolError                   an unexpected reply: bug or version mismatch
     │   └── NodeUnavailableError (OSError)  refused, reset, closed: transient, retry later
     │       └── StoreTimeoutError (TimeoutError)  no answer within `store.timeout_s`
-    └── PushRejectedError                   the optimizer service said 4xx; carries its message
+    ├── PushRejectedError                   the optimizer service said 4xx; carries its message
+    ├── ReplicaUnavailableError (OSError)   an optimizer replica refused, cut or timed out every
+    │                                       retry: transient, is it running?
+    └── WireError (ValueError)              a body that does not follow the wire format: a bug
+                                            or a version mismatch; names the field
 
 Every message names the node, table, key or config key involved and, where there
 is one, what the user can do about it.
@@ -40,9 +44,11 @@ __all__ = [
     "NodeUnavailableError",
     "ProtocolError",
     "PushRejectedError",
+    "ReplicaUnavailableError",
     "StoreError",
     "StoreFullError",
     "StoreTimeoutError",
+    "WireError",
 ]
 
 
@@ -134,3 +140,15 @@ class PushRejectedError(LookupTableError):
     def __init__(self, message: str, *, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+class ReplicaUnavailableError(LookupTableError, OSError):
+    """An optimizer replica refused, cut or timed out a request through every retry.
+
+    Transient on the service side (a replica restarting, overloaded or not
+    started): the message names the replica and its URL.
+    """
+
+
+class WireError(LookupTableError, ValueError):
+    """A message that does not follow the wire format; the message names the field."""

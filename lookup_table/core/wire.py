@@ -21,6 +21,8 @@ import msgpack
 import numpy as np
 from numpy.typing import NDArray
 
+from lookup_table.errors import WireError
+
 __all__ = [
     "CONTENT_TYPE",
     "WireError",
@@ -39,10 +41,6 @@ _REPR = reprlib.Repr()  # Python 3.11's Repr takes no keyword arguments
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 2, 60, 60, 6, 6
 _ALLOWED_DTYPES: dict[str, np.dtype[Any]] = {"<f4": np.dtype("<f4"), "<i8": np.dtype("<i8")}
 _MAX_DIMS = 8
-
-
-class WireError(ValueError):
-    """A body that does not follow the wire format; the message names the field."""
 
 
 def describe(value: Any) -> str:

@@ -10,7 +10,7 @@ import pytest
 
 from lookup_table.client import OptimizerClient
 from lookup_table.core.wire import pack
-from lookup_table.errors import NodeUnavailableError
+from lookup_table.errors import ReplicaUnavailableError
 from tests.conftest import make_config
 
 
@@ -55,5 +55,5 @@ async def test_an_answer_cut_mid_body_is_retried(cuts: int) -> None:
         async with OptimizerClient(config, max_retries=1, backoff_s=0.01) as client:
             served.clear()
             if cuts > 1:  # more cuts than attempts: a clear error, not aiohttp's
-                with pytest.raises(NodeUnavailableError, match="ClientPayloadError"):
+                with pytest.raises(ReplicaUnavailableError, match="ClientPayloadError"):
                     await client.version()

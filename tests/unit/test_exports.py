@@ -138,3 +138,15 @@ def test_the_pure_core_loads_without_the_network_stack() -> None:
 def test_unknown_names_are_attribute_errors() -> None:
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         lookup_table.nope  # noqa: B018
+
+
+def test_wire_and_replica_errors_are_in_the_tree() -> None:
+    from lookup_table.core.wire import WireError
+
+    assert WireError is errors.WireError
+    assert issubclass(errors.WireError, errors.LookupTableError)
+    assert issubclass(errors.WireError, ValueError)
+    assert issubclass(errors.ReplicaUnavailableError, errors.LookupTableError)
+    assert issubclass(errors.ReplicaUnavailableError, OSError)
+    # an unreachable optimizer replica is not a memcached node
+    assert not issubclass(errors.ReplicaUnavailableError, errors.StoreError)
