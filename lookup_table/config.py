@@ -5,7 +5,7 @@ load time and rejects unknown keys and bad values with one message naming the ke
 path and what was expected, e.g. `tables[1].dim: expected a positive integer,
 got -3`. The objects are frozen; change them with `dataclasses.replace`.
 
-See README "Configuration reference" for every key, its unit and its default.
+See docs/configuration.md for every key, its unit and its default.
 """
 
 from __future__ import annotations

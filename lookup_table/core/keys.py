@@ -1,6 +1,6 @@
 """The key codec: ids <-> memcached keys (pure; numpy + stdlib).
 
-Key format, version 1 (stored data depends on it; see README "Wire formats")::
+Key format, version 1 (stored data depends on it; see docs/wire-format.md)::
 
     {namespace}/{table}/{kind}/{encoded id}
 

@@ -48,7 +48,7 @@ def _assert_memcached_safe(key: bytes) -> None:
 
 # ------------------------------------------------------------------ golden keys
 # Key format version 1: stored data depends on these bytes. Changing one is a
-# data migration (and a README "Wire formats" change).
+# data migration (and a docs/wire-format.md change).
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,108 @@
+"""The layers of docs/architecture.md, checked on every import of every package module."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("lookup_table", "optimizer_service", "trainer")
+
+# (module prefix, layer): a module may import modules of its own layer or below.
+LAYERS = [
+    ("lookup_table.errors", 0),
+    ("lookup_table.core", 1),
+    ("lookup_table.config", 2),
+    ("lookup_table.memcached", 3),
+    ("lookup_table.store", 4),
+    ("lookup_table.dense", 4),
+    ("lookup_table.client", 5),
+    ("lookup_table.keras", 5),
+    ("lookup_table", 6),  # the package itself (lazy re-exports) and ops/
+    ("optimizer_service", 7),
+    ("trainer", 8),
+]
+
+
+def _layer(module: str) -> int:
+    for prefix, layer in LAYERS:
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    raise AssertionError(f"no layer for {module}")
+
+
+def _modules() -> Iterator[tuple[str, Path]]:
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            yield ".".join(parts), path
+
+
+def _imports(path: Path) -> Iterator[tuple[str, list[str], bool, int]]:
+    """(module, names, under TYPE_CHECKING, line) of every import in the file."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, [], id(node) in typing_only, node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [a.name for a in node.names]
+            yield node.module, names, id(node) in typing_only, node.lineno
+
+
+def test_dependencies_point_down_the_layers() -> None:
+    wrong = []
+    for module, path in _modules():
+        own = _layer(module)
+        for target, names, typing_only, line in _imports(path):
+            if target.split(".")[0] not in PACKAGES:
+                continue
+            # `from lookup_table.memcached import commands`: the layer of the submodule
+            full = [f"{target}.{n}" for n in names] or [target]
+            for imported in full:
+                top = imported.split(".")[0]
+                try:
+                    layer = _layer(imported)
+                except AssertionError:
+                    layer = _layer(top)
+                if typing_only and own == 1 and imported.startswith("lookup_table.config"):
+                    continue  # the optimizers' configs, for type hints only
+                if layer > own or (
+                    own in (7, 8) and layer in (7, 8) and top != module.split(".")[0]
+                ):
+                    wrong.append(f"{path.relative_to(ROOT)}:{line} imports {imported}")
+    assert wrong == []
+
+
+def test_the_library_never_imports_the_service_or_the_trainer() -> None:
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for module, path in _modules()
+        if module.startswith("lookup_table")
+        for target, _, _, line in _imports(path)
+        if target.split(".")[0] in ("optimizer_service", "trainer")
+    ]
+    assert wrong == []
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} takes {name} from {target}"
+        for module, path in _modules()
+        for target, names, _, line in _imports(path)
+        if target.split(".")[0] in PACKAGES and target != module
+        for name in names
+        if name.startswith("_") and not name.startswith("__")
+    ]
+    assert wrong == []
