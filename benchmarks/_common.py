@@ -64,7 +64,7 @@ def machine_info(
     info["numpy"] = np.__version__
     info.update(versions or {})
     if memcached:
-        from lookup_table.localcluster import memcached_binary
+        from lookup_table.ops.localcluster import memcached_binary
 
         info["memcached"] = subprocess.run(
             [memcached_binary(), "-V"], capture_output=True, text=True, check=True, timeout=10

@@ -56,12 +56,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from lookup_table import checkpoint
 from lookup_table.config import ClusterConfig, NodeSpec, parse_config
 from lookup_table.core.keys import int_key_matrix, key_prefix
-from lookup_table.localcluster import memcached_cluster
 from lookup_table.memcached import commands
 from lookup_table.memcached.protocol import build_mg, build_ms
+from lookup_table.ops import checkpoint
+from lookup_table.ops.localcluster import memcached_cluster
 from lookup_table.store import EmbeddingStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -256,7 +256,7 @@ async def fill(config: ClusterConfig, ids: NDArray[np.int64], slot_width: int) -
 async def clear(config: ClusterConfig) -> None:
     """Delete every key of the namespace (untimed, between rounds)."""
     async with EmbeddingStore(config, check_sentinels=False) as store:
-        found = await checkpoint._namespace_keys(store)
+        found = await checkpoint.namespace_keys(store)
         for spec in config.memcached:
             keys = found[spec.address].keys(config.namespace)
             if keys:

@@ -78,7 +78,7 @@ from numpy.typing import NDArray
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, load_config
 from lookup_table.core.optimizers import Optimizer, make_optimizer
-from lookup_table.localcluster import free_port, memcached_cluster
+from lookup_table.ops.localcluster import free_port, memcached_cluster
 from lookup_table.store import EmbeddingStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

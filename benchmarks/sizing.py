@@ -23,7 +23,7 @@ reads memcached's `stats` (`bytes`: the items' own size, header + key + value,
 and `hash_bytes`), `stats slabs` (`total_malloced`: the 1 MiB slab pages taken
 from the `-m` limit; `chunk_size` x `used_chunks`: the chunks the items occupy)
 and the server's RSS (`/proc/<pid>/status`). At the end
-`lookup_table.admin.table_stats` splits the bytes into rows, slots and
+`lookup_table.ops.stats.table_stats` splits the bytes into rows, slots and
 bookkeeping from the key listing.
 
 Per row it reports: item bytes (what `stats bytes` grows by), chunk bytes (items
@@ -51,14 +51,14 @@ from aiohttp.test_utils import TestServer
 from numpy.typing import NDArray
 from prometheus_client import CollectorRegistry
 
-from lookup_table.admin import table_stats
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, parse_config
 from lookup_table.core.keys import key_prefix
 from lookup_table.core.keyspace import META_TABLE
 from lookup_table.core.optimizers import make_optimizer
-from lookup_table.localcluster import MemcachedProcess, memcached_cluster
 from lookup_table.memcached import commands
+from lookup_table.ops.localcluster import MemcachedProcess, memcached_cluster
+from lookup_table.ops.stats import table_stats
 from lookup_table.store import EmbeddingStore
 from optimizer_service.app import make_app
 from optimizer_service.engine import JOURNAL_SLOTS

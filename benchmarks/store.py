@@ -66,7 +66,7 @@ from numpy.typing import NDArray
 from lookup_table.config import ClusterConfig, NodeSpec, parse_config
 from lookup_table.core.keys import encode_keys, int_key_matrix, key_prefix
 from lookup_table.core.sharding import node_of
-from lookup_table.localcluster import memcached_cluster
+from lookup_table.ops.localcluster import memcached_cluster
 from lookup_table.store import EmbeddingStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

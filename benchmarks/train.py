@@ -25,7 +25,7 @@ same `SyntheticSource` batches (seed 0, batch 1024, eval fraction 0.2) two ways:
 * `distributed`: a local cluster from a temporary cluster file (deploy/demo.toml's
   tables and optimizer settings, fresh free ports, a fresh namespace, `workers =
   1`): 2 memcached nodes and 1 optimizer replica started with `python -m
-  lookup_table.localcluster up` and always stopped with `... down`; then one
+  lookup_table.ops.localcluster up` and always stopped with `... down`; then one
   trainer process (this script with `--role trainer`, so TF state is its own)
   runs `trainer.Trainer.fit` with the Trainer's defaults (async mode, graph
   steps, dense weights refreshed every step, `max_pushes_in_flight` as the
@@ -104,7 +104,7 @@ from typing import Any
 
 import numpy as np
 
-from lookup_table.localcluster import free_port
+from lookup_table.ops.localcluster import free_port
 from trainer.data import Batch, SyntheticSource
 from trainer.metrics import auc, logloss
 
@@ -487,7 +487,7 @@ def write_cluster_file(path: Path, *, mode: str = "async") -> dict[str, Any]:
 
 
 def _localcluster(command: str, config: Path, run_dir: Path) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "lookup_table.localcluster", command, "--config", str(config)]
+    cmd = [sys.executable, "-m", "lookup_table.ops.localcluster", command, "--config", str(config)]
     cmd += ["--run-dir", str(run_dir)]
     if command == "up":
         cmd += ["--memory-mb", str(MEMCACHED_MEMORY_MB)]
@@ -1104,7 +1104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "distributed": {
                 "cluster": "deploy/demo.toml's tables and optimizers, fresh ports and namespace, "
                 "workers = 1; 2 memcached nodes + 1 optimizer replica "
-                "(python -m lookup_table.localcluster up)",
+                "(python -m lookup_table.ops.localcluster up)",
                 "memcached_memory_mb": MEMCACHED_MEMORY_MB,
                 "trainer": f"trainer.Trainer ({args.mode} mode, graph steps, dense refresh every "
                 "step, max_pushes_in_flight "

@@ -7,4 +7,4 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 if [ "${1:-}" = "up" ]; then ensure_memcached; fi
 ensure_python "${LOOKUP_TABLE_EXTRAS:-train}"
-exec "$PY" -m lookup_table.localcluster "$@"
+exec "$PY" -m lookup_table.ops.localcluster "$@"

@@ -16,12 +16,12 @@ OUT="${DEMO_OUTPUT:-$REPO/demo-output}"
 STEPS="${DEMO_STEPS:-150}"
 mkdir -p "$OUT"
 
-cleanup() { "$PY" -m lookup_table.localcluster down --config "$CONFIG" --run-dir "$RUN_DIR" || true; }
+cleanup() { "$PY" -m lookup_table.ops.localcluster down --config "$CONFIG" --run-dir "$RUN_DIR" || true; }
 trap cleanup EXIT
 
 echo "==> starting the local cluster ($CONFIG)"
-"$PY" -m lookup_table.localcluster down --config "$CONFIG" --run-dir "$RUN_DIR" >/dev/null 2>&1 || true
-"$PY" -m lookup_table.localcluster up --config "$CONFIG" --run-dir "$RUN_DIR" --memory-mb 1024
+"$PY" -m lookup_table.ops.localcluster down --config "$CONFIG" --run-dir "$RUN_DIR" >/dev/null 2>&1 || true
+"$PY" -m lookup_table.ops.localcluster up --config "$CONFIG" --run-dir "$RUN_DIR" --memory-mb 1024
 
 echo "==> storage + optimizer service demo"
 "$PY" deploy/demo_store.py --config "$CONFIG"
@@ -73,5 +73,5 @@ for line in text.splitlines():
 PYEOF
 
 echo "==> cluster status"
-"$PY" -m lookup_table.localcluster status --config "$CONFIG" --run-dir "$RUN_DIR" || true
+"$PY" -m lookup_table.ops.localcluster status --config "$CONFIG" --run-dir "$RUN_DIR" || true
 echo "==> stopping the cluster"

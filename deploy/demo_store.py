@@ -20,7 +20,7 @@ from lookup_table import (
     PushRejectedError,
     load_config,
 )
-from lookup_table.admin import node_stats
+from lookup_table.ops.stats import node_stats
 
 
 async def run(config_path: str) -> None:

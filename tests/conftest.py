@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from lookup_table.config import ClusterConfig, parse_config
-from lookup_table.localcluster import MemcachedProcess, memcached_cluster
+from lookup_table.ops.localcluster import MemcachedProcess, memcached_cluster
 from lookup_table.store import EmbeddingStore
 
 # With filterwarnings=error, a failing hypothesis test would crash the session

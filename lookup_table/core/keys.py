@@ -36,6 +36,8 @@ from lookup_table.errors import KeyEncodingError
 __all__ = [
     "INT_ID_BYTES",
     "MAX_KEY_BYTES",
+    "MAX_KIND_BYTES",
+    "MAX_NAME_BYTES",
     "DecodedKey",
     "IdArray",
     "as_ids",
@@ -49,9 +51,11 @@ __all__ = [
 
 MAX_KEY_BYTES = 250
 INT_ID_BYTES = 17  # "i" + 16 hex digits
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
-_RESERVED_RE = re.compile(r"_[A-Za-z0-9_.-]{0,63}\Z")
-_KIND_RE = re.compile(r"[a-z]{1,4}\Z")
+MAX_NAME_BYTES = 64  # a namespace or table name (ASCII, so bytes = characters)
+MAX_KIND_BYTES = 4  # a key kind: 1-4 lowercase letters
+_NAME_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_NAME_BYTES - 1}}}\Z")
+_RESERVED_RE = re.compile(rf"_[A-Za-z0-9_.-]{{0,{MAX_NAME_BYTES - 1}}}\Z")
+_KIND_RE = re.compile(rf"[a-z]{{1,{MAX_KIND_BYTES}}}\Z")
 _SAFE_RE = re.compile(r"[A-Za-z0-9_.~-]*\Z")
 _HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -71,8 +75,8 @@ def validate_name(name: object, what: str, *, reserved_ok: bool = False) -> str:
     ):
         return name
     raise KeyEncodingError(
-        f"{what} must be 1-64 characters of A-Z a-z 0-9 _ . - starting with a letter or "
-        f"digit; got {name!r}"
+        f"{what} must be 1-{MAX_NAME_BYTES} characters of A-Z a-z 0-9 _ . - starting with a "
+        f"letter or digit; got {name!r}"
     )
 
 
@@ -82,7 +86,9 @@ def key_prefix(namespace: str, table: str, kind: str) -> bytes:
     validate_name(namespace, "namespace")
     validate_name(table, "table name", reserved_ok=True)
     if not _KIND_RE.match(kind):
-        raise KeyEncodingError(f"key kind must be 1-4 lowercase letters; got {kind!r}")
+        raise KeyEncodingError(
+            f"key kind must be 1-{MAX_KIND_BYTES} lowercase letters; got {kind!r}"
+        )
     prefix = f"{namespace}/{table}/{kind}/".encode("ascii")
     if len(prefix) + INT_ID_BYTES > MAX_KEY_BYTES:  # unreachable with 64-char names; kept honest
         raise KeyEncodingError(f"key prefix {prefix!r} leaves no room for an id")

@@ -22,12 +22,13 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
 from lookup_table import EmbeddingStore
-from lookup_table.admin import main, table_stats
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, load_config
 from lookup_table.core.keys import encode_keys
 from lookup_table.core.sharding import node_of
-from lookup_table.localcluster import MemcachedProcess
+from lookup_table.ops.admin import main
+from lookup_table.ops.localcluster import MemcachedProcess
+from lookup_table.ops.stats import table_stats
 from optimizer_service.app import make_app
 from tests.reliability.harness import cluster_file, item_counts, memcache_client
 

@@ -109,7 +109,7 @@ def test_optimizer_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None
 @pytest.mark.timeout(300)
 def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     """`benchmarks/train.py --quick`: local Keras and a local cluster, 12 steps each."""
-    from lookup_table.localcluster import wait_for_port
+    from lookup_table.ops.localcluster import wait_for_port
 
     report = _run_quick("train", tmp_path, timeout_s=270, expect="distributed/local examples/s")
     assert report["benchmark"] == "train"

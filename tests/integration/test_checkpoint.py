@@ -21,22 +21,22 @@ from lookup_table import (
     EmbeddingStore,
     NamespaceNotEmptyError,
     PushRejectedError,
-    checkpoint,
-)
-from lookup_table.checkpoint import (
-    MANIFEST,
-    _namespace_keys,
-    main,
-    restore_checkpoint,
-    save_checkpoint,
-    unpack_str_ids,
 )
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
 from lookup_table.core.keyspace import META_TABLE
 from lookup_table.core.optimizers import make_optimizer
 from lookup_table.dense import DenseParams
-from lookup_table.localcluster import free_port, memcached_cluster
+from lookup_table.ops.checkpoint import (
+    MANIFEST,
+    main,
+    namespace_keys,
+    restore_checkpoint,
+    save,
+    save_checkpoint,
+    unpack_str_ids,
+)
+from lookup_table.ops.localcluster import free_port, memcached_cluster
 from optimizer_service.app import make_app
 from tests.conftest import make_config
 
@@ -365,7 +365,7 @@ async def test_a_corrupt_checkpoint_is_refused_and_nothing_is_written(
         )
         assert code == 1 and message in err, err
         async with EmbeddingStore(target, check_sentinels=False) as store:
-            assert all(found.count == 0 for found in (await _namespace_keys(store)).values())
+            assert all(found.count == 0 for found in (await namespace_keys(store)).values())
 
 
 def _cli(argv: list[str]) -> tuple[int, str]:
@@ -450,7 +450,7 @@ async def test_a_failed_save_leaves_no_directory(
     async def broken(*args: Any) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "_save_dense", broken)
+    monkeypatch.setattr(save, "_save_dense", broken)
     with pytest.raises(OSError, match="disk full"):
         await save_checkpoint(config, tmp_path / "ck", progress=False)
     assert _listdir(tmp_path) == []

@@ -1,4 +1,4 @@
-"""`deploy/cluster.sh` (lookup_table.localcluster): up twice, status, down leaves nothing."""
+"""`deploy/cluster.sh` (lookup_table.ops.localcluster): up twice, status, down leaves nothing."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from lookup_table.localcluster import free_port
+from lookup_table.ops.localcluster import free_port
 
 pytestmark = pytest.mark.integration
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "lookup_table.localcluster", *args],
+        [sys.executable, "-m", "lookup_table.ops.localcluster", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

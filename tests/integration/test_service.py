@@ -356,7 +356,7 @@ async def test_dense_first_writer_wins_and_updates_with_the_optimizer(served) ->
 
 
 async def test_sync_mode_two_replicas_apply_the_mean_once(memcached_nodes, aiohttp_server) -> None:
-    from lookup_table.localcluster import free_port
+    from lookup_table.ops.localcluster import free_port
 
     ports = [free_port(), free_port()]
     config = _config(

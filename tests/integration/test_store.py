@@ -28,7 +28,7 @@ from lookup_table import (
     initial_rows,
 )
 from lookup_table.core.sharding import node_of
-from lookup_table.localcluster import free_port, start_memcached
+from lookup_table.ops.localcluster import free_port, start_memcached
 from tests.conftest import make_config
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from lookup_table import EmbeddingStore, load_config
-from lookup_table.localcluster import free_port
+from lookup_table.ops.localcluster import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,7 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
     config = _cluster_file(
         tmp_path / "cluster.toml", mode=mode, workers=workers, tables=tables[0] if tables else None
     )
-    cmd = [sys.executable, "-m", "lookup_table.localcluster"]
+    cmd = [sys.executable, "-m", "lookup_table.ops.localcluster"]
     args = ["--config", str(config), "--run-dir", str(tmp_path / "run"), "--memory-mb", "128"]
     up = subprocess.run(
         [*cmd, "up", *args], capture_output=True, text=True, timeout=120, check=False

@@ -25,7 +25,7 @@ from pymemcache.client.base import Client as MemcacheClient
 
 from lookup_table import EmbeddingStore
 from lookup_table.config import ClusterConfig
-from lookup_table.core.optimizers import make_optimizer
+from lookup_table.core.optimizers import slot_width
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -273,7 +273,7 @@ async def fingerprint(
     async with EmbeddingStore(config) as store:
         for table, ids in created.items():
             spec = config.table(table)
-            widths = {"w": spec.dim, "s": make_optimizer(spec.optimizer).slot_width(spec.dim)}
+            widths = {"w": spec.dim, "s": slot_width(spec)}
             for kind, width in widths.items():
                 if width == 0:
                     continue

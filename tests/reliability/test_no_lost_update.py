@@ -45,7 +45,7 @@ import pytest
 from lookup_table import EmbeddingStore, initial_rows
 from lookup_table.config import ClusterConfig, load_config
 from lookup_table.core.sharding import owner_of
-from lookup_table.localcluster import MemcachedProcess, free_port
+from lookup_table.ops.localcluster import MemcachedProcess, free_port
 from tests.reliability import _pusher
 from tests.reliability.harness import REPO, ServiceProcess, cluster_file, wait_healthy
 

@@ -30,8 +30,6 @@ import numpy as np
 import pytest
 
 from lookup_table import EmbeddingStore, initial_rows
-from lookup_table.admin import init_cluster
-from lookup_table.checkpoint import save_checkpoint
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, load_config
 from lookup_table.core.keys import as_ids, decode_key, encode_keys
@@ -45,7 +43,9 @@ from lookup_table.errors import (
     StoreFullError,
     StoreTimeoutError,
 )
-from lookup_table.localcluster import MemcachedProcess, free_port, start_memcached
+from lookup_table.ops.admin import init_cluster
+from lookup_table.ops.checkpoint import save_checkpoint
+from lookup_table.ops.localcluster import MemcachedProcess, free_port, start_memcached
 from tests.reliability.harness import (
     REPO,
     ServiceProcess,
@@ -276,7 +276,7 @@ def test_node_lost_during_training_raises_data_loss_then_restore_resumes(tmp_pat
                 [
                     sys.executable,
                     "-m",
-                    "lookup_table.checkpoint",
+                    "lookup_table.ops.checkpoint",
                     "restore",
                     "--config",
                     str(path),
@@ -685,8 +685,8 @@ async def test_unfinished_push_blocks_a_save_and_a_restore_drops_it(
 
     from prometheus_client import CollectorRegistry
 
-    from lookup_table.checkpoint import restore_checkpoint
     from lookup_table.errors import CheckpointError
+    from lookup_table.ops.checkpoint import restore_checkpoint
     from optimizer_service import engine
     from optimizer_service.app import UPDATER, make_app
     from tests.conftest import make_config

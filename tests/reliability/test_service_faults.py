@@ -34,7 +34,7 @@ from lookup_table import EmbeddingStore, initial_rows
 from lookup_table.client import OptimizerClient
 from lookup_table.config import load_config
 from lookup_table.core.wire import CONTENT_TYPE, encode_array, encode_ids, pack
-from lookup_table.localcluster import MemcachedProcess, free_port
+from lookup_table.ops.localcluster import MemcachedProcess, free_port
 from optimizer_service.app import make_app
 from tests.conftest import SERVICE_TABLES, make_config
 from tests.reliability.harness import (

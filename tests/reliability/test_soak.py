@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lookup_table import EmbeddingStore
 from lookup_table.config import load_config
-from lookup_table.localcluster import MemcachedProcess, free_port, memcached_cluster
+from lookup_table.ops.localcluster import MemcachedProcess, free_port, memcached_cluster
 from tests.reliability.harness import (
     REPO,
     ServiceProcess,

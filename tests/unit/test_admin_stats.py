@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lookup_table import admin
-from lookup_table.admin import UNPARSED, summarize_metadump
 from lookup_table.errors import StoreError
+from lookup_table.ops import stats
+from lookup_table.ops.stats import UNPARSED, summarize_metadump
 
 pytestmark = pytest.mark.unit
 
@@ -80,5 +80,5 @@ def test_many_keys_in_several_blocks_match_a_plain_loop(monkeypatch: pytest.Monk
         keys, total = expected.get((t, k), (0, 0))
         expected[(t, k)] = (keys + 1, total + s)
     data = b"".join(lines) + b"END\r\n"
-    monkeypatch.setattr(admin, "_BLOCK_LINES", 4096)  # many blocks, tables found per block
+    monkeypatch.setattr(stats, "_BLOCK_LINES", 4096)  # many blocks, tables found per block
     assert summarize_metadump(data, "ns", tables=["user", "item"]) == expected

@@ -1,4 +1,4 @@
-"""The pure parts of `lookup_table.checkpoint`: id packing, key parsing, names, manifests."""
+"""The pure parts of `lookup_table.ops.checkpoint`: id packing, key parsing, names, manifests."""
 
 from __future__ import annotations
 
@@ -14,21 +14,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lookup_table import CheckpointError, StoreError
-from lookup_table.checkpoint import (
+from lookup_table.core.keys import decode_key, encode_key, encode_keys
+from lookup_table.ops.checkpoint import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
-    _finalize,
     check_compatible,
     decode_bodies,
     decode_int_bodies,
     dense_file_stems,
+    finalize,
     pack_str_ids,
     parse_metadump,
     unpack_str_ids,
     verify_checkpoint,
 )
-from lookup_table.core.keys import decode_key, encode_key, encode_keys
 from tests.conftest import make_config
 from tests.strategies import INT64_MAX, INT64_MIN, int_ids, str_id_lists
 
@@ -230,7 +230,7 @@ def _tiny_checkpoint(root: Path) -> Path:
         },
         "replica_versions": {"0": 4},
     }
-    _finalize(tmp, target, manifest)
+    finalize(tmp, target, manifest)
     assert not tmp.exists()
     return target
 

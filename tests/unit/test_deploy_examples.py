@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from lookup_table.config import TOKEN_ENV, load_config
-from lookup_table.localcluster import free_port, memcached_binary, wait_for_port
+from lookup_table.ops.localcluster import free_port, memcached_binary, wait_for_port
 
 pytestmark = pytest.mark.unit
 

@@ -38,7 +38,13 @@ from lookup_table.core.optimizers.gradients import check_finite, segment_sum
 from lookup_table.core.optimizers.sgd import SGD
 
 if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
-    from lookup_table.config import AdagradConfig, AdamConfig, OptimizerConfig, SGDConfig
+    from lookup_table.config import (
+        AdagradConfig,
+        AdamConfig,
+        OptimizerConfig,
+        SGDConfig,
+        TableSpec,
+    )
 
 __all__ = [
     "SGD",
@@ -49,6 +55,7 @@ __all__ = [
     "check_finite",
     "make_optimizer",
     "segment_sum",
+    "slot_width",
 ]
 
 
@@ -74,3 +81,8 @@ def make_optimizer(config: OptimizerConfig) -> Optimizer:
         f"unknown optimizer config {config!r}; expected an AdamConfig, SGDConfig or "
         f"AdagradConfig (lookup_table.config)"
     )
+
+
+def slot_width(spec: TableSpec) -> int:
+    """Floats of one row's slots in table `spec`: its optimizer's `slot_width(spec.dim)`."""
+    return make_optimizer(spec.optimizer).slot_width(spec.dim)

@@ -316,8 +316,8 @@ def _stop_pid(pid: int) -> None:
 
 def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
     """Start every local memcached of the cluster file (not twice), then init sentinels."""
-    from lookup_table.admin import init_cluster
     from lookup_table.config import load_config
+    from lookup_table.ops.admin import init_cluster
 
     config = load_config(config_path)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -383,9 +383,9 @@ def cluster_down(config_path: str, run_dir: Path) -> int:
 
 def cluster_status(config_path: str, run_dir: Path) -> int:
     """Each node: pid, reachable, items, bytes, fill, sentinel. Exit 1 if any is down."""
-    from lookup_table.admin import node_stats
     from lookup_table.config import load_config
     from lookup_table.errors import LookupTableError
+    from lookup_table.ops.stats import node_stats
 
     config = load_config(config_path)
     healthy = True

@@ -1,60 +1,47 @@
-"""`lookup-table-admin`: initialize a namespace on the fleet, inspect it, accept a loss.
+"""`lookup-table-admin stats`: keys and bytes per table and kind, per node and in total.
 
-    lookup-table-admin init   --config C        # write the sentinels (fresh cluster)
-    lookup-table-admin stats  --config C [--json] [--table NAME ...]
-    lookup-table-admin reinit --config C --yes  # accept that a node lost its data
-
-`init` is safe to run twice. It refuses when some nodes have a sentinel and others
-do not: that is a node that lost its data, and only `reinit --yes` (or a
-checkpoint restore) may accept it.
-
-`stats` lists every key of the namespace on every node (memcached's `lru_crawler
-metadump hash`, as a checkpoint does) and sums, per table and kind (rows `w`,
-slots `s`; for the bookkeeping tables `_dense` and `_meta` their own kinds), the
-keys and their bytes per node and in total. The bytes are memcached's own item
-sizes (`size=` of the dump: header, key, value), so they add up to the node's
-`stats bytes`. Keys of other namespaces on the same nodes are not counted, but
-the per-node figures (items, bytes, memory limit, fill, pages taken, evictions)
-are the whole node's, from `stats` and `stats slabs`. A node that does not answer
-is reported as DOWN (the others are still listed), and a missing sentinel is
-flagged; either makes `stats` exit 1, so it can serve as a health check.
+The namespace's keys on every node come from memcached's `lru_crawler metadump
+hash` (as a checkpoint lists them), summed per table and kind (rows `w`, slots
+`s`; for the bookkeeping tables `_dense` and `_meta` their own kinds). The
+bytes are memcached's own item sizes (`size=` of the dump: header, key, value),
+so they add up to the node's `stats bytes`. Keys of other namespaces on the same
+nodes are not counted, but the per-node figures (items, bytes, memory limit,
+fill, pages taken, evictions) are the whole node's, from `stats` and `stats
+slabs`. A node that does not answer is reported as DOWN (the others are still
+listed), and a missing sentinel is flagged as a problem.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import logging
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
-from urllib.parse import quote
 
 import numpy as np
 from numpy.typing import NDArray
 
-from lookup_table.checkpoint import metadump_prefix, namespace_lines
-from lookup_table.config import ClusterConfig, NodeSpec, load_config
+from lookup_table.config import ClusterConfig, NodeSpec
+from lookup_table.core.keys import MAX_KIND_BYTES, MAX_NAME_BYTES
 from lookup_table.core.keyspace import DENSE_TABLE, META_TABLE, Kind, sentinel_key
-from lookup_table.core.optimizers import make_optimizer
-from lookup_table.errors import (
-    ConfigError,
-    DataLossError,
-    LookupTableError,
-    NodeUnavailableError,
-    StoreError,
-)
+from lookup_table.core.optimizers import slot_width
+from lookup_table.errors import ConfigError, LookupTableError, NodeUnavailableError, StoreError
 from lookup_table.memcached import commands
+from lookup_table.ops.metadump import (
+    LABEL_BYTES,
+    SEP,
+    metadump_key,
+    metadump_prefix,
+    namespace_lines,
+    void_rows,
+)
 from lookup_table.store import EmbeddingStore
 
 __all__ = [
     "KIND_NAMES",
     "UNPARSED",
-    "init_cluster",
-    "main",
     "node_stats",
-    "reinit_cluster",
+    "only_tables",
     "render_stats",
     "summarize_metadump",
     "table_stats",
@@ -67,49 +54,13 @@ KIND_NAMES = {str(kind): kind.label for kind in Kind}
 UNPARSED = ("(unparsed)", "?")
 """The (table, kind) of namespace keys the key codec did not write."""
 
-_NAME_BYTES = 64  # keys.validate_name: at most 64 characters
-_KIND_BYTES = 4  # keys._KIND_RE: 1-4 lowercase letters
-_SEP = np.frombuffer(b"%2F", dtype=np.uint8)  # "/" as memcached's metadump writes it
-_LABEL_BYTES = _NAME_BYTES + 3 + _KIND_BYTES + 3  # table %2F kind %2F
 _SIZE_FIELD = b" size="
 _SIZE_DIGITS = 12
 _BLOCK_LINES = 1 << 18  # lines summarized per numpy block (bounds the window matrices)
 _NODES_AT_ONCE = 4  # key listings held in memory at once (~100 bytes per key each)
 
 
-# ================================================================ init, reinit
-
-
-async def init_cluster(config: ClusterConfig) -> dict[str, str]:
-    """Write the sentinels of a fresh namespace; returns each node's state.
-
-    Raises:
-        DataLossError: some nodes have a sentinel and others lost theirs.
-    """
-    async with EmbeddingStore(config, check_sentinels=False) as store:
-        present = await store.sentinels()
-        missing = [node for node, value in present.items() if value is None]
-        if missing and len(missing) < len(present):
-            raise DataLossError(
-                f"memcached nodes {', '.join(missing)} have no sentinel for namespace "
-                f"{config.namespace!r} while the others do: they lost their data. Restore a "
-                f"checkpoint (lookup-table-checkpoint restore) or accept the loss with "
-                f"`lookup-table-admin reinit --yes`",
-                nodes=tuple(missing),
-            )
-        written = await store.write_sentinels(missing) if missing else {}
-    return {
-        node: ("initialized" if written.get(node) else "already initialized") for node in present
-    }
-
-
-async def reinit_cluster(config: ClusterConfig) -> dict[str, str]:
-    """Write the sentinel on every node that lacks one (accepting lost rows)."""
-    async with EmbeddingStore(config, check_sentinels=False) as store:
-        present = await store.sentinels()
-        missing = [node for node, value in present.items() if value is None]
-        written = await store.write_sentinels(missing) if missing else {}
-    return {node: ("re-initialized" if written.get(node) else "ok") for node in present}
+# ================================================================ whole nodes
 
 
 async def node_stats(config: ClusterConfig) -> dict[str, dict[str, float | int | str | bool]]:
@@ -137,12 +88,6 @@ async def node_stats(config: ClusterConfig) -> dict[str, dict[str, float | int |
 
 
 # ================================================================ pure: a metadump, summed
-
-
-def _void_rows(matrix: NDArray[np.uint8]) -> NDArray[np.void]:
-    """Rows of a uint8 matrix as one opaque value each (compared with memcmp)."""
-    width = matrix.shape[1]
-    return np.ascontiguousarray(matrix).view(np.dtype((np.void, width)))[:, 0]
 
 
 def _windows(arr: NDArray[np.uint8], at: NDArray[np.int64], width: int) -> NDArray[np.uint8]:
@@ -218,39 +163,39 @@ def _labels(
     """
     n = after.shape[0]
     rows = np.arange(n)
-    w = _windows(arr, after, _LABEL_BYTES)
+    w = _windows(arr, after, LABEL_BYTES)
     percent = w == ord("%")
     t = np.argmax(percent, axis=1)  # the end of the table name
-    ok = percent.any(axis=1) & (t >= 1) & (t <= _NAME_BYTES)
+    ok = percent.any(axis=1) & (t >= 1) & (t <= MAX_NAME_BYTES)
     t = np.where(ok, t, 0)
     for j in range(3):
-        ok &= w[rows, t + j] == _SEP[j]
-    kind = w[rows[:, None], t[:, None] + 3 + np.arange(_KIND_BYTES + 3)]
+        ok &= w[rows, t + j] == SEP[j]
+    kind = w[rows[:, None], t[:, None] + 3 + np.arange(MAX_KIND_BYTES + 3)]
     k = np.argmax(kind == ord("%"), axis=1)  # the kind's length
-    ok &= (k >= 1) & (k <= _KIND_BYTES) & (kind == ord("%")).any(axis=1)
+    ok &= (k >= 1) & (k <= MAX_KIND_BYTES) & (kind == ord("%")).any(axis=1)
     k = np.where(ok, k, 1)
     for j in range(3):
-        ok &= kind[rows, k + j] == _SEP[j]
+        ok &= kind[rows, k + j] == SEP[j]
     ok &= after + t + 3 + k + 3 < ends  # all of it inside the line (the window may run past)
-    letters = kind[:, :_KIND_BYTES]
-    inside = np.arange(_KIND_BYTES) < k[:, None]
+    letters = kind[:, :MAX_KIND_BYTES]
+    inside = np.arange(MAX_KIND_BYTES) < k[:, None]
     ok &= ((letters >= ord("a")) & (letters <= ord("z")) | ~inside).all(axis=1)
     packed = np.where(inside, letters, 0).astype(np.int64)
-    kind_code = (packed << (8 * np.arange(_KIND_BYTES))).sum(axis=1)
+    kind_code = (packed << (8 * np.arange(MAX_KIND_BYTES))).sum(axis=1)
 
     table_code = np.full(n, -1, dtype=np.int64)
     for i, name in enumerate(names):
         size = len(name)
-        if size > _NAME_BYTES:
+        if size > MAX_NAME_BYTES:
             continue
         mine = ok & (t == size)
-        mine[mine] = _void_rows(w[mine, :size]) == np.void(name.encode("ascii"))
+        mine[mine] = void_rows(w[mine, :size]) == np.void(name.encode("ascii"))
         table_code[mine] = i
     extra: dict[int, str] = {}
     other = np.flatnonzero(ok & (table_code < 0))
     if other.shape[0]:  # tables that are not in the cluster file: rare, np.unique is fine
-        masked = np.where(np.arange(_NAME_BYTES) < t[other, None], w[other, :_NAME_BYTES], 0)
-        found, inverse = np.unique(_void_rows(masked.astype(np.uint8)), return_inverse=True)
+        masked = np.where(np.arange(MAX_NAME_BYTES) < t[other, None], w[other, :MAX_NAME_BYTES], 0)
+        found, inverse = np.unique(void_rows(masked.astype(np.uint8)), return_inverse=True)
         for j, value in enumerate(found):
             extra[len(names) + j] = bytes(value).rstrip(b"\0").decode("ascii", "replace")
         table_code[other] = len(names) + inverse.reshape(-1)
@@ -259,7 +204,7 @@ def _labels(
 
 
 def _kind_text(code: int) -> str:
-    return int(code).to_bytes(_KIND_BYTES, "little").rstrip(b"\0").decode("ascii")
+    return int(code).to_bytes(MAX_KIND_BYTES, "little").rstrip(b"\0").decode("ascii")
 
 
 def summarize_metadump(
@@ -307,11 +252,6 @@ def _kind_name(kind: str) -> str:
     return KIND_NAMES.get(kind, f"kind_{kind}")
 
 
-def _slot_width(config: ClusterConfig, table: str) -> int:
-    spec = config.table(table)
-    return make_optimizer(spec.optimizer).slot_width(spec.dim)
-
-
 async def _inspect_node(
     spec: NodeSpec, config: ClusterConfig, limit: asyncio.Semaphore
 ) -> tuple[dict[str, Any], dict[tuple[str, str], tuple[int, int]]]:
@@ -338,7 +278,7 @@ async def _inspect_node_now(
         logger.debug("node %s: %s", spec.address, exc)
         down = isinstance(exc, NodeUnavailableError)
         return {"ok": False, "down": down, "error": str(exc)}, {}
-    line = b"key=" + quote(sentinel_key(config.namespace), safe="").encode("ascii") + b" "
+    line = metadump_key(sentinel_key(config.namespace)) + b" "
     used, limit = int(stats.get("bytes", 0)), int(stats.get("limit_maxbytes", 0))
     malloced = int(slabs.get("total_malloced", 0))
     report: dict[str, Any] = {
@@ -389,7 +329,7 @@ async def table_stats(config: ClusterConfig) -> dict[str, Any]:
 
     tables: dict[str, dict[str, Any]] = {}
     for spec in config.tables:
-        width = _slot_width(config, spec.name)
+        width = slot_width(spec)
         tables[spec.name] = {
             "in_config": True,
             "dim": spec.dim,
@@ -528,7 +468,7 @@ def render_stats(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _only_tables(report: dict[str, Any], wanted: Sequence[str]) -> dict[str, Any]:
+def only_tables(report: dict[str, Any], wanted: Sequence[str]) -> dict[str, Any]:
     """The report with the tables in `wanted` only (ConfigError for a name it lacks)."""
     unknown = [name for name in wanted if name not in report["tables"]]
     if unknown:
@@ -537,71 +477,3 @@ def _only_tables(report: dict[str, Any], wanted: Sequence[str]) -> dict[str, Any
             f"known: {', '.join(report['tables']) or 'none'}"
         )
     return {**report, "tables": {n: t for n, t in report["tables"].items() if n in wanted}}
-
-
-# ================================================================ command line
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lookup-table-admin", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (
-        ("init", "write the data-loss sentinels of the namespace on every node"),
-        (
-            "stats",
-            "per table: keys and bytes per node and in total (rows, slots, bookkeeping); "
-            "per node: items, bytes, memory limit, fill, evictions, sentinel. "
-            "Exit 1 when a node is down or lacks its sentinel.",
-        ),
-        ("reinit", "accept that nodes lost their data: write their sentinels again"),
-    ):
-        cmd = sub.add_parser(name, help=text.split(";")[0], description=text)
-        cmd.add_argument("--config", required=True, help="the cluster file (TOML)")
-        if name == "reinit":
-            cmd.add_argument("--yes", action="store_true", help="confirm: lost rows stay lost")
-        if name == "stats":
-            cmd.add_argument("--json", action="store_true", help="print JSON (for scripts)")
-            cmd.add_argument(
-                "--table",
-                action="append",
-                default=[],
-                metavar="NAME",
-                help="only this table (repeatable; _meta and _dense are the bookkeeping)",
-            )
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        config = load_config(args.config)
-        if args.command == "init":
-            for node, state in asyncio.run(init_cluster(config)).items():
-                print(f"{node}: {state} (namespace {config.namespace!r})")
-        elif args.command == "reinit":
-            if not args.yes:
-                print(
-                    "reinit accepts that rows on nodes without a sentinel are lost for good; "
-                    "rerun with --yes to confirm, or restore a checkpoint instead",
-                    file=sys.stderr,
-                )
-                return 2
-            for node, state in asyncio.run(reinit_cluster(config)).items():
-                print(f"{node}: {state}")
-        elif args.command == "stats":
-            report = asyncio.run(table_stats(config))
-            if args.table:
-                report = _only_tables(report, args.table)
-            print(json.dumps(report, indent=2) if args.json else render_stats(report))
-            for problem in report["problems"]:
-                print(f"lookup-table-admin stats: {problem}", file=sys.stderr)
-            return 1 if report["problems"] else 0
-    except LookupTableError as exc:
-        print(f"lookup-table-admin {args.command}: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

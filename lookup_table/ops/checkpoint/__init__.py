@@ -1,0 +1,63 @@
+"""Consistent checkpoints of a namespace that do not depend on the node count.
+
+    lookup-table-checkpoint save    --config C --dir D [--no-pause]
+    lookup-table-checkpoint restore --config C --dir D [--force] [--no-pause]
+    lookup-table-checkpoint export  --dir D --out model.npz
+
+One concept per module: `format` (names, manifest, string-id packing, fit with a
+cluster file), `files` (`.npy`, sha256, fsync, the atomic rename), `verify`,
+`listing` (the namespace's keys from `lru_crawler metadump`), `pipeline`
+(batches in flight, progress), `save`, `restore`, `export` and `cli` (the
+command line, the only module that prints).
+"""
+
+from __future__ import annotations
+
+from lookup_table.ops.checkpoint.cli import main
+from lookup_table.ops.checkpoint.export import export_checkpoint
+from lookup_table.ops.checkpoint.files import finalize
+from lookup_table.ops.checkpoint.format import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    check_compatible,
+    dense_file_stems,
+    pack_str_ids,
+    unpack_str_ids,
+)
+from lookup_table.ops.checkpoint.listing import (
+    NodeKeys,
+    decode_bodies,
+    decode_int_bodies,
+    namespace_keys,
+    parse_metadump,
+)
+from lookup_table.ops.checkpoint.pipeline import DEFAULT_BATCH_IDS
+from lookup_table.ops.checkpoint.restore import restore_checkpoint
+from lookup_table.ops.checkpoint.save import save_checkpoint
+from lookup_table.ops.checkpoint.verify import verify_checkpoint
+from lookup_table.ops.metadump import metadump_prefix, namespace_lines
+
+__all__ = [
+    "DEFAULT_BATCH_IDS",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "NodeKeys",
+    "check_compatible",
+    "decode_bodies",
+    "decode_int_bodies",
+    "dense_file_stems",
+    "export_checkpoint",
+    "finalize",
+    "main",
+    "metadump_prefix",
+    "namespace_keys",
+    "namespace_lines",
+    "pack_str_ids",
+    "parse_metadump",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "unpack_str_ids",
+    "verify_checkpoint",
+]

@@ -1,0 +1,63 @@
+"""What a save and a restore share: batch sizes, a bounded pipeline, the progress bar."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from tqdm import tqdm
+
+from lookup_table.errors import LookupTableError
+
+__all__ = [
+    "DEFAULT_BATCH_IDS",
+    "DEFAULT_PAUSE_TIMEOUT_S",
+    "WINDOW",
+    "id_text",
+    "progress_bar",
+    "run_bounded",
+]
+
+DEFAULT_BATCH_IDS = 32_768
+DEFAULT_PAUSE_TIMEOUT_S = 3600.0
+WINDOW = 4  # batches in flight at once (each is split by node and max_batch_keys)
+
+
+def progress_bar(total: int, desc: str, enabled: bool | None) -> Any:
+    """A tqdm bar of rows on stderr; `enabled=None` shows it only on a terminal."""
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="rows",
+        unit_scale=True,
+        file=sys.stderr,
+        leave=False,
+        disable=None if enabled is None else not enabled,
+        dynamic_ncols=True,
+    )
+
+
+async def run_bounded(jobs: Iterable[Callable[[], Awaitable[None]]], window: int) -> None:
+    """Run jobs with at most `window` in flight; the first failure cancels the rest."""
+    gate = asyncio.Semaphore(window)
+
+    async def run(job: Callable[[], Awaitable[None]]) -> None:
+        async with gate:
+            await job()
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for job in jobs:
+                group.create_task(run(job))
+    except BaseExceptionGroup as failed:
+        errors = failed.exceptions
+        first = next((e for e in errors if isinstance(e, LookupTableError)), errors[0])
+        raise first from None
+
+
+def id_text(value: object) -> str:
+    """An id for a message: its repr, cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
