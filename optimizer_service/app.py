@@ -46,7 +46,6 @@ from lookup_table.errors import (
     StoreFullError,
 )
 from lookup_table.store import EmbeddingStore
-from optimizer_service.engine import Updater
 from optimizer_service.errors import (
     BadRequestError,
     NotOwnerError,
@@ -55,6 +54,7 @@ from optimizer_service.errors import (
 )
 from optimizer_service.metrics import ServiceMetrics
 from optimizer_service.push import parse_push
+from optimizer_service.updater import Updater
 
 __all__ = ["CONFIG", "METRICS", "REPLICA", "STORE", "UPDATER", "main", "make_app"]
 
