@@ -61,7 +61,7 @@ from lookup_table.ops.localcluster import MemcachedProcess, memcached_cluster
 from lookup_table.ops.stats import table_stats
 from lookup_table.store import EmbeddingStore
 from optimizer_service.app import make_app
-from optimizer_service.engine import JOURNAL_SLOTS
+from optimizer_service.journal import JOURNAL_SLOTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import lookup_table_fingerprint, machine_info, report_head, write_json

@@ -593,12 +593,12 @@ async def test_failed_journaled_write_fails_other_pushes_fast_then_finishes_once
     answers StoreFullError, replays the push in the background, and meanwhile fails fast
     (not waits, possibly forever) for a push that needs its rows, or a journal slot when
     every slot is held so. Once the node has room, the push lands exactly once."""
-    from optimizer_service import engine
-    from optimizer_service.engine import Updater
+    from optimizer_service import journal
     from optimizer_service.push import Push, TableGrads
+    from optimizer_service.updater import Updater
     from tests.conftest import make_config
 
-    monkeypatch.setattr(engine, "JOURNAL_SLOTS", 1)  # one stuck push holds every slot
+    monkeypatch.setattr(journal, "JOURNAL_SLOTS", 1)  # one stuck push holds every slot
     big = start_memcached(memory_mb=64)
     small: MemcachedProcess | None = None
     try:
@@ -687,11 +687,11 @@ async def test_unfinished_push_blocks_a_save_and_a_restore_drops_it(
 
     from lookup_table.errors import CheckpointError
     from lookup_table.ops.checkpoint import restore_checkpoint
-    from optimizer_service import engine
+    from optimizer_service import journal
     from optimizer_service.app import UPDATER, make_app
     from tests.conftest import make_config
 
-    monkeypatch.setattr(engine, "JOURNAL_SLOTS", 1)
+    monkeypatch.setattr(journal, "JOURNAL_SLOTS", 1)
     big = start_memcached(memory_mb=64)
     small: MemcachedProcess | None = None
     try:

@@ -31,7 +31,7 @@ pytestmark = [
 
 _PROBE = """
 import ctypes, json
-from optimizer_service.app import _pin_malloc_mmap_threshold
+from optimizer_service.malloc import pin_mmap_threshold
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -40,7 +40,7 @@ class MallInfo2(ctypes.Structure):
 
 libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = MallInfo2
-pinned = _pin_malloc_mmap_threshold() if PIN else None
+pinned = pin_mmap_threshold() if PIN else None
 big = bytearray(8 << 20)   # mmapped; freeing it makes glibc raise its threshold to 8 MiB
 del big
 before = libc.mallinfo2().arena
@@ -62,10 +62,10 @@ def test_without_the_pin_glibc_moves_them_to_the_heap() -> None:
 
 
 def test_a_threshold_the_user_chose_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    from optimizer_service.app import _pin_malloc_mmap_threshold
+    from optimizer_service.malloc import pin_mmap_threshold
 
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")
-    assert _pin_malloc_mmap_threshold() is False
+    assert pin_mmap_threshold() is False
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536")
-    assert _pin_malloc_mmap_threshold() is False
+    assert pin_mmap_threshold() is False

@@ -1,0 +1,237 @@
+"""The journal of one replica: a push's write plan, stored before its rows are written.
+
+A replica has `JOURNAL_SLOTS` slots (`_meta/j/rK-jS`). A slot holds one `WritePlan`,
+packed with msgpack and cut into chunks under memcached's item-size limit
+(`JOURNAL_CHUNK_BYTES`); the chunks are written first, then a header with the body's
+size and CRC-32, so a header is only ever present over a complete journal. A cleared
+slot is an empty header.
+
+A plan whose write failed after it was journaled is replayed from here: in the
+background while the replica lives (`Journal.finish_later`), or by the next replica
+before it serves (`Updater.recover`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from lookup_table.core.keyspace import META_TABLE, Kind, journal_id
+from lookup_table.core.wire import decode_array, decode_ids, encode_array, encode_ids, pack, unpack
+from lookup_table.errors import DataLossError, StoreError
+from lookup_table.store import EmbeddingStore
+from optimizer_service.errors import UnavailableError
+from optimizer_service.locks import RowLocks
+from optimizer_service.plan import TableUpdate, WritePlan
+
+__all__ = ["JOURNAL_CHUNK_BYTES", "JOURNAL_SLOTS", "Journal", "decode_journal", "encode_journal"]
+
+logger = logging.getLogger(__name__)
+
+JOURNAL_SLOTS = 8
+JOURNAL_CHUNK_BYTES = 512 * 1024
+_OFFLOAD_JOURNAL_BYTES = 1 << 20  # above this, encode the journal in a thread
+
+
+class Journal:
+    """The journal slots of replica `replica`: take a free one, write, read, clear.
+
+    A slot whose plan failed to write stays taken until a background replay finishes
+    it. While that replay keeps failing and every slot is held so, `take` raises the
+    replay's last error instead of waiting for a slot that may never be freed.
+    """
+
+    def __init__(self, store: EmbeddingStore, *, replica: int) -> None:
+        self.store = store
+        self.replica = replica
+        self.slots = JOURNAL_SLOTS
+        self._free: asyncio.Queue[int] = asyncio.Queue()
+        for slot in range(self.slots):
+            self._free.put_nowait(slot)
+        self._failing: dict[int, Callable[[], BaseException]] = {}  # slot -> error
+
+    def _id(self, slot: int, chunk: int | None = None) -> str:
+        return journal_id(self.replica, slot, chunk)
+
+    async def take(self) -> int:
+        """A free journal slot. Raises the error of the failed writes when every slot is
+        held by one: they wait for the store to recover, which may be never."""
+        while True:
+            if len(self._failing) >= self.slots:
+                raise next(iter(self._failing.values()))()
+            try:
+                async with asyncio.timeout(0.5):  # then look again: a slot may have failed
+                    return await self._free.get()
+            except TimeoutError:
+                continue
+
+    def give_back(self, slot: int) -> None:
+        self._free.put_nowait(slot)
+
+    async def write(self, slot: int, plan: WritePlan) -> None:
+        """Chunks first, then the header (with a CRC-32 of the body): a header is only
+        ever present over a complete journal."""
+        size = sum(u.rows.nbytes + u.slots.nbytes for u in plan.updates)
+        if size > _OFFLOAD_JOURNAL_BYTES:  # packing and the CRC would stall the loop
+            chunks, header = await asyncio.to_thread(encode_journal, plan)
+        else:
+            chunks, header = encode_journal(plan)
+        await self.store.set_blobs(
+            META_TABLE,
+            [self._id(slot, i) for i in range(len(chunks))],
+            chunks,
+            kind=Kind.JOURNAL,
+        )
+        await self.store.set_blobs(META_TABLE, [self._id(slot)], [header], kind=Kind.JOURNAL)
+
+    async def clear(self, slot: int) -> None:
+        await self.store.set_blobs(META_TABLE, [self._id(slot)], [b""], kind=Kind.JOURNAL)
+
+    async def read(self, slot: int) -> WritePlan | None:
+        """The plan journaled in `slot`, or None when the slot is clear."""
+        (raw,) = await self.store.get_blobs(META_TABLE, [self._id(slot)], kind=Kind.JOURNAL)
+        if not raw:
+            return None
+        header = unpack(raw)
+        ids = [self._id(slot, i) for i in range(int(header["chunks"]))]
+        chunks = await self.store.get_blobs(META_TABLE, ids, kind=Kind.JOURNAL)
+        if any(c is None for c in chunks):
+            raise RuntimeError(f"journal slot {slot} of replica {self.replica} is missing chunks")
+        body = b"".join(c for c in chunks if c is not None)
+        if len(body) != header["bytes"] or zlib.crc32(body) != header["crc32"]:
+            raise RuntimeError(f"journal slot {slot} of replica {self.replica} fails its checksum")
+        return decode_journal(body)
+
+    def finish_later(
+        self,
+        slot: int,
+        plan: WritePlan,
+        *,
+        write: Callable[[WritePlan], Awaitable[None]],
+        locks: RowLocks,
+        keys: set[int],
+    ) -> asyncio.Task[None]:
+        """Replay a journaled push with `write` until it sticks; owns (and finally
+        releases) `slot` and its row locks `keys`.
+
+        Once a replay has failed, pushes that need its rows (or a journal slot, when all
+        are held so) fail fast with its last error rather than wait: see `RowLocks.fail`.
+        """
+        last: Exception | None = None
+
+        def blocked() -> BaseException:
+            return _held_by_failed_write(plan.push_id, last)
+
+        async def finish() -> None:
+            nonlocal last
+            delay = 0.1
+            try:
+                while True:
+                    try:
+                        await write(plan)
+                        await self.clear(slot)
+                        break
+                    except Exception as exc:
+                        first, last = last is None, exc
+                        if first:  # the store still fails: stop others waiting for it
+                            self._failing[slot] = blocked
+                            await locks.fail(keys, blocked)
+                        logger.warning(
+                            "replica %d: finishing push %s failed, retrying in %.1f s",
+                            self.replica,
+                            plan.push_id,
+                            delay,
+                            exc_info=True,
+                        )
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 5.0)
+            finally:  # done, or cancelled by a restore (pause(drop_unfinished=True))
+                self.give_back(slot)
+                self._failing.pop(slot, None)
+                await locks.release(keys)
+
+        return asyncio.get_running_loop().create_task(finish())
+
+
+def _held_by_failed_write(push_id: str, error: Exception | None) -> BaseException:
+    """The error for a push that needs rows a failed, journaled push still holds: the
+    same kind of error (so the service answers the same status and `type`), naming it."""
+    message = (
+        f"rows of this push are held by push {push_id!r}, whose write failed and is retried "
+        f"in the background until it succeeds: {error}"
+    )
+    if isinstance(error, DataLossError):
+        return DataLossError(message, nodes=error.nodes)
+    if isinstance(error, StoreError):
+        return type(error)(message, node=error.node)
+    return UnavailableError(message)
+
+
+def encode_journal(plan: WritePlan) -> tuple[list[bytes], bytes]:
+    """A plan as journal chunks (<= JOURNAL_CHUNK_BYTES) and its header (pure, thread-safe)."""
+    doc: dict[str, Any] = {
+        "push_id": plan.push_id,
+        "version": plan.version,
+        "tables": [
+            {
+                "table": u.table,
+                "ids": encode_ids(u.ids),
+                "rows": encode_array(u.rows),
+                "slots": encode_array(u.slots),
+            }
+            for u in plan.updates
+        ],
+    }
+    if plan.dense is not None:
+        params, slots = plan.dense
+        doc["dense"] = {
+            "params": {n: encode_array(v) for n, v in params.items()},
+            "slots": {n: encode_array(v) for n, v in slots.items()},
+        }
+    body = pack(doc)
+    chunks = [
+        body[i : i + JOURNAL_CHUNK_BYTES] for i in range(0, len(body), JOURNAL_CHUNK_BYTES)
+    ] or [b""]
+    header = pack(
+        {
+            "push_id": plan.push_id,
+            "chunks": len(chunks),
+            "bytes": len(body),
+            "crc32": zlib.crc32(body),
+            "time": time.time(),
+        }
+    )
+    return chunks, header
+
+
+def decode_journal(body: bytes) -> WritePlan:
+    """The plan of a journal body whose size and checksum were checked (pure)."""
+    doc = unpack(body)
+    updates = [
+        TableUpdate(
+            table=t["table"],
+            ids=decode_ids(t["ids"], field="journal.ids"),
+            rows=decode_array(t["rows"], field="journal.rows").copy(),
+            slots=decode_array(t["slots"], field="journal.slots").copy(),
+        )
+        for t in doc["tables"]
+    ]
+    dense = None
+    if doc.get("dense") is not None:
+        dense = (
+            {
+                n: decode_array(v, field="journal.dense").copy()
+                for n, v in doc["dense"]["params"].items()
+            },
+            {
+                n: decode_array(v, field="journal.dense").copy()
+                for n, v in doc["dense"]["slots"].items()
+            },
+        )
+    return WritePlan(
+        push_id=str(doc["push_id"]), updates=updates, version=doc.get("version"), dense=dense
+    )

@@ -1,0 +1,407 @@
+"""Apply pushes exactly once: read rows + slots, run the optimizer, journal, write back.
+
+Exactly-once, per replica K (the replica owns its rows; nobody else writes them):
+
+1. A push whose id has a *done record* (`_meta/p/rK:<push_id>`, TTL
+   `service.push_record_ttl_s`) is acknowledged and not applied again. Two copies
+   of one push in flight at once share one application (in-process).
+2. The rows of the push are locked (in-process; no two pushes read-modify-write
+   one row at once; pushes on disjoint rows run concurrently): `locks.RowLocks`.
+3. Rows and slots are read, the optimizer computes the new ones: a `plan.WritePlan`.
+4. The plan is written to a *journal slot* (`_meta/j/rK-jS`, chunked under the
+   item-size limit, header written last with a checksum): `journal.Journal`.
+5. Rows and slots are written, then the done record, then the journal header
+   is cleared.
+
+A crash before 4 completes leaves the rows untouched: the retry recomputes. A
+crash after 4 leaves a journal: a restarting replica replays every journal whose
+push has no done record *before it serves* (`recover`), so the retry finds the
+done record. If writing fails after 4 in a live replica, the push's rows stay
+locked and a background task replays the journal until it succeeds, so no other
+push can read a half-written row. While that replay keeps failing (a full `-M`
+node, a lost or stopped one), a push that needs those rows, or a journal slot when
+every slot is held so, fails at once with the replay's last error (the same store
+error, naming the node) instead of waiting for rows that may never be released.
+
+In sync mode the pushes of one version are first collected by `sync.SyncRounds`,
+which applies their mean as one push.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lookup_table.config import ClusterConfig
+from lookup_table.core.initializers import initial_rows
+from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id, version_id
+from lookup_table.core.optimizers import Optimizer, make_optimizer
+from lookup_table.core.sharding import row_hashes
+from lookup_table.dense import DenseParams
+from lookup_table.store import EmbeddingStore
+from optimizer_service.errors import BadRequestError, NotOwnerError
+from optimizer_service.journal import Journal
+from optimizer_service.locks import RowLocks
+from optimizer_service.plan import TableUpdate, WritePlan
+from optimizer_service.push import Push, TableGrads
+from optimizer_service.sync import SyncRounds
+
+__all__ = ["Updater"]
+
+logger = logging.getLogger(__name__)
+
+_OFFLOAD_FLOATS = 1 << 16  # above this many floats per table, run the math in a thread
+
+
+def _compute(
+    optimizer: Optimizer,
+    rows: NDArray[np.float32],
+    grads: NDArray[np.float32],
+    slots: NDArray[np.float32],
+) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
+    return optimizer.update(rows, grads, slots)
+
+
+class Updater:
+    """The read-update-write engine of one replica (the service's I/O shell)."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        store: EmbeddingStore,
+        *,
+        replica: int = 0,
+        push_record_ttl_s: int = 86_400,
+        on_rows: Any = None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.replica = replica
+        self.push_record_ttl_s = push_record_ttl_s
+        self.optimizers = {t.name: make_optimizer(t.optimizer) for t in config.tables}
+        self.dense = DenseParams(store, make_optimizer(config.optimizer))
+        self.locks = RowLocks()
+        self.journal = Journal(store, replica=replica)
+        self.applied = 0
+        self.version = 0
+        self._version_changed = asyncio.Condition()
+        self._inflight: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._finishers: set[asyncio.Task[None]] = set()
+        self._on_rows = on_rows
+        self._rounds = SyncRounds(config.workers)
+        self._open = asyncio.Event()
+        self._open.set()
+        self._active = 0
+        self._idle = asyncio.Condition()
+        self._auto_resume: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------ push records
+
+    def _record_id(self, push_id: str) -> str:
+        return push_record_id(self.replica, push_id)
+
+    async def is_done(self, push_id: str) -> bool:
+        (value,) = await self.store.get_blobs(
+            META_TABLE, [self._record_id(push_id)], kind=Kind.PUSH_RECORD
+        )
+        return value is not None
+
+    # ------------------------------------------------------------ pause / resume
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    async def pause(self, *, timeout_s: float = 600.0, drop_unfinished: bool = False) -> int:
+        """Hold new pushes and wait for those in flight; resumes by itself after `timeout_s`.
+
+        Returns how many pushes are still being finished in the background (their write
+        failed and their journal is replayed until it sticks): their rows are half
+        written, so a checkpoint taken now would not be consistent. `drop_unfinished`
+        cancels those replays first: only for a restore, which replaces every row they
+        would write (and deletes their journals); otherwise they could write pre-restore
+        rows over the restored ones.
+        """
+        self._open.clear()
+        if self._auto_resume is not None:
+            self._auto_resume.cancel()
+        self._auto_resume = asyncio.get_running_loop().call_later(timeout_s, self.resume)
+        async with self._idle:
+            await self._idle.wait_for(lambda: self._active == 0)
+        if self._finishers and drop_unfinished:
+            logger.warning(
+                "replica %d: dropping %d unfinished pushes (a restore replaces their rows)",
+                self.replica,
+                len(self._finishers),
+            )
+            for task in self._finishers:
+                task.cancel()
+        if self._finishers:  # a replay about to succeed (or to end its cancellation)
+            await asyncio.wait(set(self._finishers), timeout=2.0)
+        return len(self._finishers)
+
+    async def reload(self) -> int:
+        """Forget in-memory model state and read the version again (after a restore).
+
+        Only while paused: nothing is in flight, so no push can mix the old state with
+        the restored one. Returns the version now served.
+        """
+        if not self.paused:
+            raise RuntimeError("reload() needs a paused replica")
+        self._rounds.clear()
+        version = await self._stored_version()
+        async with self._version_changed:
+            self.version = version  # may go back: the checkpoint is older
+            self._version_changed.notify_all()
+        logger.warning("replica %d: reloaded after a restore, version %d", self.replica, version)
+        return version
+
+    def resume(self) -> None:
+        if self._auto_resume is not None:
+            self._auto_resume.cancel()
+            self._auto_resume = None
+        self._open.set()
+
+    @asynccontextmanager
+    async def _admitted(self) -> AsyncIterator[None]:
+        await self._open.wait()
+        self._active += 1
+        try:
+            yield
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                async with self._idle:
+                    self._idle.notify_all()
+
+    # ------------------------------------------------------------ versions
+
+    async def wait_version(self, after: int, *, timeout_s: float) -> int:
+        """Long-poll: the version once it is > `after`, or the current one at the timeout."""
+        async with self._version_changed:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._version_changed.wait_for(lambda: self.version > after)
+            except TimeoutError:
+                pass
+            return self.version
+
+    async def _set_version(self, version: int) -> None:
+        async with self._version_changed:
+            self.version = max(self.version, version)
+            self._version_changed.notify_all()
+
+    # ------------------------------------------------------------ the push path
+
+    async def apply(self, push: Push) -> dict[str, Any]:
+        """Apply `push` at most once; returns `{applied, duplicate, rows, version}`."""
+        if push.dense and self.replica != 0:
+            raise NotOwnerError(
+                f"dense gradients go to replica 0 (dense parameters live there); this is "
+                f"replica {self.replica}"
+            )
+        running = self._inflight.get(push.push_id)
+        if running is not None:
+            result = await asyncio.shield(running)
+            return {**result, "applied": False, "duplicate": True}
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._inflight[push.push_id] = future
+        try:
+            async with self._admitted():
+                if self.config.mode == "sync":
+                    result = await self._rounds.join(
+                        push, version=self.version, apply=self._apply_round
+                    )
+                else:
+                    result = await self._apply(push, version=None)
+        except BaseException as exc:
+            if not future.done():
+                future.set_exception(exc)
+                future.exception()  # mark retrieved: nobody else may be waiting
+            raise
+        else:
+            future.set_result(result)
+            return result
+        finally:
+            del self._inflight[push.push_id]
+
+    async def _apply_round(self, merged: Push, version: int) -> dict[str, Any]:
+        return await self._apply(merged, version=version)
+
+    async def _apply(self, push: Push, *, version: int | None) -> dict[str, Any]:
+        if await self.is_done(push.push_id):
+            return {"applied": False, "duplicate": True, "rows": 0, "version": self.version}
+        keys: set[int] = set()
+        for t in push.tables:
+            keys.update(row_hashes(t.table, t.ids).tolist())
+        await self.locks.acquire(keys)
+        handed_over = False
+        try:
+            async with self.dense.lock if push.dense or version is not None else _nolock():
+                plan = await self._plan(push, version)
+                slot = await self.journal.take()
+                journaled = False
+                try:
+                    await self.journal.write(slot, plan)
+                    journaled = True
+                    await self._write_plan(plan)
+                    await self.journal.clear(slot)
+                except BaseException:
+                    if journaled:
+                        # Half-written rows must not be seen: the rows stay locked and the
+                        # journal slot taken until a background replay finishes the push.
+                        self._finish_later(slot, plan, keys)
+                        handed_over = True
+                    else:
+                        self.journal.give_back(slot)
+                    raise
+                self.journal.give_back(slot)
+        finally:
+            if not handed_over:
+                await self.locks.release(keys)
+        self.applied += 1
+        if self._on_rows is not None:
+            for t in push.tables:
+                self._on_rows(t.table, t.ids.shape[0])
+        return {"applied": True, "duplicate": False, "rows": push.num_rows, "version": self.version}
+
+    async def _plan(self, push: Push, version: int | None) -> WritePlan:
+        updates = list(await asyncio.gather(*(self._updated(t) for t in push.tables)))
+        plan = WritePlan(push_id=push.push_id, updates=updates, version=version)
+        if push.dense or (version is not None and self.replica == 0):
+            state = await self.dense.read(with_slots=True)
+            if state is None:
+                if push.dense:
+                    raise BadRequestError(
+                        "dense: the dense parameters are not initialized; POST /v1/dense/init "
+                        "first (trainer.Trainer does)",
+                        reason="dense_uninitialized",
+                    )
+            else:
+                self.dense.check_grads(state, push.dense)
+                plan.dense = self.dense.update(state, push.dense)
+                if plan.version is None:
+                    plan.version = state.version + 1
+        return plan
+
+    async def _updated(self, grads: TableGrads) -> TableUpdate:
+        spec = self.config.table(grads.table)
+        optimizer = self.optimizers[grads.table]
+        width = optimizer.slot_width(spec.dim)
+        n = grads.ids.shape[0]
+        if width:
+            (rows, found), (slots, has_slots) = await asyncio.gather(
+                self.store.get(grads.table, grads.ids, width=spec.dim, unique=True),
+                self.store.get(grads.table, grads.ids, kind=Kind.SLOTS, width=width, unique=True),
+            )
+        else:
+            rows, found = await self.store.get(grads.table, grads.ids, width=spec.dim, unique=True)
+            slots, has_slots = np.zeros((n, 0), dtype=np.float32), np.ones(n, dtype=bool)
+        if not found.all():
+            # Never seen by `lookup` (or the trainer skipped it): its value is its initial
+            # row, exactly what a lookup would have created. A lost node is caught by the
+            # sentinel read above (DataLossError), never re-initialized here.
+            missing = np.flatnonzero(~found)
+            rows[missing] = initial_rows(
+                spec.initializer, seed=spec.seed, ids=grads.ids[missing], dim=spec.dim
+            )
+        if not has_slots.all():
+            fresh = np.flatnonzero(~has_slots)
+            slots[fresh] = optimizer.initial_slots(fresh.size, spec.dim)
+        if rows.size > _OFFLOAD_FLOATS:
+            new_rows, new_slots = await asyncio.to_thread(
+                _compute, optimizer, rows, grads.grads, slots
+            )
+        else:
+            new_rows, new_slots = _compute(optimizer, rows, grads.grads, slots)
+        return TableUpdate(table=grads.table, ids=grads.ids, rows=new_rows, slots=new_slots)
+
+    async def _write_updates(self, updates: Iterable[TableUpdate]) -> None:
+        jobs = []
+        for u in updates:
+            jobs.append(self.store.set(u.table, u.ids, u.rows))
+            if u.slots.shape[1]:
+                jobs.append(self.store.set(u.table, u.ids, u.slots, kind=Kind.SLOTS))
+        await asyncio.gather(*jobs)
+
+    async def _write_plan(self, plan: WritePlan) -> None:
+        """Write rows, slots, dense parameters and version; then the done record."""
+        # the jobs return None or set_blobs' stored flags; only their completion matters
+        jobs: list[Awaitable[object]] = [self._write_updates(plan.updates)]
+        if plan.dense is not None and plan.version is not None:
+            jobs.append(self.dense.write(plan.version, *plan.dense))
+        if plan.version is not None:
+            jobs.append(
+                self.store.set_blobs(
+                    META_TABLE,
+                    [version_id(self.replica)],
+                    [str(plan.version).encode()],
+                    kind=Kind.META,
+                )
+            )
+        await asyncio.gather(*jobs)
+        await self.store.set_blobs(
+            META_TABLE,
+            [self._record_id(plan.push_id)],
+            [b"1"],
+            kind=Kind.PUSH_RECORD,
+            ttl_s=self.push_record_ttl_s,
+        )
+        if plan.version is not None:
+            await self._set_version(plan.version)
+
+    def _finish_later(self, slot: int, plan: WritePlan, keys: set[int]) -> None:
+        """Replay a journaled push in the background until it sticks (`Journal.finish_later`);
+        the replay owns (and finally releases) its journal slot and row locks."""
+        task = self.journal.finish_later(
+            slot, plan, write=self._write_plan, locks=self.locks, keys=keys
+        )
+        self._finishers.add(task)
+        task.add_done_callback(self._finishers.discard)
+
+    # ------------------------------------------------------------ recovery
+
+    async def recover(self) -> int:
+        """Finish every journaled push of this replica and load its version.
+
+        Call before serving. Returns how many pushes were finished.
+        """
+        finished = 0
+        for slot in range(self.journal.slots):
+            plan = await self.journal.read(slot)
+            if plan is None:
+                continue
+            if not await self.is_done(plan.push_id):
+                logger.warning(
+                    "replica %d: replaying journaled push %s", self.replica, plan.push_id
+                )
+                await self._write_plan(plan)
+                finished += 1
+            await self.journal.clear(slot)
+        await self._set_version(await self._stored_version())
+        return finished
+
+    async def _stored_version(self) -> int:
+        (raw,) = await self.store.get_blobs(META_TABLE, [version_id(self.replica)], kind=Kind.META)
+        version = int(raw) if raw else 0
+        if self.replica == 0:
+            state = await self.dense.read()
+            if state is not None:
+                version = max(version, state.version)
+        return version
+
+    async def close(self) -> None:
+        """Wait briefly for background finishers; those still running resume at restart."""
+        if self._finishers:
+            await asyncio.wait(self._finishers, timeout=5)
+
+
+@asynccontextmanager
+async def _nolock() -> AsyncIterator[None]:
+    yield
