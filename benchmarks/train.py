@@ -787,7 +787,7 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
         f"eval on {params['eval_batches']} held-out batches; distributed: {params['mode']} "
         f"mode, max_pushes_in_flight {params['pushes_in_flight']}",
         "rounds used (other processes under "
-        f"{DISTURBED_SHARE:.0%} of the machine): "
+        f"{DISTURBED_SHARE * 100:.0f}%% of the machine): "
         + ", ".join(
             f"{LABELS[m]} {len(summary[m]['rounds_used'])} of {summary[m]['rounds_run']}"
             + (" (all disturbed)" if summary[m]["all_used_rounds_disturbed"] else "")
@@ -925,7 +925,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=float,
         default=None,
         help="before each round, wait up to this long for other processes to use less than "
-        f"{QUIET_SHARE:.0%} of the machine (default 180; 0 with --quick)",
+        f"{QUIET_SHARE * 100:.0f}%% of the machine (default 180; 0 with --quick)",
     )
     parser.add_argument(
         "--mode",
@@ -945,7 +945,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help=f"run a round again (up to this many times) when other processes used more than "
-        f"{DISTURBED_SHARE:.0%} of the machine during its window (default 2; 0 with --quick)",
+        f"{DISTURBED_SHARE * 100:.0f}%% of the machine during its window (default 2; 0 with --quick)",
     )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     # the trainer process (internal)
