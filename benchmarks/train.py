@@ -945,7 +945,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help=f"run a round again (up to this many times) when other processes used more than "
-        f"{DISTURBED_SHARE * 100:.0f}%% of the machine during its window (default 2; 0 with --quick)",
+        f"{DISTURBED_SHARE * 100:.0f}%% of the machine during its window "
+        "(default 2; 0 with --quick)",
     )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     # the trainer process (internal)
