@@ -34,7 +34,7 @@ from lookup_table.config import ClusterConfig
 from lookup_table.core.keyspace import META_TABLE, Kind, sentinel_key
 from lookup_table.core.optimizers import make_optimizer
 from lookup_table.dense import DenseParams
-from lookup_table.errors import LookupTableError, NamespaceNotEmptyError, NodeUnavailableError
+from lookup_table.errors import LookupTableError, NamespaceNotEmptyError, ReplicaUnavailableError
 from lookup_table.memcached import commands
 from lookup_table.ops.checkpoint.files import load_array, table_ids
 from lookup_table.ops.checkpoint.format import check_compatible
@@ -164,7 +164,7 @@ class _PausedReplicas:
             for k, url in enumerate(self.config.optimizers):
                 try:
                     await self._client.pause(timeout_s=DEFAULT_PAUSE_TIMEOUT_S, replicas=[k])
-                except NodeUnavailableError as exc:
+                except ReplicaUnavailableError as exc:
                     logger.warning("replica %d (%s) not paused: %s", k, url, exc)
                     self.unreachable.append(url)
                 else:

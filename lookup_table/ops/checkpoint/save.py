@@ -161,7 +161,7 @@ async def save_checkpoint(
         CheckpointError: the target exists, the data does not fit the config, or the
             replicas resumed before the save finished.
         DataLossError, ClusterNotInitializedError: a node lost its data / nothing to save.
-        StoreError, NodeUnavailableError, PushRejectedError: memcached or a replica failed.
+        StoreError, ReplicaUnavailableError, PushRejectedError: memcached or a replica failed.
     """
     target = Path(directory)
     check_target(target)
