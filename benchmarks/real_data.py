@@ -204,9 +204,7 @@ def movielens_rows(
     The rating becomes `liked` = 1 if it is >= 4.
     """
     user_cols = ("age", "gender", "occupation", "zip_code")
-    by_user = {
-        uid: tuple(users[c][k] for c in user_cols) for k, uid in enumerate(users["user_id"])
-    }
+    by_user = {uid: tuple(users[c][k] for c in user_cols) for k, uid in enumerate(users["user_id"])}
     genre_cols = [c for c in items if c not in _ITEM_TEXT_COLUMNS]
     by_movie: dict[Any, tuple[Any, Any, str]] = {}
     for k, mid in enumerate(items["movie_id"]):
@@ -216,11 +214,13 @@ def movielens_rows(
     header += ["movie_title", "release_date", "genres", "liked"]
     rows = []
     for uid, mid, rating, ts in zip(
-        ratings["user_id"], ratings["movie_id"], ratings["rating"], ratings["timestamp"], strict=True
+        ratings["user_id"],
+        ratings["movie_id"],
+        ratings["rating"],
+        ratings["timestamp"],
+        strict=True,
     ):
-        rows.append(
-            [uid, mid, ts, *by_user[uid], *by_movie[mid], 1 if rating >= 4 else 0]
-        )
+        rows.append([uid, mid, ts, *by_user[uid], *by_movie[mid], 1 if rating >= 4 else 0])
     return header, rows
 
 
@@ -380,9 +380,7 @@ def read_csv(path: Path, ds: Dataset) -> Frame:
     return Frame(
         labels=table[ds.label].to_numpy().astype(np.float32),
         text={c: np.asarray(table[c].to_pylist(), dtype=object) for c in text_cols},
-        numeric={
-            c: table[c].to_numpy(zero_copy_only=False).astype(np.float64) for c in ds.numeric
-        },
+        numeric={c: table[c].to_numpy(zero_copy_only=False).astype(np.float64) for c in ds.numeric},
     )
 
 
@@ -422,11 +420,16 @@ def run_keras(ds: Dataset, train_path: Path, eval_path: Path, *, epochs: int) ->
         lookup = keras.layers.StringLookup(vocabulary=vocab, num_oov_indices=1)
         inp = keras.Input(shape=(), dtype="string", name=key(column))
         inputs[key(column)] = inp
-        embedded.append(keras.layers.Embedding(lookup.vocabulary_size(), EMBEDDING_DIM)(lookup(inp)))
+        embedded.append(
+            keras.layers.Embedding(lookup.vocabulary_size(), EMBEDDING_DIM)(lookup(inp))
+        )
         x_train[key(column)], x_eval[key(column)] = train.text[column], evals.text[column]
         vocab_sizes[column] = len(vocab)
     for column, sep in ds.multivalued.items():
-        padded_train, padded_eval = _pad_split(train.text[column], sep), _pad_split(evals.text[column], sep)
+        padded_train, padded_eval = (
+            _pad_split(train.text[column], sep),
+            _pad_split(evals.text[column], sep),
+        )
         vocab = sorted({v for v in padded_train.reshape(-1).tolist() if v})
         lookup = keras.layers.StringLookup(vocabulary=vocab, mask_token="", num_oov_indices=1)
         inp = keras.Input(shape=(None,), dtype="string", name=key(column))
@@ -446,14 +449,19 @@ def run_keras(ds: Dataset, train_path: Path, eval_path: Path, *, epochs: int) ->
         means = {c: float(np.nanmean(train.numeric[c])) for c in ds.numeric}
 
         def matrix(frame: Frame) -> np.ndarray:
-            cols = [np.where(np.isnan(frame.numeric[c]), means[c], frame.numeric[c]) for c in ds.numeric]
+            cols = [
+                np.where(np.isnan(frame.numeric[c]), means[c], frame.numeric[c]) for c in ds.numeric
+            ]
             return np.stack(cols, axis=1).astype(np.float32)
 
         norm = keras.layers.Normalization(axis=-1)
         x_train["numeric"], x_eval["numeric"] = matrix(train), matrix(evals)
         norm.adapt(x_train["numeric"])
         numeric_stats = {
-            c: {"mean": float(np.asarray(norm.mean).reshape(-1)[j]), "std": float(np.sqrt(np.asarray(norm.variance).reshape(-1)[j]))}
+            c: {
+                "mean": float(np.asarray(norm.mean).reshape(-1)[j]),
+                "std": float(np.sqrt(np.asarray(norm.variance).reshape(-1)[j])),
+            }
             for j, c in enumerate(ds.numeric)
         }
         inp = keras.Input(shape=(len(ds.numeric),), dtype="float32", name="numeric")
@@ -610,7 +618,14 @@ def cli_command(
     ds: Dataset, config: Path, train_path: Path, eval_path: Path, *, epochs: int, output: Path
 ) -> list[str]:
     """The `lookup-table-train` arguments a user would type for this data set."""
-    cmd = ["--config", str(config), "--data", f"csv:{train_path}", "--eval-data", f"csv:{eval_path}"]
+    cmd = [
+        "--config",
+        str(config),
+        "--data",
+        f"csv:{train_path}",
+        "--eval-data",
+        f"csv:{eval_path}",
+    ]
     cmd += ["--label", ds.label, "--categorical", ",".join(ds.categorical)]
     if ds.numeric:
         cmd += ["--numeric", ",".join(ds.numeric)]
@@ -701,15 +716,22 @@ def render_table(results: Mapping[str, Mapping[str, Any]]) -> str:
                 f"{name:<14} {LABELS[side]:<13} {s['epochs']:>6} {s['eval_auc']:>9.4f} "
                 f"{s['eval_logloss']:>9.4f} {s['examples_per_s']:>11,.0f}"
             )
-    lines += ["", f"{'data set':<14} {'AUC diff':>9} {'logloss rel diff':>17} {'ex/s ratio':>11}  acceptance"]
+    lines += [
+        "",
+        f"{'data set':<14} {'AUC diff':>9} {'logloss rel diff':>17} {'ex/s ratio':>11}  acceptance",
+    ]
     for name, r in results.items():
         c = r["comparison"]
-        verdict = "met" if c["met"] else (
-            "NOT MET ("
-            + ", ".join(
-                w for w, ok in (("AUC", c["auc_ok"]), ("logloss", c["logloss_ok"])) if not ok
+        verdict = (
+            "met"
+            if c["met"]
+            else (
+                "NOT MET ("
+                + ", ".join(
+                    w for w, ok in (("AUC", c["auc_ok"]), ("logloss", c["logloss_ok"])) if not ok
+                )
+                + ")"
             )
-            + ")"
         )
         lines.append(
             f"{name:<14} {c['auc_diff_ours_minus_keras']:>+9.4f} "
@@ -836,7 +858,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if side == "keras":
                     r = run_keras(ds, train_path, eval_path, epochs=epochs)
                 else:
-                    r = run_ours(ds, train_path, eval_path, epochs=epochs, work_dir=Path(tmp) / name)
+                    r = run_ours(
+                        ds, train_path, eval_path, epochs=epochs, work_dir=Path(tmp) / name
+                    )
                 print(
                     f"  eval AUC {r['eval_auc']:.4f}, logloss {r['eval_logloss']:.4f}, "
                     f"{r['examples_per_s']:,.0f} examples/s, first-step loss "
