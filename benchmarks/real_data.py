@@ -397,7 +397,9 @@ def _pad_split(values: np.ndarray, sep: str) -> np.ndarray:
 # ---------------------------------------------------------------- the keras side
 
 
-def run_keras(ds: Dataset, train_path: Path, eval_path: Path, *, epochs: int) -> dict[str, Any]:
+def run_keras(
+    ds: Dataset, train_path: Path, eval_path: Path, *, epochs: int, seed: int = SEED
+) -> dict[str, Any]:
     """Train and evaluate the plain tf.keras reference in this process."""
     import keras
     import tensorflow as tf
@@ -405,7 +407,7 @@ def run_keras(ds: Dataset, train_path: Path, eval_path: Path, *, epochs: int) ->
     from trainer.metrics import auc, logloss
 
     train, evals = read_csv(train_path, ds), read_csv(eval_path, ds)
-    keras.utils.set_random_seed(SEED)
+    keras.utils.set_random_seed(seed)
 
     def key(column: str) -> str:  # Keras input names: no dashes
         return column.replace("-", "_")
@@ -499,6 +501,7 @@ def run_keras(ds: Dataset, train_path: Path, eval_path: Path, *, epochs: int) ->
     n_train = int(train.labels.shape[0])
     return {
         "side": "keras",
+        "seed": seed,
         "epochs": epochs,
         "train_examples": n_train,
         "seconds": seconds,
@@ -691,10 +694,27 @@ def run_ours(
 # ---------------------------------------------------------------- the report
 
 
-def compare(keras_side: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, Any]:
+def _brief(run: Mapping[str, Any]) -> dict[str, Any]:
+    keys = ("seed", "eval_auc", "eval_logloss", "examples_per_s", "first_step_loss")
+    return {k: run[k] for k in keys}
+
+
+def compare(
+    keras_side: Mapping[str, Any],
+    ours: Mapping[str, Any],
+    other_seeds: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
     auc_diff = ours["eval_auc"] - keras_side["eval_auc"]
     rel = ours["eval_logloss"] / keras_side["eval_logloss"] - 1
+    runs = [keras_side, *other_seeds]
     return {
+        # the reference's own seed-to-seed spread: how much of a diff is noise
+        "keras_seeds": [r["seed"] for r in runs],
+        "keras_auc_range": [min(r["eval_auc"] for r in runs), max(r["eval_auc"] for r in runs)],
+        "keras_logloss_range": [
+            min(r["eval_logloss"] for r in runs),
+            max(r["eval_logloss"] for r in runs),
+        ],
         "auc_diff_ours_minus_keras": auc_diff,
         "logloss_rel_diff_ours_vs_keras": rel,
         "examples_per_s_ratio_ours_vs_keras": ours["examples_per_s"] / keras_side["examples_per_s"],
@@ -738,6 +758,15 @@ def render_table(results: Mapping[str, Mapping[str, Any]]) -> str:
             f"{c['logloss_rel_diff_ours_vs_keras']:>+16.2%} "
             f"{c['examples_per_s_ratio_ours_vs_keras']:>10.2f}x  {verdict}"
         )
+    for name, r in results.items():
+        c = r["comparison"]
+        if len(c["keras_seeds"]) > 1:
+            (a_lo, a_hi), (l_lo, l_hi) = c["keras_auc_range"], c["keras_logloss_range"]
+            lines.append(
+                f"{name}: tf.keras over seeds {c['keras_seeds']}: eval AUC {a_lo:.4f}..{a_hi:.4f}"
+                f" (spread {a_hi - a_lo:.4f}), logloss {l_lo:.4f}..{l_hi:.4f} (spread "
+                f"{l_hi / l_lo - 1:.2%})"
+            )
     lines.append(
         f"(acceptance: |AUC diff| <= {TARGET_AUC_DIFF}, |logloss rel diff| <= "
         f"{TARGET_LOGLOSS_REL_DIFF:.0%}; AUC diff = ours - keras, rel diff = ours / keras - 1)"
@@ -758,6 +787,7 @@ def plot(results: Mapping[str, Mapping[str, Any]], path: Path) -> None:
         for side in SIDES:
             losses = results[name][side]["epoch_train_loss"]
             ax.plot(range(1, len(losses) + 1), losses, "o-", color=COLORS[side], label=LABELS[side])
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_title(f"{name}: training loss per epoch")
         ax.set_xlabel("epoch")
         ax.set_ylabel("mean training log loss")
@@ -800,6 +830,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, help="override every data set's epochs")
     parser.add_argument(
         "--sides", default=",".join(SIDES), help="keras,ours (default both; the table needs both)"
+    )
+    parser.add_argument(
+        "--reference-seeds",
+        type=int,
+        default=3,
+        help="train the tf.keras reference with this many seeds (0, 1, ...); the table "
+        "compares with seed 0, as ours uses, and shows the others' spread (default 3)",
     )
     parser.add_argument("--prepare-only", action="store_true", help="prepare the data and exit")
     parser.add_argument(
@@ -857,6 +894,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{name}: {LABELS[side]}, {epochs} epochs ...", flush=True)
                 if side == "keras":
                     r = run_keras(ds, train_path, eval_path, epochs=epochs)
+                    results[name]["keras_other_seeds"] = [
+                        _brief(run_keras(ds, train_path, eval_path, epochs=epochs, seed=s))
+                        for s in range(SEED + 1, SEED + args.reference_seeds)
+                    ]
                 else:
                     r = run_ours(
                         ds, train_path, eval_path, epochs=epochs, work_dir=Path(tmp) / name
@@ -869,7 +910,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 results[name][side] = r
             if all(s in results[name] for s in SIDES):
-                results[name]["comparison"] = compare(results[name]["keras"], results[name]["ours"])
+                results[name]["comparison"] = compare(
+                    results[name]["keras"],
+                    results[name]["ours"],
+                    results[name].get("keras_other_seeds", ()),
+                )
 
     complete = {n: r for n, r in results.items() if "comparison" in r}
     table = render_table(complete) if complete else "(one side only: no table)"
