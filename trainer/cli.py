@@ -1,15 +1,26 @@
 """`lookup-table-train`: train a model on a cluster, with progress, evaluation and a summary.
 
     lookup-table-train --config C --data synthetic:200000 [--model mlp] [--batch-size 1024]
-        [--epochs E | --steps S] [--max-seconds T] [--eval-fraction 0.2]
+        [--epochs E | --steps S] [--max-seconds T] [--eval-fraction 0.2 | --eval-data SPEC]
+        [--numeric-transform standardize] [--shuffle-buffer N]
         [--worker-index I --num-workers N] [--plot loss.png] [--output summary.json]
+    lookup-table-train --data csv:PATH --label y --categorical a,b --print-tables
 
 Training stops at the end of the data (`--epochs`, default 1), after `--steps`, or
 after `--max-seconds` of training, whichever comes first; `--max-seconds` alone
 repeats the data until the time is up. Worker I of N trains on every N-th batch;
-every worker evaluates on the same held-out batches. The final summary (JSON, also
-printed) has examples/s, the training loss, eval AUC and log loss, and the rows this
-worker created per table.
+every worker evaluates on the same held-out batches: a stable `--eval-fraction` of
+the data file, or with `--eval-data` a file of its own, evaluated whole at the end
+(and its first `--eval-batches` every `--eval-every` steps).
+
+Numeric columns are standardized with the mean and variance of the training rows
+(`--numeric-transform`, see `trainer.numeric`): every worker computes the same
+statistics from the same file in one pass, or reads them from `--numeric-stats
+PATH` when it exists (and writes them there when not). Multi-epoch runs shuffle
+through a bounded buffer (`--shuffle-buffer`), reseeded each epoch from `--seed`.
+
+The final summary (JSON, also printed) has examples/s, the training loss, eval AUC
+and log loss, the rows this worker created per table and the numeric statistics.
 """
 
 from __future__ import annotations
@@ -64,11 +75,74 @@ def _until(
         yield batch
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+_DEFAULT_SHUFFLE_BUFFER = 1 << 16  # examples: ~100 MB for Criteo's 40 columns
+
+
 def _parser() -> argparse.ArgumentParser:
+    from trainer.numeric import TRANSFORMS
+
     p = argparse.ArgumentParser(prog="lookup-table-train", description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True, help="the cluster file (TOML)")
+    p.add_argument("--config", help="the cluster file (TOML); required unless --print-tables")
     p.add_argument(
         "--data", required=True, help="synthetic[:N] | criteo:PATH | csv:PATH | parquet:PATH"
+    )
+    p.add_argument(
+        "--eval-data",
+        metavar="SPEC",
+        help="a separate evaluation file (same kinds and column options as --data); "
+        "the whole --data file then trains, and this one is evaluated whole at the end",
+    )
+    p.add_argument(
+        "--numeric-transform",
+        choices=TRANSFORMS,
+        default="standardize",
+        help="numeric columns: standardize with the training rows' mean and variance "
+        "(default; missing -> the mean), log1p (signed) then standardize, or none",
+    )
+    p.add_argument(
+        "--numeric-stats",
+        metavar="PATH",
+        help="JSON of the numeric statistics: read when it exists, else computed and "
+        "written there (give every worker the same path)",
+    )
+    p.add_argument(
+        "--stats-rows",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="compute the numeric statistics from the first N training rows (0: all)",
+    )
+    p.add_argument(
+        "--shuffle-buffer",
+        type=_non_negative_int,
+        metavar="N",
+        help=f"examples in the shuffle buffer, 0 = file order (default {_DEFAULT_SHUFFLE_BUFFER} "
+        "when the data is read more than once, else 0)",
+    )
+    p.add_argument(
+        "--print-tables",
+        action="store_true",
+        help="print the [[tables]] the columns need (TOML for the cluster file) and exit",
+    )
+    p.add_argument(
+        "--dim", type=_positive_int, default=16, help="dim for --print-tables (default 16)"
     )
     p.add_argument("--label", help="label column (csv/parquet)")
     p.add_argument("--categorical", help="categorical columns A,B,... (csv/parquet)")
@@ -95,7 +169,11 @@ def _parser() -> argparse.ArgumentParser:
         "under way and the one already read ahead finish); combines with --epochs or "
         "--steps (whichever comes first), alone it repeats the data until the time is up",
     )
-    p.add_argument("--eval-fraction", type=float, default=0.2)
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        help="share of --data held out for evaluation (default 0.2; not with --eval-data)",
+    )
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every K steps (0: end)")
     p.add_argument("--eval-batches", type=int, default=20, help="eval batches (default 20)")
     p.add_argument("--worker-index", type=int, default=0)
@@ -108,68 +186,182 @@ def _parser() -> argparse.ArgumentParser:
         help="async mode: 0 waits for each push (default); K >= 1 pipelines K "
         "pushes, row prefetch and dense pulls: faster, staler",
     )
-    p.add_argument("--seed", type=int, default=0, help="initial dense weights")
+    p.add_argument(
+        "--seed", type=int, default=0, help="initial dense weights and the shuffle order"
+    )
     p.add_argument("--plot", help="write the loss/AUC curves to this PNG")
     p.add_argument("--output", help="write the summary JSON here")
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
+def _epochs(args: argparse.Namespace) -> int | None:
+    """Passes over the training data: None repeats (fit stops at --steps / --max-seconds)."""
+    if args.steps is not None:
+        return None
+    if args.epochs is not None:
+        return int(args.epochs)
+    return None if args.max_seconds is not None else 1
+
+
+def _eval_fraction(args: argparse.Namespace) -> float:
+    """The held-out share of --data: 0 with --eval-data, else --eval-fraction (0.2)."""
+    if args.eval_data:
+        return 0.0
+    return 0.2 if args.eval_fraction is None else float(args.eval_fraction)
+
+
 def _train_batches(source: Any, args: argparse.Namespace) -> Iterable[Any]:
     """This worker's training batches, as long as --epochs / --steps / --max-seconds say."""
-    if args.steps is not None:
-        epochs: int | None = None  # fit stops after --steps
-    elif args.epochs is not None:
-        epochs = args.epochs
-    else:
-        epochs = None if args.max_seconds is not None else 1
+    epochs = _epochs(args)
+    shuffle = args.shuffle_buffer
+    if shuffle is None:
+        shuffle = 0 if epochs == 1 else _DEFAULT_SHUFFLE_BUFFER
+    eval_fraction = _eval_fraction(args)
     train: Iterable[Any] = source.batches(
         args.batch_size,
         worker_index=args.worker_index,
         num_workers=args.num_workers,
-        split="train",
-        eval_fraction=args.eval_fraction,
+        split="train" if eval_fraction > 0 else "all",
+        eval_fraction=eval_fraction,
         epochs=epochs,
+        shuffle_buffer=shuffle,
+        seed=args.seed,
     )
     return train if args.max_seconds is None else _until(train, args.max_seconds)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from lookup_table.config import load_config
+def _source(spec: str, args: argparse.Namespace) -> Any:
     from trainer.data import parse_data_spec
-    from trainer.loop import Trainer
-    from trainer.models import build_model
 
-    if not 0 <= args.worker_index < args.num_workers:
-        raise ValueError(
-            f"--worker-index must be in 0..{args.num_workers - 1}, got {args.worker_index}"
-        )
-    if not 0 <= args.eval_fraction < 1:
-        raise ValueError(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
-    config = load_config(args.config)
     multivalued = dict(
         (m.split(":", 1)[0], m.split(":", 1)[1] if ":" in m else "|") for m in args.multivalued
     )
-    source = parse_data_spec(
-        args.data,
+    return parse_data_spec(
+        spec,
         label=args.label,
         categorical=_columns(args.categorical),
         numeric=_columns(args.numeric),
         multivalued=multivalued or None,
     )
+
+
+def _numeric_stats(source: Any, args: argparse.Namespace) -> Any:
+    """The training rows' numeric statistics: from --numeric-stats PATH, or one pass."""
+    from trainer.numeric import NumericStats, fit_numeric_stats
+
+    path = Path(args.numeric_stats) if args.numeric_stats else None
+    if path is not None and path.exists():
+        stats = NumericStats.load(path)
+        stats.check_columns(source.schema.numeric, str(path))
+        if stats.transform != args.numeric_transform:
+            raise ValueError(
+                f"{path} holds statistics for --numeric-transform {stats.transform}, "
+                f"this run asks for {args.numeric_transform}; remove the file or change the flag"
+            )
+        logger.info("numeric statistics from %s (%d training rows)", path, stats.rows)
+        return stats
+    eval_fraction = _eval_fraction(args)
+    stats = fit_numeric_stats(
+        source,
+        args.numeric_transform,
+        split="train" if eval_fraction > 0 else "all",
+        eval_fraction=eval_fraction,
+        max_rows=args.stats_rows or None,
+        progress=not args.no_progress,
+    )
+    if path is not None:
+        logger.info("wrote the numeric statistics to %s", stats.save(path))
+    return stats
+
+
+def _check_eval_schema(train: Any, evals: Any, spec: str) -> None:
+    """The eval file must give the model the same columns with the same id types."""
+    if evals.schema != train.schema:
+        raise ValueError(
+            f"--eval-data {spec}: its columns differ from --data's: "
+            f"train {train.schema}, eval {evals.schema}; give both files the same "
+            "column types (or declare the id type, e.g. --categorical user:string)"
+        )
+
+
+def tables_toml(schema: Any, *, dim: int, spec: str) -> str:
+    """The `[[tables]]` entries a model over `schema` needs, as cluster-file TOML."""
+    from lookup_table.errors import LookupTableError
+    from lookup_table.keys import validate_name
+
+    lines = [f"# the tables for the columns of {spec} (one per categorical column); "]
+    lines[0] += "paste them into the cluster file"
+    groups = [("categorical", schema.categorical), ("multivalued", schema.multivalued)]
+    for kind, columns in groups:
+        for name, id_type in columns.items():
+            try:
+                validate_name(name, "table name")
+            except LookupTableError as exc:
+                lines.append(f"# column {name!r} cannot name a table: {exc}; rename it")
+                continue
+            lines += ["", "[[tables]]", f"name = {json.dumps(name)}", f"dim = {dim}"]
+            lines.append(
+                f'id_type = "{id_type}"' + ("  # multivalued" if kind != "categorical" else "")
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.worker_index < args.num_workers:
+        raise ValueError(
+            f"--worker-index must be in 0..{args.num_workers - 1}, got {args.worker_index}"
+        )
+    if args.eval_data and args.eval_fraction is not None:
+        raise ValueError(
+            "--eval-fraction holds out part of --data; with --eval-data the whole --data "
+            "file trains: give one of them"
+        )
+    if not 0 <= _eval_fraction(args) < 1:
+        raise ValueError(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+    if args.config is None:
+        raise ValueError("--config is required (the cluster file), except with --print-tables")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from lookup_table.config import load_config
+    from trainer.data import DataError
+    from trainer.loop import Trainer
+    from trainer.models import build_model
+
+    _check_args(args)
+    config = load_config(args.config)
+    raw = _source(args.data, args)
+    eval_raw = _source(args.eval_data, args) if args.eval_data else None
+    if eval_raw is not None:
+        _check_eval_schema(raw, eval_raw, args.eval_data)
     hidden = [int(h) for h in args.hidden.split(",") if h]
-    model = build_model(args.model, source.schema, config, hidden=hidden, seed=args.seed)
+    model = build_model(args.model, raw.schema, config, hidden=hidden, seed=args.seed)
+    stats = _numeric_stats(raw, args)
+    source = raw.with_numeric(stats)
     train = _train_batches(source, args)
-    evals = (
-        list(
+    final_eval: Iterable[Any] | None = None
+    if eval_raw is not None:
+        eval_source = eval_raw.with_numeric(stats)
+        evals = list(
             itertools.islice(
-                source.batches(args.batch_size, split="eval", eval_fraction=args.eval_fraction),
+                eval_source.batches(args.batch_size, split="all"), max(1, args.eval_batches)
+            )
+        )
+        if not evals:
+            raise DataError(f"--eval-data {args.eval_data}: the file has no examples")
+        final_eval = eval_source.batches(args.batch_size, split="all")
+        if not args.eval_every:
+            evals = []  # only the whole file, at the end
+    elif _eval_fraction(args) > 0:
+        evals = list(
+            itertools.islice(
+                source.batches(args.batch_size, split="eval", eval_fraction=_eval_fraction(args)),
                 args.eval_batches,
             )
         )
-        if args.eval_fraction > 0
-        else []
-    )
+    else:
+        evals = []
     with Trainer(
         config,
         model,
@@ -179,7 +371,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         progress=not args.no_progress,
     ) as trainer:
         result = trainer.fit(
-            train, steps=args.steps, eval_batches=evals or None, eval_every=args.eval_every or None
+            train,
+            steps=args.steps,
+            eval_batches=evals or None,
+            eval_every=args.eval_every or None,
+            final_eval=final_eval,
         )
         created = trainer.rows_created
         version = trainer.version
@@ -190,6 +386,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_workers": args.num_workers,
         "model": args.model,
         "data": args.data,
+        "eval_data": args.eval_data,
         "batch_size": args.batch_size,
         "max_seconds": args.max_seconds,
         "steps": result.steps,
@@ -202,6 +399,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "eval_examples": last_eval.get("examples"),
         "rows_created": created,
         "final_version": version,
+        "numeric_stats": stats.to_dict(),
         "history": {"losses": result.losses, "evals": result.evals, "versions": result.versions},
     }
 
@@ -213,6 +411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lookup_table.errors import LookupTableError
 
     try:
+        if args.print_tables:
+            print(tables_toml(_source(args.data, args).schema, dim=args.dim, spec=args.data))  # noqa: T201
+            return 0
         summary = run(args)
     except (LookupTableError, ValueError, FileNotFoundError) as exc:
         logger.error("lookup-table-train: %s", exc)

@@ -22,32 +22,43 @@ Splits and sharding, the same for every source:
   batches are disjoint, their union is the single-worker stream, and their
   counts differ by at most one per epoch. Every worker still reads the whole
   source; for many workers, give each its own file.
-* No shuffling: examples come in source order, every epoch.
+* Shuffling (`shuffle_buffer` > 0): within the chosen split, examples pass
+  through a bounded buffer, like `tf.data.Dataset.shuffle`: whenever it holds
+  1.5x its size, a random half-and-more leaves in random order. The order is a
+  pure function of (seed, epoch) computed with counter-based hashes, so every
+  worker sees the same shuffled stream (their batches stay disjoint) on any
+  machine, and each epoch has another order. Without it, examples come in
+  source order, every epoch.
+* Missing numeric values (empty, NaN): readers keep them as NaN; `batches`
+  fills them with 0.0, or a numeric transform (`with_numeric`, see
+  `trainer.numeric`) with the training mean. `raw_batches` keeps the NaN.
 """
 
 from __future__ import annotations
 
 import abc
 import csv
+import dataclasses
 import gzip
 import io
 import itertools
 import math
 import os
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Literal, TypeAlias, cast
+from typing import IO, Any, Literal, Protocol, TypeAlias, TypeVar, cast
 
 import numpy as np
 from numpy.typing import NDArray
 
 from lookup_table.errors import LookupTableError
-from lookup_table.hashing import mix64, stable_hash
+from lookup_table.hashing import combine, mix64, stable_hash
 
 __all__ = [
     "Batch",
+    "BatchTransform",
     "CriteoSource",
     "CsvSource",
     "DataError",
@@ -70,6 +81,7 @@ _SPLITS = ("train", "eval", "all")
 _CHUNK_CHARS = 1 << 18  # text read per chunk: ~1k Criteo rows, ~3 MB of parsed fields
 _PLAN_ROWS = 1 << 16  # synthetic rows whose split is decided at a time
 _EVAL_KEY = np.uint64(stable_hash("trainer.data/eval-split"))
+_SHUFFLE_KEY = stable_hash("trainer.data/shuffle")
 _U53 = np.uint64(11)
 _U32 = np.uint64(32)
 _LOW32 = np.uint64(0xFFFFFFFF)
@@ -280,6 +292,9 @@ class _Plan:
     eval_fraction: float
     worker_index: int
     num_workers: int
+    shuffle_buffer: int = 0
+    seed: int = 0
+    epoch: int = 0
 
     def __post_init__(self) -> None:
         if not (_is_int(self.batch_size) and self.batch_size > 0):
@@ -294,9 +309,85 @@ class _Plan:
             raise ValueError(f"split must be one of {_SPLITS}, got {self.split!r}")
         if not 0.0 <= self.eval_fraction <= 1.0:
             raise ValueError(f"eval_fraction must be in [0, 1], got {self.eval_fraction!r}")
+        if not (_is_int(self.shuffle_buffer) and self.shuffle_buffer >= 0):
+            raise ValueError(
+                f"shuffle_buffer must be a non-negative int (0: no shuffling), "
+                f"got {self.shuffle_buffer!r}"
+            )
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
 
     def mine(self, batch_index: int) -> bool:
         return batch_index % self.num_workers == self.worker_index
+
+
+_T = TypeVar("_T", bound=Sized)  # a Batch or an array of positions
+
+
+def _shuffle_order(n: int, key: int) -> NDArray[np.intp]:
+    """A permutation of range(n), a pure function of (n, key): the same on every machine."""
+    salt = int(combine(np.array([key], dtype=np.uint64), _SHUFFLE_KEY)[0])
+    return np.argsort(combine(np.arange(n, dtype=np.uint64), salt), kind="stable")
+
+
+def _shuffled(
+    items: Iterable[_T],
+    plan: _Plan,
+    *,
+    cut: Callable[[_T, int, int], _T],
+    concat: Callable[[list[_T]], _T],
+    take: Callable[[_T, NDArray[np.intp]], _T],
+) -> Iterator[_T]:
+    """The examples of `items` through a bounded shuffle buffer of `plan.shuffle_buffer`.
+
+    Vectorized `tf.data.Dataset.shuffle`: examples collect until the buffer holds
+    1.5x its size (a long chunk is cut to fit); then the held examples are
+    permuted, all but `shuffle_buffer` leave (in that random order) and the rest
+    stay for the next round, so an example can leave late and far from where it
+    came in, but never more than 1.5 buffers early. At the end the buffer leaves
+    in random order. Each round's permutation depends on (seed, epoch, round).
+    """
+    buffer = plan.shuffle_buffer
+    threshold = buffer + max(1, buffer // 2)
+    seed_key = int(
+        combine(np.array([plan.seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64), plan.epoch)[0]
+    )
+    held: list[_T] = []
+    count = 0
+    round_ = 0
+    for item in items:
+        n = len(item)
+        start = 0
+        while start < n:
+            stop = min(n, start + threshold - count)
+            held.append(cut(item, start, stop))
+            count += stop - start
+            start = stop
+            if count == threshold:
+                whole = concat(held)
+                order = _shuffle_order(count, seed_key ^ round_)
+                round_ += 1
+                yield take(whole, order[: count - buffer])
+                held, count = [take(whole, order[count - buffer :])], buffer
+    if count:
+        yield take(concat(held), _shuffle_order(count, seed_key ^ round_))
+
+
+def _fill_missing(batch: Batch, numeric: Iterable[str]) -> Batch:
+    """`batch` with NaN (missing) numeric values replaced by 0.0."""
+    features = dict(batch.features)
+    for name in numeric:
+        x = cast("NDArray[np.float32]", features[name])
+        missing = np.isnan(x)
+        if missing.any():
+            features[name] = np.where(missing, np.float32(0), x)
+    return Batch(features, batch.labels)
+
+
+class BatchTransform(Protocol):
+    """Maps a raw batch (NaN where a numeric value is missing) to what the model reads."""
+
+    def apply(self, batch: Batch) -> Batch: ...
 
 
 # --------------------------------------------------------------------------- sources
@@ -332,6 +423,8 @@ class DataSource(abc.ABC):
         split: Split = "train",
         eval_fraction: float = 0.2,
         epochs: int | None = 1,
+        shuffle_buffer: int = 0,
+        seed: int = 0,
     ) -> Iterator[Batch]:
         """Stream this worker's batches of one split.
 
@@ -342,6 +435,8 @@ class DataSource(abc.ABC):
             split: "train", "eval" (a stable `eval_fraction` of the examples) or "all".
             eval_fraction: the share of examples held out for eval, in [0, 1].
             epochs: passes over the source; None repeats forever.
+            shuffle_buffer: examples in the shuffle buffer; 0 keeps the source order.
+            seed: the shuffle's seed; with the epoch number it fixes each epoch's order.
 
         Raises:
             ValueError: a bad argument (raised here, not at the first `next`).
@@ -353,11 +448,40 @@ class DataSource(abc.ABC):
             eval_fraction=eval_fraction,
             worker_index=worker_index,
             num_workers=num_workers,
+            shuffle_buffer=shuffle_buffer,
+            seed=seed,
         )
         if epochs is not None and not (_is_int(epochs) and epochs >= 0):
             raise ValueError(f"epochs must be a non-negative int or None, got {epochs!r}")
         passes = itertools.count() if epochs is None else range(epochs)
-        return itertools.chain.from_iterable(self._epoch(plan) for _ in passes)
+        return (
+            self._prepare(batch)
+            for epoch in passes
+            for batch in self._epoch(dataclasses.replace(plan, epoch=epoch))
+        )
+
+    def raw_batches(
+        self, batch_size: int, *, split: Split = "train", eval_fraction: float = 0.2
+    ) -> Iterator[Batch]:
+        """One pass over a split in source order, every worker's batches, missing
+        numeric values as NaN (what numeric statistics are computed from)."""
+        plan = _Plan(
+            batch_size=batch_size,
+            split=split,
+            eval_fraction=eval_fraction,
+            worker_index=0,
+            num_workers=1,
+        )
+        return self._epoch(plan)
+
+    def with_numeric(self, transform: BatchTransform) -> DataSource:
+        """The same source whose `batches` pass through `transform` instead of filling
+        missing numeric values with 0.0 (e.g. `trainer.numeric.NumericStats`)."""
+        return _Transformed(self, transform)
+
+    def _prepare(self, batch: Batch) -> Batch:
+        """What `batches` yields for a raw batch: missing numeric values -> 0.0."""
+        return _fill_missing(batch, self.schema.numeric)
 
     def select(self, names: Iterable[str]) -> DataSource:
         """The same source with only the features `names` (the label is kept).
@@ -379,7 +503,10 @@ class DataSource(abc.ABC):
                 first_row += n
                 yield chunk
 
-        for index, batch in enumerate(_rebatch(split_chunks(), plan.batch_size)):
+        stream: Iterable[Batch] = split_chunks()
+        if plan.shuffle_buffer:
+            stream = _shuffled(stream, plan, cut=_slice, concat=_concat, take=_take)
+        for index, batch in enumerate(_rebatch(stream, plan.batch_size)):
             if plan.mine(index):
                 yield batch
 
@@ -420,6 +547,31 @@ class _Selected(DataSource):
 
     def _epoch(self, plan: _Plan) -> Iterator[Batch]:
         return map(self._narrow, self._inner._epoch(plan))
+
+
+class _Transformed(DataSource):
+    """A source whose batches pass through a transform (see `DataSource.with_numeric`)."""
+
+    def __init__(self, inner: DataSource, transform: BatchTransform) -> None:
+        self._inner = inner
+        self._transform = transform
+
+    @property
+    def schema(self) -> Schema:
+        return self._inner.schema
+
+    @property
+    def num_examples(self) -> int | None:
+        return self._inner.num_examples
+
+    def chunks(self) -> Iterator[Batch]:
+        return self._inner.chunks()
+
+    def _epoch(self, plan: _Plan) -> Iterator[Batch]:
+        return self._inner._epoch(plan)
+
+    def _prepare(self, batch: Batch) -> Batch:
+        return self._transform.apply(batch)
 
 
 # --------------------------------------------------------------------------- synthetic
@@ -632,12 +784,25 @@ class SyntheticSource(DataSource):
     def _epoch(self, plan: _Plan) -> Iterator[Batch]:
         # Examples are a pure function of their position: decide the split and the
         # batches on positions only, and generate just this worker's batches.
+        def positions() -> Iterator[NDArray[np.int64]]:
+            for start in range(0, self._num_examples, _PLAN_ROWS):
+                rows = np.arange(start, min(start + _PLAN_ROWS, self._num_examples), dtype=np.int64)
+                if plan.split != "all":
+                    rows = rows[_split_index(start, len(rows), plan.split, plan.eval_fraction)]
+                yield rows
+
+        stream: Iterable[NDArray[np.int64]] = positions()
+        if plan.shuffle_buffer:
+            stream = _shuffled(
+                stream,
+                plan,
+                cut=lambda rows, lo, hi: rows[lo:hi],
+                concat=np.concatenate,
+                take=lambda rows, i: rows[i],
+            )
         pending = np.empty(0, dtype=np.int64)
         index = 0
-        for start in range(0, self._num_examples, _PLAN_ROWS):
-            rows = np.arange(start, min(start + _PLAN_ROWS, self._num_examples), dtype=np.int64)
-            if plan.split != "all":
-                rows = rows[_split_index(start, len(rows), plan.split, plan.eval_fraction)]
+        for rows in stream:
             pending = np.concatenate([pending, rows])
             full = len(pending) - len(pending) % plan.batch_size
             for lo in range(0, full, plan.batch_size):
@@ -788,21 +953,25 @@ def _bad_value(
 def _parse_numbers(
     values: Sequence[str], *, path: Path, column: str, first_row: int, ints_first: bool
 ) -> NDArray[np.float64]:
-    """Numbers as float64; empty and NaN -> 0.0; infinity is an error.
+    """Numbers as float64; empty and NaN -> NaN (missing); infinity is an error.
 
     `ints_first` tries int64 parsing first, ~3x faster when every value is an int.
     """
-    filled = [v or "0" for v in values]
+    has_empty = "" in values
+    filled = [v or "0" for v in values] if has_empty else values
+    out: NDArray[np.float64] | None = None
     if ints_first:
         try:
-            return np.array(filled, dtype=np.int64).astype(np.float64)
+            out = np.array(filled, dtype=np.int64).astype(np.float64)
         except (ValueError, OverflowError):
             pass
-    try:
-        out = np.array(filled, dtype=np.float64)
-    except ValueError:
-        raise _bad_value(filled, float, path, column, first_row) from None
-    out[np.isnan(out)] = 0.0
+    if out is None:
+        try:
+            out = np.array(filled, dtype=np.float64)
+        except ValueError:
+            raise _bad_value(filled, float, path, column, first_row) from None
+    if has_empty:
+        out[np.array(values, dtype=object) == ""] = np.nan
     if np.isinf(out).any():
         row = first_row + int(np.flatnonzero(np.isinf(out))[0]) + 1
         raise DataError(f"{path}: row {row}, column {column!r}: infinite value")
@@ -923,7 +1092,7 @@ class _TextSource(DataSource):
             elif col.kind in ("numeric", "log1p"):
                 x = _parse_numbers(values, column=col.name, ints_first=col.kind == "log1p", **where)
                 if col.kind == "log1p":
-                    x = np.log1p(np.maximum(x, 0.0))
+                    x = np.log1p(np.maximum(x, 0.0))  # NaN (missing) stays NaN
                 features[col.name] = x.astype(np.float32)
             elif col.kind == "int64":
                 features[col.name] = _int_ids(values, column=col.name, **where)
@@ -953,7 +1122,8 @@ def _read_header(f: IO[str], delimiter: str, path: Path) -> list[str]:
 class CriteoSource(_TextSource):
     """Criteo's display-advertising TSV: label, I1-I13, C1-C26, no header; plain or gzip.
 
-    * Numeric `I1..I13`: integer counts; empty -> 0, then `log1p(max(x, 0))`, float32.
+    * Numeric `I1..I13`: integer counts, `log1p(max(x, 0))`, float32; empty is missing
+      (see `CsvSource`).
     * Categorical `C1..C26`: string ids as written (hex); an empty field is the
       string id "" (a real "missing" value that gets its own row).
     * Label "label": 0 or 1.
@@ -1048,7 +1218,8 @@ class CsvSource(_TextSource):
       declared "int64" (`{"user": "int64"}`, CLI `--categorical user:int64`):
       then every value must be an integer. Ids are never guessed from the data,
       so a late non-integer value cannot change a column's type mid-training.
-    * numeric: floats; empty or NaN -> 0.0, no transform.
+    * numeric: floats; empty or NaN is missing (NaN in `raw_batches`; `batches`
+      fills it with 0.0, or with the training mean under `trainer.numeric`).
     * multivalued: name -> separator (CLI `--multivalued genres:|`, default "|"):
       each field splits into string ids; an empty field or item gives no id.
     * label: a float per row; empty is an error.
@@ -1144,9 +1315,10 @@ class ParquetSource(DataSource):
     column gives int64 ids, a string (or
     dictionary-encoded string) column string ids; `{"col": "string"}` or
     `"int64"` casts instead. A null string id is "" (missing); a null int64 id
-    is an error. Numeric columns (int, float, bool) become float32 with
-    null/NaN -> 0.0. A multivalued column is a list of ints or strings (nulls
-    dropped), or a string column split on its separator (empty items dropped).
+    is an error. Numeric columns (int, float, bool) become float32; null/NaN is
+    missing (filled as for CSV). A null or NaN label is an error. A multivalued
+    column is a list of ints or strings (nulls dropped), or a string column split
+    on its separator (empty items dropped).
 
     Raises:
         DataError: pyarrow is missing, the file is missing or not parquet, or a
@@ -1249,10 +1421,14 @@ class ParquetSource(DataSource):
         for name, dtype in schema.multivalued.items():
             where = f"{rows}, column {name!r}"
             features[name] = _arrow_ragged(pa, col(name), dtype, self._multi_sep[name], where)
-        labels = col(schema.label)
-        if labels.null_count:
-            raise DataError(f"{rows}: the label column has {labels.null_count} nulls")
-        return Batch(features, _arrow_numbers(pa, labels, f"{rows}, label {schema.label!r}"))
+        labels = _arrow_numbers(pa, col(schema.label), f"{rows}, label {schema.label!r}")
+        missing = np.isnan(labels)
+        if missing.any():
+            raise DataError(
+                f"{rows}: the label column {schema.label!r} has {int(missing.sum())} "
+                "null or NaN labels; every example needs a label"
+            )
+        return Batch(features, labels)
 
 
 def _is_number(t: Any) -> bool:
@@ -1282,9 +1458,9 @@ def _is_list(t: Any) -> bool:
 
 
 def _arrow_numbers(pa: Any, arr: Any, where: str) -> NDArray[np.float32]:
-    x = pa.compute.fill_null(pa.compute.cast(arr, pa.float64()), 0.0)
+    """Numbers as float32; null and NaN -> NaN (missing); infinity is an error."""
+    x = pa.compute.fill_null(pa.compute.cast(arr, pa.float64()), float("nan"))
     out = np.array(x.to_numpy(zero_copy_only=False), dtype=np.float64)
-    out[np.isnan(out)] = 0.0
     if np.isinf(out).any():
         raise DataError(f"{where}: infinite value")
     return out.astype(np.float32)

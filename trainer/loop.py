@@ -441,6 +441,7 @@ class Trainer:
         eval_batches: Iterable[Any] | None = None,
         eval_every: int | None = None,
         eval_max_batches: int = 20,
+        final_eval: Iterable[Any] | None = None,
     ) -> TrainResult:
         """Train on `batches` (Batch objects or (features, labels) pairs).
 
@@ -448,6 +449,8 @@ class Trainer:
             steps: stop after this many steps (default: when batches run out).
             eval_batches: evaluated every `eval_every` steps (first `eval_max_batches`)
                 and at the end.
+            final_eval: evaluated once at the end instead of `eval_batches`, streamed
+                (not held in memory): a whole evaluation file.
         """
         from tqdm import tqdm
 
@@ -503,9 +506,10 @@ class Trainer:
             result.seconds = time.perf_counter() - start
         finally:
             bar.close()
-        if eval_list:
+        last = final_eval if final_eval is not None else eval_list
+        if last:
             self._refresh_dense(fresh=True)
-            ev = self.evaluate(eval_list)
+            ev = self.evaluate(last)
             ev["step"] = result.steps
             result.evals.append(ev)
         return result

@@ -2,8 +2,9 @@
 
 One `DistributedEmbedding` per categorical column, on the table of the same name
 (the cluster file must define it); multivalued columns are combined with "mean".
-Numeric columns enter as they are (the readers already log-transform counts):
-no batch statistics, which N trainers could not share.
+Numeric columns enter as the source gives them: `lookup-table-train` standardizes
+them with the training rows' statistics (`trainer.numeric`), the same for every
+worker; no batch statistics, which N trainers could not share.
 """
 
 from __future__ import annotations

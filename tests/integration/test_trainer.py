@@ -22,13 +22,16 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _cluster_file(path: Path, *, mode: str, workers: int, dim: int = 8) -> Path:
+def _cluster_file(
+    path: Path, *, mode: str, workers: int, dim: int = 8, tables: str | None = None
+) -> Path:
     ports = [free_port(), free_port(), free_port()]
-    tables = "".join(
-        f'\n[[tables]]\nname = "C{i}"\ndim = {dim}\n'
-        f'optimizer = {{ name = "adam", learning_rate = 0.02 }}\n'
-        for i in range(1, 27)
-    )
+    if tables is None:
+        tables = "".join(
+            f'\n[[tables]]\nname = "C{i}"\ndim = {dim}\n'
+            f'optimizer = {{ name = "adam", learning_rate = 0.02 }}\n'
+            for i in range(1, 27)
+        )
     path.write_text(
         f'namespace = "t{uuid.uuid4().hex[:10]}"\n'
         f'memcached = ["127.0.0.1:{ports[0]}", "127.0.0.1:{ports[1]}"]\n'
@@ -41,8 +44,10 @@ def _cluster_file(path: Path, *, mode: str, workers: int, dim: int = 8) -> Path:
 
 @pytest.fixture
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
-    mode, workers = request.param
-    config = _cluster_file(tmp_path / "cluster.toml", mode=mode, workers=workers)
+    mode, workers, *tables = request.param
+    config = _cluster_file(
+        tmp_path / "cluster.toml", mode=mode, workers=workers, tables=tables[0] if tables else None
+    )
     cmd = [sys.executable, "-m", "lookup_table.localcluster"]
     args = ["--config", str(config), "--run-dir", str(tmp_path / "run"), "--memory-mb", "128"]
     up = subprocess.run(
@@ -147,3 +152,98 @@ def test_trainer_in_process_learns_and_evaluation_writes_nothing(cluster: Path) 
         assert result.versions[-1] >= 55  # dense weights refreshed as pushes land
         created = trainer.rows_created
     assert set(created) == {f"C{i}" for i in range(1, 27)}
+
+
+_PEOPLE_TABLES = "".join(
+    f'\n[[tables]]\nname = "{name}"\ndim = 8\nid_type = "string"\n'
+    'optimizer = { name = "adam", learning_rate = 0.02 }\n'
+    for name in ("job", "city", "tags")
+)
+
+
+def _people_csv(path: Path, rows: int, *, seed: int) -> tuple[Path, float]:
+    """An Adult-like CSV, sorted by job as exported files often are: unscaled numbers
+    (income ~ 1e5, a heavy-tailed gain up to 1e5, empties), text categories and a
+    multivalued column. Returns the file and the AUC of the hidden model's logit."""
+    rng = np.random.default_rng(seed)
+    job = rng.integers(0, 8, rows)
+    city = rng.integers(0, 50, rows)
+    income = rng.normal(1.9e5, 1.0e5, rows).round()
+    gain = np.where(rng.random(rows) < 0.85, 0.0, rng.pareto(1.1, rows) * 3000).clip(0, 99_999)
+    ntags = rng.integers(0, 4, rows)
+    tags = [[f"t{t}" for t in rng.integers(0, 12, k)] for k in ntags]
+    hidden = np.random.default_rng(0)  # one hidden model for every file
+    job_w, city_w, tag_w = hidden.normal(0, 1, 8), hidden.normal(0, 1, 50), hidden.normal(0, 1, 12)
+    tag_mean = np.array([np.mean([tag_w[int(t[1:])] for t in ts]) if ts else 0.0 for ts in tags])
+    logit = (
+        job_w[job] + city_w[city] + tag_mean + 1.2 * (income - 1.9e5) / 1e5 + 1.5 * (gain > 0) - 0.8
+    )
+    labels = (rng.random(rows) < 1 / (1 + np.exp(-logit))).astype(int)
+    order = np.argsort(job, kind="stable")
+    lines = ["income,job,gain,city,tags,label"]
+    for i in order.tolist():
+        inc = "" if i % 31 == 0 else repr(float(income[i]))
+        lines.append(
+            f"{inc},job{job[i]},{gain[i]:.0f},city{city[i]},{'|'.join(tags[i])},{labels[i]}"
+        )
+    path.write_text("\n".join(lines) + "\n")
+    from trainer.metrics import auc
+
+    return path, auc(labels.astype(np.float32), logit.astype(np.float32))
+
+
+def _train_csv(config: Path, train: Path, evals: Path, out: Path, *extra: str) -> str:
+    cmd = [sys.executable, "-m", "trainer.cli", "--config", str(config)]
+    cmd += ["--data", f"csv:{train}", "--eval-data", f"csv:{evals}", "--label", "label"]
+    cmd += ["--categorical", "job,city", "--numeric", "income,gain", "--multivalued", "tags"]
+    cmd += ["--batch-size", "256", "--hidden", "32,16", "--output", str(out), "--no-progress"]
+    done = subprocess.run(
+        [*cmd, *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        check=False,
+    )
+    return f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("cluster", [("async", 1, _PEOPLE_TABLES)], indirect=True, ids=["csv"])
+def test_a_raw_csv_with_unscaled_numbers_trains_and_evaluates_a_separate_file(
+    cluster: Path, tmp_path: Path
+) -> None:
+    """Issue: a raw CSV (numbers ~1e5) collapsed to AUC 0.5. Standardized with the training
+    rows' statistics, shuffled across epochs, evaluated on a file of its own, it learns."""
+    from trainer.data import CsvSource
+    from trainer.numeric import fit_numeric_stats
+
+    train, _ = _people_csv(tmp_path / "train.csv", 12_000, seed=1)
+    evals, best_auc = _people_csv(tmp_path / "eval.csv", 3_001, seed=2)
+    out = tmp_path / "summary.json"
+    stats_path = tmp_path / "run" / "stats.json"
+    log = _train_csv(
+        cluster, train, evals, out, "--epochs", "3", "--numeric-stats", str(stats_path)
+    )
+    assert log.startswith("exit 0"), log
+    s = json.loads(out.read_text())
+    assert s["eval_examples"] == 3_001  # the whole eval file, not --eval-batches of it
+    assert s["examples"] == 3 * 12_000  # the whole train file, every epoch
+    first_loss = s["history"]["losses"][0][1]
+    assert first_loss < 1.0, first_loss  # unscaled numbers saturated the sigmoid: ~12
+    assert s["eval_auc"] > best_auc - 0.08 and s["eval_auc"] > 0.7, (s["eval_auc"], best_auc)
+    # the statistics are the training file's, saved with the run and in the summary
+    want = fit_numeric_stats(
+        CsvSource(train, label="label", numeric=["income", "gain"]), split="all"
+    )
+    assert s["numeric_stats"] == json.loads(stats_path.read_text()) == want.to_dict()
+    # bad input: an empty eval file, an eval file lacking a column: clear errors, exit 1
+    empty = tmp_path / "empty.csv"
+    empty.write_text("income,job,gain,city,tags,label\n")
+    log = _train_csv(cluster, train, empty, out, "--numeric-stats", str(stats_path))
+    assert log.startswith("exit 1") and "the file has no examples" in log, log
+    lacking = tmp_path / "lacking.csv"
+    lacking.write_text("income,job,city,tags,label\n1,job1,city1,t1,0\n")
+    log = _train_csv(cluster, train, lacking, out)
+    assert log.startswith("exit 1") and "unknown columns ['gain']" in log, log

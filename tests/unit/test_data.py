@@ -780,3 +780,80 @@ def test_reading_streams_in_bounded_memory(tmp_path: Path) -> None:
     assert rows > 150_000
     assert large < 1.5 * small + (1 << 20), (small, large)
     assert large < 16 << 20
+
+
+# --------------------------------------------------------------------------- shuffling
+
+
+def _sorted_csv(path: Path, rows: int) -> Path:
+    """A file sorted by user, as real logs often are; column `pos` is the row's position."""
+    lines = ["pos,user,x,label"] + [f"{i},u{i // 100},{i * 0.5},{i % 2}" for i in range(rows)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _positions(batches: Iterable[Batch]) -> list[int]:
+    return [int(v) for v in _column(batches, "pos")]
+
+
+def _pos_source(path: Path) -> CsvSource:
+    return CsvSource(path, label="label", categorical={"pos": "int64", "user": None})
+
+
+@pytest.mark.parametrize("kind", ["csv", "synthetic"])
+def test_shuffle_is_a_permutation_reseeded_each_epoch_and_deterministic(
+    tmp_path: Path, kind: str
+) -> None:
+    if kind == "csv":
+        source: DataSource = _pos_source(_sorted_csv(tmp_path / "s.csv", 5000))
+        key: Callable[[list[Batch]], list[object]] = lambda bs: list(_positions(bs))  # noqa: E731
+    else:
+        source = SyntheticSource(5000, seed=2)
+        key = lambda bs: list(_synthetic_rows(bs))  # noqa: E731
+    plain = key(list(source.batches(64, split="all")))
+    one = list(source.batches(64, split="all", epochs=2, shuffle_buffer=500, seed=7))
+    half = len(one) // 2
+    e0, e1 = key(one[:half]), key(one[half:])
+    assert sorted(e0) == sorted(plain) == sorted(e1)  # each epoch: every example once
+    assert e0 != plain and e1 != plain and e0 != e1  # shuffled, and another order each epoch
+    again = key(list(source.batches(64, split="all", epochs=2, shuffle_buffer=500, seed=7)))
+    assert again == e0 + e1  # deterministic for a seed
+    other = key(list(source.batches(64, split="all", shuffle_buffer=500, seed=8)))
+    assert other != e0
+    assert all(len(b) == 64 for b in one[: half - 1])  # batches stay full
+
+
+def test_shuffle_buffer_is_bounded_and_mixes(tmp_path: Path) -> None:
+    source = _pos_source(_sorted_csv(tmp_path / "s.csv", 20_000))
+    out = _positions(source.batches(100, split="all", shuffle_buffer=1000, seed=1))
+    where = np.empty(len(out), dtype=np.int64)
+    where[np.array(out)] = np.arange(len(out))
+    displacement = where - np.arange(len(out))
+    # an example cannot leave before it is read: at most 1.5 buffers early
+    assert displacement.min() >= -1500
+    assert np.abs(displacement).mean() > 250  # and it really moves
+    # users sorted into blocks of 100 rows: a batch of 100 now mixes many of them
+    users = _column(source.batches(100, split="all", shuffle_buffer=1000, seed=1), "user")
+    assert len(set(users[:100].tolist())) > 5
+
+
+def test_shuffled_workers_are_disjoint_and_cover_the_single_worker_stream(tmp_path: Path) -> None:
+    source = _pos_source(_sorted_csv(tmp_path / "s.csv", 3000))
+    args = {"split": "train", "shuffle_buffer": 400, "seed": 3, "epochs": 2}
+    single = list(source.batches(50, **args))  # type: ignore[arg-type]
+    workers = [
+        list(source.batches(50, worker_index=w, num_workers=3, **args))  # type: ignore[arg-type]
+        for w in range(3)
+    ]
+    parts = [_positions(w) for w in workers]
+    assert sorted(sum(parts, [])) == sorted(_positions(single))
+    # batch i of the shuffled single stream is worker (i mod 3)'s
+    per_epoch = len(single) // 2
+    assert _positions(workers[1][:1]) == _positions(single[1:2])
+    assert per_epoch > 3
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "10"])
+def test_shuffle_buffer_must_be_a_non_negative_int(bad: object) -> None:
+    with pytest.raises(ValueError, match="shuffle_buffer"):
+        SyntheticSource(10).batches(5, shuffle_buffer=bad)  # type: ignore[arg-type]

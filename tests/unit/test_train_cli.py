@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from trainer.cli import _parser, _train_batches, _until
+from trainer.cli import _parser, _train_batches, _until, main
 from trainer.data import SyntheticSource
 
 pytestmark = pytest.mark.unit
@@ -84,3 +85,80 @@ def test_max_seconds_is_documented_in_the_help() -> None:
     text = _parser().format_help()
     assert "--max-seconds T" in text
     assert "seconds of training" in text
+
+
+def _write_people(path: Path) -> Path:
+    path.write_text(
+        "age,workclass,fnlwgt,genres,user id,income\n"
+        "39,State-gov,77516,a|b,1,0\n50,Private,83311,,2,1\n38,,215646,c,3,0\n"
+    )
+    return path
+
+
+def test_print_tables_gives_the_tables_a_csv_needs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tomllib
+
+    from lookup_table.config import load_config
+
+    data = _write_people(tmp_path / "people.csv")
+    argv = ["--data", f"csv:{data}", "--label", "income", "--categorical", "workclass"]
+    argv += ["--numeric", "age,fnlwgt", "--multivalued", "genres", "--print-tables", "--dim", "8"]
+    assert main(argv) == 0  # no --config needed
+    toml = capsys.readouterr().out
+    tables = tomllib.loads(toml)["tables"]
+    assert tables == [
+        {"name": "workclass", "dim": 8, "id_type": "string"},
+        {"name": "genres", "dim": 8, "id_type": "string"},
+    ]
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text('namespace = "t"\nmemcached = ["127.0.0.1:1"]\n' + toml)
+    assert [t.id_type for t in load_config(cluster).tables] == ["string", "string"]
+
+
+def test_print_tables_flags_a_column_that_cannot_name_a_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = _write_people(tmp_path / "people.csv")
+    argv = ["--data", f"csv:{data}", "--label", "income", "--categorical", "user id:int64"]
+    assert main([*argv, "--print-tables"]) == 0
+    out = capsys.readouterr().out
+    assert "column 'user id' cannot name a table" in out and "[[tables]]" not in out
+
+
+def test_eval_fraction_and_eval_data_exclude_each_other(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = _write_people(tmp_path / "people.csv")
+    argv = ["--config", "c.toml", "--data", f"csv:{data}", "--eval-data", f"csv:{data}"]
+    assert main([*argv, "--eval-fraction", "0.1", "--label", "income"]) == 1
+    assert "--eval-fraction holds out part of --data" in caplog.text
+
+
+def test_config_is_required_to_train(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    assert main(["--data", "synthetic:100"]) == 1
+    assert "--config is required" in caplog.text
+
+
+def test_shuffle_is_on_by_default_only_when_the_data_is_read_again() -> None:
+    source = SyntheticSource(2000)
+
+    def first_ids(*extra: str) -> list[int]:
+        batch = next(iter(_train_batches(source, _args("--batch-size", "50", *extra))))
+        return [int(v) for v in batch.features["C1"]]
+
+    in_order = [int(v) for v in next(source.batches(50)).features["C1"]]
+    assert first_ids() == in_order  # one epoch: file order
+    assert first_ids("--epochs", "2") != in_order  # read again: shuffled
+    assert first_ids("--epochs", "2", "--shuffle-buffer", "0") == in_order
+    assert first_ids("--steps", "5") != in_order
+    assert first_ids("--epochs", "2", "--seed", "1") != first_ids("--epochs", "2")
+
+
+def test_eval_data_trains_on_the_whole_file() -> None:
+    source = SyntheticSource(2000)
+    args = _args("--batch-size", "100", "--eval-data", "synthetic:10")
+    assert sum(len(b) for b in _train_batches(source, args)) == 2000
+    held_out = sum(len(b) for b in _train_batches(source, _args("--batch-size", "100")))
+    assert 1500 < held_out < 1700
