@@ -51,9 +51,11 @@ every epoch, seed 0; eval AUC and log loss by `trainer.metrics` on both sides.
   each step (the service's Adam only the pushed rows, with a per-row step).
 * `ours`: the real CLI (`python -m trainer.cli`, i.e. `lookup-table-train`) against a
   real local cluster: 2 memcached nodes and 1 optimizer replica from `python -m
-  lookup_table.localcluster up` (always stopped), from a cluster file with one table
-  per categorical / multivalued column (`id_type = "string"`, dim 16, uniform +-0.05,
-  adam lr 0.001), fresh ports and namespace. The CLI reads the CSV files itself:
+  lookup_table.localcluster up` (always stopped), from a cluster file (fresh ports and
+  namespace, `[optimizer]` adam lr 0.001) whose `[[tables]]` are what `lookup-table-train
+  --print-tables --dim 16` prints for the columns (checked: one per categorical and
+  multivalued column, `id_type = "string"`, dim 16, the default initializer uniform
+  +-0.05). The CLI reads the CSV files itself and standardizes the numeric columns:
   `--data csv:train.csv --eval-data csv:eval.csv --label ... --categorical ...
   --numeric ... --multivalued genres:'|' --model mlp --hidden 256,128 --batch-size
   1024 --epochs E --numeric-transform standardize --output summary.json
@@ -521,22 +523,32 @@ def run_keras(
 # ---------------------------------------------------------------- our side
 
 
-def table_specs(ds: Dataset) -> list[dict[str, Any]]:
-    """One `[[tables]]` entry per categorical and multivalued column."""
-    return [
-        {
-            "name": column,
-            "dim": EMBEDDING_DIM,
-            "seed": k + 1,
-            "id_type": "string",
-            "initializer": {"name": "uniform", "minval": -INIT_RANGE, "maxval": INIT_RANGE},
-        }
-        for k, column in enumerate([*ds.categorical, *ds.multivalued])
-    ]
+def _column_options(ds: Dataset) -> list[str]:
+    """The CLI's column options for `ds`."""
+    opts = ["--label", ds.label, "--categorical", ",".join(ds.categorical)]
+    if ds.numeric:
+        opts += ["--numeric", ",".join(ds.numeric)]
+    for column, sep in ds.multivalued.items():
+        opts += ["--multivalued", f"{column}:{sep}"]
+    return opts
 
 
-def write_cluster_file(path: Path, ds: Dataset) -> dict[str, Any]:
-    """2 memcached nodes + 1 optimizer replica on fresh ports, a fresh namespace."""
+def print_tables(ds: Dataset, train_path: Path) -> str:
+    """The `[[tables]]` TOML that `lookup-table-train --print-tables` prints for `ds`."""
+    cmd = [sys.executable, "-m", "trainer.cli", "--print-tables", "--data", f"csv:{train_path}"]
+    cmd += [*_column_options(ds), "--dim", str(EMBEDDING_DIM)]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env(), check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"--print-tables failed ({done.returncode}): {done.stderr[-2000:]}")
+    return done.stdout
+
+
+def write_cluster_file(path: Path, ds: Dataset, train_path: Path) -> dict[str, Any]:
+    """2 memcached nodes + 1 optimizer replica on fresh ports, a fresh namespace, adam lr
+    0.001, and the `[[tables]]` that `--print-tables` gives for the columns (checked:
+    one per categorical and multivalued column, dim 16, string ids, uniform +-0.05)."""
     from lookup_table.config import load_config
     from lookup_table.localcluster import free_port
 
@@ -559,15 +571,26 @@ def write_cluster_file(path: Path, ds: Dataset) -> dict[str, Any]:
         },
         "service": {"max_body_bytes": 64 * 2**20},
         "store": {"timeout_s": 5.0, "pool_size": 4},
-        "tables": table_specs(ds),
     }
-    path.write_text(to_toml(raw))
+    tables = print_tables(ds, train_path)
+    path.write_text(to_toml(raw) + "\n" + tables)
     config = load_config(path)  # rejects a bad file now, not in the trainer
+    columns = [*ds.categorical, *ds.multivalued]
+    got = {
+        t.name: (t.dim, t.id_type, t.initializer.name, dict(t.initializer.params))
+        for t in config.tables
+    }
+    want = (EMBEDDING_DIM, "string", "uniform", {"minval": -INIT_RANGE, "maxval": INIT_RANGE})
+    if set(got) != set(columns) or any(v != want for v in got.values()):
+        raise RuntimeError(
+            f"--print-tables gave {got}; expected {columns} each with (dim, id_type, "
+            f"initializer) = {want}"
+        )
     return {
         "namespace": config.namespace,
         "memcached": list(config.node_addresses),
         "optimizers": list(config.optimizers),
-        "tables": [t["name"] for t in raw["tables"]],
+        "tables_toml": tables,
     }
 
 
@@ -592,11 +615,13 @@ def _env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def local_cluster(work_dir: Path, ds: Dataset) -> Iterator[tuple[Path, dict[str, Any]]]:
+def local_cluster(
+    work_dir: Path, ds: Dataset, train_path: Path
+) -> Iterator[tuple[Path, dict[str, Any]]]:
     """Start the cluster of a fresh cluster file; always stop it."""
     work_dir.mkdir(parents=True, exist_ok=True)
     config_path, run_dir = work_dir / "cluster.toml", work_dir / "run"
-    info = write_cluster_file(config_path, ds)
+    info = write_cluster_file(config_path, ds, train_path)
     try:
         up = _localcluster("up", config_path, run_dir)
         if up.returncode != 0:
@@ -621,19 +646,8 @@ def cli_command(
     ds: Dataset, config: Path, train_path: Path, eval_path: Path, *, epochs: int, output: Path
 ) -> list[str]:
     """The `lookup-table-train` arguments a user would type for this data set."""
-    cmd = [
-        "--config",
-        str(config),
-        "--data",
-        f"csv:{train_path}",
-        "--eval-data",
-        f"csv:{eval_path}",
-    ]
-    cmd += ["--label", ds.label, "--categorical", ",".join(ds.categorical)]
-    if ds.numeric:
-        cmd += ["--numeric", ",".join(ds.numeric)]
-    for column, sep in ds.multivalued.items():
-        cmd += ["--multivalued", f"{column}:{sep}"]
+    cmd = ["--config", str(config), "--data", f"csv:{train_path}"]
+    cmd += ["--eval-data", f"csv:{eval_path}", *_column_options(ds)]
     cmd += ["--model", MODEL, "--hidden", ",".join(map(str, HIDDEN))]
     cmd += ["--batch-size", str(BATCH_SIZE), "--epochs", str(epochs)]
     cmd += ["--numeric-transform", "standardize", "--seed", str(SEED)]
@@ -645,7 +659,7 @@ def run_ours(
     ds: Dataset, train_path: Path, eval_path: Path, *, epochs: int, work_dir: Path
 ) -> dict[str, Any]:
     """The CLI against a fresh local cluster; its summary plus what we measured around it."""
-    with local_cluster(work_dir, ds) as (config_path, info):
+    with local_cluster(work_dir, ds, train_path) as (config_path, info):
         output = work_dir / "summary.json"
         log_path = work_dir / "trainer.log"
         args = cli_command(ds, config_path, train_path, eval_path, epochs=epochs, output=output)
@@ -883,10 +897,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = machine_info({"tensorflow": tf.__version__, "keras": keras.__version__})
     code = code_fingerprint(PACKAGES)
     results: dict[str, dict[str, Any]] = {}
+    epochs_used: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="bench-real-data-") as tmp:
         for name in args.datasets:
             ds = DATASETS[name]
             epochs = args.epochs or (1 if args.quick else ds.epochs)
+            epochs_used[name] = epochs
             train_path = Path(stamp["datasets"][name]["train"]["path"])
             eval_path = Path(stamp["datasets"][name]["eval"]["path"])
             results[name] = {}
@@ -927,7 +943,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "parameters": {
             "datasets": {
                 n: {
-                    "epochs": results[n][next(iter(results[n]))]["epochs"],
+                    "epochs": epochs_used[n],
                     "label": DATASETS[n].label,
                     "label_rule": DATASETS[n].label_rule,
                     "categorical": list(DATASETS[n].categorical),
