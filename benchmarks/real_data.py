@@ -713,6 +713,25 @@ def _brief(run: Mapping[str, Any]) -> dict[str, Any]:
     return {k: run[k] for k in keys}
 
 
+def _numeric_stats_diff(keras_side: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, Any]:
+    """How far the CLI's standardization statistics are from Keras' Normalization's."""
+    theirs = keras_side.get("numeric_stats") or {}
+    mine = (ours.get("summary", {}).get("numeric_stats") or {}).get("columns", {})
+    if not theirs or set(theirs) != set(mine):
+        return {"numeric_stats_compared": False}
+    mean_diff = max(
+        abs(mine[c]["mean"] - theirs[c]["mean"]) / max(theirs[c]["std"], 1e-12) for c in theirs
+    )
+    std_diff = max(
+        abs(math.sqrt(mine[c]["variance"]) / max(theirs[c]["std"], 1e-12) - 1) for c in theirs
+    )
+    return {
+        "numeric_stats_compared": True,
+        "numeric_mean_max_diff_in_std": mean_diff,
+        "numeric_std_max_rel_diff": std_diff,
+    }
+
+
 def compare(
     keras_side: Mapping[str, Any],
     ours: Mapping[str, Any],
@@ -722,6 +741,7 @@ def compare(
     rel = ours["eval_logloss"] / keras_side["eval_logloss"] - 1
     runs = [keras_side, *other_seeds]
     return {
+        **_numeric_stats_diff(keras_side, ours),
         # the reference's own seed-to-seed spread: how much of a diff is noise
         "keras_seeds": [r["seed"] for r in runs],
         "keras_auc_range": [min(r["eval_auc"] for r in runs), max(r["eval_auc"] for r in runs)],
@@ -780,6 +800,14 @@ def render_table(results: Mapping[str, Mapping[str, Any]]) -> str:
                 f"{name}: tf.keras over seeds {c['keras_seeds']}: eval AUC {a_lo:.4f}..{a_hi:.4f}"
                 f" (spread {a_hi - a_lo:.4f}), logloss {l_lo:.4f}..{l_hi:.4f} (spread "
                 f"{l_hi / l_lo - 1:.2%})"
+            )
+    for name, r in results.items():
+        c = r["comparison"]
+        if c["numeric_stats_compared"]:
+            lines.append(
+                f"{name}: numeric statistics, ours vs Keras' Normalization: means differ by at "
+                f"most {c['numeric_mean_max_diff_in_std']:.1e} std, stds by at most "
+                f"{c['numeric_std_max_rel_diff']:.1e} (relative)"
             )
     lines.append(
         f"(acceptance: |AUC diff| <= {TARGET_AUC_DIFF}, |logloss rel diff| <= "
