@@ -414,7 +414,8 @@ def run_keras(
     from trainer.metrics import auc, logloss
 
     train, evals = read_csv(train_path, ds), read_csv(eval_path, ds)
-    keras.backend.clear_session()  # a fresh graph per run (no retracing warnings)
+    keras.backend.clear_session()  # a fresh graph per run
+    tf.get_logger().setLevel("ERROR")  # predict on a new model per seed: retracing warnings
     keras.utils.set_random_seed(seed)
 
     def key(column: str) -> str:  # Keras input names: no dashes
@@ -875,7 +876,7 @@ def plot(results: Mapping[str, Mapping[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(results)
-    fig, axes = plt.subplots(2, len(names), figsize=(6 * len(names), 8), squeeze=False)
+    fig, axes = plt.subplots(3, len(names), figsize=(6 * len(names), 11), squeeze=False)
     for j, name in enumerate(names):
         ax = axes[0][j]
         for side in SIDES:
@@ -887,24 +888,60 @@ def plot(results: Mapping[str, Mapping[str, Any]], path: Path) -> None:
         ax.set_ylabel("mean training log loss")
         ax.grid(alpha=0.3)
         ax.legend()
-        ax = axes[1][j]
-        metrics = ("eval_auc", "eval_logloss")
-        x = np.arange(len(metrics))
-        for i, side in enumerate(SIDES):
-            vals = [results[name][side][m] for m in metrics]
-            bars = ax.bar(x + (i - 0.5) * 0.38, vals, 0.38, color=COLORS[side], label=LABELS[side])
-            ax.bar_label(bars, fmt="%.4f", fontsize=8)
         c = results[name]["comparison"]
-        ax.set_xticks(x, ["eval AUC", "eval log loss"])
-        ax.set_title(
-            f"{name}: AUC diff {c['auc_diff_ours_minus_keras']:+.4f}, logloss "
-            f"{c['logloss_rel_diff_ours_vs_keras']:+.2%}, ex/s "
-            f"{results[name]['ours']['examples_per_s']:,.0f} vs "
-            f"{results[name]['keras']['examples_per_s']:,.0f}",
-            fontsize=9,
+        ref_auc, ref_loss = (
+            results[name]["keras"]["eval_auc"],
+            results[name]["keras"]["eval_logloss"],
         )
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3, axis="y")
+        bands = {
+            "eval_auc": (ref_auc - TARGET_AUC_DIFF, ref_auc + TARGET_AUC_DIFF),
+            "eval_logloss": (
+                ref_loss * (1 - TARGET_LOGLOSS_REL_DIFF),
+                ref_loss * (1 + TARGET_LOGLOSS_REL_DIFF),
+            ),
+        }
+        titles = {
+            "eval_auc": f"{name}: eval AUC (diff {c['auc_diff_ours_minus_keras']:+.4f})",
+            "eval_logloss": f"{name}: eval log loss "
+            f"(diff {c['logloss_rel_diff_ours_vs_keras']:+.2%})",
+        }
+        for row, metric in ((1, "eval_auc"), (2, "eval_logloss")):
+            ax = axes[row][j]
+            ax.axhspan(*bands[metric], color="tab:green", alpha=0.12, label="acceptance band")
+            for i, side in enumerate(SIDES):
+                first = results[name][side]
+                others = results[name].get(f"{side}_other_seeds", [])
+                ax.plot([i], [first[metric]], "o", ms=10, color=COLORS[side], label="seed 0")
+                ax.plot(
+                    [i] * len(others),
+                    [r[metric] for r in others],
+                    "o",
+                    ms=5,
+                    mfc="none",
+                    color=COLORS[side],
+                    label="other seeds" if others and i == 0 else None,
+                )
+                ax.annotate(
+                    f"{first[metric]:.4f}",
+                    (i, first[metric]),
+                    xytext=(12, 0),
+                    textcoords="offset points",
+                    va="center",
+                    fontsize=8,
+                )
+            ax.set_xlim(-0.6, len(SIDES) - 0.4)
+            ax.set_xticks(
+                range(len(SIDES)),
+                [
+                    f"{LABELS[s]}\n{results[name][s]['examples_per_s']:,.0f} examples/s"
+                    for s in SIDES
+                ],
+            )
+            ax.set_title(titles[metric], fontsize=10)
+            ax.grid(alpha=0.3, axis="y")
+            handles, labels = ax.get_legend_handles_labels()
+            keep = {lab: h for h, lab in zip(handles, labels, strict=True)}
+            ax.legend(keep.values(), keep.keys(), fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
