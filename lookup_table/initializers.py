@@ -15,10 +15,24 @@ stddev=0.05)` (values beyond two stddev are redrawn from the next counters, as
 Keras' TruncatedNormal does). Math is float64, the result float32 (n, dim).
 Changing any of this changes the first value of every new row: golden values in
 `tests/unit/test_initializers.py` pin it.
+
+The same on every CPU. Box-Muller needs log1p and cos, which are not correctly
+rounded, and numpy picks their SIMD kernel by CPU: its AVX-512 and AVX2 float64
+log1p differ from the baseline one in the last bit for about 7% of inputs (at
+most 1 ulp). A float64 result a few ulps off changes its float32 rounding only
+when it lies within those few ulps of a float32 rounding boundary. So a normal
+value is `mean + stddev * z` in float64 rounded to float32, except where that
+float64 lies within 2**-40 (relative; 2**13 float64 ulps, far above any kernel's
+error) of a boundary: there, about 1 value in 30,000, the exact value is computed
+with `decimal` (50 digits, no libm) and rounded to the nearest float32. Either
+way the result is the float32 nearest to the exact formula with the same float64
+inputs, whatever the CPU, numpy build or libm. Truncation decides |z| > 2 the
+same way. (Uniform rows use only +, *, which are exact IEEE operations.)
 """
 
 from __future__ import annotations
 
+import decimal
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -43,6 +57,15 @@ _ALIASES = {"random_uniform": "uniform", "random_normal": "normal", "zero": "zer
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _TWO_POW_M53 = 2.0**-53
 _MAX_TRUNCATION_ROUNDS = 64
+# Bound on what libm/SIMD kernels may change in a float64 normal value, relative to
+# |mean| + |stddev * z| (plus stddev * 2**-50 near zero): closer than this to a
+# float32 rounding boundary (or to the truncation bound), the value is computed exactly.
+_HARD_MARGIN = 2.0**-40
+_EXACT = decimal.Context(prec=50)
+_LOW_29 = (1 << 29) - 1
+_TIE_28 = 1 << 28
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_PI = decimal.Decimal("3.14159265358979323846264338327950288419716939937510582097494459")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,11 +123,93 @@ def _uniform01(base: NDArray[np.uint64], first_counter: int, count: int) -> NDAr
     return (bits >> np.uint64(11)).astype(np.float64) * _TWO_POW_M53
 
 
-def _normal(base: NDArray[np.uint64], round_: int, dim: int) -> NDArray[np.float64]:
-    """Standard normal float64 (n, dim) via Box-Muller from 2*dim counters per round."""
+def _normal(
+    base: NDArray[np.uint64], round_: int, dim: int
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
+    """Standard normal float64 (n, dim) via Box-Muller from 2*dim counters per round.
+
+    Returns (z, u1, u2): z and the two uniforms it came from, for `_exact_normal`.
+    """
     u = _uniform01(base, round_ * 2 * dim, 2 * dim)
-    radius = np.sqrt(-2.0 * np.log1p(-u[:, :dim]))  # 1 - u is in (0, 1]: log is finite
-    return radius * np.cos(2.0 * np.pi * u[:, dim:])
+    u1, u2 = u[:, :dim], u[:, dim:]
+    radius = np.sqrt(-2.0 * np.log1p(-u1))  # 1 - u is in (0, 1]: log is finite
+    return radius * np.cos(2.0 * np.pi * u2), u1, u2
+
+
+def _exact_cos(x: decimal.Decimal) -> decimal.Decimal:
+    """cos(x) for x in [0, 2*pi) to about 48 digits (Taylor series after folding to [0, pi])."""
+    with decimal.localcontext(_EXACT):
+        if x > _PI:
+            x = 2 * _PI - x
+        x2 = x * x
+        total = term = decimal.Decimal(1)
+        k = 0
+        while abs(term) > decimal.Decimal("1e-55"):
+            k += 2
+            term = -term * x2 / (k * (k - 1))
+            total += term
+        return +total
+
+
+def _exact_normal(u1: float, u2: float) -> decimal.Decimal:
+    """Box-Muller's z for these float64 uniforms, exact to about 48 digits.
+
+    The argument of cos is the float64 `2.0 * pi * u2`, exactly what `_normal`
+    passes to np.cos; only log1p, sqrt and cos are computed here without libm.
+    """
+    with decimal.localcontext(_EXACT):
+        one_minus_u1 = 1 - decimal.Decimal(u1)
+        radius = (-2 * one_minus_u1.ln()).sqrt() if u1 > 0 else decimal.Decimal(0)
+        return radius * _exact_cos(decimal.Decimal(2.0 * math.pi * u2))
+
+
+def _nearest_float32(x: decimal.Decimal) -> np.float32:
+    """The float32 nearest to x (ties to even); float(x) alone would round twice."""
+    guess = np.float32(float(x))
+    candidates = [np.nextafter(guess, np.float32(-np.inf)), guess]
+    candidates.append(np.nextafter(guess, np.float32(np.inf)))
+    with decimal.localcontext(_EXACT):
+        return min(
+            candidates,
+            key=lambda c: (abs(decimal.Decimal(float(c)) - x), int(c.view(np.uint32)) & 1),
+        )
+
+
+def _normal_to_float32(
+    mean: float,
+    stddev: float,
+    z: NDArray[np.float64],
+    u1: NDArray[np.float64],
+    u2: NDArray[np.float64],
+) -> NDArray[np.float32]:
+    """float32 (n, dim) nearest to mean + stddev * z, the same on every CPU (module docstring)."""
+    scaled = stddev * z
+    value = mean + scaled
+    out = value.astype(np.float32)
+    # float64 -> float32 rounding drops the low 29 mantissa bits: the boundary (a tie)
+    # is at 1 << 28, so this is the distance to it in float64 ulps (valid while value
+    # is a normal float32; smaller values, never seen in practice, go exact).
+    low_bits = (value.view(np.uint64) & np.uint64(_LOW_29)).view(np.int64)
+    to_boundary = np.abs(low_bits - _TIE_28) * np.spacing(np.abs(value))
+    to_boundary[np.abs(value) < _F32_TINY] = 0.0
+    margin = _HARD_MARGIN * (abs(mean) + np.abs(scaled)) + stddev * 2.0**-50
+    for i, j in zip(*np.nonzero(to_boundary <= margin), strict=True):  # ~1 in 30,000
+        z_exact = _exact_normal(u1[i, j], u2[i, j])
+        with decimal.localcontext(_EXACT):
+            exact = decimal.Decimal(mean) + decimal.Decimal(stddev) * z_exact
+        out[i, j] = _nearest_float32(exact)
+    return out
+
+
+def _beyond_two(
+    z: NDArray[np.float64], u1: NDArray[np.float64], u2: NDArray[np.float64]
+) -> NDArray[np.bool_]:
+    """|z| > 2, decided exactly where float64 z is too close to 2 to call."""
+    size = np.abs(z)
+    beyond = size > 2.0
+    for i, j in zip(*np.nonzero(np.abs(size - 2.0) <= 2.0 * _HARD_MARGIN), strict=True):
+        beyond[i, j] = abs(_exact_normal(u1[i, j], u2[i, j])) > 2
+    return beyond
 
 
 def initial_rows(
@@ -124,19 +229,24 @@ def initial_rows(
         # float32 rounding may land on maxval; Keras' interval is half-open.
         return np.minimum(rows, np.nextafter(np.float32(hi), np.float32(lo)))
     if spec.name == "normal":
-        return (p["mean"] + p["stddev"] * _normal(base, 0, dim)).astype(np.float32)
+        return _normal_to_float32(p["mean"], p["stddev"], *_normal(base, 0, dim))
     if spec.name == "truncated_normal":
-        z = _normal(base, 0, dim)
-        bad_rows = np.flatnonzero((np.abs(z) > 2.0).any(axis=1))
+        z, u1, u2 = _normal(base, 0, dim)
+        beyond = _beyond_two(z, u1, u2)
+        bad_rows = np.flatnonzero(beyond.any(axis=1))
         for round_ in range(1, _MAX_TRUNCATION_ROUNDS):
             if bad_rows.size == 0:
                 break
             redraw = _normal(base[bad_rows], round_, dim)
-            sub = z[bad_rows]
-            out_of_range = np.abs(sub) > 2.0
-            sub[out_of_range] = redraw[out_of_range]
-            z[bad_rows] = sub
-            bad_rows = bad_rows[(np.abs(sub) > 2.0).any(axis=1)]
+            redraw_beyond = _beyond_two(*redraw)
+            sub = [z[bad_rows], u1[bad_rows], u2[bad_rows]]
+            out_of_range = beyond[bad_rows]
+            for old, new in zip(sub, redraw, strict=True):
+                old[out_of_range] = new[out_of_range]
+            z[bad_rows], u1[bad_rows], u2[bad_rows] = sub
+            still_out = out_of_range & redraw_beyond
+            beyond[bad_rows] = still_out
+            bad_rows = bad_rows[still_out.any(axis=1)]
         np.clip(z, -2.0, 2.0, out=z)  # after 64 rounds: probability ~1e-86, never in practice
-        return (p["mean"] + p["stddev"] * z).astype(np.float32)
+        return _normal_to_float32(p["mean"], p["stddev"], z, u1, u2)
     raise ValueError(f"unknown initializer {spec.name!r}")

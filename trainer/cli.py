@@ -331,7 +331,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     _check_args(args)
     config = load_config(args.config)
-    raw = _source(args.data, args)
+    try:
+        raw = _source(args.data, args)
+    except DataError as exc:
+        if args.eval_data and "unknown columns" in str(exc):
+            _source(args.eval_data, args)  # raises too if the eval file lacks them as well
+            raise DataError(
+                f"{exc} (the --eval-data file has them, but the model trains on --data: "
+                "a column must be in both)"
+            ) from exc
+        raise
     eval_raw = _source(args.eval_data, args) if args.eval_data else None
     if eval_raw is not None:
         _check_eval_schema(raw, eval_raw, args.eval_data)

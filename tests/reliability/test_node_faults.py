@@ -41,7 +41,7 @@ from lookup_table.errors import (
     StoreFullError,
     StoreTimeoutError,
 )
-from lookup_table.keys import as_ids, decode_key
+from lookup_table.keys import as_ids, decode_key, encode_keys
 from lookup_table.localcluster import MemcachedProcess, free_port, start_memcached
 from lookup_table.sharding import node_of
 from lookup_table.store import META_TABLE
@@ -52,6 +52,7 @@ from tests.reliability.harness import (
     cluster_file,
     delete_keys,
     item_counts,
+    memcache_client,
     metadump_keys,
     node_stats,
     wait_healthy,
@@ -461,6 +462,35 @@ def _push_id_on(node: int, nodes: Sequence[str], stem: str, replica: int = 0) ->
     )
 
 
+def _fill_slab_classes(address: str, keys: Sequence[bytes], value_bytes: int) -> int:
+    """Write filler items the size of `keys` with `value_bytes` values (give or take 16
+    bytes, so flags or CAS do not matter) to the node until each of their slab classes
+    is exhausted: a write of that size fails with memcached's out-of-memory error.
+    Training stops at the first refused write, which may leave free chunks in the
+    class a later push needs; after this, no item of that size fits. Returns the
+    number of filler items written."""
+    from pymemcache.exceptions import MemcacheServerError
+
+    client = memcache_client(address)
+    written = 0
+    try:
+        for key_len in sorted({len(k) for k in keys}):
+            for size in range(value_bytes - 16, value_bytes + 17, 4):
+                value = b"f" * size
+                while True:
+                    key = f"fill/{key_len}/{size}/{written}".encode().ljust(key_len, b"_")
+                    assert len(key) == key_len, key
+                    try:
+                        client.set(key, value, noreply=False)
+                    except MemcacheServerError as exc:
+                        assert "out of memory" in str(exc), exc
+                        break
+                    written += 1
+    finally:
+        client.close()
+    return written
+
+
 @pytest.mark.timeout(180)
 def test_full_node_stops_training_with_store_full_and_keeps_rows(tmp_path: Path) -> None:
     """Train until a `-M -m 2` node is full: fit raises StoreFullError naming it (not another
@@ -468,7 +498,11 @@ def test_full_node_stops_training_with_store_full_and_keeps_rows(tmp_path: Path)
     push through the service that needs the node answers 507 StoreFullError naming it and
     OptimizerClient raises StoreFullError at once; no row of it is anything but absent or
     its one correct new value."""
-    big, small = start_memcached(memory_mb=64), start_memcached(memory_mb=2)
+    # slab_automove=0: memcached must not move a page into the class of the push's rows
+    # between the filling below and the push (with -M it would never evict, but a moved
+    # free page would let the push fit).
+    big = start_memcached(memory_mb=64)
+    small = start_memcached(memory_mb=2, extra_args=("-o", "slab_automove=0"))
     loop = asyncio.new_event_loop()
     try:
         with _cluster(tmp_path, [big, small]) as (_, config, service):
@@ -515,6 +549,9 @@ def test_full_node_stops_training_with_store_full_and_keeps_rows(tmp_path: Path)
             on_big = _ids_on("C1", 0, addresses, 4, start=10**12)
             ids = np.concatenate([on_small, on_big])
             grads = np.linspace(-1, 1, 8 * 16, dtype=np.float32).reshape(8, 16)
+            # Deterministic: no row of the push's size fits on the small node any more.
+            small_keys = encode_keys(config.namespace, "C1", "w", on_small)
+            _fill_slab_classes(small.address, small_keys, 16 * 4)
             push_id = _push_id_on(0, addresses, "full")
             status, doc, push_s = asyncio.run(_raw_push(service.url, push_id, "C1", ids, grads))
             assert status == 507, doc

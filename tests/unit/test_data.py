@@ -228,10 +228,10 @@ def test_synthetic_examples_do_not_depend_on_batch_size_or_split_path() -> None:
 
 
 def _plan(batch_size: int, **kw: object) -> object:
-    from trainer.data import _Plan
+    from trainer.data.plan import BatchPlan
 
     args = {"split": "train", "eval_fraction": 0.2, "worker_index": 0, "num_workers": 1} | kw
-    return _Plan(batch_size=batch_size, **args)  # type: ignore[arg-type]
+    return BatchPlan(batch_size=batch_size, **args)  # type: ignore[arg-type]
 
 
 FRESH_SYNTHETIC = """
@@ -533,11 +533,11 @@ def test_csv_quoted_fields_and_small_chunks(
     movies_csv: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Quoted fields with newlines survive any chunk boundary; batches straddle chunks."""
-    import trainer.data
+    import trainer.data.text
 
     whole = list(_movies(movies_csv).batches(2, split="all"))
     for chunk_chars in (1, 7, 40):
-        monkeypatch.setattr(trainer.data, "_CHUNK_CHARS", chunk_chars)
+        monkeypatch.setattr(trainer.data.text, "_CHUNK_CHARS", chunk_chars)
         assert _same_batches(list(_movies(movies_csv).batches(2, split="all")), whole)
     source = CsvSource(movies_csv, label="rating", categorical=["note"])
     notes = _column(source.batches(3, split="all"), "note").tolist()

@@ -19,6 +19,7 @@ import pytest
 from numpy.typing import NDArray
 
 import optimizer_service.optimizers as optimizers
+import optimizer_service.optimizers.adam as adam_module
 from lookup_table.config import (
     AdagradConfig,
     AdamConfig,
@@ -438,6 +439,29 @@ def test_matches_keras(tf: Any, config: OptimizerConfig) -> None:
             )
     assert max(errors.values()) <= 1e-6, errors
     assert rel_error(w, w0) > 1e-3  # the rows did move: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("beta", [0.8, 0.9, 0.99, 0.999, 0.9999])
+def test_beta_powers_match_tf_scalar_pow(tf: Any, beta: float) -> None:
+    """beta**t bit for bit as TF's Pow on 0-d float32 tensors (what Keras' Adam calls).
+
+    np.power's float32 SIMD kernels (AVX-512) are not correctly rounded and differ
+    from TF's scalar path (libm powf, subnormals flushed to zero) in ~20% of t.
+    """
+    chunk = 1000
+
+    @tf.function
+    def scalar_pows(b: Any, ts: Any) -> Any:  # one 0-d Pow per element, as in Keras
+        return tf.stack([tf.pow(b, t) for t in tf.unstack(ts, num=chunk)])
+
+    t = np.arange(1, 20_001, dtype=np.float32)  # reaches the subnormal range for beta <= 0.99
+    expected = np.concatenate(
+        [scalar_pows(tf.constant(F32(beta)), tf.constant(c)).numpy() for c in t.reshape(-1, chunk)]
+    )
+    got = adam_module._beta_powers(beta, t.reshape(-1, 1)).reshape(-1)
+    assert got.view(np.uint32).tolist() == expected.view(np.uint32).tolist()
+    eager = [tf.pow(tf.constant(F32(beta)), tf.constant(v)).numpy() for v in t[::997]]
+    assert np.array(eager, dtype=np.float32).tobytes() == got[::997].tobytes()
 
 
 # ---------------------------------------------------------------- segment_sum

@@ -162,3 +162,18 @@ def test_eval_data_trains_on_the_whole_file() -> None:
     assert sum(len(b) for b in _train_batches(source, args)) == 2000
     held_out = sum(len(b) for b in _train_batches(source, _args("--batch-size", "100")))
     assert 1500 < held_out < 1700
+
+
+def test_a_column_only_in_the_eval_file_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    train = tmp_path / "train.csv"
+    train.write_text("age,job,label\n30,a,0\n")
+    evals = tmp_path / "eval.csv"
+    evals.write_text("age,job,extra,label\n30,a,5,0\n")
+    config = tmp_path / "c.toml"
+    config.write_text('namespace = "t"\nmemcached = ["127.0.0.1:1"]\n')
+    argv = ["--config", str(config), "--data", f"csv:{train}", "--eval-data", f"csv:{evals}"]
+    assert main([*argv, "--label", "label", "--numeric", "age,extra", "--no-progress"]) == 1
+    assert "unknown columns ['extra']" in caplog.text
+    assert "the --eval-data file has them" in caplog.text
