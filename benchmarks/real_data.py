@@ -490,10 +490,9 @@ def run_keras(
 
     first: dict[str, float] = {}
 
-    class FirstLoss(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            if not first and logs:
-                first["loss"] = float(logs["loss"])
+    def first_loss(batch: int, logs: Any = None) -> None:
+        if not first and logs:
+            first["loss"] = float(logs["loss"])
 
     start = time.perf_counter()
     history = model.fit(
@@ -503,7 +502,7 @@ def run_keras(
         epochs=epochs,
         shuffle=True,
         verbose=0,
-        callbacks=[FirstLoss()],
+        callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=first_loss)],
     )
     seconds = time.perf_counter() - start
     preds = model.predict(x_eval, batch_size=8192, verbose=0).reshape(-1)
