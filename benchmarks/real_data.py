@@ -87,6 +87,7 @@ import io
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -709,7 +710,7 @@ def run_ours(
         "side": "ours",
         "seed": seed,
         "epochs": epochs,
-        "command": "lookup-table-train " + " ".join(args),
+        "command": "lookup-table-train " + shlex.join(args),
         "process_wall_seconds": wall,
         "seconds": summary.get("seconds"),
         "examples": summary.get("examples"),
