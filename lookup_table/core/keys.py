@@ -44,6 +44,7 @@ __all__ = [
     "decode_key",
     "encode_key",
     "encode_keys",
+    "id_text",
     "int_key_matrix",
     "key_prefix",
     "validate_name",
@@ -95,7 +96,8 @@ def key_prefix(namespace: str, table: str, kind: str) -> bytes:
     return prefix
 
 
-def _describe(value: object) -> str:
+def id_text(value: object) -> str:
+    """An id (or any value) for a message: its repr, cut to 80 characters."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -142,7 +144,7 @@ def as_ids(ids: Any, *, table: str | None = None) -> IdArray:
         return np.empty(0, dtype=np.int64)
     sample = arr.reshape(-1)[0]
     raise KeyEncodingError(
-        f"ids{where} must be int64 or str; got dtype {arr.dtype} (e.g. {_describe(sample)})"
+        f"ids{where} must be int64 or str; got dtype {arr.dtype} (e.g. {id_text(sample)})"
     )
 
 
@@ -160,11 +162,11 @@ def _object_ids(values: list[Any], where: str) -> IdArray:
                     out.append(v.decode("utf-8"))
                 except UnicodeDecodeError as exc:
                     raise KeyEncodingError(
-                        f"id {_describe(v)} at position {i}{where} is bytes that are not UTF-8"
+                        f"id {id_text(v)} at position {i}{where} is bytes that are not UTF-8"
                     ) from exc
             else:
                 raise KeyEncodingError(
-                    f"ids{where} mix str and {type(v).__name__}: {_describe(v)} at position {i}"
+                    f"ids{where} mix str and {type(v).__name__}: {id_text(v)} at position {i}"
                 )
         arr = np.empty(len(out), dtype=object)
         arr[:] = out
@@ -172,7 +174,7 @@ def _object_ids(values: list[Any], where: str) -> IdArray:
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, int | np.integer):
             raise KeyEncodingError(
-                f"ids{where} must be all int64 or all str; got {_describe(v)} "
+                f"ids{where} must be all int64 or all str; got {id_text(v)} "
                 f"({type(v).__name__}) at position {i}"
             )
         if not _INT64_MIN <= int(v) <= _INT64_MAX:
@@ -199,12 +201,12 @@ def _encode_str_id(value: str, prefix: bytes, table: str) -> bytes:
         key = prefix + b"s" + body.encode("ascii")
     except UnicodeEncodeError as exc:
         raise KeyEncodingError(
-            f"id {_describe(value)} of table {table!r} is not valid Unicode text "
+            f"id {id_text(value)} of table {table!r} is not valid Unicode text "
             f"(it cannot be encoded as UTF-8: {exc.reason})"
         ) from exc
     if len(key) > MAX_KEY_BYTES:
         raise KeyEncodingError(
-            f"id {_describe(value)} of table {table!r} is too long for a memcached key: the key "
+            f"id {id_text(value)} of table {table!r} is too long for a memcached key: the key "
             f"would be {len(key)} bytes, over the limit of {MAX_KEY_BYTES}; shorten or hash long "
             f"ids (e.g. hashlib.blake2b(id).hexdigest()) before looking them up"
         )

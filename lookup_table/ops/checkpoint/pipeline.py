@@ -15,7 +15,6 @@ __all__ = [
     "DEFAULT_BATCH_IDS",
     "DEFAULT_PAUSE_TIMEOUT_S",
     "WINDOW",
-    "id_text",
     "progress_bar",
     "run_bounded",
 ]
@@ -55,9 +54,3 @@ async def run_bounded(jobs: Iterable[Callable[[], Awaitable[None]]], window: int
         errors = failed.exceptions
         first = next((e for e in errors if isinstance(e, LookupTableError)), errors[0])
         raise first from None
-
-
-def id_text(value: object) -> str:
-    """An id for a message: its repr, cut to 80 characters."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

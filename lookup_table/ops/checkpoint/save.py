@@ -36,7 +36,7 @@ from numpy.typing import NDArray
 
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, TableSpec
-from lookup_table.core.keys import IdArray
+from lookup_table.core.keys import IdArray, id_text
 from lookup_table.core.keyspace import (
     DENSE_TABLE,
     META_TABLE,
@@ -68,7 +68,6 @@ from lookup_table.ops.checkpoint.pipeline import (
     DEFAULT_BATCH_IDS,
     DEFAULT_PAUSE_TIMEOUT_S,
     WINDOW,
-    id_text,
     progress_bar,
     run_bounded,
 )
