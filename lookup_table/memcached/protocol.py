@@ -31,6 +31,7 @@ comparison when all are `HD`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TypeAlias
 
 import numpy as np
@@ -107,11 +108,21 @@ def token_width(n: int) -> int:
     return len(str(n - 1)) if n > 1 else 1
 
 
-def _tokens(n: int, width: int) -> NDArray[np.uint8]:
-    """ASCII digits of 0 .. n-1, zero-padded to `width`, as a uint8 matrix (n, width)."""
+@lru_cache(maxsize=8)
+def _quiet_tail(n: int) -> NDArray[np.uint8]:
+    """`" v q O<i>\\r\\n"` for i in 0 .. n-1 as a read-only uint8 matrix (n, width + 8).
+
+    Cached: a store's batches mostly have `store.max_batch_keys` keys, and building
+    the digits costs as much as the rest of the request.
+    """
+    width = token_width(n)
     powers = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
-    digits = (np.arange(n, dtype=np.int64)[:, None] // powers) % 10 + _ZERO
-    return digits.astype(np.uint8)
+    tail = np.empty((n, width + 8), dtype=np.uint8)
+    tail[:, :6] = np.frombuffer(b" v q O", dtype=np.uint8)
+    tail[:, 6:-2] = (np.arange(n, dtype=np.int64)[:, None] // powers) % 10 + _ZERO
+    tail[:, -2:] = _CRLF
+    tail.setflags(write=False)
+    return tail
 
 
 def build_mg_quiet(keys: Keys) -> bytes:
@@ -123,27 +134,22 @@ def build_mg_quiet(keys: Keys) -> bytes:
     n = _num_keys(keys)
     if n == 0:
         return b""
-    width = token_width(n)
-    tokens = _tokens(n, width)
+    tail = _quiet_tail(n)
     if isinstance(keys, np.ndarray):
         key_width = keys.shape[1]
-        out = np.empty((n, key_width + width + 11), dtype=np.uint8)
+        out = np.empty((n, 3 + key_width + tail.shape[1]), dtype=np.uint8)
         out[:, :3] = np.frombuffer(b"mg ", dtype=np.uint8)
         out[:, 3 : 3 + key_width] = keys
-        col = 3 + key_width
-        out[:, col : col + 6] = np.frombuffer(b" v q O", dtype=np.uint8)
-        out[:, col + 6 : col + 6 + width] = tokens
-        out[:, -2:] = _CRLF
+        out[:, 3 + key_width :] = tail
         return out.tobytes()
     # Variable-width keys: each key, then its tail " v q O<i>\r\nmg " (a numpy S array,
     # whose tolist() gives bytes; digits are never NUL, so nothing is stripped).
-    tails = np.empty((n, width + 11), dtype=np.uint8)
-    tails[:, :6] = np.frombuffer(b" v q O", dtype=np.uint8)
-    tails[:, 6 : 6 + width] = tokens
-    tails[:, 6 + width :] = np.frombuffer(b"\r\nmg ", dtype=np.uint8)
+    tails = np.empty((n, tail.shape[1] + 3), dtype=np.uint8)
+    tails[:, :-3] = tail
+    tails[:, -3:] = np.frombuffer(b"mg ", dtype=np.uint8)
     parts: list[bytes] = [b""] * (2 * n)
     parts[0::2] = keys
-    parts[1::2] = tails.view(f"S{width + 11}").ravel().tolist()
+    parts[1::2] = tails.view(f"S{tails.shape[1]}").ravel().tolist()
     return b"mg " + b"".join(parts)[:-3]
 
 
@@ -305,9 +311,8 @@ def _fixed_quiet_hits(
         return None
     hits = body // stride
     starts = np.full(n, -1, dtype=np.int64)
-    sizes = np.zeros(n, dtype=np.int64)
     if hits == 0:
-        return MgReply(starts=starts, sizes=sizes, end=end, quiet=True)
+        return MgReply(starts=starts, sizes=np.zeros(n, dtype=np.int64), end=end, quiet=True)
     if hits > n:
         return None
     block = np.frombuffer(buf, dtype=np.uint8, count=body, offset=pos).reshape(hits, stride)
@@ -317,13 +322,23 @@ def _fixed_quiet_hits(
         and (block[:, -2:] == _CRLF).all()
     ):
         return None
-    digits = block[:, len(head) : len(head) + width] - np.uint8(_ZERO)  # wraps below "0"
+    tokens = block[:, len(head) : len(head) + width]
+    offsets = pos + header_len + np.arange(hits, dtype=np.int64) * stride
+    if hits == n:  # every read hit: the tokens must be 0 .. n-1 in order
+        if not (tokens == _quiet_tail(n)[:, 6 : 6 + width]).all():
+            return None  # the scan names the repeated or out-of-order token
+        sizes = np.full(n, nbytes, dtype=np.int64)
+        return MgReply(starts=offsets, sizes=sizes, end=end, stride=stride, quiet=True)
+    digits = tokens - np.uint8(_ZERO)  # wraps below "0"
     if (digits > 9).any():
         return None
-    index = digits.astype(np.int64) @ 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
+    index = digits[:, 0].astype(np.int64)
+    for j in range(1, width):
+        index = index * 10 + digits[:, j]
     if index[-1] >= n or (index[1:] <= index[:-1]).any():
         return None  # the scan names the repeated or out-of-range token
-    starts[index] = pos + header_len + np.arange(hits, dtype=np.int64) * stride
+    starts[index] = offsets
+    sizes = np.zeros(n, dtype=np.int64)
     sizes[index] = nbytes
     return MgReply(starts=starts, sizes=sizes, end=end, stride=stride, quiet=True)
 
