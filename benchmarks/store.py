@@ -478,11 +478,11 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
         s = summary[f"dim{dim}"]
         lines.append("")
         lines.append(f"dim {dim}")
-        lines.append(f"  {'method':<36} {'median ms':>10} {'rows/s':>9} {'vs ceiling':>10}")
+        lines.append(f"  {'method':<40} {'median ms':>10} {'rows/s':>9} {'vs ceiling':>10}")
         for m in METHODS:
             rate = s["rows_per_s"][m]
             lines.append(
-                f"  {LABELS[m]:<36} {s['median_seconds'][m] * 1e3:>10.1f} {fmt_rate(rate):>9} "
+                f"  {LABELS[m]:<40} {s['median_seconds'][m] * 1e3:>10.1f} {fmt_rate(rate):>9} "
                 f"{rate / s['rows_per_s']['ceiling']:>10.2f}"
             )
         r, p = s["ratios"], s["ratios_median_of_paired_rounds"]
@@ -508,7 +508,7 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
     lines.append("")
     lines.append(f"key encoding of {n_ids:,} int ids")
     lines.extend(
-        f"  {m:<36} {k['median_seconds'][m] * 1e3:>10.2f} ms {fmt_rate(k['ids_per_s'][m]):>9} ids/s"
+        f"  {m:<40} {k['median_seconds'][m] * 1e3:>10.2f} ms {fmt_rate(k['ids_per_s'][m]):>9} ids/s"
         for m in KEY_METHODS
     )
     lines.append(
