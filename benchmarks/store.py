@@ -19,16 +19,25 @@ random int64 ids:
 * `lookup`: `await store.lookup(table, ids)` on rows that exist.
 * `create`: `await store.lookup(table, ids)` on ids never seen before (a fresh id
   block per round): a read of all misses, the initializer, and an `add` per row.
+* `mixed`: `await store.lookup(table, ids)` where 90 % of the ids exist and 10 %
+  are new (fresh each round, in random order among the others): the read answers
+  hits and misses mixed, then the new rows are created with `add`. The batch of a
+  training step looks like this.
+* `mixed_eval`: the same mix with `create=False` (evaluation): nothing is written,
+  the new rows come back as their initial values (the same new ids every round).
 * `pymemcache`: what a user would write: `Client.get_many` with one client per
   node, the nodes queried one after the other (the client is synchronous), keys
   from `encode_keys`, values decoded with `np.frombuffer` over the joined values
   (the fastest simple decoding, so the baseline is not flattered down).
 
-All four run on the same process, cluster and keys, interleaved round by round
+All six run on the same process, cluster and keys, interleaved round by round
 (the order rotates each round), after one untimed warm-up round that also checks
 that the three readers return identical rows. `gc.collect()` runs before each
 timed call. Figures are medians of the rounds; ratios are taken within one run
-(PERF-NOTES.md: absolute figures vary 15-30% between runs).
+(PERF-NOTES.md: absolute figures vary 15-30% between runs). `mixed/lookup` and
+`mixed_eval/lookup` compare the mixed batches with the all-existing one of the
+same size (target >= 0.9: new rows in a batch should cost little more than
+their share of the adds).
 
 The ceiling is a ceiling for Python, not for memcached: with 2 nodes on a 2-core
 machine, memcached's own CPU (~1.3 us per key) sets the pace, and the store, which
@@ -64,6 +73,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig, NodeSpec, parse_config
+from lookup_table.core.initializers import initial_rows
 from lookup_table.core.keys import encode_keys, int_key_matrix, key_prefix
 from lookup_table.core.sharding import node_of
 from lookup_table.ops.localcluster import memcached_cluster
@@ -86,16 +96,20 @@ DIMS = (16, 64)
 NODES = 2
 MEMORY_MB = 1024
 SEED = 20240611
-METHODS = ("ceiling", "lookup", "create", "pymemcache")
+METHODS = ("ceiling", "lookup", "create", "mixed", "mixed_eval", "pymemcache")
 LABELS = {
     "ceiling": "raw pipelined mg (ceiling)",
     "lookup": "store.lookup, existing rows",
     "create": "store.lookup, fresh rows (created)",
+    "mixed": "store.lookup, 90 % existing + 10 % new",
+    "mixed_eval": "the same, create=False",
     "pymemcache": "pymemcache get_many per node",
 }
 KEY_METHODS = ("encode_keys", "int_key_matrix", "naive_loop")
 ACCEPT_LOOKUP_VS_CEILING = 0.7
 ACCEPT_LOOKUP_VS_PYMEMCACHE = 2.0
+ACCEPT_MIXED_VS_LOOKUP = 0.9
+NEW_FRACTION = 0.1  # of the ids of a mixed batch
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 
 _MG = np.frombuffer(b"mg ", dtype=np.uint8)
@@ -274,6 +288,15 @@ def timed_sync(call: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def mixed_batch(
+    existing: NDArray[np.int64], new: NDArray[np.int64], rng: np.random.Generator
+) -> NDArray[np.int64]:
+    """The first len(existing) - len(new) existing ids and the new ones, shuffled."""
+    ids = np.concatenate([existing[: existing.shape[0] - new.shape[0]], new])
+    rng.shuffle(ids)
+    return ids
+
+
 async def bench_dim(
     store: EmbeddingStore,
     ceiling: RawCeiling,
@@ -283,9 +306,14 @@ async def bench_dim(
     dim: int,
     existing: NDArray[np.int64],
     fresh_blocks: list[NDArray[np.int64]],
+    new_blocks: list[NDArray[np.int64]],
     rounds: int,
 ) -> Timings:
+    """Time every method; `new_blocks[0]` is the evaluation's new ids (never created),
+    `new_blocks[1]` the warm-up's, `new_blocks[r + 2]` round r's."""
     ns = store.namespace
+    rng = np.random.default_rng(SEED + dim)
+    mixed = [mixed_batch(existing, new, rng) for new in new_blocks]
     await store.lookup(table, existing)  # populate (creates every row)
 
     # Warm-up round (untimed): connections, caches, and a correctness check.
@@ -297,18 +325,35 @@ async def bench_dim(
     created = await store.lookup(table, fresh_blocks[0])
     if not np.array_equal(created, await ceiling.get(ns, table, fresh_blocks[0], dim)):
         raise RuntimeError(f"dim {dim}: created rows do not read back through the ceiling")
+    evaluated = await store.lookup(table, mixed[0], create=False)
+    spec = store.config.table(table)
+    is_new = np.isin(mixed[0], new_blocks[0])
+    expected = np.empty_like(evaluated)
+    expected[~is_new] = await ceiling.get(ns, table, mixed[0][~is_new], dim)
+    expected[is_new] = initial_rows(spec.initializer, seed=spec.seed, ids=mixed[0][is_new], dim=dim)
+    if not np.array_equal(evaluated, expected):
+        raise RuntimeError(f"dim {dim}: create=False did not return stored and initial rows")
+    if not np.array_equal(
+        await store.lookup(table, mixed[1]), await ceiling.get(ns, table, mixed[1], dim)
+    ):
+        raise RuntimeError(f"dim {dim}: a mixed batch does not read back through the ceiling")
 
     timings = Timings()
     for r in progress(rounds, f"dim {dim}"):
         shift = r % len(METHODS)
         for method in METHODS[shift:] + METHODS[:shift]:
-            ids = fresh_blocks[r + 1] if method == "create" else existing
+            ids = {
+                "create": fresh_blocks[r + 1],
+                "mixed": mixed[r + 2],
+                "mixed_eval": mixed[0],
+            }.get(method, existing)
             if method == "ceiling":
                 seconds = await timed(partial(ceiling.get, ns, table, ids, dim))
             elif method == "pymemcache":
                 seconds = timed_sync(partial(pymc.get, ns, table, ids, dim))
-            else:  # lookup and create: the same call, existing or fresh ids
-                seconds = await timed(partial(store.lookup, table, ids))
+            else:  # lookup, create and the mixed batches: the same call on other ids
+                create = method != "mixed_eval"
+                seconds = await timed(partial(store.lookup, table, ids, create=create))
             timings.add(method, seconds)
     return timings
 
@@ -341,7 +386,9 @@ def make_config(addresses: list[str]) -> ClusterConfig:
 
 async def run_cluster(config: ClusterConfig, *, n_ids: int, rounds: int) -> dict[str, Any]:
     rng = np.random.default_rng(SEED)
-    blocks = unique_id_blocks(rng, 1 + len(DIMS) * (rounds + 1), n_ids)
+    n_new = max(1, round(n_ids * NEW_FRACTION))
+    per_dim = 2 * (rounds + 1) + 1  # fresh blocks, then new-id blocks of the mixed batches
+    blocks = unique_id_blocks(rng, 1 + len(DIMS) * per_dim, n_ids)
     existing = blocks[0]
     results: dict[str, Any] = {}
     ceiling = RawCeiling(config.memcached)
@@ -351,7 +398,7 @@ async def run_cluster(config: ClusterConfig, *, n_ids: int, rounds: int) -> dict
         await ceiling.open()
         try:
             for k, dim in enumerate(DIMS):
-                fresh = blocks[1 + k * (rounds + 1) : 1 + (k + 1) * (rounds + 1)]
+                own = blocks[1 + k * per_dim : 1 + (k + 1) * per_dim]
                 results[f"dim{dim}"] = await bench_dim(
                     store,
                     ceiling,
@@ -359,7 +406,8 @@ async def run_cluster(config: ClusterConfig, *, n_ids: int, rounds: int) -> dict
                     table=f"emb{dim}",
                     dim=dim,
                     existing=existing,
-                    fresh_blocks=fresh,
+                    fresh_blocks=own[: rounds + 1],
+                    new_blocks=[block[:n_new] for block in own[rounds + 1 :]],
                     rounds=rounds,
                 )
         finally:
@@ -384,6 +432,8 @@ def summarize(results: dict[str, Any], n_ids: int) -> dict[str, Any]:
                 ("lookup/ceiling", "lookup", "ceiling"),
                 ("lookup/pymemcache", "lookup", "pymemcache"),
                 ("create/ceiling", "create", "ceiling"),
+                ("mixed/lookup", "mixed", "lookup"),
+                ("mixed_eval/lookup", "mixed_eval", "lookup"),
             )
         }
         summary[f"dim{dim}"] = {
@@ -394,6 +444,8 @@ def summarize(results: dict[str, Any], n_ids: int) -> dict[str, Any]:
                 "lookup/ceiling": rate["lookup"] / rate["ceiling"],
                 "lookup/pymemcache": rate["lookup"] / rate["pymemcache"],
                 "create/ceiling": rate["create"] / rate["ceiling"],
+                "mixed/lookup": rate["mixed"] / rate["lookup"],
+                "mixed_eval/lookup": rate["mixed_eval"] / rate["lookup"],
             },
             "ratios_median_of_paired_rounds": paired,
             "acceptance": {
@@ -401,6 +453,9 @@ def summarize(results: dict[str, Any], n_ids: int) -> dict[str, Any]:
                 >= ACCEPT_LOOKUP_VS_CEILING,
                 "lookup/pymemcache >= 2": rate["lookup"] / rate["pymemcache"]
                 >= ACCEPT_LOOKUP_VS_PYMEMCACHE,
+                "mixed/lookup >= 0.9": rate["mixed"] / rate["lookup"] >= ACCEPT_MIXED_VS_LOOKUP,
+                "mixed_eval/lookup >= 0.9": rate["mixed_eval"] / rate["lookup"]
+                >= ACCEPT_MIXED_VS_LOOKUP,
             },
         }
     k: Timings = results["keys"]
@@ -423,11 +478,11 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
         s = summary[f"dim{dim}"]
         lines.append("")
         lines.append(f"dim {dim}")
-        lines.append(f"  {'method':<36} {'median ms':>10} {'rows/s':>9} {'vs ceiling':>10}")
+        lines.append(f"  {'method':<40} {'median ms':>10} {'rows/s':>9} {'vs ceiling':>10}")
         for m in METHODS:
             rate = s["rows_per_s"][m]
             lines.append(
-                f"  {LABELS[m]:<36} {s['median_seconds'][m] * 1e3:>10.1f} {fmt_rate(rate):>9} "
+                f"  {LABELS[m]:<40} {s['median_seconds'][m] * 1e3:>10.1f} {fmt_rate(rate):>9} "
                 f"{rate / s['rows_per_s']['ceiling']:>10.2f}"
             )
         r, p = s["ratios"], s["ratios_median_of_paired_rounds"]
@@ -444,11 +499,16 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
         lines.append(
             f"  create/ceiling    {r['create/ceiling']:5.2f}  (paired {p['create/ceiling']:.2f})"
         )
+        lines.extend(
+            f"  {name:<17} {r[name]:5.2f}  (paired {p[name]:.2f})"
+            f"  target >= 0.9: {'met' if ok[name + ' >= 0.9'] else 'NOT MET'}"
+            for name in ("mixed/lookup", "mixed_eval/lookup")
+        )
     k = summary["key_encoding"]
     lines.append("")
     lines.append(f"key encoding of {n_ids:,} int ids")
     lines.extend(
-        f"  {m:<36} {k['median_seconds'][m] * 1e3:>10.2f} ms {fmt_rate(k['ids_per_s'][m]):>9} ids/s"
+        f"  {m:<40} {k['median_seconds'][m] * 1e3:>10.2f} ms {fmt_rate(k['ids_per_s'][m]):>9} ids/s"
         for m in KEY_METHODS
     )
     lines.append(
@@ -511,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         "parameters": {
             "rounds": args.rounds,
             "ids_per_batch": args.ids,
+            "new_fraction_of_mixed_batches": NEW_FRACTION,
             "quick": args.quick,
             "dims": list(DIMS),
             "nodes": NODES,
@@ -533,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
         "acceptance_targets": {
             "lookup/ceiling": ACCEPT_LOOKUP_VS_CEILING,
             "lookup/pymemcache": ACCEPT_LOOKUP_VS_PYMEMCACHE,
+            "mixed/lookup": ACCEPT_MIXED_VS_LOOKUP,
+            "mixed_eval/lookup": ACCEPT_MIXED_VS_LOOKUP,
         },
         **summary,
     }

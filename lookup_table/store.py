@@ -520,7 +520,8 @@ class EmbeddingStore:
             reply = parse_reply(data, pos)
             if reply is None or data[reply.end :] != protocol.END_REPLY:
                 return self._incomplete(node, data, reply)
-            self._raise_reply_errors(node, keys, reply.errors)
+            quiet = isinstance(reply, protocol.MgReply) and reply.quiet
+            self._raise_reply_errors(node, keys, reply.errors, quiet=quiet)
             return finish(data, reply)
 
         return await node.roundtrip(request, parse)
@@ -546,11 +547,14 @@ class EmbeddingStore:
                 )
             return protocol.gather_values(data, reply, nbytes), found
 
+        # Quiet reads: misses send nothing, so hits and misses in any mix parse as one
+        # fixed-stride block (protocol.parse_mg_quiet); the sentinel read in front is
+        # not quiet, so its miss is an explicit EN.
         return await self._batch(
             node,
             keys,
-            protocol.build_mg(keys),
-            lambda data, pos: protocol.parse_mg(data, pos, n, nbytes=nbytes),
+            protocol.build_mg_quiet(keys),
+            lambda data, pos: protocol.parse_mg_quiet(data, pos, n, nbytes=nbytes),
             finish,
         )
 
@@ -635,19 +639,27 @@ class EmbeddingStore:
         return None
 
     @staticmethod
-    def _raise_reply_errors(node: Node, keys: Keys, errors: dict[int, bytes]) -> None:
+    def _raise_reply_errors(
+        node: Node, keys: Keys, errors: dict[int, bytes], *, quiet: bool = False
+    ) -> None:
+        """Raise for the first error line; `quiet`: its position is only the lowest possible."""
         if not errors:
             return
         i, line = next(iter(errors.items()))
-        key = _key_text(keys, i)
+        # A quiet read's error line carries no token: it answers this key or a later one.
+        key = (
+            f"{_key_text(keys, i)!r} or a later key of the batch"
+            if quiet
+            else repr(_key_text(keys, i))
+        )
         if b"out of memory" in line:
             raise StoreFullError(
                 f"memcached node {node.address} is out of memory (started with -M) and refused "
-                f"key {key!r}: {line.decode('ascii', 'replace')}. Add memory (-m) or nodes; "
+                f"key {key}: {line.decode('ascii', 'replace')}. Add memory (-m) or nodes; "
                 f"rows already stored stay readable",
                 node=node.address,
             )
         raise StoreError(
-            f"memcached node {node.address} refused key {key!r}: {line.decode('ascii', 'replace')}",
+            f"memcached node {node.address} refused key {key}: {line.decode('ascii', 'replace')}",
             node=node.address,
         )

@@ -5,21 +5,33 @@ the protocol ourselves (memcached >= 1.6, `doc/protocol.txt`, "Meta Commands").
 A batch to one node is one write::
 
     mg <sentinel key> v\\r\\n          (optional: the node's data-loss sentinel)
-    mg <key> v\\r\\n   x n             (read)   or   ms <key> <len> [ME]\\r\\n<data>\\r\\n x n
+    mg <key> v q O<i>\\r\\n x n        (read of fixed-size rows)   or
+    mg <key> v\\r\\n   x n             (read of blobs)   or
+    ms <key> <len> [ME]\\r\\n<data>\\r\\n x n   (write)
     mn\\r\\n                           (end marker: memcached answers MN\\r\\n)
 
-We do not use the quiet flag: every command then has exactly one reply, in
-order, so replies map to keys by position (no `k`/`O` echo to parse) and a batch
-of fixed-size rows where every key hits is one fixed-stride block
-`VA <4*dim>\\r\\n<row>\\r\\n` x n that numpy checks and slices without a Python
-loop. Misses (`EN\\r\\n`) or errors fall back to a per-reply scan. Writes answer
-`HD\\r\\n` (stored) / `NS\\r\\n` (add lost the race) per key, checked as one
-uint32 comparison when all are `HD`.
+Rows (`build_mg_quiet` / `parse_mg_quiet`) are read in quiet mode with an opaque
+token: the key's position i in the batch, zero-padded to the digits of n - 1. A
+miss sends nothing, so the hits of fixed-size rows are one fixed-stride block
+`VA <4*dim> O<i>\\r\\n<row>\\r\\n` x hits that numpy checks and slices, and whose
+tokens it decodes into positions, without a Python loop, whatever the mix of
+hits and misses. Memcached answers a connection's commands in order, so the
+tokens must rise strictly: a repeated, out-of-order or out-of-range token is a
+stale or foreign reply (ProtocolError). Error lines carry no token; they fall back
+to a per-reply scan (as do values of another size), which knows only the lowest
+position an error line can belong to.
+
+The sentinel and blobs are read without the quiet flag: every command then has
+exactly one reply (`EN\\r\\n` on a miss), in order, so replies map to keys by
+position, and a missing sentinel is an explicit `EN`. Writes answer `HD\\r\\n`
+(stored) / `NS\\r\\n` (add lost the race) per key, checked as one uint32
+comparison when all are `HD`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TypeAlias
 
 import numpy as np
@@ -40,10 +52,13 @@ __all__ = [
     "STATUS_STORED",
     "build_md",
     "build_mg",
+    "build_mg_quiet",
     "build_ms",
     "gather_values",
     "parse_mg",
+    "parse_mg_quiet",
     "parse_ms",
+    "token_width",
 ]
 
 Keys: TypeAlias = "NDArray[np.uint8] | list[bytes]"
@@ -54,6 +69,8 @@ END_REPLY = b"MN\r\n"
 _CRLF = np.frombuffer(b"\r\n", dtype=np.uint8)
 _HD_U32 = np.frombuffer(b"HD\r\n", dtype="<u4")[0]
 _EN_U32 = np.frombuffer(b"EN\r\n", dtype="<u4")[0]
+_ZERO = ord("0")
+_ERROR_PREFIXES = (b"SERVER_ERROR", b"CLIENT_ERROR", b"ERROR")
 
 STATUS_STORED = 0
 STATUS_NOT_STORED = 1
@@ -80,6 +97,60 @@ def build_mg(keys: Keys) -> bytes:
     if not keys:
         return b""
     return b"mg " + b" v\r\nmg ".join(keys) + b" v\r\n"
+
+
+def _num_keys(keys: Keys) -> int:
+    return keys.shape[0] if isinstance(keys, np.ndarray) else len(keys)
+
+
+def token_width(n: int) -> int:
+    """Digits of the opaque tokens of a quiet batch of n reads: those of n - 1."""
+    return len(str(n - 1)) if n > 1 else 1
+
+
+@lru_cache(maxsize=8)
+def _quiet_tail(n: int) -> NDArray[np.uint8]:
+    """`" v q O<i>\\r\\n"` for i in 0 .. n-1 as a read-only uint8 matrix (n, width + 8).
+
+    Cached: a store's batches mostly have `store.max_batch_keys` keys, and building
+    the digits costs as much as the rest of the request.
+    """
+    width = token_width(n)
+    powers = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
+    tail = np.empty((n, width + 8), dtype=np.uint8)
+    tail[:, :6] = np.frombuffer(b" v q O", dtype=np.uint8)
+    tail[:, 6:-2] = (np.arange(n, dtype=np.int64)[:, None] // powers) % 10 + _ZERO
+    tail[:, -2:] = _CRLF
+    tail.setflags(write=False)
+    return tail
+
+
+def build_mg_quiet(keys: Keys) -> bytes:
+    """`mg <key> v q O<i>\\r\\n` for the key at every position i, as one buffer.
+
+    i is zero-padded to `token_width(n)` digits, so every hit of one value size
+    has the same reply length (`parse_mg_quiet`).
+    """
+    n = _num_keys(keys)
+    if n == 0:
+        return b""
+    tail = _quiet_tail(n)
+    if isinstance(keys, np.ndarray):
+        key_width = keys.shape[1]
+        out = np.empty((n, 3 + key_width + tail.shape[1]), dtype=np.uint8)
+        out[:, :3] = np.frombuffer(b"mg ", dtype=np.uint8)
+        out[:, 3 : 3 + key_width] = keys
+        out[:, 3 + key_width :] = tail
+        return out.tobytes()
+    # Variable-width keys: each key, then its tail " v q O<i>\r\nmg " (a numpy S array,
+    # whose tolist() gives bytes; digits are never NUL, so nothing is stripped).
+    tails = np.empty((n, tail.shape[1] + 3), dtype=np.uint8)
+    tails[:, :-3] = tail
+    tails[:, -3:] = np.frombuffer(b"mg ", dtype=np.uint8)
+    parts: list[bytes] = [b""] * (2 * n)
+    parts[0::2] = keys
+    parts[1::2] = tails.view(f"S{tails.shape[1]}").ravel().tolist()
+    return b"mg " + b"".join(parts)[:-3]
 
 
 def build_ms(
@@ -123,9 +194,11 @@ class MgReply:
     """Positions of the values in a reply buffer, one entry per `mg`.
 
     `starts[i]` is the offset of value i in the buffer, or -1 on a miss;
-    `sizes[i]` its length. `stride` is set when every key hit with the same
-    size, so the values are a strided view. `errors` maps positions whose reply
-    was an error line to that line.
+    `sizes[i]` its length. `stride` is set when every hit has the same size and
+    the hits follow each other back to back (`starts` of the hits rise by
+    `stride`), so the values are a strided view. `errors` maps positions whose
+    reply was an error line to that line; in a `quiet` reply the position is the
+    lowest the line can belong to (error lines carry no token).
     """
 
     starts: NDArray[np.int64]
@@ -133,6 +206,7 @@ class MgReply:
     end: int
     stride: int = 0
     errors: dict[int, bytes] = field(default_factory=dict)
+    quiet: bool = False
 
     @property
     def found(self) -> NDArray[np.bool_]:
@@ -210,12 +284,123 @@ def parse_mg(
             pos = start + size + 2
         elif nl == pos + 2 and buf.startswith(b"EN", pos):
             pos = nl + 2
-        elif buf.startswith((b"SERVER_ERROR", b"CLIENT_ERROR", b"ERROR"), pos):
+        elif buf.startswith(_ERROR_PREFIXES, pos):
             errors[i] = bytes(buf[pos:nl])
             pos = nl + 2
         else:
             raise ProtocolError(f"unexpected meta-get reply {bytes(buf[pos:nl])[:80]!r}")
     return MgReply(starts=starts, sizes=sizes, end=pos, errors=errors)
+
+
+def _fixed_quiet_hits(
+    buf: bytes | bytearray, pos: int, n: int, nbytes: int, width: int
+) -> MgReply | None:
+    """The reply from `pos` to the final `MN` as hits of `nbytes` only, or None.
+
+    Sound without a scan: the block at `pos` starts a reply; when its whole header
+    reads `VA <nbytes> O<digits>`, its value has nbytes bytes and the next block
+    starts the next reply, and so on; the `MN` after the last block is then the
+    end marker itself (no other reply starts with `MN`).
+    """
+    head = b"VA %d O" % nbytes
+    header_len = len(head) + width + 2
+    stride = header_len + nbytes + 2
+    end = len(buf) - len(END_REPLY)
+    body = end - pos
+    if body < 0 or body % stride or buf[end:] != END_REPLY:
+        return None
+    hits = body // stride
+    starts = np.full(n, -1, dtype=np.int64)
+    if hits == 0:
+        return MgReply(starts=starts, sizes=np.zeros(n, dtype=np.int64), end=end, quiet=True)
+    if hits > n:
+        return None
+    block = np.frombuffer(buf, dtype=np.uint8, count=body, offset=pos).reshape(hits, stride)
+    if not (
+        (block[:, : len(head)] == np.frombuffer(head, dtype=np.uint8)).all()
+        and (block[:, header_len - 2 : header_len] == _CRLF).all()
+        and (block[:, -2:] == _CRLF).all()
+    ):
+        return None
+    tokens = block[:, len(head) : len(head) + width]
+    offsets = pos + header_len + np.arange(hits, dtype=np.int64) * stride
+    if hits == n:  # every read hit: the tokens must be 0 .. n-1 in order
+        if not (tokens == _quiet_tail(n)[:, 6 : 6 + width]).all():
+            return None  # the scan names the repeated or out-of-order token
+        sizes = np.full(n, nbytes, dtype=np.int64)
+        return MgReply(starts=offsets, sizes=sizes, end=end, stride=stride, quiet=True)
+    digits = tokens - np.uint8(_ZERO)  # wraps below "0"
+    if (digits > 9).any():
+        return None
+    index = digits[:, 0].astype(np.int64)
+    for j in range(1, width):
+        index = index * 10 + digits[:, j]
+    if index[-1] >= n or (index[1:] <= index[:-1]).any():
+        return None  # the scan names the repeated or out-of-range token
+    starts[index] = offsets
+    sizes = np.zeros(n, dtype=np.int64)
+    sizes[index] = nbytes
+    return MgReply(starts=starts, sizes=sizes, end=end, stride=stride, quiet=True)
+
+
+def parse_mg_quiet(
+    buf: bytes | bytearray, pos: int, n: int, *, nbytes: int | None = None
+) -> MgReply | None:
+    """Parse the replies of n quiet reads (`build_mg_quiet`) from `pos` up to the `MN`.
+
+    Returns None while incomplete; `end` is the offset of the `MN\\r\\n` that ends
+    the batch. With `nbytes` (the expected value size) a reply whose hits all have
+    that size is decoded as one fixed-stride block, whatever the misses; otherwise
+    each reply is scanned.
+
+    Raises:
+        ProtocolError: a line that is not a quiet meta-get reply, a token that is
+            repeated, out of order or out of range (a stale or foreign reply), or
+            more replies than reads.
+    """
+    width = token_width(n)
+    if nbytes is not None:
+        fast = _fixed_quiet_hits(buf, pos, n, nbytes, width)
+        if fast is not None:
+            return fast
+    starts = np.full(n, -1, dtype=np.int64)
+    sizes = np.zeros(n, dtype=np.int64)
+    errors: dict[int, bytes] = {}
+    total = len(buf)
+    low = 0  # the lowest position the next reply can belong to
+    while not buf.startswith(END_REPLY, pos):
+        nl = buf.find(b"\r\n", pos)
+        if nl < 0:
+            return None
+        if buf.startswith(b"VA ", pos):
+            fields = bytes(buf[pos + 3 : nl]).split(b" ")
+            token = fields[1][1:] if len(fields) == 2 and fields[1][:1] == b"O" else b""
+            if not (fields[0].isdigit() and token.isdigit() and len(token) == width):
+                raise ProtocolError(f"bad quiet meta-get header {bytes(buf[pos:nl])[:80]!r}")
+            i = int(token)
+            if not low <= i < n:
+                raise ProtocolError(
+                    f"quiet meta-get reply for read {i} after replies up to read {low - 1} of "
+                    f"{n}: a repeated, out-of-order or foreign reply"
+                )
+            size = int(fields[0])
+            start = nl + 2
+            if total < start + size + 2:
+                return None
+            if buf[start + size : start + size + 2] != b"\r\n":
+                raise ProtocolError(f"value of read {i} is not followed by CRLF")
+            starts[i], sizes[i] = start, size
+            low = i + 1
+            pos = start + size + 2
+        elif buf.startswith(_ERROR_PREFIXES, pos):
+            if low >= n:
+                raise ProtocolError(f"more meta-get replies than the {n} reads")
+            errors[low] = bytes(buf[pos:nl])  # each error line answers one read
+            low += 1
+            pos = nl + 2
+        else:
+            raise ProtocolError(f"unexpected quiet meta-get reply {bytes(buf[pos:nl])[:80]!r}")
+    return MgReply(starts=starts, sizes=sizes, end=pos, errors=errors, quiet=True)
 
 
 def parse_ms(buf: bytes | bytearray, pos: int, n: int) -> MsReply | None:
@@ -262,16 +447,20 @@ def gather_values(buf: bytes | bytearray, reply: MgReply, nbytes: int) -> NDArra
     """
     n = reply.starts.shape[0]
     data = np.frombuffer(buf, dtype=np.uint8)
-    if reply.stride:
+    hits = np.flatnonzero(reply.found)
+    if reply.stride and hits.size:
         block = np.lib.stride_tricks.as_strided(
-            data[reply.starts[0] :],
-            shape=(n, nbytes),
+            data[reply.starts[hits[0]] :],
+            shape=(hits.size, nbytes),
             strides=(reply.stride, 1),
             writeable=False,
         )
-        return block.copy()
+        if hits.size == n:
+            return block.copy()
+        out = np.zeros((n, nbytes), dtype=np.uint8)
+        out[hits] = block
+        return out
     out = np.zeros((n, nbytes), dtype=np.uint8)
-    hits = np.flatnonzero(reply.found)
     if hits.size:
         index = reply.starts[hits][:, None] + np.arange(nbytes, dtype=np.int64)[None, :]
         out[hits] = data[index]

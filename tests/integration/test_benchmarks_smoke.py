@@ -18,8 +18,14 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-METHODS = ("ceiling", "lookup", "create", "pymemcache")
-RATIOS = ("lookup/ceiling", "lookup/pymemcache", "create/ceiling")
+METHODS = ("ceiling", "lookup", "create", "mixed", "mixed_eval", "pymemcache")
+RATIOS = (
+    "lookup/ceiling",
+    "lookup/pymemcache",
+    "create/ceiling",
+    "mixed/lookup",
+    "mixed_eval/lookup",
+)
 
 
 def _run_quick(name: str, tmp_path: Path, *, timeout_s: float, expect: str) -> dict[str, Any]:

@@ -22,10 +22,13 @@ from lookup_table.memcached.protocol import (
     STATUS_STORED,
     MgReply,
     build_mg,
+    build_mg_quiet,
     build_ms,
     gather_values,
     parse_mg,
+    parse_mg_quiet,
     parse_ms,
+    token_width,
 )
 from tests.strategies import int_id_arrays
 
@@ -57,6 +60,19 @@ def mg_reply(replies: list[Reply]) -> bytes:
             out.append(r.line + b"\r\n")
         else:
             out.append(b"VA %d\r\n%s\r\n" % (len(r), r))
+    return b"".join(out)
+
+
+def quiet_reply(replies: list[Reply]) -> bytes:
+    """What memcached answers to `mg <key> v q O<i>` per entry: hits (with their token)
+    and error lines (without one); a miss sends nothing."""
+    width = token_width(len(replies))
+    out = []
+    for i, r in enumerate(replies):
+        if isinstance(r, Err):
+            out.append(r.line + b"\r\n")
+        elif r is not None:
+            out.append(b"VA %d O%0*d\r\n%s\r\n" % (len(r), width, i, r))
     return b"".join(out)
 
 
@@ -407,3 +423,201 @@ def test_all_misses_take_the_vectorized_path_and_match_the_scan() -> None:
     reply = parse_mg(mixed, 0, n, nbytes=2)
     assert reply is not None and reply.found.tolist() == [False] * (n - 1) + [True]
     assert parse_mg(b"EN\r\n" * (n - 1), 0, n) is None  # incomplete
+
+
+# ------------------------------------------------------------------ quiet reads
+
+
+def test_golden_quiet_requests() -> None:
+    assert build_mg_quiet([b"a/b/w/s1", b"a/b/w/s2"]) == (
+        b"mg a/b/w/s1 v q O0\r\nmg a/b/w/s2 v q O1\r\n"
+    )
+    keys = [b"k%d" % i for i in range(11)]
+    request = build_mg_quiet(keys)
+    assert request.startswith(b"mg k0 v q O00\r\nmg k1 v q O01\r\n")
+    assert request.endswith(b"mg k10 v q O10\r\n")
+    assert build_mg_quiet([]) == b""
+    assert [token_width(n) for n in (0, 1, 2, 10, 11, 100, 101, 16_384, 100_001)] == [
+        1, 1, 1, 1, 2, 2, 3, 5, 6,
+    ]  # fmt: skip
+
+
+def test_golden_quiet_request_of_int_keys() -> None:
+    matrix = key_matrix(np.array([7, -1], dtype=np.int64))
+    assert build_mg_quiet(matrix) == (
+        b"mg " + matrix[0].tobytes() + b" v q O0\r\nmg " + matrix[1].tobytes() + b" v q O1\r\n"
+    )
+
+
+@given(int_id_arrays(max_size=120))
+def test_build_mg_quiet_matrix_equals_list_path(ids: np.ndarray) -> None:
+    matrix = key_matrix(ids)
+    as_list = [bytes(row) for row in matrix]
+    request = build_mg_quiet(matrix)
+    assert request == build_mg_quiet(as_list)
+    width = token_width(ids.shape[0])
+    expected = b"".join(b"mg %s v q O%0*d\r\n" % (k, width, i) for i, k in enumerate(as_list))
+    assert request == expected
+
+
+quiet_values = st.one_of(
+    st.binary(min_size=4, max_size=4),
+    # rows that look like protocol lines must not confuse the parsers
+    st.sampled_from([b"MN\r\n", b"EN\r\n", b"\r\n\r\n", b"VA 4", b"O1\r\n"]),
+)
+quiet_replies_st = st.lists(
+    st.one_of(
+        quiet_values,
+        st.none(),
+        st.sampled_from(ERROR_LINES).map(Err),
+        st.binary(max_size=9),  # a value of another size (corrupt) or blob
+    ),
+    max_size=40,
+)
+hit_miss_st = st.lists(st.one_of(quiet_values, st.none()), max_size=40)
+
+
+@given(quiet_replies_st, st.integers(0, 3), st.sampled_from([None, 4]))
+def test_parse_mg_quiet_agrees_with_the_loop_parser(
+    replies: list[Reply], lead: int, nbytes: int | None
+) -> None:
+    """The quiet parse finds what the (non-quiet) per-reply loop finds, reply by reply."""
+    n = len(replies)
+    loud_buf = mg_reply(replies) + END_REPLY
+    loud = parse_mg(loud_buf, 0, n)
+    buf = b"x" * lead + quiet_reply(replies) + END_REPLY
+    quiet = parse_mg_quiet(buf, lead, n, nbytes=nbytes)
+    assert loud is not None and quiet is not None
+    assert quiet.quiet and buf[quiet.end :] == END_REPLY
+    assert quiet.found.tolist() == loud.found.tolist()
+    assert quiet.sizes.tolist() == loud.sizes.tolist()
+    for i in np.flatnonzero(quiet.found).tolist():
+        start, size = int(quiet.starts[i]), int(quiet.sizes[i])
+        assert buf[start : start + size] == replies[i]
+    # Error lines carry no token: the same lines in the same order, each at the lowest
+    # position it can have (after the last hit, one read per error line since), which is
+    # never after its own.
+    assert list(quiet.errors.values()) == list(loud.errors.values())
+    for got, true in zip(quiet.errors, loud.errors, strict=True):
+        hit_before = max((h for h in np.flatnonzero(loud.found).tolist() if h < true), default=-1)
+        assert got == hit_before + 1 + sum(1 for e in loud.errors if hit_before < e < true)
+        assert got <= true
+    if nbytes is not None and all(len(r) == nbytes for r in replies if isinstance(r, bytes)):
+        assert (
+            gather_values(buf, quiet, nbytes).tobytes() == naive_values(replies, nbytes).tobytes()
+        )
+
+
+@given(hit_miss_st, st.integers(0, 3))
+def test_hits_of_one_size_take_the_vectorized_path_whatever_the_misses(
+    replies: list[Reply], lead: int
+) -> None:
+    n = len(replies)
+    buf = b"z" * lead + quiet_reply(replies) + END_REPLY
+    reply = parse_mg_quiet(buf, lead, n, nbytes=4)
+    assert reply is not None
+    hits = [i for i, r in enumerate(replies) if r is not None]
+    if hits:
+        assert reply.stride == len(b"VA 4 O\r\n") + token_width(n) + 4 + 2  # no scan
+    assert np.flatnonzero(reply.found).tolist() == hits
+    assert reply.errors == {} and reply.quiet
+    assert reply.end == len(buf) - len(END_REPLY)
+    got = gather_values(buf, reply, 4)
+    assert got.shape == (n, 4) and got.flags.writeable
+    assert got.tobytes() == naive_values(replies, 4).tobytes()
+
+
+@given(quiet_replies_st, st.sampled_from([None, 4]))
+def test_any_prefix_of_a_quiet_reply_is_incomplete_never_an_error(
+    replies: list[Reply], nbytes: int | None
+) -> None:
+    buf = quiet_reply(replies) + END_REPLY
+    for cut in range(len(buf)):
+        assert parse_mg_quiet(buf[:cut], 0, len(replies), nbytes=nbytes) is None, cut
+    assert parse_mg_quiet(buf, 0, len(replies), nbytes=nbytes) is not None
+
+
+def test_quiet_all_misses_and_no_reads() -> None:
+    reply = parse_mg_quiet(END_REPLY, 0, 3, nbytes=4)
+    assert reply is not None and not reply.found.any() and reply.end == 0
+    assert gather_values(END_REPLY, reply, 4).tolist() == [[0] * 4] * 3
+    reply = parse_mg_quiet(b"..." + END_REPLY, 3, 0, nbytes=4)
+    assert reply is not None and reply.starts.shape == (0,) and reply.end == 3
+
+
+def test_quiet_large_mixed_batch_is_one_block() -> None:
+    n = 16_384
+    rng = np.random.default_rng(0)
+    hit = rng.random(n) < 0.9
+    rows = rng.integers(0, 256, size=(n, 64), dtype=np.uint8)
+    replies: list[Reply] = [rows[i].tobytes() if hit[i] else None for i in range(n)]
+    buf = quiet_reply(replies) + END_REPLY
+    reply = parse_mg_quiet(buf, 0, n, nbytes=64)
+    assert reply is not None and reply.stride == len(b"VA 64 O00000\r\n") + 64 + 2
+    assert (reply.found == hit).all()
+    expected = np.where(hit[:, None], rows, 0)
+    assert (gather_values(buf, reply, 64) == expected).all()
+
+
+def test_quiet_wrong_size_is_reported_not_sliced() -> None:
+    # A value of another length must reach the caller (CorruptValueError), never a miss.
+    buf = quiet_reply([b"aaaa", None, b"bbbbbbbb", b"cccc"]) + END_REPLY
+    reply = parse_mg_quiet(buf, 0, 4, nbytes=4)
+    assert reply is not None
+    assert reply.stride == 0
+    assert reply.sizes.tolist() == [4, 0, 8, 4]
+    assert buf[reply.starts[2] : reply.starts[2] + 8] == b"bbbbbbbb"
+
+
+def test_quiet_error_lines_are_recorded_at_their_lowest_position() -> None:
+    oom = b"SERVER_ERROR out of memory writing get response"
+    buf = quiet_reply([b"aaaa", None, Err(oom), None, Err(b"ERROR"), b"bbbb"]) + END_REPLY
+    reply = parse_mg_quiet(buf, 0, 6, nbytes=4)
+    assert reply is not None and reply.quiet
+    assert reply.errors == {1: oom, 2: b"ERROR"}
+    assert reply.found.tolist() == [True, False, False, False, False, True]
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        (b"VA 4 O1\r\nabcd\r\nVA 4 O1\r\nabcd\r\n", "read 1 after replies up to read 1"),
+        (b"VA 4 O2\r\nabcd\r\nVA 4 O1\r\nabcd\r\n", "read 1 after replies up to read 2"),
+        (b"VA 4 O3\r\nabcd\r\n", "read 3 after"),  # out of range: only 3 reads
+        (b"ERROR\r\nVA 4 O0\r\nabcd\r\n", "read 0 after replies up to read 0"),
+        (b"ERROR\r\nERROR\r\nERROR\r\nERROR\r\n", "more meta-get replies than the 3"),
+        (b"EN\r\n", "unexpected quiet meta-get reply b'EN'"),  # a non-quiet miss
+        (b"HD O1\r\n", "unexpected quiet meta-get reply"),
+        (b"VA 4\r\nabcd\r\n", "bad quiet meta-get header"),  # no token
+        (b"VA 4 O01\r\nabcd\r\n", "bad quiet meta-get header"),  # token of another width
+        (b"VA 4 Ox\r\nabcd\r\n", "bad quiet meta-get header"),
+        (b"VA 4 k1\r\nabcd\r\n", "bad quiet meta-get header"),
+        (b"VA 4 O1 k\r\nabcd\r\n", "bad quiet meta-get header"),
+        (b"VA -4 O1\r\nabcd\r\n", "bad quiet meta-get header"),
+        (b"VA 4 O1\r\nabcdXX", "value of read 1 is not followed by CRLF"),
+        (b"VA 4 O1\r\nabcd\r\n\r\n", "unexpected quiet meta-get reply b''"),
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("nbytes", [None, 4])
+def test_quiet_garbage_or_stale_replies_raise(body: bytes, match: str, nbytes: int | None) -> None:
+    with pytest.raises(ProtocolError, match=match) as info:
+        parse_mg_quiet(body + END_REPLY, 0, 3, nbytes=nbytes)
+    assert isinstance(info.value, StoreError)
+
+
+def test_quiet_duplicate_hits_in_one_block_are_not_taken_by_the_fast_path() -> None:
+    # Every header sits where the stride expects it, but a token repeats: a stale or
+    # doubled reply must not be decoded as two rows.
+    buf = b"VA 4 O0\r\nabcd\r\nVA 4 O0\r\nefgh\r\n" + END_REPLY
+    with pytest.raises(ProtocolError, match="read 0 after replies up to read 0"):
+        parse_mg_quiet(buf, 0, 2, nbytes=4)
+
+
+def test_quiet_reply_after_the_end_marker_is_left_to_the_caller() -> None:
+    # parse stops at the first MN at a reply boundary; the store raises on what follows.
+    buf = quiet_reply([b"abcd", None]) + END_REPLY + b"VA 4 O1\r\nefgh\r\n" + END_REPLY
+    reply = parse_mg_quiet(buf, 0, 2, nbytes=4)
+    assert reply is not None
+    assert buf[reply.end :] != END_REPLY
+    assert reply.found.tolist() == [True, False]
