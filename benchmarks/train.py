@@ -589,7 +589,7 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
         f"eval on {params['eval_batches']} held-out batches; distributed: {params['mode']} "
         f"mode, max_pushes_in_flight {params['pushes_in_flight']}",
         "rounds used (other processes under "
-        f"{DISTURBED_SHARE * 100:.0f}%% of the machine): "
+        f"{DISTURBED_SHARE * 100:.0f}% of the machine): "
         + ", ".join(
             f"{LABELS[m]} {len(summary[m]['rounds_used'])} of {summary[m]['rounds_run']}"
             + (" (all disturbed)" if summary[m]["all_used_rounds_disturbed"] else "")
