@@ -32,7 +32,17 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "deploy" / "demo.toml"
 MEMCACHED_MEMORY_MB = 512  # -m of each node of `local_cluster`
 QUIET_SHARE = 0.25  # of all cores: `wait_for_quiet` waits until the machine is below it
+DISTURBED_SHARE = 0.15  # other processes' share of the machine that makes a timed window disturbed
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# The demo's training shape (deploy/demo.toml, deploy/demo.sh), as train.py and scaling.py run
+# it: the `mlp` model, batch 1024, SyntheticSource (seed 0) with 20% held out.
+MODEL = "mlp"
+HIDDEN = (256, 128)
+BATCH_SIZE = 1024
+EVAL_FRACTION = 0.2
+DATA_SEED = 0
+MODEL_SEED = 0
 
 
 # ---------------------------------------------------------------- the machine
@@ -388,7 +398,7 @@ def write_cluster_file(
     from lookup_table.ops.localcluster import free_port
 
     raw = tomllib.loads(DEMO_CONFIG.read_text())
-    ports = set()
+    ports: set[int] = set()
     while len(ports) < 3:  # three distinct ports that were free a moment ago
         ports.add(free_port())
     mc1, mc2, opt = sorted(ports)
@@ -413,13 +423,48 @@ def write_cluster_file(
 
 
 def _localcluster(
-    command: str, config: Path, run_dir: Path, memory_mb: int
+    command: str, config: Path, run_dir: Path, memory_mb: int, env: Mapping[str, str] | None
 ) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "lookup_table.ops.localcluster", command, "--config", str(config)]
     cmd += ["--run-dir", str(run_dir)]
     if command == "up":
         cmd += ["--memory-mb", str(memory_mb)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, check=False)
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+        env=None if env is None else dict(env),
+        check=False,
+    )
+
+
+@contextlib.contextmanager
+def running_cluster(
+    config_path: Path,
+    run_dir: Path,
+    *,
+    memory_mb: int = MEMCACHED_MEMORY_MB,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[None]:
+    """The memcached nodes and optimizer replicas of `config_path`, started with
+    `python -m lookup_table.ops.localcluster up` (pid files and logs in `run_dir`) and
+    always stopped with `... down`; a stop that leaves pid files is a warning."""
+    try:
+        up = _localcluster("up", config_path, run_dir, memory_mb, env)
+        if up.returncode != 0:
+            raise RuntimeError(f"cluster up failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
+        yield
+    finally:
+        down = _localcluster("down", config_path, run_dir, memory_mb, env)
+        left = sorted(p.name for p in run_dir.glob("*.pid"))
+        if down.returncode != 0 or left:
+            print(
+                f"warning: cluster down ({down.returncode}) left {left}:\n{down.stdout}"
+                f"{down.stderr}",
+                file=sys.stderr,
+            )
 
 
 @contextlib.contextmanager
@@ -432,25 +477,32 @@ def local_cluster(
     memory_mb: int = MEMCACHED_MEMORY_MB,
 ) -> Iterator[tuple[Path, Path, dict[str, Any]]]:
     """2 memcached nodes + 1 optimizer replica from a fresh cluster file (see
-    `write_cluster_file`), started with `python -m lookup_table.ops.localcluster up`;
-    always stopped. Yields the cluster file, the run dir (pid files, logs) and a summary."""
+    `write_cluster_file`), in a `running_cluster`. Yields the cluster file, the run dir
+    (pid files, logs) and a summary of the cluster."""
     work_dir.mkdir(parents=True)
     config_path, run_dir = work_dir / "cluster.toml", work_dir / "run"
     info = write_cluster_file(config_path, mode=mode, workers=workers, prefix=prefix)
-    try:
-        up = _localcluster("up", config_path, run_dir, memory_mb)
-        if up.returncode != 0:
-            raise RuntimeError(f"cluster up failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
+    with running_cluster(config_path, run_dir, memory_mb=memory_mb):
         yield config_path, run_dir, info
-    finally:
-        down = _localcluster("down", config_path, run_dir, memory_mb)
-        left = sorted(p.name for p in run_dir.glob("*.pid"))
-        if down.returncode != 0 or left:
-            print(
-                f"warning: cluster down ({down.returncode}) left {left}:\n{down.stdout}"
-                f"{down.stderr}",
-                file=sys.stderr,
-            )
+
+
+def service_log_errors(run_dir: Path, replica: int = 0) -> list[str]:
+    """The first 5 ERROR lines of an optimizer replica's log in `run_dir` ([] if none)."""
+    log = run_dir / f"optimizer-{replica}.log"
+    if not log.exists():
+        return []
+    return [ln for ln in log.read_text(errors="replace").splitlines() if " ERROR " in ln][:5]
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> None:
+    """Terminate `proc` if it still runs; kill it if it has not exited after `timeout_s`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def cluster_pids(run_dir: Path) -> dict[str, int]:

@@ -106,8 +106,15 @@ from trainer.metrics import auc, logloss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
+    BATCH_SIZE,
+    DATA_SEED,
     DEMO_CONFIG,
+    DISTURBED_SHARE,
+    EVAL_FRACTION,
+    HIDDEN,
     MEMCACHED_MEMORY_MB,
+    MODEL,
+    MODEL_SEED,
     QUIET_SHARE,
     cluster_pids,
     code_fingerprint,
@@ -116,6 +123,8 @@ from _common import (
     local_cluster,
     machine_info,
     report_head,
+    service_log_errors,
+    stop_process,
     wait_for_quiet,
     write_json,
 )
@@ -124,18 +133,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 PACKAGES = ("lookup_table", "optimizer_service", "trainer")  # whose source files `code` hashes
 
-MODEL = "mlp"
-HIDDEN = (256, 128)
-BATCH_SIZE = 1024
 VOCABULARY = 100_000  # rows per local Keras table (PERF-NOTES.md)
-EVAL_FRACTION = 0.2
-DATA_SEED = 0
-MODEL_SEED = 0
 EMBEDDING_LR = 0.01  # deploy/demo.toml: C1..C26 Adam 0.01
 DENSE_LR = 0.001  # deploy/demo.toml: [optimizer] Adam 0.001
 TARGET_RATIO = 0.5
 TARGET_AUC_GAP = 0.01
-DISTURBED_SHARE = 0.15  # other processes' share of the machine that makes a round disturbed
 PY_SPY_RATE_HZ = 100
 METHODS = ("local", "distributed")
 LABELS = {"local": "local Keras", "distributed": "distributed"}
@@ -354,22 +356,13 @@ def run_distributed(
             try:
                 proc.wait(timeout=120 + 10 * args.steps)
             finally:
-                if proc.poll() is None:
-                    proc.terminate()
-                    try:
-                        proc.wait(timeout=20)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
+                stop_process(proc)
         if proc.returncode != 0 or not output.exists():
             tail = log_path.read_text(errors="replace")[-4000:]
             raise RuntimeError(f"the trainer process failed ({proc.returncode}); its log:\n{tail}")
         result: dict[str, Any] = json.loads(output.read_text())
         result["cluster"] = info
-        service_log = run_dir / "optimizer-0.log"
-        if service_log.exists():
-            text = service_log.read_text(errors="replace")
-            result["service_log_errors"] = [ln for ln in text.splitlines() if " ERROR " in ln][:5]
+        result["service_log_errors"] = service_log_errors(run_dir)
         return result
 
 
