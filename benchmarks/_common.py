@@ -368,6 +368,34 @@ def cpu_usage(start: Mapping[str, Any], end: Mapping[str, Any], steps: int) -> d
     }
 
 
+def add_quiet_options(parser: Any, *, unit: str, wait_s: float) -> None:
+    """`--quiet-wait-s` and `--retries` of a benchmark whose `unit`s (a round, a run) are
+    timed windows on a shared machine; `quiet_options` fills in their defaults."""
+    parser.add_argument(
+        "--quiet-wait-s",
+        type=float,
+        default=None,
+        help=f"before each {unit}, wait up to this long for other processes to use less than "
+        f"{QUIET_SHARE * 100:.0f}%% of the machine (default {wait_s:.0f}; 0 with --quick)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=None,
+        help=f"repeat a {unit} (up to this many times) when other processes used more than "
+        f"{DISTURBED_SHARE * 100:.0f}%% of the machine during its window "
+        "(default 2; 0 with --quick)",
+    )
+
+
+def quiet_options(args: Any, *, wait_s: float) -> None:
+    """The defaults of `add_quiet_options`: `wait_s` and 2 retries, none with `--quick`."""
+    if args.quiet_wait_s is None:
+        args.quiet_wait_s = 0.0 if args.quick else wait_s
+    if args.retries is None:
+        args.retries = 0 if args.quick else 2
+
+
 def wait_for_quiet(max_wait_s: float, quiet_share: float = QUIET_SHARE) -> dict[str, Any]:
     """Wait (up to `max_wait_s`) until the machine was less than `quiet_share` busy for 2 s.
 

@@ -79,13 +79,14 @@ from _common import (
     HIDDEN,
     MODEL,
     MODEL_SEED,
-    QUIET_SHARE,
+    add_quiet_options,
     cluster_pids,
     code_fingerprint,
     local_cluster,
     machine_busy_s,
     machine_info,
     proc_cpu_s,
+    quiet_options,
     report_head,
     service_log_errors,
     stop_process,
@@ -531,21 +532,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 10 steps (3 warm-up), 1 round"
     )
-    parser.add_argument(
-        "--quiet-wait-s",
-        type=float,
-        default=None,
-        help="before each run, wait up to this long for other processes to use less than "
-        f"{QUIET_SHARE * 100:.0f}%% of the machine (default 120; 0 with --quick)",
-    )
-    parser.add_argument(
-        "--retries",
-        type=int,
-        default=None,
-        help=f"run again (up to this many times) when other processes used more than "
-        f"{DISTURBED_SHARE * 100:.0f}%% of the machine during the window (default 2; 0 with "
-        "--quick); the summary uses the undisturbed runs where there are any",
-    )
+    add_quiet_options(parser, unit="run", wait_s=120.0)
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     # the trainer process (internal)
     parser.add_argument(
@@ -561,10 +548,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.steps = args.steps or (10 if args.quick else 100)
     args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 10)
     args.rounds = args.rounds or (1 if args.quick else 2)
-    if args.quiet_wait_s is None:
-        args.quiet_wait_s = 0.0 if args.quick else 120.0
-    if args.retries is None:
-        args.retries = 0 if args.quick else 2
+    quiet_options(args, wait_s=120.0)
     if not 1 <= args.warmup < args.steps - 1:
         parser.error(f"--warmup must be in 1..steps-2, got {args.warmup} for {args.steps} steps")
     if args.rounds < 1 or args.batch_size < 1:

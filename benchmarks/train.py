@@ -115,13 +115,14 @@ from _common import (
     MEMCACHED_MEMORY_MB,
     MODEL,
     MODEL_SEED,
-    QUIET_SHARE,
+    add_quiet_options,
     cluster_pids,
     code_fingerprint,
     cpu_snapshot,
     cpu_usage,
     local_cluster,
     machine_info,
+    quiet_options,
     report_head,
     service_log_errors,
     stop_process,
@@ -715,13 +716,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="one more distributed run under py-spy (trainer and service); not in the table",
     )
-    parser.add_argument(
-        "--quiet-wait-s",
-        type=float,
-        default=None,
-        help="before each round, wait up to this long for other processes to use less than "
-        f"{QUIET_SHARE * 100:.0f}%% of the machine (default 180; 0 with --quick)",
-    )
+    add_quiet_options(parser, unit="round", wait_s=180.0)
     parser.add_argument(
         "--mode",
         choices=["async", "sync"],
@@ -734,14 +729,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help="Trainer max_pushes_in_flight (default: the Trainer's own default)",
-    )
-    parser.add_argument(
-        "--retries",
-        type=int,
-        default=None,
-        help=f"run a round again (up to this many times) when other processes used more than "
-        f"{DISTURBED_SHARE * 100:.0f}%% of the machine during its window "
-        "(default 2; 0 with --quick)",
     )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     # the trainer process (internal)
@@ -758,10 +745,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
     args.rounds = args.rounds or (1 if args.quick else 2)
     args.eval_batches = args.eval_batches or (2 if args.quick else 20)
-    if args.retries is None:
-        args.retries = 0 if args.quick else 2
-    if args.quiet_wait_s is None:
-        args.quiet_wait_s = 0.0 if args.quick else 180.0
+    quiet_options(args, wait_s=180.0)
     if not 1 <= args.warmup < args.steps - 1:
         parser.error(f"--warmup must be in 1..steps-2, got {args.warmup} for {args.steps} steps")
     if args.rounds < 1 or args.batch_size < 1 or args.eval_batches < 1:
