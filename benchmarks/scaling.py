@@ -604,7 +604,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sample_s": SAMPLE_S,
         "pushes_in_flight": runs[0]["pushes_in_flight"],
         "retries": args.retries,
+        "quiet_wait_s": args.quiet_wait_s,
         "disturbed_share": DISTURBED_SHARE,
+        "argv": sys.argv[1:] if argv is None else list(argv),
     }
     print()
     print(render_table(summary, params))
