@@ -1,5 +1,6 @@
 """Helpers the benchmark scripts share: machine and code description, report head
-and file, paired-round ratios, progress, timing, the cluster file, machine CPU.
+and file, paired-round ratios, progress, timing, the cluster file, machine CPU,
+per-process CPU from /proc, waiting for a quiet machine, a local demo cluster.
 
 Not a benchmark. The scripts run as `python benchmarks/<name>.py`, so they import
 this module as `_common` (their own folder is put first on `sys.path`).
@@ -7,15 +8,20 @@ this module as `_common` (their own folder is put first on `sys.path`).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import gc
 import hashlib
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import time
+import tomllib
+import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +29,20 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = ROOT / "deploy" / "demo.toml"
+MEMCACHED_MEMORY_MB = 512  # -m of each node of `local_cluster`
+QUIET_SHARE = 0.25  # of all cores: `wait_for_quiet` waits until the machine is below it
+DISTURBED_SHARE = 0.15  # other processes' share of the machine that makes a timed window disturbed
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# The demo's training shape (deploy/demo.toml, deploy/demo.sh), as train.py and scaling.py run
+# it: the `mlp` model, batch 1024, SyntheticSource (seed 0) with 20% held out.
+MODEL = "mlp"
+HIDDEN = (256, 128)
+BATCH_SIZE = 1024
+EVAL_FRACTION = 0.2
+DATA_SEED = 0
+MODEL_SEED = 0
 
 
 # ---------------------------------------------------------------- the machine
@@ -240,3 +260,284 @@ def to_toml(raw: Mapping[str, Any]) -> str:
             for item in v:
                 lines += ["", f"[[{k}]]", *(f"{kk} = {_toml_value(vv)}" for kk, vv in item.items())]
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- CPU accounting
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    """utime + stime of a process (all its threads) in seconds; None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # fields[0] is field 3, "state"
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's live threads, summed by thread name (comm)."""
+    out: dict[str, float] = collections.defaultdict(float)
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                text = (task / "stat").read_text()
+            except OSError:
+                continue
+            comm = text[text.index("(") + 1 : text.rindex(")")]
+            fields = text[text.rindex(")") + 2 :].split()
+            out[re.sub(r"\d+$", "#", comm)] += (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return dict(out)
+
+
+MEMCACHED_COUNTERS = (
+    "cmd_get",
+    "get_hits",
+    "get_misses",
+    "cmd_set",
+    "delete_hits",
+    "bytes_read",
+    "bytes_written",
+    "total_connections",
+)
+
+
+def memcached_counters(addresses: Sequence[str]) -> dict[str, int]:
+    """MEMCACHED_COUNTERS summed over the nodes (`stats` over a plain socket)."""
+    import socket
+
+    total = dict.fromkeys(MEMCACHED_COUNTERS, 0)
+    for address in addresses:
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(b"stats\r\n")
+            data = b""
+            while not data.endswith(b"END\r\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        for line in data.decode("ascii", "replace").splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == "STAT" and parts[1] in total:
+                total[parts[1]] += int(parts[2])
+    return total
+
+
+def cpu_snapshot(pids: Mapping[str, int], nodes: Sequence[str] = ()) -> dict[str, Any]:
+    return {
+        "time": time.perf_counter(),
+        "machine": machine_busy_s(),
+        "procs": {name: proc_cpu_s(pid) for name, pid in pids.items()},
+        "threads": thread_cpu_s(os.getpid()),
+        "memcached": memcached_counters(nodes) if nodes else {},
+    }
+
+
+def cpu_usage(start: Mapping[str, Any], end: Mapping[str, Any], steps: int) -> dict[str, Any]:
+    """CPU ms per step of each process and of the rest of the machine, over one window."""
+    wall = end["time"] - start["time"]
+    per_proc: dict[str, float] = {}
+    for name, before in start["procs"].items():
+        after = end["procs"].get(name)
+        if before is not None and after is not None:
+            per_proc[name] = (after - before) * 1e3 / steps
+    ours = sum(per_proc.values())
+    busy = (end["machine"] - start["machine"]) * 1e3 / steps
+    cpus = os.cpu_count() or 1
+    threads = {
+        name: (end["threads"].get(name, 0.0) - start["threads"].get(name, 0.0)) * 1e3 / steps
+        for name in set(start["threads"]) | set(end["threads"])
+    }
+    memcached = {
+        k: (end["memcached"][k] - v) / steps for k, v in start.get("memcached", {}).items()
+    }
+    return {
+        "wall_ms_per_step": wall * 1e3 / steps,
+        "cpu_ms_per_step": per_proc,
+        "total_cpu_ms_per_step": ours,
+        "cores_used": ours / (wall * 1e3 / steps) if wall > 0 else float("nan"),
+        "other_processes_cpu_ms_per_step": max(busy - ours, 0.0),
+        "other_processes_share": max(busy - ours, 0.0) / (cpus * wall * 1e3 / steps)
+        if wall > 0
+        else float("nan"),
+        "this_process_threads_cpu_ms_per_step": {
+            k: v for k, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v > 0
+        },
+        **({"memcached_per_step": memcached} if memcached else {}),
+    }
+
+
+def add_quiet_options(parser: Any, *, unit: str, wait_s: float) -> None:
+    """`--quiet-wait-s` and `--retries` of a benchmark whose `unit`s (a round, a run) are
+    timed windows on a shared machine; `quiet_options` fills in their defaults."""
+    parser.add_argument(
+        "--quiet-wait-s",
+        type=float,
+        default=None,
+        help=f"before each {unit}, wait up to this long for other processes to use less than "
+        f"{QUIET_SHARE * 100:.0f}%% of the machine (default {wait_s:.0f}; 0 with --quick)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=None,
+        help=f"repeat a {unit} (up to this many times) when other processes used more than "
+        f"{DISTURBED_SHARE * 100:.0f}%% of the machine during its window "
+        "(default 2; 0 with --quick)",
+    )
+
+
+def quiet_options(args: Any, *, wait_s: float) -> None:
+    """The defaults of `add_quiet_options`: `wait_s` and 2 retries, none with `--quick`."""
+    if args.quiet_wait_s is None:
+        args.quiet_wait_s = 0.0 if args.quick else wait_s
+    if args.retries is None:
+        args.retries = 0 if args.quick else 2
+
+
+def wait_for_quiet(max_wait_s: float, quiet_share: float = QUIET_SHARE) -> dict[str, Any]:
+    """Wait (up to `max_wait_s`) until the machine was less than `quiet_share` busy for 2 s.
+
+    The machine is shared: another job's burst would land in one method's window.
+    Returns the busy share last seen and how long we waited.
+    """
+    cpus = os.cpu_count() or 1
+    start = time.monotonic()
+    share = float("nan")
+    while True:
+        before, t0 = machine_busy_s(), time.monotonic()
+        time.sleep(2.0)
+        share = (machine_busy_s() - before) / ((time.monotonic() - t0) * cpus)
+        waited = time.monotonic() - start
+        if share < quiet_share or waited >= max_wait_s:
+            return {"busy_share": share, "waited_s": waited, "quiet": share < quiet_share}
+
+
+# ---------------------------------------------------------------- a local cluster
+
+
+def write_cluster_file(
+    path: Path, *, mode: str = "async", workers: int = 1, prefix: str = "benchtrain"
+) -> dict[str, Any]:
+    """deploy/demo.toml with fresh ports, a fresh namespace (`prefix` + 8 hex digits),
+    `workers` and `mode`: 2 memcached nodes and 1 optimizer replica."""
+    from lookup_table.config import load_config
+    from lookup_table.ops.localcluster import free_port
+
+    raw = tomllib.loads(DEMO_CONFIG.read_text())
+    ports: set[int] = set()
+    while len(ports) < 3:  # three distinct ports that were free a moment ago
+        ports.add(free_port())
+    mc1, mc2, opt = sorted(ports)
+    raw.update(
+        namespace=prefix + uuid.uuid4().hex[:8],
+        memcached=[f"127.0.0.1:{mc1}", f"127.0.0.1:{mc2}"],
+        optimizers=[f"http://127.0.0.1:{opt}"],
+        workers=workers,
+        mode=mode,
+    )
+    path.write_text(to_toml(raw))
+    ours, demo = load_config(path), load_config(DEMO_CONFIG)
+    if ours.tables != demo.tables or ours.optimizer != demo.optimizer:
+        raise RuntimeError(f"{path} does not reproduce deploy/demo.toml's tables and optimizer")
+    return {
+        "namespace": ours.namespace,
+        "memcached": list(ours.node_addresses),
+        "optimizers": list(ours.optimizers),
+        "mode": ours.mode,
+        "workers": ours.workers,
+    }
+
+
+def _localcluster(
+    command: str, config: Path, run_dir: Path, memory_mb: int, env: Mapping[str, str] | None
+) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "lookup_table.ops.localcluster", command, "--config", str(config)]
+    cmd += ["--run-dir", str(run_dir)]
+    if command == "up":
+        cmd += ["--memory-mb", str(memory_mb)]
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+        env=None if env is None else dict(env),
+        check=False,
+    )
+
+
+@contextlib.contextmanager
+def running_cluster(
+    config_path: Path,
+    run_dir: Path,
+    *,
+    memory_mb: int = MEMCACHED_MEMORY_MB,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[None]:
+    """The memcached nodes and optimizer replicas of `config_path`, started with
+    `python -m lookup_table.ops.localcluster up` (pid files and logs in `run_dir`) and
+    always stopped with `... down`; a stop that leaves pid files is a warning."""
+    try:
+        up = _localcluster("up", config_path, run_dir, memory_mb, env)
+        if up.returncode != 0:
+            raise RuntimeError(f"cluster up failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
+        yield
+    finally:
+        down = _localcluster("down", config_path, run_dir, memory_mb, env)
+        left = sorted(p.name for p in run_dir.glob("*.pid"))
+        if down.returncode != 0 or left:
+            print(
+                f"warning: cluster down ({down.returncode}) left {left}:\n{down.stdout}"
+                f"{down.stderr}",
+                file=sys.stderr,
+            )
+
+
+@contextlib.contextmanager
+def local_cluster(
+    work_dir: Path,
+    *,
+    mode: str = "async",
+    workers: int = 1,
+    prefix: str = "benchtrain",
+    memory_mb: int = MEMCACHED_MEMORY_MB,
+) -> Iterator[tuple[Path, Path, dict[str, Any]]]:
+    """2 memcached nodes + 1 optimizer replica from a fresh cluster file (see
+    `write_cluster_file`), in a `running_cluster`. Yields the cluster file, the run dir
+    (pid files, logs) and a summary of the cluster."""
+    work_dir.mkdir(parents=True)
+    config_path, run_dir = work_dir / "cluster.toml", work_dir / "run"
+    info = write_cluster_file(config_path, mode=mode, workers=workers, prefix=prefix)
+    with running_cluster(config_path, run_dir, memory_mb=memory_mb):
+        yield config_path, run_dir, info
+
+
+def service_log_errors(run_dir: Path, replica: int = 0) -> list[str]:
+    """The first 5 ERROR lines of an optimizer replica's log in `run_dir` ([] if none)."""
+    log = run_dir / f"optimizer-{replica}.log"
+    if not log.exists():
+        return []
+    return [ln for ln in log.read_text(errors="replace").splitlines() if " ERROR " in ln][:5]
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> None:
+    """Terminate `proc` if it still runs; kill it if it has not exited after `timeout_s`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def cluster_pids(run_dir: Path) -> dict[str, int]:
+    """{"optimizer": pid, "memcached-1": pid, ...} from the pid files of `localcluster up`."""
+    pids: dict[str, int] = {}
+    for path in sorted(run_dir.glob("optimizer-*.pid")):
+        pids["optimizer" if path.stem == "optimizer-0" else path.stem] = int(path.read_text())
+    for k, path in enumerate(sorted(run_dir.glob("memcached-*.pid")), start=1):
+        pids[f"memcached-{k}"] = int(path.read_text())
+    return pids

@@ -91,6 +91,7 @@ from _common import (
     plot_rates,
     progress,
     report_head,
+    stop_process,
     timed,
     to_toml,
     write_json,
@@ -164,13 +165,7 @@ def service_process(config_path: Path, port: int, log_path: Path) -> Iterator[in
         print(f"the optimizer service's log (tail):\n{tail or '(empty)'}", file=sys.stderr)
         raise
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        stop_process(proc, timeout_s=10)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:

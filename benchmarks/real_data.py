@@ -103,7 +103,16 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import code_fingerprint, machine_info, report_head, to_toml, write_json
+from _common import (
+    code_fingerprint,
+    machine_info,
+    report_head,
+    running_cluster,
+    service_log_errors,
+    stop_process,
+    to_toml,
+    write_json,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
@@ -601,16 +610,6 @@ def write_cluster_file(path: Path, ds: Dataset, train_path: Path) -> dict[str, A
     }
 
 
-def _localcluster(command: str, config: Path, run_dir: Path) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "lookup_table.ops.localcluster", command, "--config", str(config)]
-    cmd += ["--run-dir", str(run_dir)]
-    if command == "up":
-        cmd += ["--memory-mb", str(MEMCACHED_MEMORY_MB)]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=_env(), check=False
-    )
-
-
 def _env() -> dict[str, str]:
     """This checkout first on PYTHONPATH, so subprocesses run this code, not an install."""
     path = os.environ.get("PYTHONPATH")
@@ -630,23 +629,10 @@ def local_cluster(
     config_path, run_dir = work_dir / "cluster.toml", work_dir / "run"
     info = write_cluster_file(config_path, ds, train_path)
     try:
-        up = _localcluster("up", config_path, run_dir)
-        if up.returncode != 0:
-            raise RuntimeError(f"cluster up failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
-        yield config_path, info
+        with running_cluster(config_path, run_dir, memory_mb=MEMCACHED_MEMORY_MB, env=_env()):
+            yield config_path, info
     finally:
-        down = _localcluster("down", config_path, run_dir)
-        left = sorted(p.name for p in run_dir.glob("*.pid"))
-        if down.returncode != 0 or left:
-            print(
-                f"warning: cluster down ({down.returncode}) left {left}:\n{down.stdout}"
-                f"{down.stderr}",
-                file=sys.stderr,
-            )
-        service_log = run_dir / "optimizer-0.log"
-        if service_log.exists():
-            text = service_log.read_text(errors="replace")
-            info["service_log_errors"] = [ln for ln in text.splitlines() if " ERROR " in ln][:5]
+        info["service_log_errors"] = service_log_errors(run_dir)
 
 
 def cli_command(
@@ -692,13 +678,7 @@ def run_ours(
             try:
                 proc.wait(timeout=3600)
             finally:
-                if proc.poll() is None:
-                    proc.terminate()
-                    try:
-                        proc.wait(timeout=20)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
+                stop_process(proc)
         wall = time.perf_counter() - start
         if proc.returncode != 0 or not output.exists():
             tail = log_path.read_text(errors="replace")[-4000:]

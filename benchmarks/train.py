@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import hashlib
 import itertools
 import json
@@ -96,52 +95,54 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
-import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from lookup_table.ops.localcluster import free_port
 from trainer.data import Batch, SyntheticSource
 from trainer.metrics import auc, logloss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
+    BATCH_SIZE,
+    DATA_SEED,
+    DEMO_CONFIG,
+    DISTURBED_SHARE,
+    EVAL_FRACTION,
+    HIDDEN,
+    MEMCACHED_MEMORY_MB,
+    MODEL,
+    MODEL_SEED,
+    add_quiet_options,
+    cluster_pids,
     code_fingerprint,
-    machine_busy_s,
+    cpu_snapshot,
+    cpu_usage,
+    local_cluster,
     machine_info,
+    quiet_options,
     report_head,
-    to_toml,
+    service_log_errors,
+    stop_process,
+    wait_for_quiet,
     write_json,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-DEMO_CONFIG = ROOT / "deploy" / "demo.toml"
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 PACKAGES = ("lookup_table", "optimizer_service", "trainer")  # whose source files `code` hashes
 
-MODEL = "mlp"
-HIDDEN = (256, 128)
-BATCH_SIZE = 1024
 VOCABULARY = 100_000  # rows per local Keras table (PERF-NOTES.md)
-EVAL_FRACTION = 0.2
-DATA_SEED = 0
-MODEL_SEED = 0
 EMBEDDING_LR = 0.01  # deploy/demo.toml: C1..C26 Adam 0.01
 DENSE_LR = 0.001  # deploy/demo.toml: [optimizer] Adam 0.001
-MEMCACHED_MEMORY_MB = 512
 TARGET_RATIO = 0.5
 TARGET_AUC_GAP = 0.01
-DISTURBED_SHARE = 0.15  # other processes' share of the machine that makes a round disturbed
-QUIET_SHARE = 0.25  # of all cores, before a round starts
 PY_SPY_RATE_HZ = 100
 METHODS = ("local", "distributed")
 LABELS = {"local": "local Keras", "distributed": "distributed"}
 CPU_COLORS = {"optimizer": "tab:green", "memcached-1": "tab:gray", "memcached-2": "silver"}
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------- data
@@ -185,130 +186,6 @@ def data_digest(batches: Sequence[Batch]) -> str:
             h.update(np.ascontiguousarray(batch.features[name]).tobytes())
         h.update(batch.labels.tobytes())
     return h.hexdigest()[:16]
-
-
-# ---------------------------------------------------------------- CPU accounting
-
-
-def proc_cpu_s(pid: int) -> float | None:
-    """utime + stime of a process (all its threads) in seconds; None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()  # fields[0] is field 3, "state"
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-
-
-def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds of a process's live threads, summed by thread name (comm)."""
-    out: dict[str, float] = collections.defaultdict(float)
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                text = (task / "stat").read_text()
-            except OSError:
-                continue
-            comm = text[text.index("(") + 1 : text.rindex(")")]
-            fields = text[text.rindex(")") + 2 :].split()
-            out[re.sub(r"\d+$", "#", comm)] += (int(fields[11]) + int(fields[12])) / _CLK_TCK
-    return dict(out)
-
-
-MEMCACHED_COUNTERS = (
-    "cmd_get",
-    "get_hits",
-    "get_misses",
-    "cmd_set",
-    "delete_hits",
-    "bytes_read",
-    "bytes_written",
-    "total_connections",
-)
-
-
-def memcached_counters(addresses: Sequence[str]) -> dict[str, int]:
-    """MEMCACHED_COUNTERS summed over the nodes (`stats` over a plain socket)."""
-    import socket
-
-    total = dict.fromkeys(MEMCACHED_COUNTERS, 0)
-    for address in addresses:
-        host, port = address.rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=5) as sock:
-            sock.sendall(b"stats\r\n")
-            data = b""
-            while not data.endswith(b"END\r\n"):
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-        for line in data.decode("ascii", "replace").splitlines():
-            parts = line.split()
-            if len(parts) == 3 and parts[0] == "STAT" and parts[1] in total:
-                total[parts[1]] += int(parts[2])
-    return total
-
-
-def cpu_snapshot(pids: Mapping[str, int], nodes: Sequence[str] = ()) -> dict[str, Any]:
-    return {
-        "time": time.perf_counter(),
-        "machine": machine_busy_s(),
-        "procs": {name: proc_cpu_s(pid) for name, pid in pids.items()},
-        "threads": thread_cpu_s(os.getpid()),
-        "memcached": memcached_counters(nodes) if nodes else {},
-    }
-
-
-def cpu_usage(start: Mapping[str, Any], end: Mapping[str, Any], steps: int) -> dict[str, Any]:
-    """CPU ms per step of each process and of the rest of the machine, over one window."""
-    wall = end["time"] - start["time"]
-    per_proc: dict[str, float] = {}
-    for name, before in start["procs"].items():
-        after = end["procs"].get(name)
-        if before is not None and after is not None:
-            per_proc[name] = (after - before) * 1e3 / steps
-    ours = sum(per_proc.values())
-    busy = (end["machine"] - start["machine"]) * 1e3 / steps
-    cpus = os.cpu_count() or 1
-    threads = {
-        name: (end["threads"].get(name, 0.0) - start["threads"].get(name, 0.0)) * 1e3 / steps
-        for name in set(start["threads"]) | set(end["threads"])
-    }
-    memcached = {
-        k: (end["memcached"][k] - v) / steps for k, v in start.get("memcached", {}).items()
-    }
-    return {
-        "wall_ms_per_step": wall * 1e3 / steps,
-        "cpu_ms_per_step": per_proc,
-        "total_cpu_ms_per_step": ours,
-        "cores_used": ours / (wall * 1e3 / steps) if wall > 0 else float("nan"),
-        "other_processes_cpu_ms_per_step": max(busy - ours, 0.0),
-        "other_processes_share": max(busy - ours, 0.0) / (cpus * wall * 1e3 / steps)
-        if wall > 0
-        else float("nan"),
-        "this_process_threads_cpu_ms_per_step": {
-            k: v for k, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v > 0
-        },
-        **({"memcached_per_step": memcached} if memcached else {}),
-    }
-
-
-def wait_for_quiet(max_wait_s: float) -> dict[str, Any]:
-    """Wait (up to `max_wait_s`) until the machine was less than QUIET_SHARE busy for 2 s.
-
-    The machine is shared: another job's burst would land in one method's window.
-    Returns the busy share last seen and how long we waited.
-    """
-    cpus = os.cpu_count() or 1
-    start = time.monotonic()
-    share = float("nan")
-    while True:
-        before, t0 = machine_busy_s(), time.monotonic()
-        time.sleep(2.0)
-        share = (machine_busy_s() - before) / ((time.monotonic() - t0) * cpus)
-        waited = time.monotonic() - start
-        if share < QUIET_SHARE or waited >= max_wait_s:
-            return {"busy_share": share, "waited_s": waited, "quiet": share < QUIET_SHARE}
 
 
 # ---------------------------------------------------------------- step timing
@@ -454,78 +331,6 @@ def run_local(
     }
 
 
-# ---------------------------------------------------------------- (b) the cluster
-
-
-def write_cluster_file(path: Path, *, mode: str = "async") -> dict[str, Any]:
-    """deploy/demo.toml with fresh ports, a fresh namespace, `workers = 1` and `mode`."""
-    from lookup_table.config import load_config
-
-    raw = tomllib.loads(DEMO_CONFIG.read_text())
-    ports = set()
-    while len(ports) < 3:  # three distinct ports that were free a moment ago
-        ports.add(free_port())
-    mc1, mc2, opt = sorted(ports)
-    raw.update(
-        namespace="benchtrain" + uuid.uuid4().hex[:8],
-        memcached=[f"127.0.0.1:{mc1}", f"127.0.0.1:{mc2}"],
-        optimizers=[f"http://127.0.0.1:{opt}"],
-        workers=1,
-        mode=mode,
-    )
-    path.write_text(to_toml(raw))
-    ours, demo = load_config(path), load_config(DEMO_CONFIG)
-    if ours.tables != demo.tables or ours.optimizer != demo.optimizer:
-        raise RuntimeError(f"{path} does not reproduce deploy/demo.toml's tables and optimizer")
-    return {
-        "namespace": ours.namespace,
-        "memcached": list(ours.node_addresses),
-        "optimizers": list(ours.optimizers),
-        "mode": ours.mode,
-        "workers": ours.workers,
-    }
-
-
-def _localcluster(command: str, config: Path, run_dir: Path) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "lookup_table.ops.localcluster", command, "--config", str(config)]
-    cmd += ["--run-dir", str(run_dir)]
-    if command == "up":
-        cmd += ["--memory-mb", str(MEMCACHED_MEMORY_MB)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, check=False)
-
-
-@contextlib.contextmanager
-def local_cluster(work_dir: Path, *, mode: str) -> Iterator[tuple[Path, Path, dict[str, Any]]]:
-    """2 memcached nodes + 1 optimizer replica from a fresh cluster file; always stopped."""
-    work_dir.mkdir(parents=True)
-    config_path, run_dir = work_dir / "cluster.toml", work_dir / "run"
-    info = write_cluster_file(config_path, mode=mode)
-    try:
-        up = _localcluster("up", config_path, run_dir)
-        if up.returncode != 0:
-            raise RuntimeError(f"cluster up failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
-        yield config_path, run_dir, info
-    finally:
-        down = _localcluster("down", config_path, run_dir)
-        left = sorted(p.name for p in run_dir.glob("*.pid"))
-        if down.returncode != 0 or left:
-            print(
-                f"warning: cluster down ({down.returncode}) left {left}:\n{down.stdout}"
-                f"{down.stderr}",
-                file=sys.stderr,
-            )
-
-
-def cluster_pids(run_dir: Path) -> dict[str, int]:
-    """{"optimizer": pid, "memcached-1": pid, ...} from the pid files of `localcluster up`."""
-    pids: dict[str, int] = {}
-    for path in sorted(run_dir.glob("optimizer-*.pid")):
-        pids["optimizer" if path.stem == "optimizer-0" else path.stem] = int(path.read_text())
-    for k, path in enumerate(sorted(run_dir.glob("memcached-*.pid")), start=1):
-        pids[f"memcached-{k}"] = int(path.read_text())
-    return pids
-
-
 def run_distributed(
     args: argparse.Namespace,
     work_dir: Path,
@@ -552,22 +357,13 @@ def run_distributed(
             try:
                 proc.wait(timeout=120 + 10 * args.steps)
             finally:
-                if proc.poll() is None:
-                    proc.terminate()
-                    try:
-                        proc.wait(timeout=20)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
+                stop_process(proc)
         if proc.returncode != 0 or not output.exists():
             tail = log_path.read_text(errors="replace")[-4000:]
             raise RuntimeError(f"the trainer process failed ({proc.returncode}); its log:\n{tail}")
         result: dict[str, Any] = json.loads(output.read_text())
         result["cluster"] = info
-        service_log = run_dir / "optimizer-0.log"
-        if service_log.exists():
-            text = service_log.read_text(errors="replace")
-            result["service_log_errors"] = [ln for ln in text.splitlines() if " ERROR " in ln][:5]
+        result["service_log_errors"] = service_log_errors(run_dir)
         return result
 
 
@@ -787,7 +583,7 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
         f"eval on {params['eval_batches']} held-out batches; distributed: {params['mode']} "
         f"mode, max_pushes_in_flight {params['pushes_in_flight']}",
         "rounds used (other processes under "
-        f"{DISTURBED_SHARE * 100:.0f}%% of the machine): "
+        f"{DISTURBED_SHARE * 100:.0f}% of the machine): "
         + ", ".join(
             f"{LABELS[m]} {len(summary[m]['rounds_used'])} of {summary[m]['rounds_run']}"
             + (" (all disturbed)" if summary[m]["all_used_rounds_disturbed"] else "")
@@ -920,13 +716,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="one more distributed run under py-spy (trainer and service); not in the table",
     )
-    parser.add_argument(
-        "--quiet-wait-s",
-        type=float,
-        default=None,
-        help="before each round, wait up to this long for other processes to use less than "
-        f"{QUIET_SHARE * 100:.0f}%% of the machine (default 180; 0 with --quick)",
-    )
+    add_quiet_options(parser, unit="round", wait_s=180.0)
     parser.add_argument(
         "--mode",
         choices=["async", "sync"],
@@ -939,14 +729,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help="Trainer max_pushes_in_flight (default: the Trainer's own default)",
-    )
-    parser.add_argument(
-        "--retries",
-        type=int,
-        default=None,
-        help=f"run a round again (up to this many times) when other processes used more than "
-        f"{DISTURBED_SHARE * 100:.0f}%% of the machine during its window "
-        "(default 2; 0 with --quick)",
     )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     # the trainer process (internal)
@@ -963,10 +745,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
     args.rounds = args.rounds or (1 if args.quick else 2)
     args.eval_batches = args.eval_batches or (2 if args.quick else 20)
-    if args.retries is None:
-        args.retries = 0 if args.quick else 2
-    if args.quiet_wait_s is None:
-        args.quiet_wait_s = 0.0 if args.quick else 180.0
+    quiet_options(args, wait_s=180.0)
     if not 1 <= args.warmup < args.steps - 1:
         parser.error(f"--warmup must be in 1..steps-2, got {args.warmup} for {args.steps} steps")
     if args.rounds < 1 or args.batch_size < 1 or args.eval_batches < 1:

@@ -1,9 +1,10 @@
 """The benchmarks must keep running: `benchmarks/store.py --quick`,
 `benchmarks/optimizer.py --quick`, `benchmarks/train.py --quick`,
-`benchmarks/checkpoint.py --quick` and `benchmarks/sizing.py --quick` end to end.
+`benchmarks/checkpoint.py --quick`, `benchmarks/sizing.py --quick` and
+`benchmarks/scaling.py --quick` end to end.
 
-The figures of a quick run mean nothing (3 rounds of 8,192 or 4,096 ids, or 12
-training steps); this only checks that each script starts its cluster (and
+The figures of a quick run mean nothing (3 rounds of 8,192 or 4,096 ids, or 10
+or 12 training steps); this only checks that each script starts its cluster (and
 service), measures every method, writes its report and stops what it started.
 """
 
@@ -235,3 +236,51 @@ def test_sizing_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
             results[(dim, "adam")]["per_row"]["m_bytes"]
             > results[(dim, "sgd")]["per_row"]["m_bytes"]
         )
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_scaling_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
+    """`benchmarks/scaling.py --quick`: 1 trainer, then 2, 10 steps each, on fresh clusters."""
+    from lookup_table.ops.localcluster import wait_for_port
+
+    report = _run_quick("scaling", tmp_path, timeout_s=130, expect="trainers/core")
+    assert report["benchmark"] == "scaling"
+    assert {"timestamp", "machine", "code", "parameters", "summary", "runs"} <= set(report)
+    params = report["parameters"]
+    assert (params["steps"], params["warmup"], params["rounds"], params["quick"]) == (
+        10,
+        3,
+        1,
+        True,
+    )
+    assert params["batch_size"] == 1024 and params["order"] == [1, 2]
+
+    components = {"trainer", "optimizer", "memcached-1", "memcached-2"}
+    for r, n in zip(report["runs"], (1, 2), strict=True):
+        assert r["trainers"] == n and r["window_s"] > 0
+        assert set(r["examples"]) == {f"trainer-{i}" for i in range(n)}
+        assert r["examples_total"] == pytest.approx(sum(r["examples"].values()))
+        assert all(v > 0 for v in r["examples"].values())
+        per_1000 = r["cpu_ms_per_1000_examples"]
+        assert components <= set(per_1000) and all(per_1000[c] > 0 for c in components)
+        assert r["service_log_errors"] == []
+        # the cluster was stopped: nothing listens on its ports any more
+        for address in [*r["cluster"]["memcached"], *r["cluster"]["optimizers"]]:
+            host, port = address.removeprefix("http://").rsplit(":", 1)
+            assert not wait_for_port(host, int(port), timeout_s=0.2), address
+
+    summary = report["summary"]
+    sizing = summary["sizing"]
+    assert components | {"memcached (all nodes)", "all (per trainer)"} == set(sizing)
+    rate = summary["trainer_examples_per_s"]
+    for row in sizing.values():
+        cores = row["cpu_ms_per_1000_examples"] / 1e3 * rate / 1e3
+        assert row["cores_per_trainer"] == pytest.approx(cores)
+        assert row["trainers_per_core"] == pytest.approx(1 / cores)
+    val = summary["validation_2_trainers"]
+    assert set(val["per_1000_ratio_2_vs_1"]) == components
+    assert set(val["cores"]) == {"optimizer", "memcached-1", "memcached-2"}
+    assert all(v["predicted"] > 0 and v["measured"] > 0 for v in val["cores"].values())
+    assert val["examples_per_s_total"]["predicted"] > 0
+    assert (tmp_path / "scaling.png").stat().st_size > 0

@@ -1,0 +1,644 @@
+"""Benchmark what a trainer costs each component, to size a fleet: CPU per 1,000 examples.
+
+Run from the repository root::
+
+    python benchmarks/scaling.py            # 1 and 2 trainers, 100 steps each, 2 rounds
+    python benchmarks/scaling.py --quick    # smoke run: 10 steps, 1 round
+
+The shape is the demo's (deploy/demo.toml): the `mlp` model (`trainer.models.build_model`,
+Dense 256-128) on the 26 tables C1..C26 of dim 16 (Adam, lr 0.01; dense weights Adam
+0.001), batch 1024, `SyntheticSource` Criteo-like data (seed 0, eval fraction 0.2,
+worker I of N gets batches I, I+N, ...), async mode, `trainer.Trainer` with its defaults
+(`max_pushes_in_flight` 0 as `lookup-table-train` has it, dense weights pulled every step).
+
+Each run starts a fresh local cluster (`_common.local_cluster`: 2 memcached nodes and 1
+optimizer replica, a fresh namespace, `workers` = N) and N trainer processes (this script
+with `--role trainer`). Every trainer builds its batches and model first, then waits at a
+barrier so that all start training together, and records the monotonic time at the end of
+each step. Meanwhile this process samples, every `SAMPLE_S`, utime + stime of every
+process taking part (/proc/<pid>/stat) and the whole machine's busy time (/proc/stat).
+
+The window of a run is from the moment the last trainer finished its `--warmup`-th step to
+the moment the first trainer finished its last step: every trainer is training throughout.
+Each process's CPU over the window is interpolated between samples, and each trainer's
+examples in it from its step times. Then, per component:
+
+* **CPU ms per 1,000 examples**: a trainer's own CPU over its own examples (the mean over
+  the trainers); the optimizer replica's and each memcached node's over all examples.
+  CPU time is robust to other load on a shared machine, wall time is not.
+* **cores per trainer** = CPU-s per 1,000 examples x a trainer's examples/s / 1,000, with
+  a trainer's examples/s as measured with 1 trainer; **trainers per core** = 1 / that.
+
+Validation with 2 trainers (2 trainers + 1 replica + 2 nodes on this machine):
+
+* per-component CPU per 1,000 examples with 2 trainers / with 1 (the model says ~1.0);
+* the load of the replica and of each node predicted by the sizing rule (1 trainer's CPU
+  per 1,000 examples x the examples/s measured with 2 trainers / 1,000) against the cores
+  they used;
+* the throughput predicted for 2 trainers: each keeps its 1-trainer speed r1 unless the
+  machine runs out of cores, min(2 x r1, cores available / CPU-s per example of all the
+  components), where cores available = the machine's cores less what other processes
+  used in the 2-trainer window; against the measured examples/s.
+
+Rounds run in the order 1, 2, 2, 1, ... trainers so a drift of the machine's load hits both;
+figures are medians over rounds. As in train.py, before each run the script waits (up to
+`--quiet-wait-s`) for the machine to be quiet, and a run whose window saw other processes
+use more than 15% of the machine is marked disturbed and run again (`--retries`, default
+2); the summary uses the undisturbed runs of a trainer count if it has any (every attempt
+stays in the report's `runs`). CPU per example moves little with other load; a trainer's
+examples/s, and so cores per trainer, moves with it. Results go to `<out-dir>/scaling.json`
+and `<out-dir>/scaling.png` (default `benchmarks/results/`). Any failure exits non-zero;
+the cluster and the trainers are always stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    BATCH_SIZE,
+    DATA_SEED,
+    DISTURBED_SHARE,
+    EVAL_FRACTION,
+    HIDDEN,
+    MODEL,
+    MODEL_SEED,
+    add_quiet_options,
+    cluster_pids,
+    code_fingerprint,
+    local_cluster,
+    machine_busy_s,
+    machine_info,
+    proc_cpu_s,
+    quiet_options,
+    report_head,
+    service_log_errors,
+    stop_process,
+    wait_for_quiet,
+    write_json,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+PACKAGES = ("lookup_table", "optimizer_service", "trainer")  # whose source files `code` hashes
+
+TRAINER_COUNTS = (1, 2)
+SAMPLE_S = 0.2  # CPU sampling period
+PER = 1000  # examples: figures are per 1,000 examples
+COMPONENTS = ("trainer", "optimizer", "memcached-1", "memcached-2")
+COLORS = {
+    "trainer": "tab:orange",
+    "optimizer": "tab:green",
+    "memcached-1": "tab:gray",
+    "memcached-2": "silver",
+}
+
+
+# ---------------------------------------------------------------- the trainer process
+
+
+def trainer_role(args: argparse.Namespace) -> int:
+    """One trainer: its batches, the model, the barrier, Trainer.fit with step end times."""
+    from lookup_table.config import load_config
+    from trainer.data import SyntheticSource
+    from trainer.loop import Trainer
+    from trainer.models import build_model
+
+    config = load_config(args.config)
+    rows = math.ceil((args.steps + 1) * args.num_workers * args.batch_size / (1 - EVAL_FRACTION))
+    source = SyntheticSource(int(rows * 1.1), seed=DATA_SEED)  # 10% headroom: full batches
+    batches = list(
+        source.batches(
+            args.batch_size,
+            worker_index=args.worker_index,
+            num_workers=args.num_workers,
+            split="train",
+            eval_fraction=EVAL_FRACTION,
+        )
+    )[: args.steps]
+    if len(batches) != args.steps or any(len(b.labels) != args.batch_size for b in batches):
+        raise RuntimeError(f"wanted {args.steps} full batches, got {len(batches)}")
+    model = build_model(MODEL, source.schema, config, hidden=HIDDEN, seed=MODEL_SEED)
+    ends: list[float] = []
+
+    class TimedTrainer(Trainer):
+        def train_step(self, features: Any, labels: Any) -> float:
+            loss = super().train_step(features, labels)
+            ends.append(time.monotonic())  # CLOCK_MONOTONIC: one clock for every process
+            return loss
+
+    with TimedTrainer(config, model, worker_index=args.worker_index, progress=False) as trainer:
+        Path(args.ready_file).touch()
+        go = Path(args.go_file)
+        deadline = time.monotonic() + 300
+        while not go.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no {go} after 300 s")
+            time.sleep(0.02)
+        result = trainer.fit(batches, steps=args.steps)
+        pushes_in_flight = trainer.max_pushes_in_flight
+    out = {
+        "worker": args.worker_index,
+        "pid": os.getpid(),
+        "steps": result.steps,
+        "ends": ends,
+        "losses": [loss for _, loss in result.losses],
+        "pushes_in_flight": pushes_in_flight,
+    }
+    Path(args.output).write_text(json.dumps(out))
+    return 0
+
+
+# ---------------------------------------------------------------- sampling
+
+
+class Sampler:
+    """A thread that samples the CPU seconds of `pids` and of the machine every SAMPLE_S."""
+
+    def __init__(self, pids: Mapping[str, int]) -> None:
+        self.pids = dict(pids)
+        self.samples: list[tuple[float, dict[str, float | None], float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def _take(self) -> None:
+        procs = {name: proc_cpu_s(pid) for name, pid in self.pids.items()}
+        self.samples.append((time.monotonic(), procs, machine_busy_s()))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._take()
+            self._stop.wait(SAMPLE_S)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._take()
+
+    def at(self, t: float) -> dict[str, float]:
+        """CPU seconds of each process (and "machine") at monotonic time `t`, interpolated."""
+        times = np.array([s[0] for s in self.samples])
+        if not times[0] <= t <= times[-1]:
+            raise RuntimeError(
+                f"time {t:.2f} is outside the samples {times[0]:.2f}..{times[-1]:.2f}"
+            )
+        out = {"machine": float(np.interp(t, times, [s[2] for s in self.samples]))}
+        for name in self.pids:
+            values = [s[1][name] for s in self.samples]
+            known = [(ts, v) for ts, v in zip(times, values, strict=True) if v is not None]
+            if not known or not known[0][0] <= t <= known[-1][0]:
+                raise RuntimeError(f"{name} (pid {self.pids[name]}) was not running at {t:.2f}")
+            out[name] = float(np.interp(t, [k[0] for k in known], [k[1] for k in known]))
+        return out
+
+
+def window_figures(
+    sampler: Sampler, trainers: Sequence[Mapping[str, Any]], warmup: int, batch_size: int
+) -> dict[str, Any]:
+    """CPU and examples over the window in which every trainer is past its warm-up."""
+    t0 = max(t["ends"][warmup - 1] for t in trainers)
+    t1 = min(t["ends"][-1] for t in trainers)
+    if t1 <= t0:
+        raise RuntimeError("the trainers did not train at the same time: no common window")
+    wall = t1 - t0
+    examples = {}
+    for t in trainers:
+        steps = np.arange(1, len(t["ends"]) + 1, dtype=np.float64)
+        done = np.interp([t0, t1], t["ends"], steps)
+        examples[f"trainer-{t['worker']}"] = float(done[1] - done[0]) * batch_size
+    total = sum(examples.values())
+    before, after = sampler.at(t0), sampler.at(t1)
+    cpu_s = {name: after[name] - before[name] for name in sampler.pids}
+    ours = sum(cpu_s.values())
+    cores = os.cpu_count() or 1
+    other = max((after["machine"] - before["machine"]) - ours, 0.0)
+    per_1000: dict[str, float] = {}
+    for name, s in cpu_s.items():
+        n = examples[name] if name in examples else total  # a trainer: its own examples
+        per_1000[name] = s * 1e3 / n * PER
+    trainer_names = sorted(examples)
+    per_1000["trainer"] = statistics.fmean(per_1000[n] for n in trainer_names)
+    return {
+        "window_s": wall,
+        "examples": examples,
+        "examples_total": total,
+        "examples_per_s_total": total / wall,
+        "examples_per_s_per_trainer": total / wall / len(trainers),
+        "cpu_s": cpu_s,
+        "cores_used": {name: s / wall for name, s in cpu_s.items()},
+        "cpu_ms_per_1000_examples": per_1000,
+        "total_cpu_ms_per_1000_examples": ours * 1e3 / total * PER,
+        "other_processes_cores": other / wall,
+        "other_processes_share": other / wall / cores,
+    }
+
+
+# ---------------------------------------------------------------- one run
+
+
+def run(args: argparse.Namespace, n: int, work_dir: Path) -> dict[str, Any]:
+    """A fresh cluster and `n` trainer processes; CPU per component over the common window."""
+    with local_cluster(work_dir, workers=n, prefix="benchscale") as (config_path, run_dir, info):
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        go = work_dir / "go"
+        procs: list[subprocess.Popen[bytes]] = []
+        logs = []
+        try:
+            for i in range(n):
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "trainer"]
+                cmd += ["--config", str(config_path), "--worker-index", str(i)]
+                cmd += ["--num-workers", str(n), "--steps", str(args.steps)]
+                cmd += ["--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
+                cmd += ["--output", str(work_dir / f"trainer-{i}.json")]
+                cmd += ["--ready-file", str(work_dir / f"ready-{i}"), "--go-file", str(go)]
+                log = open(work_dir / f"trainer-{i}.log", "wb")  # closed in the finally
+                logs.append(log)
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, cwd=ROOT, env=env))
+            deadline = time.monotonic() + 300
+            while not all((work_dir / f"ready-{i}").exists() for i in range(n)):
+                failed = [i for i, p in enumerate(procs) if p.poll() is not None]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"trainer(s) {failed} exited before training (or 300 s)")
+                time.sleep(0.05)
+            pids = {f"trainer-{i}": p.pid for i, p in enumerate(procs)}
+            pids.update(cluster_pids(run_dir))
+            with Sampler(pids) as sampler:
+                time.sleep(2 * SAMPLE_S)  # a sample before any trainer's first step
+                go.touch()
+                for p in procs:
+                    p.wait(timeout=120 + 10 * args.steps)
+        finally:
+            for p in procs:
+                stop_process(p)
+            for log in logs:
+                log.close()
+        outputs = []
+        for i, p in enumerate(procs):
+            out = work_dir / f"trainer-{i}.json"
+            if p.returncode != 0 or not out.exists():
+                tail = (work_dir / f"trainer-{i}.log").read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"trainer {i} failed ({p.returncode}); its log:\n{tail}")
+            outputs.append(json.loads(out.read_text()))
+        result = window_figures(sampler, outputs, args.warmup, args.batch_size)
+    errors = service_log_errors(run_dir)  # the cluster is down: its log is complete
+    return {
+        "trainers": n,
+        **result,
+        "pushes_in_flight": outputs[0]["pushes_in_flight"],
+        "losses_last": [o["losses"][-1] for o in outputs],
+        "cluster": info,
+        "service_log_errors": errors,
+    }
+
+
+# ---------------------------------------------------------------- the model
+
+
+def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Medians per trainer count, the sizing table (from 1 trainer) and the 2-trainer check."""
+    by: dict[int, dict[str, Any]] = {}
+    for n in TRAINER_COUNTS:
+        tried = [r for r in runs if r["trainers"] == n]
+        # undisturbed runs only, unless every run of this count was disturbed
+        rs = [r for r in tried if not r["disturbed"]] or tried
+        by[n] = {
+            "runs_used": [f"{r['run']}.{r['attempt']}" for r in rs],
+            "runs_run": len(tried),
+            "all_used_runs_disturbed": all(r["disturbed"] for r in rs),
+            "cpu_ms_per_1000_examples": {
+                c: statistics.median(r["cpu_ms_per_1000_examples"][c] for r in rs)
+                for c in COMPONENTS
+            },
+            "total_cpu_ms_per_1000_examples": statistics.median(
+                r["total_cpu_ms_per_1000_examples"] for r in rs
+            ),
+            "examples_per_s_total": statistics.median(r["examples_per_s_total"] for r in rs),
+            "examples_per_s_per_trainer": statistics.median(
+                r["examples_per_s_per_trainer"] for r in rs
+            ),
+            "cores_used": {
+                c: statistics.median(r["cores_used"][c] for r in rs)
+                for c in ("optimizer", "memcached-1", "memcached-2")
+            },
+            "cores_used_total": statistics.median(sum(r["cores_used"].values()) for r in rs),
+            "other_processes_cores": statistics.median(r["other_processes_cores"] for r in rs),
+            "other_processes_share": statistics.median(r["other_processes_share"] for r in rs),
+        }
+    one, two = by[1], by[2]
+    rate = one["examples_per_s_per_trainer"]
+    sizing = {}
+    for c in COMPONENTS:
+        ms = one["cpu_ms_per_1000_examples"][c]
+        cores = ms / 1e3 * rate / PER  # CPU-s per 1,000 examples x examples/s / 1,000
+        sizing[c] = {
+            "cpu_ms_per_1000_examples": ms,
+            "cores_per_trainer": cores,
+            "trainers_per_core": 1 / cores if cores > 0 else math.inf,
+        }
+    # memcached as a fleet: both nodes together, per node-core
+    mc = sum(one["cpu_ms_per_1000_examples"][c] for c in ("memcached-1", "memcached-2"))
+    mc_cores = mc / 1e3 * rate / PER
+    sizing["memcached (all nodes)"] = {
+        "cpu_ms_per_1000_examples": mc,
+        "cores_per_trainer": mc_cores,
+        "trainers_per_core": 1 / mc_cores if mc_cores > 0 else math.inf,
+    }
+    total = sum(s["cores_per_trainer"] for c, s in sizing.items() if c in COMPONENTS)
+    sizing["all (per trainer)"] = {
+        "cpu_ms_per_1000_examples": sum(one["cpu_ms_per_1000_examples"][c] for c in COMPONENTS),
+        "cores_per_trainer": total,
+        "trainers_per_core": 1 / total if total > 0 else math.inf,
+    }
+    # the 2-trainer check. (a) load: the sizing rule, cores = CPU-s per 1,000 examples (from
+    # 1 trainer) x the examples/s measured with 2 / 1,000. (b) throughput: each trainer keeps
+    # its 1-trainer speed unless the machine runs out of cores. An example passes through one
+    # trainer, so the CPU per example of the whole system is the sum over the components.
+    measured_rate = two["examples_per_s_total"]
+    predicted_cores = {
+        c: one["cpu_ms_per_1000_examples"][c] / 1e3 * measured_rate / PER
+        for c in ("optimizer", "memcached-1", "memcached-2")
+    }
+    total_s_per_example = sizing["all (per trainer)"]["cpu_ms_per_1000_examples"] / 1e3 / PER
+    cores_available = (os.cpu_count() or 1) - two["other_processes_cores"]
+    predicted_rate = min(2 * rate, cores_available / total_s_per_example)
+    validation = {
+        "per_1000_ratio_2_vs_1": {
+            c: two["cpu_ms_per_1000_examples"][c] / one["cpu_ms_per_1000_examples"][c]
+            for c in COMPONENTS
+        },
+        "cores": {
+            c: {
+                "predicted": predicted_cores[c],
+                "measured": two["cores_used"][c],
+                "measured/predicted": two["cores_used"][c] / predicted_cores[c],
+            }
+            for c in predicted_cores
+        },
+        "cores_available": cores_available,
+        "cores_used_total": two["cores_used_total"],
+        "cpu_bound": predicted_rate < 2 * rate,
+        "examples_per_s_total": {
+            "predicted": predicted_rate,
+            "measured": measured_rate,
+            "measured/predicted": measured_rate / predicted_rate,
+        },
+    }
+    return {
+        "by_trainers": {str(n): v for n, v in by.items()},
+        "trainer_examples_per_s": rate,
+        "sizing": sizing,
+        "validation_2_trainers": validation,
+    }
+
+
+def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
+    by, sizing, val = summary["by_trainers"], summary["sizing"], summary["validation_2_trainers"]
+    rate = summary["trainer_examples_per_s"]
+    lines = [
+        f"{MODEL} {HIDDEN}, 26 tables dim 16 (Adam), batch {params['batch_size']}, async, "
+        f"{params['steps']} steps per trainer ({params['warmup']} warm-up), "
+        f"{params['rounds']} round(s); 1 optimizer replica, 2 memcached nodes, "
+        f"{os.cpu_count()} cores",
+        f"runs used (other processes under {DISTURBED_SHARE:.0%} of the machine): "
+        + ", ".join(
+            f"{n} trainer(s) {len(by[n]['runs_used'])} of {by[n]['runs_run']}"
+            + (" (all disturbed)" if by[n]["all_used_runs_disturbed"] else "")
+            for n in ("1", "2")
+        )
+        + f"; other processes used {by['1']['other_processes_share']:.0%} (1 trainer) and "
+        f"{by['2']['other_processes_share']:.0%} (2 trainers) of the machine",
+        "",
+        f"sizing (from 1 trainer at {rate:,.0f} examples/s; cores per trainer = CPU-s per "
+        "1,000 examples x examples/s / 1,000)",
+        f"{'component':<22} {'CPU ms/1k ex':>12} {'cores/trainer':>13} {'trainers/core':>13}",
+    ]
+    for c, s in sizing.items():
+        lines.append(
+            f"{c:<22} {s['cpu_ms_per_1000_examples']:>12.1f} {s['cores_per_trainer']:>13.2f} "
+            f"{s['trainers_per_core']:>13.2f}"
+        )
+    lines += [
+        "",
+        "1 vs 2 trainers: CPU ms per 1,000 examples (2/1 should be ~1.0)",
+        f"{'component':<22} {'1 trainer':>10} {'2 trainers':>10} {'2/1':>6}",
+    ]
+    for c in COMPONENTS:
+        one = by["1"]["cpu_ms_per_1000_examples"][c]
+        two = by["2"]["cpu_ms_per_1000_examples"][c]
+        lines.append(f"{c:<22} {one:>10.1f} {two:>10.1f} {two / one:>6.2f}")
+    ex = val["examples_per_s_total"]
+    lines += [
+        "",
+        f"2 trainers: load predicted from 1 trainer's CPU per 1,000 examples at the measured "
+        f"{ex['measured']:,.0f} examples/s",
+        f"{'':<22} {'predicted':>10} {'measured':>10} {'m/p':>6}",
+    ]
+    for c, v in val["cores"].items():
+        lines.append(
+            f"{c + ' cores':<22} {v['predicted']:>10.2f} {v['measured']:>10.2f} "
+            f"{v['measured/predicted']:>6.2f}"
+        )
+    bound = "CPU-bound" if val["cpu_bound"] else "not CPU-bound"
+    lines += [
+        f"{'examples/s (total)':<22} {ex['predicted']:>10,.0f} {ex['measured']:>10,.0f} "
+        f"{ex['measured/predicted']:>6.2f}   predicted: min(2 x 1 trainer's, cores available / "
+        f"CPU per example): {bound}, {val['cores_available']:.2f} cores available, "
+        f"{val['cores_used_total']:.2f} used",
+    ]
+    return "\n".join(lines)
+
+
+def plot(summary: Mapping[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by, val = summary["by_trainers"], summary["validation_2_trainers"]
+    fig, (ax_cpu, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
+    x = np.arange(len(COMPONENTS))
+    for k, n in enumerate(("1", "2")):
+        values = [by[n]["cpu_ms_per_1000_examples"][c] for c in COMPONENTS]
+        bars = ax_cpu.bar(
+            x + (k - 0.5) * 0.4,
+            values,
+            0.4,
+            color=[COLORS[c] for c in COMPONENTS],
+            alpha=1.0 if n == "1" else 0.55,
+            hatch=None if n == "1" else "//",
+            edgecolor="white",
+            label=f"{n} trainer{'s' if n == '2' else ''}",
+        )
+        ax_cpu.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax_cpu.set_xticks(x, ["trainer\n(each)", "optimizer\nreplica", "memcached-1", "memcached-2"])
+    ax_cpu.set_ylabel("CPU ms per 1,000 examples")
+    ax_cpu.set_title("CPU per 1,000 examples: 1 vs 2 trainers (solid: 1, hatched: 2)")
+    ax_cpu.grid(alpha=0.3, axis="y")
+
+    names = list(val["cores"])
+    x2 = np.arange(len(names))
+    pred = [val["cores"][c]["predicted"] for c in names]
+    meas = [val["cores"][c]["measured"] for c in names]
+    b1 = ax_val.bar(x2 - 0.2, pred, 0.4, label="predicted from 1 trainer", color="tab:blue")
+    b2 = ax_val.bar(x2 + 0.2, meas, 0.4, label="measured", color="tab:orange")
+    ax_val.bar_label(b1, fmt="%.2f", fontsize=8)
+    ax_val.bar_label(b2, fmt="%.2f", fontsize=8)
+    ex = val["examples_per_s_total"]
+    ax_val.set_xticks(x2, names)
+    ax_val.set_ylabel("cores used")
+    ax_val.set_title(
+        f"2 trainers at the measured {ex['measured']:,.0f} examples/s: load predicted vs measured"
+        f"\n(throughput predicted from 1 trainer: {ex['predicted']:,.0f} examples/s)",
+        fontsize=10,
+    )
+    ax_val.legend(fontsize=8)
+    ax_val.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=None, help="steps per trainer (default 100)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 10)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="rounds of 1 and of 2 trainers (default 2)"
+    )
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 10 steps (3 warm-up), 1 round"
+    )
+    add_quiet_options(parser, unit="run", wait_s=120.0)
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    # the trainer process (internal)
+    parser.add_argument(
+        "--role", choices=["main", "trainer"], default="main", help=argparse.SUPPRESS
+    )
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--num-workers", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--output", help=argparse.SUPPRESS)
+    parser.add_argument("--ready-file", help=argparse.SUPPRESS)
+    parser.add_argument("--go-file", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (10 if args.quick else 100)
+    args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 10)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    quiet_options(args, wait_s=120.0)
+    if not 1 <= args.warmup < args.steps - 1:
+        parser.error(f"--warmup must be in 1..steps-2, got {args.warmup} for {args.steps} steps")
+    if args.rounds < 1 or args.batch_size < 1:
+        parser.error("--rounds and --batch-size must be positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.role == "trainer":
+        return trainer_role(args)
+    # a SIGTERM (e.g. a test's timeout) unwinds through the finallys that stop everything
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = time.time()
+    from importlib.metadata import version  # the trainers import TensorFlow, not this process
+
+    machine = machine_info({"tensorflow": version("tensorflow"), "keras": version("keras")})
+    code = code_fingerprint(PACKAGES)
+    order = [TRAINER_COUNTS[(k + (k // 2)) % 2] for k in range(2 * args.rounds)]  # 1 2 2 1 ..
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-scaling-") as tmp:
+        for k, n in enumerate(order):
+            for attempt in range(args.retries + 1):
+                again = f" (again: the last try was disturbed, {attempt}/{args.retries})"
+                print(
+                    f"run {k + 1}/{len(order)}: {n} trainer(s){again if attempt else ''} ...",
+                    flush=True,
+                )
+                quiet = wait_for_quiet(args.quiet_wait_s)
+                r = run(args, n, Path(tmp) / f"run{k}-{attempt}")
+                r["run"], r["attempt"], r["machine_before"] = k, attempt, quiet
+                r["disturbed"] = r["other_processes_share"] > DISTURBED_SHARE
+                runs.append(r)
+                print(
+                    f"  {r['examples_per_s_total']:,.0f} examples/s over {r['window_s']:.1f} s, "
+                    f"other processes {r['other_processes_share']:.0%} of the machine; CPU ms "
+                    "per 1,000 examples: "
+                    + ", ".join(f"{c} {v:.0f}" for c, v in r["cpu_ms_per_1000_examples"].items()),
+                    flush=True,
+                )
+                if not r["disturbed"]:
+                    break
+    summary = summarize(runs)
+    params = {
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "batch_size": args.batch_size,
+        "quick": args.quick,
+        "trainer_counts": list(TRAINER_COUNTS),
+        "order": order,
+        "sample_s": SAMPLE_S,
+        "pushes_in_flight": runs[0]["pushes_in_flight"],
+        "retries": args.retries,
+        "quiet_wait_s": args.quiet_wait_s,
+        "disturbed_share": DISTURBED_SHARE,
+        "argv": sys.argv[1:] if argv is None else list(argv),
+    }
+    print()
+    print(render_table(summary, params))
+    report = {
+        **report_head("scaling", started, machine, code),
+        "parameters": {
+            **params,
+            "model": MODEL,
+            "hidden": list(HIDDEN),
+            "tables": "deploy/demo.toml C1..C26: dim 16, Adam lr 0.01; dense Adam lr 0.001",
+            "data": {
+                "source": "SyntheticSource",
+                "seed": DATA_SEED,
+                "eval_fraction": EVAL_FRACTION,
+            },
+            "cluster": "2 memcached nodes + 1 optimizer replica, async, fresh per run "
+            "(python -m lookup_table.ops.localcluster up)",
+            "window": "from the last trainer's warm-up end to the first trainer's last step",
+        },
+        "summary": summary,
+        "runs": runs,
+    }
+    if code_fingerprint(PACKAGES)["sha256_16"] != code["sha256_16"]:
+        report["code"]["changed_on_disk_during_run"] = True
+        print("warning: the code changed on disk during the run", file=sys.stderr)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = args.out_dir / "scaling.json", args.out_dir / "scaling.png"
+    write_json(json_path, report)
+    plot(summary, png_path)
+    print(f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
