@@ -130,7 +130,7 @@ def lookup_table_fingerprint() -> dict[str, Any]:
     import lookup_table
 
     root = Path(lookup_table.__file__).parent
-    files = {p.name: _file_sha256_16(p) for p in sorted(root.glob("*.py"))}
+    files = {str(p.relative_to(root)): _file_sha256_16(p) for p in sorted(root.rglob("*.py"))}
     return {"lookup_table": str(root), "sha256_16": _sha256_16(files), "files": files}
 
 
