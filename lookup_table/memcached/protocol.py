@@ -236,6 +236,21 @@ def _fixed_hits(buf: bytes | bytearray, pos: int, n: int, nbytes: int) -> MgRepl
     return MgReply(starts=starts, sizes=np.full(n, nbytes, dtype=np.int64), end=end, stride=stride)
 
 
+def _value_end(buf: bytes | bytearray, nl: int, size: int, what: str) -> int | None:
+    """Where the value of `size` bytes after the header line ending at `nl` ends (past its
+    CRLF); None if the buffer does not hold it all yet.
+
+    Raises:
+        ProtocolError: the value is not followed by CRLF.
+    """
+    start = nl + 2
+    if len(buf) < start + size + 2:
+        return None
+    if buf[start + size : start + size + 2] != b"\r\n":
+        raise ProtocolError(f"value of {what} is not followed by CRLF")
+    return start + size + 2
+
+
 def parse_mg(
     buf: bytes | bytearray, pos: int, n: int, *, nbytes: int | None = None
 ) -> MgReply | None:
@@ -265,7 +280,6 @@ def parse_mg(
     starts = np.full(n, -1, dtype=np.int64)
     sizes = np.zeros(n, dtype=np.int64)
     errors: dict[int, bytes] = {}
-    total = len(buf)
     for i in range(n):
         nl = buf.find(b"\r\n", pos)
         if nl < 0:
@@ -275,13 +289,11 @@ def parse_mg(
             if not header[0].isdigit():  # int() would also take b"-2", b" 8", b"1_0"
                 raise ProtocolError(f"bad meta-get header {bytes(buf[pos:nl])!r}")
             size = int(header[0])
-            start = nl + 2
-            if total < start + size + 2:
+            end = _value_end(buf, nl, size, f"reply {i}")
+            if end is None:
                 return None
-            if buf[start + size : start + size + 2] != b"\r\n":
-                raise ProtocolError(f"value of reply {i} is not followed by CRLF")
-            starts[i], sizes[i] = start, size
-            pos = start + size + 2
+            starts[i], sizes[i] = nl + 2, size
+            pos = end
         elif nl == pos + 2 and buf.startswith(b"EN", pos):
             pos = nl + 2
         elif buf.startswith(_ERROR_PREFIXES, pos):
@@ -366,7 +378,6 @@ def parse_mg_quiet(
     starts = np.full(n, -1, dtype=np.int64)
     sizes = np.zeros(n, dtype=np.int64)
     errors: dict[int, bytes] = {}
-    total = len(buf)
     low = 0  # the lowest position the next reply can belong to
     while not buf.startswith(END_REPLY, pos):
         nl = buf.find(b"\r\n", pos)
@@ -384,14 +395,12 @@ def parse_mg_quiet(
                     f"{n}: a repeated, out-of-order or foreign reply"
                 )
             size = int(fields[0])
-            start = nl + 2
-            if total < start + size + 2:
+            end = _value_end(buf, nl, size, f"read {i}")
+            if end is None:
                 return None
-            if buf[start + size : start + size + 2] != b"\r\n":
-                raise ProtocolError(f"value of read {i} is not followed by CRLF")
-            starts[i], sizes[i] = start, size
+            starts[i], sizes[i] = nl + 2, size
             low = i + 1
-            pos = start + size + 2
+            pos = end
         elif buf.startswith(_ERROR_PREFIXES, pos):
             if low >= n:
                 raise ProtocolError(f"more meta-get replies than the {n} reads")
