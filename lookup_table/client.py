@@ -34,6 +34,7 @@ from lookup_table.core.sharding import owner_of
 from lookup_table.core.wire import (
     CONTENT_TYPE,
     decode_array,
+    decode_ids,
     encode_array,
     encode_ids,
     pack,
@@ -127,10 +128,16 @@ class OptimizerClient:
         dense: Mapping[str, NDArray[np.float32]] | None = None,
         version: int = 0,
         push_id: str | None = None,
+        answer: Sequence[str] = (),
     ) -> dict[str, Any]:
         """Push the gradients of one step: `{table: (ids, grads (n, dim))}`.
 
-        Returns a summary: `{push_id, applied, duplicate, rows, replicas}`.
+        Returns a summary: `{push_id, applied, duplicate, rows, replicas, version}`.
+
+        `answer` asks the replicas to send back what the push changed (read your
+        writes): with "rows", `updated` maps each pushed table to (unique ids sorted,
+        their rows after the push); with "dense", `params` and `dense_version` are the
+        dense parameters after it (replica 0 answers whenever "dense" is asked).
 
         Raises:
             PushRejectedError: a replica answered 4xx (its message says why).
@@ -156,8 +163,9 @@ class OptimizerClient:
                 parts[k][name] = {"ids": encode_ids(sub_ids), "grads": encode_array(g[mine])}
         bodies: dict[int, bytes] = {}
         every = self.config.mode == "sync"  # each replica counts every worker's push
+        want_dense = "dense" in answer
         for k in range(n_replicas):
-            if every or parts[k] or (k == 0 and dense):
+            if every or parts[k] or (k == 0 and (dense or want_dense)):
                 body: dict[str, Any] = {
                     "push_id": push_id,
                     "worker": self.worker,
@@ -166,11 +174,14 @@ class OptimizerClient:
                 }
                 if k == 0 and dense:
                     body["dense"] = {name: encode_array(g) for name, g in dense.items()}
+                asked = [a for a in answer if a != "dense" or k == 0]
+                if asked:
+                    body["answer"] = asked
                 bodies[k] = pack(body)
         results = await asyncio.gather(
             *(self._post(k, "/v1/gradients", body) for k, body in bodies.items())
         )
-        return {
+        summary: dict[str, Any] = {
             "push_id": push_id,
             "applied": all(r.get("applied") for r in results) if results else True,
             "duplicate": any(r.get("duplicate") for r in results),
@@ -178,6 +189,12 @@ class OptimizerClient:
             "replicas": sorted(bodies),
             "version": max((int(r.get("version", 0)) for r in results), default=version),
         }
+        if "rows" in answer:
+            summary["updated"] = _updated_rows(results)
+        if want_dense and results and "params" in results[0]:
+            summary["params"] = _arrays(results[0]["params"])
+            summary["dense_version"] = int(results[0]["dense_version"])
+        return summary
 
     async def tables(self) -> dict[str, Any]:
         """`GET /v1/tables` of replica 0."""
@@ -282,6 +299,26 @@ class OptimizerClient:
             f"optimizer replica {replica} ({url}) failed after {self.max_retries + 1} attempts: "
             f"{problem}; is it running? (deploy/cluster.sh status)"
         )
+
+
+def _updated_rows(results: Sequence[Mapping[str, Any]]) -> dict[str, tuple[Any, Any]]:
+    """Per table, (unique ids sorted, rows) from every replica's `updated` answer."""
+    parts: dict[str, list[tuple[Any, NDArray[np.float32]]]] = {}
+    for r in results:
+        for name, doc in r.get("updated", {}).items():
+            ids = decode_ids(doc["ids"], field=f"updated.{name}.ids")
+            rows = decode_array(doc["rows"], field=f"updated.{name}.rows", dtype="<f4", ndim=2)
+            parts.setdefault(name, []).append((ids, rows))
+    out: dict[str, tuple[Any, Any]] = {}
+    for name, got in parts.items():
+        if len(got) == 1:
+            ids, rows = got[0]
+        else:
+            ids = np.concatenate([i for i, _ in got])
+            rows = np.concatenate([r for _, r in got])
+        order = np.argsort(ids, kind="stable")
+        out[name] = (ids[order], rows[order])
+    return out
 
 
 def _arrays(doc: Mapping[str, Any]) -> dict[str, NDArray[np.float32]]:

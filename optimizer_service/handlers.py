@@ -20,6 +20,7 @@ from optimizer_service.appkeys import CONFIG, METRICS, REPLICA, STORE, UPDATER
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.push import parse_push
 from optimizer_service.responses import json_error, msgpack_response
+from optimizer_service.updater import PLAN
 
 __all__ = [
     "float_query",
@@ -44,14 +45,18 @@ async def post_gradients(request: web.Request) -> web.Response:
         raise BadRequestError(str(exc), reason="malformed") from None
     push = parse_push(obj, config=app[CONFIG], replica=app[REPLICA])
     metrics = app[METRICS]
+    updater = app[UPDATER]
     with metrics.push_latency.time():
-        result = await app[UPDATER].apply(push)
+        result = await updater.apply(push)
     if result["duplicate"]:
         metrics.duplicates.inc()
         metrics.pushes.labels(status="duplicate").inc()
     else:
         metrics.pushes.labels(status="applied").inc()
-    return msgpack_response(result)
+    answer = {k: v for k, v in result.items() if k != PLAN}
+    if push.answer:
+        answer.update(await updater.answer(push, result))
+    return msgpack_response(answer)
 
 
 def _replica0(request: web.Request, what: str) -> None:

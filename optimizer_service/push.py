@@ -24,10 +24,12 @@ from lookup_table.core.wire import WireError, decode_array, decode_ids, describe
 from lookup_table.errors import KeyEncodingError
 from optimizer_service.errors import BadRequestError, NotOwnerError
 
-__all__ = ["PUSH_ID_RE", "Push", "TableGrads", "parse_push"]
+__all__ = ["ANSWERS", "PUSH_ID_RE", "Push", "TableGrads", "parse_push"]
 
 PUSH_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}\Z")
-_PUSH_KEYS = {"push_id", "worker", "version", "tables", "dense"}
+_PUSH_KEYS = {"push_id", "worker", "version", "tables", "dense", "answer"}
+ANSWERS = ("rows", "dense")
+"""What a push may ask back (`answer`): its tables' updated rows, the dense parameters."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,7 @@ class Push:
     version: int
     tables: tuple[TableGrads, ...] = ()
     dense: Mapping[str, NDArray[np.float32]] = field(default_factory=dict)
+    answer: frozenset[str] = frozenset()
 
     @property
     def num_rows(self) -> int:
@@ -109,7 +112,32 @@ def parse_push(obj: Any, *, config: ClusterConfig, replica: int = 0) -> Push:
                 str(exc), reason="nan" if "finite" in str(exc) else None
             ) from None
         dense[name] = grad
-    return Push(push_id=push_id, worker=worker, version=version, tables=tuple(tables), dense=dense)
+    answer = _parse_answer(obj.get("answer", []), replica)
+    return Push(
+        push_id=push_id,
+        worker=worker,
+        version=version,
+        tables=tuple(tables),
+        dense=dense,
+        answer=answer,
+    )
+
+
+def _parse_answer(raw: Any, replica: int) -> frozenset[str]:
+    if not isinstance(raw, list | tuple) or not all(isinstance(a, str) for a in raw):
+        raise BadRequestError(
+            f"answer: expected a list of {', '.join(ANSWERS)}, got {describe(raw)}"
+        )
+    unknown = sorted(set(raw) - set(ANSWERS))
+    if unknown:
+        raise BadRequestError(
+            f"answer: unknown {unknown}; a push can ask back {', '.join(ANSWERS)}"
+        )
+    if "dense" in raw and replica != 0:
+        raise NotOwnerError(
+            f"answer: dense parameters live on replica 0; this is replica {replica}"
+        )
+    return frozenset(raw)
 
 
 def _parse_table(

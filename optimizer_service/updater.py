@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -43,6 +43,7 @@ from lookup_table.core.initializers import initial_rows
 from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id, version_id
 from lookup_table.core.optimizers import Optimizer, make_optimizer
 from lookup_table.core.sharding import row_hashes
+from lookup_table.core.wire import encode_array, encode_ids
 from lookup_table.dense import DenseParams
 from lookup_table.store import EmbeddingStore
 from optimizer_service.errors import BadRequestError, NotOwnerError
@@ -52,10 +53,11 @@ from optimizer_service.plan import TableUpdate, WritePlan
 from optimizer_service.push import Push, TableGrads
 from optimizer_service.sync import SyncRounds
 
-__all__ = ["Updater"]
+__all__ = ["PLAN", "Updater"]
 
 logger = logging.getLogger(__name__)
 
+PLAN = "_plan"  # in `apply`'s result: the write plan of the push this call applied
 _OFFLOAD_FLOATS = 1 << 16  # above this many floats per table, run the math in a thread
 
 
@@ -269,7 +271,61 @@ class Updater:
         if self._on_rows is not None:
             for t in push.tables:
                 self._on_rows(t.table, t.ids.shape[0])
-        return {"applied": True, "duplicate": False, "rows": push.num_rows, "version": self.version}
+        return {
+            "applied": True,
+            "duplicate": False,
+            "rows": push.num_rows,
+            "version": self.version,
+            PLAN: plan,
+        }
+
+    async def answer(self, push: Push, result: Mapping[str, Any]) -> dict[str, Any]:
+        """What `push.answer` asks back once `apply` returned `result` (read your writes).
+
+        `updated`: per table of the push, its unique ids and their rows after the push;
+        `params` and `dense_version`: the dense parameters (replica 0). Taken from the
+        push's own write plan when this call applied it; otherwise (a duplicate, a sync
+        round's merged push) read back from the store, then at least as new as the push.
+        """
+        plan: WritePlan | None = result.get(PLAN)
+        out: dict[str, Any] = {}
+        if "rows" in push.answer:
+            done = {u.table: u for u in plan.updates} if plan is not None else {}
+            updated: dict[str, Any] = {}
+            reads = []
+            for t in push.tables:
+                u = done.get(t.table)
+                if u is not None and u.ids.shape == t.ids.shape and np.array_equal(u.ids, t.ids):
+                    updated[t.table] = (t.ids, u.rows)
+                else:
+                    reads.append(t)
+            if reads:
+                got = await asyncio.gather(
+                    *(
+                        self.store.get(
+                            t.table, t.ids, width=self.config.table(t.table).dim, unique=True
+                        )
+                        for t in reads
+                    )
+                )
+                for t, (rows, _found) in zip(reads, got, strict=True):
+                    updated[t.table] = (t.ids, rows)
+            out["updated"] = {
+                name: {"ids": encode_ids(ids), "rows": encode_array(rows)}
+                for name, (ids, rows) in updated.items()
+            }
+        if "dense" in push.answer:
+            params: Mapping[str, NDArray[np.float32]]
+            if plan is not None and plan.dense is not None and plan.version is not None:
+                version, params = plan.version, plan.dense[0]
+            else:
+                state = await self.dense.read()
+                if state is None:
+                    return out
+                version, params = state.version, state.params
+            out["dense_version"] = version
+            out["params"] = {n: encode_array(v) for n, v in params.items()}
+        return out
 
     async def _plan(self, push: Push, version: int | None) -> WritePlan:
         updates = list(await asyncio.gather(*(self._updated(t) for t in push.tables)))

@@ -19,6 +19,7 @@ from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
 from lookup_table.core.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
 from optimizer_service.app import UPDATER, make_app
+from optimizer_service.errors import NotOwnerError
 from optimizer_service.push import parse_push
 from tests.conftest import SERVICE_TABLES, make_config
 
@@ -353,6 +354,71 @@ async def test_dense_first_writer_wins_and_updates_with_the_optimizer(served) ->
         with pytest.raises(PushRejectedError, match="unknown dense parameter"):
             await a.push({}, dense={"nope": np.ones(1, np.float32)})
         assert (await b.dense())[0] == 1  # refused pushes changed nothing
+
+
+async def test_a_push_answers_with_its_updated_rows_and_the_dense_weights(served) -> None:
+    """Read your writes: `answer` returns exactly what the push wrote (rows of its unique
+    ids, sorted; the dense weights and their version), and a retried push (a duplicate)
+    answers the same, read back from the store."""
+    config, _ = served
+    ids = np.array([9, 4, 9, 7], dtype=np.int64)
+    grads = np.arange(32, dtype=np.float32).reshape(4, 8) / 10
+    words = ["b", "a", "b"]
+    wgrads = np.ones((3, 4), np.float32)
+    dense0 = {"w": np.full((3, 2), 0.5, np.float32)}
+    async with OptimizerClient(config) as client:
+        await client.dense_init(dense0)
+        result = await client.push(
+            {"user": (ids, grads), "word": (words, wgrads)},
+            dense={"w": np.ones((3, 2), np.float32)},
+            answer=("rows", "dense"),
+        )
+        version, dense = await client.dense()
+        got_ids, got_rows = result["updated"]["user"]
+        np.testing.assert_array_equal(got_ids, [4, 7, 9])
+        np.testing.assert_array_equal(got_rows, await _rows(config, "user", [4, 7, 9]))
+        got_words, word_rows = result["updated"]["word"]
+        assert got_words.tolist() == ["a", "b"]
+        np.testing.assert_array_equal(word_rows, await _rows(config, "word", ["a", "b"]))
+        assert result["dense_version"] == version == 1
+        np.testing.assert_array_equal(result["params"]["w"], dense["w"])
+        again = await client.push(
+            {"user": (ids, grads), "word": (words, wgrads)},
+            dense={"w": np.ones((3, 2), np.float32)},
+            answer=("rows", "dense"),
+            push_id=result["push_id"],
+        )
+        assert again["duplicate"] and not again["applied"]
+        for table in ("user", "word"):
+            assert again["updated"][table][0].tolist() == result["updated"][table][0].tolist()
+            np.testing.assert_array_equal(again["updated"][table][1], result["updated"][table][1])
+        assert again["dense_version"] == 1
+        np.testing.assert_array_equal(again["params"]["w"], dense["w"])
+        plain = await client.push({"user": (ids, grads)})
+        assert "updated" not in plain and "params" not in plain
+
+
+async def test_a_bad_answer_request_is_400_and_writes_nothing(served, http) -> None:
+    config, _ = served
+    async with EmbeddingStore(config) as store:
+        before = await store.lookup("user", [1, 2])
+        push = {"user": ([1, 2], np.ones((2, 8), np.float32))}
+        for answer, pattern in [
+            ("rows", "answer: expected a list"),
+            (["rows", 3], "answer: expected a list"),
+            (["rows", "slots"], r"answer: unknown \['slots'\]"),
+        ]:
+            resp = await http.post(
+                "/v1/gradients",
+                data=_body(uuid.uuid4().hex, push, answer=answer),
+                headers={"Content-Type": CONTENT_TYPE},
+            )
+            doc = await resp.json()
+            assert resp.status == 400 and re.search(pattern, doc["error"]), (answer, doc)
+        np.testing.assert_array_equal(await store.lookup("user", [1, 2]), before)
+    two = dataclasses.replace(config, optimizers=("http://a:1", "http://b:1"))
+    with pytest.raises(NotOwnerError, match="answer: dense parameters live on replica 0"):
+        parse_push({"push_id": "p", "answer": ["dense"]}, config=two, replica=1)
 
 
 async def test_sync_mode_two_replicas_apply_the_mean_once(memcached_nodes, aiohttp_server) -> None:

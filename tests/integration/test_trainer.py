@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -10,11 +11,13 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from lookup_table import EmbeddingStore, load_config
+from lookup_table.client import OptimizerClient
 from lookup_table.ops.localcluster import free_port
 
 pytestmark = pytest.mark.integration
@@ -42,14 +45,11 @@ def _cluster_file(
     return path
 
 
-@pytest.fixture
-def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
-    mode, workers, *tables = request.param
-    config = _cluster_file(
-        tmp_path / "cluster.toml", mode=mode, workers=workers, tables=tables[0] if tables else None
-    )
+@contextlib.contextmanager
+def _running(config: Path, run_dir: Path) -> Iterator[Path]:
+    """A local cluster (2 memcached nodes, 1 replica) of `config`, always stopped."""
     cmd = [sys.executable, "-m", "lookup_table.ops.localcluster"]
-    args = ["--config", str(config), "--run-dir", str(tmp_path / "run"), "--memory-mb", "128"]
+    args = ["--config", str(config), "--run-dir", str(run_dir), "--memory-mb", "128"]
     up = subprocess.run(
         [*cmd, "up", *args], capture_output=True, text=True, timeout=120, check=False
     )
@@ -58,6 +58,16 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
         yield config
     finally:
         subprocess.run([*cmd, "down", *args], capture_output=True, timeout=60, check=False)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
+    mode, workers, *tables = request.param
+    config = _cluster_file(
+        tmp_path / "cluster.toml", mode=mode, workers=workers, tables=tables[0] if tables else None
+    )
+    with _running(config, tmp_path / "run"):
+        yield config
 
 
 def _train(
@@ -152,6 +162,61 @@ def test_trainer_in_process_learns_and_evaluation_writes_nothing(cluster: Path) 
         assert result.versions[-1] >= 55  # dense weights refreshed as pushes land
         created = trainer.rows_created
     assert set(created) == {f"C{i}" for i in range(1, 27)}
+
+
+@pytest.mark.timeout(420)
+def test_read_your_writes_trains_exactly_as_reading_after_every_push(tmp_path: Path) -> None:
+    """One worker, async: the default (the push answers with its rows and the dense
+    weights; the next batch's rows are fetched during the step and patched from the
+    answer) gives the same losses, dense weights and rows as reading everything after
+    each push (`read_your_writes=False`), on the same data from the same weights. A
+    stale row or weight would differ by a whole Adam step (~lr = 0.02)."""
+    import keras
+
+    from trainer import Trainer
+    from trainer.data import SyntheticSource
+    from trainer.models import build_model
+
+    source = SyntheticSource(20_000, seed=5)
+    batches = list(source.batches(256))[:14]  # consecutive batches share hot ids
+    weights = None
+    runs = []
+    for fresh_reads in (False, True):
+        path = _cluster_file(tmp_path / f"c{int(fresh_reads)}.toml", mode="async", workers=1)
+        with _running(path, tmp_path / f"run{int(fresh_reads)}"):
+            config = load_config(path)
+            keras.utils.set_random_seed(1)
+            model = build_model("mlp", source.schema, config, hidden=(32, 16))
+            if weights is None:
+                weights = model.get_weights()
+            model.set_weights(weights)
+            with Trainer(
+                config, model, progress=False, read_your_writes=not fresh_reads
+            ) as trainer:
+                result = trainer.fit(batches)
+                ids = {
+                    layer.table: np.unique(
+                        np.concatenate([np.asarray(b.features[layer.feature]) for b in batches])
+                    )
+                    for layer in trainer.layers
+                }
+
+            async def stored(config: Any = config, ids: Any = ids) -> tuple[Any, Any]:
+                async with EmbeddingStore(config) as store, OptimizerClient(config) as client:
+                    rows = {t: await store.lookup(t, i, create=False) for t, i in ids.items()}
+                    return rows, (await client.dense())[1]
+
+            rows, dense = asyncio.run(stored())
+            runs.append((np.array([loss for _, loss in result.losses]), dense, rows))
+    (loss_a, dense_a, rows_a), (loss_b, dense_b, rows_b) = runs
+    assert loss_a.shape == (14,)
+    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
+    assert len(dense_a) == len(dense_b)  # Keras names the two models' layers apart
+    for a, b in zip(dense_a.values(), dense_b.values(), strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-6)
+    assert rows_a.keys() == rows_b.keys()
+    for table in rows_a:
+        np.testing.assert_allclose(rows_b[table], rows_a[table], atol=1e-6)
 
 
 _PEOPLE_TABLES = "".join(
