@@ -18,13 +18,15 @@ fails within about `store.timeout_s`, as a trainer's own lookups do.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
+import msgpack
 import numpy as np
 from numpy.typing import NDArray
 
@@ -129,6 +131,7 @@ class OptimizerClient:
         version: int = 0,
         push_id: str | None = None,
         answer: Sequence[str] = (),
+        on_answer: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
         """Push the gradients of one step: `{table: (ids, grads (n, dim))}`.
 
@@ -138,6 +141,9 @@ class OptimizerClient:
         writes): with "rows", `updated` maps each pushed table to (unique ids sorted,
         their rows after the push); with "dense", `params` and `dense_version` are the
         dense parameters after it (replica 0 answers whenever "dense" is asked).
+        Replicas send that answer as soon as they computed it, before writing:
+        `on_answer(answer)` (called on the client's loop) gets it then, while `push`
+        returns only once every replica wrote the push (or raises if one failed).
 
         Raises:
             PushRejectedError: a replica answered 4xx (its message says why).
@@ -178,8 +184,26 @@ class OptimizerClient:
                 if asked:
                     body["answer"] = asked
                 bodies[k] = pack(body)
+        answers: dict[int, dict[str, Any]] = {}
+
+        def answered(k: int, doc: dict[str, Any]) -> None:
+            if k in answers:  # a retry answers again: the first answer stands
+                return
+            answers[k] = doc
+            if on_answer is not None and len(answers) == len(bodies):
+                on_answer(_merged_answer(answers, answer))
+
         results = await asyncio.gather(
-            *(self._post(k, "/v1/gradients", body) for k, body in bodies.items())
+            *(
+                self._request(
+                    k,
+                    "POST",
+                    "/v1/gradients",
+                    body,
+                    first=functools.partial(answered, k) if answer else None,
+                )
+                for k, body in bodies.items()
+            )
         )
         summary: dict[str, Any] = {
             "push_id": push_id,
@@ -189,11 +213,8 @@ class OptimizerClient:
             "replicas": sorted(bodies),
             "version": max((int(r.get("version", 0)) for r in results), default=version),
         }
-        if "rows" in answer:
-            summary["updated"] = _updated_rows(results)
-        if want_dense and results and "params" in results[0]:
-            summary["params"] = _arrays(results[0]["params"])
-            summary["dense_version"] = int(results[0]["dense_version"])
+        if answer:
+            summary.update(_merged_answer(answers, answer))
         return summary
 
     async def tables(self) -> dict[str, Any]:
@@ -259,31 +280,43 @@ class OptimizerClient:
             raise ValueError(f"replicas {bad} out of range: the cluster file has {n}")
         return replicas
 
-    async def _post(self, replica: int, path: str, body: bytes) -> dict[str, Any]:
-        return await self._request(replica, "POST", path, body)
-
     async def _request(
-        self, replica: int, method: str, path: str, body: bytes | None
+        self,
+        replica: int,
+        method: str,
+        path: str,
+        body: bytes | None,
+        *,
+        first: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
+        """One request with retries. With `first`, a 2xx reply is two msgpack maps (an
+        answer, handed to `first` as soon as it arrives, then the outcome, returned or
+        raised as an error answer would be)."""
         url = self.config.optimizers[replica] + path
         delay = self.backoff_s
         for attempt in range(self.max_retries + 1):
             typed: LookupTableError | None = None
             try:
                 async with self._get_session().request(method, url, data=body) as resp:
-                    raw = await resp.read()
-                    if resp.status < 300:
-                        result: dict[str, Any] = unpack(raw)
-                        return result
-                    message, doc = _error_of(raw, resp.status)
+                    status = resp.status
+                    if status < 300:
+                        if first is None:
+                            result: dict[str, Any] = unpack(await resp.read())
+                            return result
+                        outcome = await _two_part_answer(resp, first)
+                        if "error" not in outcome:
+                            return outcome
+                        status = int(outcome.get("status", 500))
+                        message, doc = str(outcome["error"]), outcome
+                    else:
+                        message, doc = _error_of(await resp.read(), status)
                     typed = _store_error(doc, f"replica {replica} ({url}): {message}")
-                    if typed is None and resp.status < 500:
+                    if typed is None and status < 500:
                         raise PushRejectedError(
-                            f"replica {replica} ({url}) refused the request ({resp.status}): "
-                            f"{message}",
-                            status=resp.status,
+                            f"replica {replica} ({url}) refused the request ({status}): {message}",
+                            status=status,
                         )
-                    problem = f"answered {resp.status}: {message}"
+                    problem = f"answered {status}: {message}"
             # a replica killed mid-answer cuts the body (ClientPayloadError): retrying is
             # safe, a push keeps its push_id
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
@@ -299,6 +332,20 @@ class OptimizerClient:
             f"optimizer replica {replica} ({url}) failed after {self.max_retries + 1} attempts: "
             f"{problem}; is it running? (deploy/cluster.sh status)"
         )
+
+
+def _merged_answer(
+    answers: Mapping[int, Mapping[str, Any]], asked: Sequence[str]
+) -> dict[str, Any]:
+    """The replicas' answers to one push as one: `updated` rows, `params`, `dense_version`."""
+    out: dict[str, Any] = {}
+    if "rows" in asked:
+        out["updated"] = _updated_rows([answers[k] for k in sorted(answers)])
+    first = answers.get(0, {})
+    if "dense" in asked and "params" in first:
+        out["params"] = _arrays(first["params"])
+        out["dense_version"] = int(first["dense_version"])
+    return out
 
 
 def _updated_rows(results: Sequence[Mapping[str, Any]]) -> dict[str, tuple[Any, Any]]:
@@ -319,6 +366,27 @@ def _updated_rows(results: Sequence[Mapping[str, Any]]) -> dict[str, tuple[Any, 
         order = np.argsort(ids, kind="stable")
         out[name] = (ids[order], rows[order])
     return out
+
+
+async def _two_part_answer(
+    resp: aiohttp.ClientResponse, first: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
+    """Read a streamed answer: hand its first map to `first` on arrival, return the second.
+    A reply cut before the second map raises ClientPayloadError (the push is retried)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, use_list=True)
+    docs: list[Any] = []
+    async for chunk in resp.content.iter_any():
+        unpacker.feed(chunk)
+        for doc in unpacker:
+            if not isinstance(doc, dict):
+                raise aiohttp.ClientPayloadError(f"expected msgpack maps, got {type(doc).__name__}")
+            docs.append(doc)
+            if len(docs) == 1:
+                first(doc)
+    if len(docs) != 2:
+        raise aiohttp.ClientPayloadError(f"the answer was cut after {len(docs)} of 2 maps")
+    outcome: dict[str, Any] = docs[1]
+    return outcome
 
 
 def _arrays(doc: Mapping[str, Any]) -> dict[str, NDArray[np.float32]]:

@@ -29,17 +29,12 @@ from prometheus_client import CollectorRegistry
 from lookup_table.config import ClusterConfig, load_config
 from lookup_table.errors import (
     ConfigError,
-    DataLossError,
-    DenseParamError,
-    KeyEncodingError,
     LookupTableError,
-    StoreError,
-    StoreFullError,
 )
 from lookup_table.store import EmbeddingStore
 from optimizer_service.admin import post_pause, post_resume
 from optimizer_service.appkeys import CONFIG, METRICS, REPLICA, STORE, UPDATER
-from optimizer_service.errors import OptimizerServiceError, UnauthorizedError
+from optimizer_service.errors import UnauthorizedError
 from optimizer_service.handlers import (
     get_dense,
     get_healthz,
@@ -51,7 +46,7 @@ from optimizer_service.handlers import (
 )
 from optimizer_service.malloc import MMAP_THRESHOLD_BYTES, pin_mmap_threshold
 from optimizer_service.metrics import ServiceMetrics
-from optimizer_service.responses import json_error
+from optimizer_service.responses import COUNTED, count_answer, error_answer
 from optimizer_service.updater import Updater
 
 __all__ = ["CONFIG", "METRICS", "REPLICA", "STORE", "UPDATER", "main", "make_app"]
@@ -61,50 +56,17 @@ logger = logging.getLogger(__name__)
 _PUBLIC_PATHS = frozenset({"/healthz", "/metrics"})
 
 
-def _endpoint(request: web.Request) -> str:
-    route = request.match_info.route
-    resource = route.resource
-    return resource.canonical if resource is not None else "unmatched"
-
-
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turn every error into JSON with the right status, and count it."""
-    metrics = request.app[METRICS]
-    endpoint = _endpoint(request)
     reason = None
     try:
         response = await handler(request)
-    except OptimizerServiceError as exc:
-        response, reason = json_error(exc.status, str(exc)), exc.reason
-    except web.RequestPayloadError as exc:
-        response, reason = json_error(400, f"cannot read the request body: {exc}"), "malformed"
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        reason = "too_large" if exc.status == 413 else f"http_{exc.status}"
-        response = json_error(exc.status, exc.text or exc.reason)
-    except DenseParamError as exc:
-        response, reason = json_error(400, str(exc)), exc.reason
-    except (KeyEncodingError, ConfigError) as exc:
-        response, reason = json_error(400, str(exc)), "bad_request"
-    except DataLossError as exc:
-        response = json_error(503, str(exc), "DataLossError", nodes=list(exc.nodes))
-        reason = "data_loss"
-    except StoreFullError as exc:
-        response = json_error(507, str(exc), "StoreFullError", node=exc.node)
-        reason = "store_full"
-    except StoreError as exc:  # a node timed out, refused, sent corrupt values: name it
-        response = json_error(503, str(exc), type(exc).__name__, node=exc.node)
-        reason = "store_unavailable"
-    except LookupTableError as exc:
-        response, reason = json_error(503, str(exc)), "store_unavailable"
-    except Exception as exc:  # the boundary: log once, answer 500
-        logger.exception("unexpected error in %s %s", request.method, request.path)
-        response, reason = json_error(500, f"internal error: {type(exc).__name__}"), "internal"
-    metrics.requests.labels(endpoint=endpoint, status=str(response.status)).inc()
-    if reason is not None and 400 <= response.status < 500 and endpoint == "/v1/gradients":
-        metrics.rejected.labels(reason=reason).inc()
+    except Exception as exc:
+        status, doc, reason = error_answer(exc)
+        response = web.json_response(doc, status=status)
+    if COUNTED not in response:  # a streamed answer counts itself (its end may be an error)
+        count_answer(request, response.status, reason)
     return response
 
 

@@ -6,7 +6,9 @@ them into JSON with their status. The admin endpoints are in `optimizer_service.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -14,12 +16,27 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from lookup_table.core.wire import WireError, decode_array, describe, encode_array, unpack
+from lookup_table.core.wire import (
+    CONTENT_TYPE,
+    WireError,
+    decode_array,
+    describe,
+    encode_array,
+    pack,
+    unpack,
+)
 from lookup_table.errors import LookupTableError
 from optimizer_service.appkeys import CONFIG, METRICS, REPLICA, STORE, UPDATER
 from optimizer_service.errors import BadRequestError, NotOwnerError
-from optimizer_service.push import parse_push
-from optimizer_service.responses import json_error, msgpack_response
+from optimizer_service.plan import WritePlan
+from optimizer_service.push import Push, parse_push
+from optimizer_service.responses import (
+    COUNTED,
+    count_answer,
+    error_answer,
+    json_error,
+    msgpack_response,
+)
 from optimizer_service.updater import PLAN
 
 __all__ = [
@@ -36,7 +53,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-async def post_gradients(request: web.Request) -> web.Response:
+async def post_gradients(request: web.Request) -> web.StreamResponse:
+    """One push. Asked for an `answer`, the reply is streamed as two msgpack maps: the
+    answer as soon as the new values are computed, then the outcome once they are written
+    (`{applied, duplicate, rows, version}`, or `{error, status, type, ...}` if the write
+    failed); see docs/service.md. Errors before the first map are plain JSON errors."""
     app = request.app
     body = await request.read()
     try:
@@ -44,19 +65,68 @@ async def post_gradients(request: web.Request) -> web.Response:
     except WireError as exc:
         raise BadRequestError(str(exc), reason="malformed") from None
     push = parse_push(obj, config=app[CONFIG], replica=app[REPLICA])
-    metrics = app[METRICS]
-    updater = app[UPDATER]
+    if push.answer:
+        return await _answered(request, push)
+    result = await _apply(request, push)
+    return msgpack_response({k: v for k, v in result.items() if k != PLAN})
+
+
+async def _apply(
+    request: web.Request, push: Push, on_plan: Callable[[WritePlan], None] | None = None
+) -> dict[str, Any]:
+    metrics = request.app[METRICS]
     with metrics.push_latency.time():
-        result = await updater.apply(push)
+        result = await request.app[UPDATER].apply(push, on_plan=on_plan)
     if result["duplicate"]:
         metrics.duplicates.inc()
         metrics.pushes.labels(status="duplicate").inc()
     else:
         metrics.pushes.labels(status="applied").inc()
-    answer = {k: v for k, v in result.items() if k != PLAN}
-    if push.answer:
-        answer.update(await updater.answer(push, result))
-    return msgpack_response(answer)
+    return result
+
+
+async def _answered(request: web.Request, push: Push) -> web.StreamResponse:
+    """Answer first (from the write plan, before anything is written), outcome second."""
+    updater = request.app[UPDATER]
+    planned: asyncio.Future[WritePlan] = asyncio.get_running_loop().create_future()
+
+    def on_plan(plan: WritePlan) -> None:
+        if not planned.done():
+            planned.set_result(plan)
+
+    applying = asyncio.ensure_future(_apply(request, push, on_plan))
+    try:
+        either: list[asyncio.Future[Any]] = [applying, planned]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if planned.done():
+            first = await updater.answer(push, {PLAN: planned.result()})
+        else:  # a duplicate, a sync round, or an error: nothing was sent yet
+            first = await updater.answer(push, applying.result())
+    except BaseException:
+        if not applying.done():
+            # the answer could not be built: the push still completes (or fails) alone
+            applying.add_done_callback(_retrieve)
+        raise
+    response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
+    response[COUNTED] = True
+    await response.prepare(request)
+    await response.write(pack(first))
+    try:
+        result = await asyncio.shield(applying)
+        outcome = {k: v for k, v in result.items() if k != PLAN}
+        status, reason = 200, None
+    except Exception as exc:
+        status, outcome, reason = error_answer(exc)
+        outcome["status"] = status
+    count_answer(request, status, reason)
+    await response.write(pack(outcome))
+    await response.write_eof()
+    return response
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _replica0(request: web.Request, what: str) -> None:

@@ -5,13 +5,30 @@ DESIGN.md "Wire protocol": errors are JSON so they read well in curl and logs.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from aiohttp import web
 
 from lookup_table.core.wire import CONTENT_TYPE, pack
+from lookup_table.errors import (
+    ConfigError,
+    DataLossError,
+    DenseParamError,
+    KeyEncodingError,
+    LookupTableError,
+    StoreError,
+    StoreFullError,
+)
+from optimizer_service.appkeys import METRICS
+from optimizer_service.errors import OptimizerServiceError
 
-__all__ = ["json_error", "msgpack_response"]
+__all__ = ["COUNTED", "count_answer", "error_answer", "json_error", "msgpack_response"]
+
+logger = logging.getLogger(__name__)
+
+COUNTED = "lookup_table.counted"
+"""Set on a response (aiohttp responses are mappings) that counted its own answer."""
 
 
 def json_error(status: int, message: str, kind: str | None = None, **extra: Any) -> web.Response:
@@ -26,3 +43,52 @@ def json_error(status: int, message: str, kind: str | None = None, **extra: Any)
 
 def msgpack_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=pack(obj), status=status, content_type=CONTENT_TYPE)
+
+
+def _endpoint(request: web.Request) -> str:
+    route = request.match_info.route
+    resource = route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def error_answer(exc: BaseException) -> tuple[int, dict[str, Any], str]:
+    """The status, JSON document and metrics reason an error is answered with.
+
+    Raises `exc` again for what is not an error answer (an HTTP redirect, cancellation).
+    """
+    if isinstance(exc, OptimizerServiceError):
+        return exc.status, {"error": str(exc)}, exc.reason
+    if isinstance(exc, web.RequestPayloadError):
+        return 400, {"error": f"cannot read the request body: {exc}"}, "malformed"
+    if isinstance(exc, web.HTTPException):
+        if exc.status < 400:
+            raise exc
+        reason = "too_large" if exc.status == 413 else f"http_{exc.status}"
+        return exc.status, {"error": exc.text or exc.reason}, reason
+    if isinstance(exc, DenseParamError):
+        return 400, {"error": str(exc)}, exc.reason
+    if isinstance(exc, KeyEncodingError | ConfigError):
+        return 400, {"error": str(exc)}, "bad_request"
+    if isinstance(exc, DataLossError):
+        doc: dict[str, Any] = {"error": str(exc), "type": "DataLossError", "nodes": list(exc.nodes)}
+        return 503, doc, "data_loss"
+    if isinstance(exc, StoreFullError):
+        return 507, {"error": str(exc), "type": "StoreFullError", "node": exc.node}, "store_full"
+    if isinstance(exc, StoreError):  # a node timed out, refused, sent corrupt values: name it
+        doc = {"error": str(exc), "type": type(exc).__name__, "node": exc.node}
+        return 503, doc, "store_unavailable"
+    if isinstance(exc, LookupTableError):
+        return 503, {"error": str(exc)}, "store_unavailable"
+    if isinstance(exc, Exception):  # the boundary: log once, answer 500
+        logger.exception("unexpected error", exc_info=exc)
+        return 500, {"error": f"internal error: {type(exc).__name__}"}, "internal"
+    raise exc
+
+
+def count_answer(request: web.Request, status: int, reason: str | None) -> None:
+    """Count one answer of `request` (and a refused push by its reason)."""
+    metrics = request.app[METRICS]
+    endpoint = _endpoint(request)
+    metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+    if reason is not None and 400 <= status < 500 and endpoint == "/v1/gradients":
+        metrics.rejected.labels(reason=reason).inc()

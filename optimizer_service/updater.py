@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -201,8 +201,14 @@ class Updater:
 
     # ------------------------------------------------------------ the push path
 
-    async def apply(self, push: Push) -> dict[str, Any]:
-        """Apply `push` at most once; returns `{applied, duplicate, rows, version}`."""
+    async def apply(
+        self, push: Push, *, on_plan: Callable[[WritePlan], None] | None = None
+    ) -> dict[str, Any]:
+        """Apply `push` at most once; returns `{applied, duplicate, rows, version}`.
+
+        `on_plan(plan)` is called once the new values are computed, before anything is
+        written (async mode, when this call applies the push): an early answer.
+        """
         if push.dense and self.replica != 0:
             raise NotOwnerError(
                 f"dense gradients go to replica 0 (dense parameters live there); this is "
@@ -221,7 +227,7 @@ class Updater:
                         push, version=self.version, apply=self._apply_round
                     )
                 else:
-                    result = await self._apply(push, version=None)
+                    result = await self._apply(push, version=None, on_plan=on_plan)
         except BaseException as exc:
             if not future.done():
                 future.set_exception(exc)
@@ -236,7 +242,13 @@ class Updater:
     async def _apply_round(self, merged: Push, version: int) -> dict[str, Any]:
         return await self._apply(merged, version=version)
 
-    async def _apply(self, push: Push, *, version: int | None) -> dict[str, Any]:
+    async def _apply(
+        self,
+        push: Push,
+        *,
+        version: int | None,
+        on_plan: Callable[[WritePlan], None] | None = None,
+    ) -> dict[str, Any]:
         if await self.is_done(push.push_id):
             return {"applied": False, "duplicate": True, "rows": 0, "version": self.version}
         keys: set[int] = set()
@@ -247,6 +259,8 @@ class Updater:
         try:
             async with self.dense.lock if push.dense or version is not None else _nolock():
                 plan = await self._plan(push, version)
+                if on_plan is not None:
+                    on_plan(plan)
                 slot = await self.journal.take()
                 journaled = False
                 try:

@@ -105,37 +105,46 @@ def _split(batch: Any) -> tuple[Mapping[str, Any], NDArray[np.float32]]:
     return features, np.asarray(labels, np.float32)
 
 
+RowPatch = Mapping[str, tuple[IdArray, NDArray[np.float32]]]
+"""Rows a push produced (its answer): table -> (sorted unique ids, rows)."""
+
+
+def _patched(
+    table: str, ids: IdArray, rows: NDArray[np.float32], patches: Iterable[RowPatch]
+) -> NDArray[np.float32]:
+    """`rows` of `ids` with the rows of `patches` put in, later patches winning (a copy
+    if anything changes)."""
+    out = rows
+    for patch in patches:
+        newer = patch.get(table)
+        if newer is None or not ids.shape[0] or not newer[0].shape[0]:
+            continue
+        new_ids, new_rows = newer
+        pos = np.minimum(np.searchsorted(new_ids, ids), new_ids.shape[0] - 1)
+        hit = new_ids[pos] == ids
+        if hit.any():
+            out = out.copy() if out is rows else out
+            out[hit] = new_rows[pos[hit]]
+    return out
+
+
 class _Prefetched:
     """Rows fetched ahead for one step: table -> [(unique ids, future rows)].
 
-    `newer` holds rows that changed after the fetch was sent: the answer of the push
-    that went out meanwhile (table -> (sorted unique ids, rows)); they replace the
-    fetched values of the same ids (read your writes).
+    `newer` lists the answers of the pushes that may have changed rows after the fetch
+    was sent (the push of the step during which it was sent, and one whose answer came
+    but whose writes had not landed yet); their rows replace the fetched ones.
     """
 
     def __init__(self) -> None:
         self.entries: dict[str, list[tuple[IdArray, concurrent.futures.Future[Any]]]] = {}
-        self.newer: Mapping[str, tuple[IdArray, NDArray[np.float32]]] = {}
+        self.newer: list[RowPatch] = []
 
     def find(self, table: str, ids: IdArray) -> concurrent.futures.Future[Any] | None:
         for uniq, fut in self.entries.get(table, []):
             if uniq.shape == ids.shape and np.array_equal(uniq, ids):
                 return fut
         return None
-
-    def rows(self, table: str, ids: IdArray, fetched: NDArray[np.float32]) -> NDArray[np.float32]:
-        """`fetched` (rows of `ids`) with the rows of `newer` put in (a copy if any)."""
-        newer = self.newer.get(table)
-        if newer is None or not ids.shape[0] or not newer[0].shape[0]:
-            return fetched
-        new_ids, new_rows = newer
-        pos = np.minimum(np.searchsorted(new_ids, ids), new_ids.shape[0] - 1)
-        hit = new_ids[pos] == ids
-        if not hit.any():
-            return fetched
-        out = fetched.copy()
-        out[hit] = new_rows[pos[hit]]
-        return out
 
 
 class Trainer:
@@ -221,9 +230,12 @@ class Trainer:
         self._closed = False
         self._lookup_error: Exception | None = None
         # read your writes: the rows of the last push's answer, and whether the dense
-        # weights came with it (then no pull is needed before the next step)
-        self._updated: Mapping[str, tuple[IdArray, NDArray[np.float32]]] = {}
+        # weights came with it (then no pull is needed before the next step); a push
+        # answers before its writes land: `_unsettled` until it is confirmed
+        self._updated: RowPatch = {}
         self._dense_fresh = False
+        self._unsettled: concurrent.futures.Future[Any] | None = None
+        self._unsettled_rows: list[RowPatch] = []
 
     # ------------------------------------------------------------ plumbing
 
@@ -290,8 +302,12 @@ class Trainer:
             if training:
                 fut = self._prefetched.find(table, ids)
                 if fut is not None:
-                    return self._prefetched.rows(table, ids, np.asarray(fut.result()))
-            return self._run(self._store.lookup(table, ids, create=training))
+                    fetched = np.asarray(fut.result())
+                    return _patched(table, ids, fetched, self._prefetched.newer)
+                # read now: a push answered but not yet written may be newer than the store
+                fetched = self._run(self._store.lookup(table, ids, create=True))
+                return _patched(table, ids, fetched, self._unsettled_rows)
+            return self._run(self._store.lookup(table, ids, create=False))
         except Exception as exc:
             if self._lookup_error is None:  # the first failure is the one TF reports
                 self._lookup_error = exc
@@ -355,6 +371,7 @@ class Trainer:
         """Pull the dense weights. Pipelined, the fetch overlaps a step: it assigns the
         weights fetched during the previous step and starts the next fetch (one step of
         extra staleness); otherwise, and with `fresh`, it waits for them."""
+        self._settle()  # an answered push's weights may not be written yet
         if fresh or not self._pipelined:
             self._dense_future = None
             version, params = self._run(self._client.dense())
@@ -368,8 +385,16 @@ class Trainer:
     # ------------------------------------------------------------ pushes
 
     def _drain_pushes(self) -> None:
+        self._settle()
         while self._pushes:
             self._pushes.popleft().result()
+
+    def _settle(self) -> None:
+        """Wait until the answered push is written (raising its error if it failed)."""
+        if self._unsettled is not None:
+            pending, self._unsettled = self._unsettled, None
+            self._unsettled_rows = []
+            pending.result()
 
     def _push(self, records: list[Any], grads: list[Any], dense: dict[str, Any]) -> None:
         tables: dict[str, tuple[list[IdArray], list[NDArray[np.float32]]]] = {}
@@ -388,19 +413,38 @@ class Trainer:
         while self._pushes and len(self._pushes) >= self.max_pushes_in_flight:
             self._pushes.popleft().result()
         if self._read_your_writes:
-            answer = ("rows", "dense") if self.dense_refresh_steps == 1 else ("rows",)
-            result = self._run(
-                self._client.push(payload, dense=dense, version=self.version, answer=answer)
-            )
-            self._updated = result["updated"]
-            if "params" in result:
-                self._assign_dense(result["dense_version"], result["params"])
-                self._dense_fresh = True
+            self._push_answered(payload, dense)
             return
         fut = self._submit(self._client.push(payload, dense=dense, version=self.version))
         self._pushes.append(fut)
         if not self._pipelined:
             self._drain_pushes()
+
+    def _push_answered(self, payload: Mapping[str, Any], dense: Mapping[str, Any]) -> None:
+        """Push and take the rows and dense weights from the answer, which the replicas
+        send before writing; the writes finish while the next step computes (`_settle`
+        waits for them before the next push, at an evaluation and at the end)."""
+        self._settle()
+        answer = ("rows", "dense") if self.dense_refresh_steps == 1 else ("rows",)
+        answered: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+
+        def on_answer(doc: dict[str, Any]) -> None:
+            if not answered.done():
+                answered.set_result(doc)
+
+        pushing = self._submit(
+            self._client.push(
+                payload, dense=dense, version=self.version, answer=answer, on_answer=on_answer
+            )
+        )
+        concurrent.futures.wait([answered, pushing], return_when=concurrent.futures.FIRST_COMPLETED)
+        doc = answered.result() if answered.done() else pushing.result()
+        self._unsettled = pushing
+        self._updated = doc["updated"]
+        self._unsettled_rows = [self._updated]
+        if "params" in doc:
+            self._assign_dense(doc["dense_version"], doc["params"])
+            self._dense_fresh = True
 
     # ------------------------------------------------------------ training
 
@@ -539,11 +583,13 @@ class Trainer:
                 nxt = next(iterator, None) if steps is None or result.steps + 1 < steps else None
                 upcoming = None
                 if self._read_your_writes and nxt is not None:
-                    # sent now, so it overlaps this step; the push's answer patches it
+                    # sent now, so it overlaps this step; the answer of the last push (if
+                    # not written yet) and of this step's push patch it
                     upcoming = self._prefetch(_split(nxt)[0])
+                    upcoming.newer = list(self._unsettled_rows)
                 loss = self.train_step(features, labels)
                 if upcoming is not None:
-                    upcoming.newer = self._updated
+                    upcoming.newer.append(self._updated)
                     self._prefetched = upcoming
                 elif self._pipelined and nxt is not None:
                     self._prefetched = self._prefetch(_split(nxt)[0])
@@ -583,6 +629,7 @@ class Trainer:
 
     def evaluate(self, batches: Iterable[Any]) -> dict[str, float]:
         """AUC and log loss on `batches`; reads rows with create=False (writes nothing)."""
+        self._settle()
         if not self._dense_ready:
             self._init_dense()
         preds_all: list[NDArray[np.float32]] = []
