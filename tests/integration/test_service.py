@@ -398,6 +398,53 @@ async def test_a_push_answers_with_its_updated_rows_and_the_dense_weights(served
         assert "updated" not in plain and "params" not in plain
 
 
+async def test_an_answered_push_whose_write_fails_raises_the_store_error_after_answering(
+    served,
+) -> None:
+    """The answer comes before the writes: when writing then fails (here a full node),
+    the answer was already handed over and `push` raises the store's own error, naming
+    the node; the journaled push is finished in the background once the store recovers."""
+    from lookup_table.errors import StoreFullError
+
+    config, server = served
+    updater = server.app[UPDATER]
+    real = updater._write_plan
+    failures = 0
+    store_full = True
+
+    async def write_plan(plan: Any) -> None:  # the background replay calls it too
+        nonlocal failures
+        if not store_full:
+            return await real(plan)
+        failures += 1
+        raise StoreFullError("memcached node n1 is full (SERVER_ERROR out of memory)", node="n1")
+
+    updater._write_plan = write_plan
+    answers: list[dict[str, Any]] = []
+    ids = np.array([5, 6], dtype=np.int64)
+    async with EmbeddingStore(config) as store:
+        before = await store.lookup("user", ids)
+    async with OptimizerClient(config) as client:
+        with pytest.raises(StoreFullError, match="is full") as caught:
+            await client.push(
+                {"user": (ids, np.ones((2, 8), np.float32))},
+                answer=("rows",),
+                on_answer=answers.append,
+            )
+        assert caught.value.node == "n1"
+        assert len(answers) == 1
+        got_ids, rows = answers[0]["updated"]["user"]
+        np.testing.assert_array_equal(got_ids, ids)
+        np.testing.assert_allclose(rows, before - 0.5, rtol=1e-6)  # SGD lr 0.5
+        store_full = False  # the store "recovers": the background replay writes the push
+        for _ in range(200):
+            if not updater._finishers:
+                break
+            await asyncio.sleep(0.05)
+        assert failures >= 1 and not updater._finishers
+    np.testing.assert_array_equal(await _rows(config, "user", ids), rows)
+
+
 async def test_a_bad_answer_request_is_400_and_writes_nothing(served, http) -> None:
     config, _ = served
     async with EmbeddingStore(config) as store:

@@ -884,12 +884,15 @@ async def test_hostile_string_ids_are_percent_encoded_never_raw(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("answer", [(), ("rows",)], ids=["plain", "answered"])
 async def test_killed_service_applies_every_retried_push_exactly_once(
-    memcached_nodes: list[str], tmp_path: Path
+    memcached_nodes: list[str], tmp_path: Path, answer: tuple[str, ...]
 ) -> None:
     """Pushes through OptimizerClient (same push_id on every retry) while the service is
     kill -9'ed 3 times and restarted: rows == init - 0.5 * sum(grads), so no push was lost
-    and none was applied twice (journal replay + done records)."""
+    and none was applied twice (journal replay + done records). `answered` pushes get
+    their rows back before the service writes them (a streamed two-part reply): a kill
+    between the two parts is retried like any cut answer."""
     port = free_port()
     path = cluster_file(tmp_path, memcached_nodes, port)
     config = load_config(path)
@@ -925,7 +928,9 @@ async def test_killed_service_applies_every_retried_push_exactly_once(
         async def one(client: OptimizerClient, i: int, ids: np.ndarray, g: np.ndarray) -> None:
             nonlocal pushes_done
             try:
-                results.append(await client.push({"user": (ids, g)}, push_id=f"kill-{run}-{i}"))
+                results.append(
+                    await client.push({"user": (ids, g)}, push_id=f"kill-{run}-{i}", answer=answer)
+                )
                 pushes_done += 1
                 progress.set()
             finally:
