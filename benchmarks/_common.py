@@ -29,6 +29,26 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _measure_this_checkout() -> None:
+    """Measure this checkout's code, in this process and in every process it starts (a
+    cluster, a trainer role), never the checkout the environment has installed (an
+    editable install of another worktree is found first otherwise, and silently)."""
+    for name in ("lookup_table", "optimizer_service", "trainer"):
+        module = sys.modules.get(name)
+        where = getattr(module, "__file__", None)
+        if where is not None and not Path(where).resolve().is_relative_to(ROOT):
+            raise SystemExit(
+                f"{name} was imported from {Path(where).parent}, not from this checkout "
+                f"({ROOT}): run with PYTHONPATH={ROOT}"
+            )
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    )
+
+
+_measure_this_checkout()
 DEMO_CONFIG = ROOT / "deploy" / "demo.toml"
 MEMCACHED_MEMORY_MB = 512  # -m of each node of `local_cluster`
 QUIET_SHARE = 0.25  # of all cores: `wait_for_quiet` waits until the machine is below it
