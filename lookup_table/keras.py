@@ -129,6 +129,9 @@ class DistributedEmbedding(keras.layers.Layer):
         # what each lookup slot fetched in the last execution (filled by py_function)
         self.graph_rows: list[tf.Tensor] = []
         self.graph_records: list[RecordedLookup | None] = []
+        # rows looked up outside the graph for a call on exactly `inputs` (see `feed`)
+        self._feed: tuple[Any, tf.Tensor, tf.Tensor] | None = None
+        self.fed = False
 
     # ------------------------------------------------------------ trainer hooks
 
@@ -152,6 +155,17 @@ class DistributedEmbedding(keras.layers.Layer):
     def end_step(self) -> None:
         """Stop watching: lookups after this are not recorded for gradients."""
         self._tape = None
+        self._feed = None
+
+    def feed(self, inputs: Any, rows: tf.Tensor, index: tf.Tensor) -> None:
+        """(The trainer, at trace time, inside `begin_step`/`end_step`.) Serve a call on
+        exactly the tensor `inputs` (dense or ragged ids, no sparse weights) from `rows`
+        (u, dim), the rows of its unique contributing ids, and `index`, per flat position
+        its row (u for a padding id), both computed outside the graph as the py_function
+        lookup would; `fed` tells afterwards whether a call took them. The caller
+        watches `rows` and pushes their gradient itself."""
+        self._feed = (inputs, rows, index)
+        self.fed = False
 
     def get_config(self) -> dict[str, Any]:
         config: dict[str, Any] = super().get_config()
@@ -375,6 +389,7 @@ class DistributedEmbedding(keras.layers.Layer):
         gather and the combiner as graph ops."""
         import functools
 
+        original = inputs
         weights = tf.zeros((0,), tf.float32)
         if isinstance(inputs, tf.SparseTensor):
             if self.combiner is None:
@@ -402,19 +417,24 @@ class DistributedEmbedding(keras.layers.Layer):
                 rank > 1, tf.reduce_prod(shape[:-1]), tf.size(flat, out_type=tf.int64)
             )
             segments = tf.range(tf.size(flat, out_type=tf.int64)) // tf.maximum(per_group, 1)
-        # Only lookups under a tape (a training trace) get a slot: a predict trace must
-        # not add rows to the training trace's list.
-        slot = len(self.graph_rows) if self._tape is not None else None
-        rows, index = tf.py_function(
-            functools.partial(self._py_lookup, slot, training),
-            [flat, weights],
-            [tf.float32, tf.int64],
-        )
-        rows.set_shape([None, self.dim])
-        index.set_shape(flat.shape)
-        if self._tape is not None:
-            self._tape.watch(rows)
-            self.graph_rows.append(rows)
+        feed = self._feed
+        if feed is not None and original is feed[0] and sparse_weights is None:
+            rows, index = feed[1], feed[2]
+            self.fed = True
+        else:
+            # Only lookups under a tape (a training trace) get a slot: a predict trace must
+            # not add rows to the training trace's list.
+            slot = len(self.graph_rows) if self._tape is not None else None
+            rows, index = tf.py_function(
+                functools.partial(self._py_lookup, slot, training),
+                [flat, weights],
+                [tf.float32, tf.int64],
+            )
+            rows.set_shape([None, self.dim])
+            index.set_shape(flat.shape)
+            if self._tape is not None:
+                self._tape.watch(rows)
+                self.graph_rows.append(rows)
         table = tf.concat([rows, tf.zeros((1, self.dim), tf.float32)], axis=0)
         emb = tf.gather(table, index)
         if self.combiner is None:

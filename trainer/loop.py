@@ -105,6 +105,31 @@ def _split(batch: Any) -> tuple[Mapping[str, Any], NDArray[np.float32]]:
     return features, np.asarray(labels, np.float32)
 
 
+@dataclass(frozen=True, slots=True)
+class _FedIds:
+    """A layer's ids in one batch as the graph step is fed them: the unique contributing
+    ids, and per flat position its row (u, the zero row, for a padding id)."""
+
+    uniq: IdArray
+    index: NDArray[np.int64]
+
+
+def _fed_ids(layer: DistributedEmbedding, value: Any) -> _FedIds:
+    """What the layer's py_function lookup computes in the graph, from the batch column."""
+    raw = _column_ids(value)
+    ids = as_ids(raw.tolist() if raw.dtype.kind in "SO" else raw, table=layer.table)
+    keep = layer.not_padding(ids)
+    kept = ids[keep]
+    if kept.shape[0]:
+        uniq_any, inverse = np.unique(kept, return_inverse=True)
+        uniq = cast(IdArray, uniq_any)
+    else:
+        uniq, inverse = kept, np.zeros(0, dtype=np.intp)
+    index = np.full(ids.shape[0], uniq.shape[0], dtype=np.int64)
+    index[keep] = inverse.reshape(-1)
+    return _FedIds(uniq=uniq, index=index)
+
+
 RowPatch = Mapping[str, tuple[IdArray, NDArray[np.float32]]]
 """Rows a push produced (its answer): table -> (sorted unique ids, rows)."""
 
@@ -139,6 +164,8 @@ class _Prefetched:
     def __init__(self) -> None:
         self.entries: dict[str, list[tuple[IdArray, concurrent.futures.Future[Any]]]] = {}
         self.newer: list[RowPatch] = []
+        # per layer (by position in Trainer.layers): its ids as the graph step is fed them
+        self.fed: dict[int, tuple[_FedIds, concurrent.futures.Future[Any]]] = {}
 
     def find(self, table: str, ids: IdArray) -> concurrent.futures.Future[Any] | None:
         for uniq, fut in self.entries.get(table, []):
@@ -199,6 +226,7 @@ class Trainer:
         self.progress = progress
         self.graph = graph
         self._graph_step: Any = None
+        self._fed_layers: list[DistributedEmbedding] | None = None  # decided at the first trace
         self._graph_predict: Any = None
         self.layers = [
             layer
@@ -291,6 +319,13 @@ class Trainer:
         )
 
     @property
+    def fed_layers(self) -> list[DistributedEmbedding]:
+        """The layers whose rows the graph step gets as arguments (looked up outside it,
+        prefetched): those naming a model input as `feature` and called on exactly it.
+        Known after the first graph step; the others look up inside the graph."""
+        return list(self._fed_layers or [])
+
+    @property
     def rows_created(self) -> dict[str, int]:
         return dict(self._store.created)
 
@@ -331,16 +366,33 @@ class Trainer:
 
     def _prefetch(self, features: Mapping[str, Any]) -> _Prefetched:
         pre = _Prefetched()
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if layer.feature is None or layer.feature not in features:
                 continue
-            raw = _column_ids(features[layer.feature])
-            ids = as_ids(raw.tolist() if raw.dtype.kind in "SO" else raw, table=layer.table)
-            ids = ids[layer.not_padding(ids)]
-            uniq = cast(IdArray, np.unique(ids)) if ids.shape[0] else ids
-            fut = self._submit(self._store.lookup(layer.table, uniq))
-            pre.entries.setdefault(layer.table, []).append((uniq, fut))
+            fed = _fed_ids(layer, features[layer.feature])
+            fut = self._submit(self._store.lookup(layer.table, fed.uniq))
+            pre.entries.setdefault(layer.table, []).append((fed.uniq, fut))
+            pre.fed[i] = (fed, fut)
         return pre
+
+    def _fed_rows(
+        self, position: int, layer: DistributedEmbedding, features: Mapping[str, Any]
+    ) -> tuple[_FedIds, NDArray[np.float32]]:
+        """A fed layer's ids and rows for this batch: prefetched (and patched with the
+        answers that came after the fetch was sent) or fetched now."""
+        try:
+            ahead = self._prefetched.fed.get(position)
+            if ahead is not None:
+                fed, fut = ahead
+                rows = np.asarray(fut.result(), np.float32)
+                return fed, _patched(layer.table, fed.uniq, rows, self._prefetched.newer)
+            fed = _fed_ids(layer, features[layer.feature])  # type: ignore[index]
+            rows = self._run(self._store.lookup(layer.table, fed.uniq, create=True))
+            return fed, _patched(layer.table, fed.uniq, rows, self._unsettled_rows)
+        except Exception as exc:
+            if self._lookup_error is None:
+                self._lookup_error = exc
+            raise
 
     # ------------------------------------------------------------ dense weights
 
@@ -454,32 +506,80 @@ class Trainer:
             raise ValueError(f"the batch lacks model inputs {missing}; it has {sorted(features)}")
         return {n: _as_tensor(features[n]) for n in self.input_names}
 
-    def _make_graph_step(self) -> Any:
+    def _make_graph_step(self, fed_layers: list[DistributedEmbedding]) -> Any:
+        """The train step as one tf.function. Layers of `fed_layers` get their rows as
+        arguments (looked up and deduplicated before the call, from the batch column
+        they name), the others look up inside the graph (a py_function each)."""
         layers = self.layers
         dense_list = list(self.dense_vars.values())
 
         @tf.function(reduce_retracing=True)
-        def step(inputs: Any, labels: Any) -> Any:
+        def step(inputs: Any, labels: Any, fed_rows: Any, fed_index: Any) -> Any:
             with tf.GradientTape() as tape:
                 for layer in layers:
                     layer.begin_step(tape)  # at trace time: a new trace, rows watched
+                for layer, rows, index in zip(fed_layers, fed_rows, fed_index, strict=True):
+                    tape.watch(rows)
+                    layer.feed(inputs[layer.feature], rows, index)
                 preds = self.model(inputs, training=True)
                 loss = self.loss_fn(tf.reshape(labels, (-1, 1)), tf.reshape(preds, (-1, 1)))
             rows = [r for layer in layers for r in layer.graph_rows]
-            grads = tape.gradient(loss, rows + dense_list)
+            n, m = len(rows), len(fed_rows)
+            grads = tape.gradient(loss, rows + list(fed_rows) + dense_list)
             for layer in layers:
                 layer.end_step()
             row_grads = [
                 tf.zeros_like(r) if g is None else tf.convert_to_tensor(g)
-                for r, g in zip(rows, grads[: len(rows)], strict=True)
+                for r, g in zip(rows + list(fed_rows), grads[: n + m], strict=True)
             ]
             dense_grads = [
                 tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-                for v, g in zip(dense_list, grads[len(rows) :], strict=True)
+                for v, g in zip(dense_list, grads[n + m :], strict=True)
             ]
-            return loss, row_grads, dense_grads
+            return loss, row_grads[:n], row_grads[n:], dense_grads
 
         return step
+
+    def _graph_train_step(
+        self, features: Mapping[str, Any], inputs: dict[str, Any], labels: NDArray[np.float32]
+    ) -> tuple[Any, list[RecordedLookup], list[Any], list[Any]]:
+        """Run the graph step; returns (loss, records, their row gradients, dense grads)."""
+        if self._fed_layers is None:
+            self._fed_layers = [
+                layer
+                for layer in self.layers
+                if layer.feature is not None and layer.feature in self.input_names
+            ]
+        fed_layers = self._fed_layers
+        position = {id(layer): i for i, layer in enumerate(self.layers)}
+        with self._lookups():
+            fed = [self._fed_rows(position[id(layer)], layer, features) for layer in fed_layers]
+        args = (
+            inputs,
+            tf.constant(labels),
+            [tf.constant(rows) for _, rows in fed],
+            [tf.constant(ids.index) for ids, _ in fed],
+        )
+        if self._graph_step is None:
+            self._graph_step = self._make_graph_step(fed_layers)
+            self._graph_step.get_concrete_function(*args)  # trace: which feeds are taken
+            taken = [layer for layer in fed_layers if layer.fed]
+            if len(taken) < len(fed_layers):  # e.g. the model transforms a column first
+                self._fed_layers = taken
+                self._graph_step = None
+                return self._graph_train_step(features, inputs, labels)
+        with self._lookups():
+            loss_t, row_grads, fed_grads, dense_grads = self._graph_step(*args)
+        records: list[RecordedLookup | None] = [
+            rec for layer in self.layers for rec in layer.graph_records[: len(layer.graph_rows)]
+        ]
+        if any(r is None for r in records) or len(records) != len(row_grads):
+            raise RuntimeError("a lookup of the step did not record its ids (a bug)")
+        records += [
+            RecordedLookup(table=layer.table, ids=ids.uniq, rows=None)
+            for layer, (ids, _) in zip(fed_layers, fed, strict=True)
+        ]
+        return loss_t, cast(list[RecordedLookup], records), [*row_grads, *fed_grads], dense_grads
 
     def _make_graph_predict(self) -> Any:
         @tf.function(reduce_retracing=True)
@@ -494,18 +594,11 @@ class Trainer:
             self._init_dense()
         inputs = self._inputs(features)
         if self.graph:
-            if self._graph_step is None:
-                self._graph_step = self._make_graph_step()
-            with self._lookups():
-                loss_t, row_grads, dense_grads = self._graph_step(inputs, tf.constant(labels))
-            # declared for both branches: the eager one below assigns a list[RecordedLookup]
-            records: list[RecordedLookup | None] | list[RecordedLookup] = [
-                rec for layer in self.layers for rec in layer.graph_records[: len(layer.graph_rows)]
-            ]
-            if any(r is None for r in records) or len(records) != len(row_grads):
-                raise RuntimeError("a lookup of the step did not record its ids (a bug)")
+            loss_t, graph_records, row_grads, dense_grads = self._graph_train_step(
+                features, inputs, labels
+            )
             dense = {path: g.numpy() for path, g in zip(self.dense_vars, dense_grads, strict=True)}
-            self._push(records, [g.numpy() for g in row_grads], dense)
+            self._push(graph_records, [g.numpy() for g in row_grads], dense)
             return float(loss_t)
         with tf.GradientTape() as tape:
             for layer in self.layers:

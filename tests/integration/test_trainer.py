@@ -164,13 +164,13 @@ def test_trainer_in_process_learns_and_evaluation_writes_nothing(cluster: Path) 
     assert set(created) == {f"C{i}" for i in range(1, 27)}
 
 
-@pytest.mark.timeout(420)
-def test_read_your_writes_trains_exactly_as_reading_after_every_push(tmp_path: Path) -> None:
-    """One worker, async: the default (the push answers with its rows and the dense
-    weights; the next batch's rows are fetched during the step and patched from the
-    answer) gives the same losses, dense weights and rows as reading everything after
-    each push (`read_your_writes=False`), on the same data from the same weights. A
-    stale row or weight would differ by a whole Adam step (~lr = 0.02)."""
+def _train_fresh(
+    tmp_path: Path, tag: str, *, in_graph: bool = False, **trainer_kwargs: Any
+) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray], int]:
+    """Train 14 batches on a new cluster from fixed weights; returns the losses, the
+    service's dense weights and rows afterwards, and how many layers were fed rows.
+    `in_graph` drops the layers' `feature`, so every lookup runs inside the graph step
+    (a py_function each, nothing prefetched)."""
     import keras
 
     from trainer import Trainer
@@ -179,44 +179,69 @@ def test_read_your_writes_trains_exactly_as_reading_after_every_push(tmp_path: P
 
     source = SyntheticSource(20_000, seed=5)
     batches = list(source.batches(256))[:14]  # consecutive batches share hot ids
-    weights = None
-    runs = []
-    for fresh_reads in (False, True):
-        path = _cluster_file(tmp_path / f"c{int(fresh_reads)}.toml", mode="async", workers=1)
-        with _running(path, tmp_path / f"run{int(fresh_reads)}"):
-            config = load_config(path)
-            keras.utils.set_random_seed(1)
-            model = build_model("mlp", source.schema, config, hidden=(32, 16))
-            if weights is None:
-                weights = model.get_weights()
-            model.set_weights(weights)
-            with Trainer(
-                config, model, progress=False, read_your_writes=not fresh_reads
-            ) as trainer:
-                result = trainer.fit(batches)
-                ids = {
-                    layer.table: np.unique(
-                        np.concatenate([np.asarray(b.features[layer.feature]) for b in batches])
-                    )
-                    for layer in trainer.layers
-                }
+    path = _cluster_file(tmp_path / f"{tag}.toml", mode="async", workers=1)
+    with _running(path, tmp_path / f"run-{tag}"):
+        config = load_config(path)
+        keras.utils.set_random_seed(1)
+        model = build_model("mlp", source.schema, config, hidden=(32, 16), seed=3)
+        features = {}
+        for layer in model._flatten_layers(include_self=False):
+            if getattr(layer, "feature", None):
+                features[layer.table] = layer.feature
+                if in_graph:
+                    layer.feature = None
+        with Trainer(config, model, progress=False, **trainer_kwargs) as trainer:
+            result = trainer.fit(batches)
+            fed = len(trainer.fed_layers)
+        ids = {
+            table: np.unique(np.concatenate([np.asarray(b.features[f]) for b in batches]))
+            for table, f in features.items()
+        }
 
-            async def stored(config: Any = config, ids: Any = ids) -> tuple[Any, Any]:
-                async with EmbeddingStore(config) as store, OptimizerClient(config) as client:
-                    rows = {t: await store.lookup(t, i, create=False) for t, i in ids.items()}
-                    return rows, (await client.dense())[1]
+        async def stored() -> tuple[Any, Any]:
+            async with EmbeddingStore(config) as store, OptimizerClient(config) as client:
+                rows = {t: await store.lookup(t, i, create=False) for t, i in ids.items()}
+                return rows, (await client.dense())[1]
 
-            rows, dense = asyncio.run(stored())
-            runs.append((np.array([loss for _, loss in result.losses]), dense, rows))
-    (loss_a, dense_a, rows_a), (loss_b, dense_b, rows_b) = runs
+        rows, dense = asyncio.run(stored())
+    return np.array([loss for _, loss in result.losses]), dense, rows, fed
+
+
+def _assert_same_training(a: Any, b: Any) -> None:
+    (loss_a, dense_a, rows_a, _), (loss_b, dense_b, rows_b, _) = a, b
     assert loss_a.shape == (14,)
     np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
     assert len(dense_a) == len(dense_b)  # Keras names the two models' layers apart
-    for a, b in zip(dense_a.values(), dense_b.values(), strict=True):
-        np.testing.assert_allclose(b, a, atol=1e-6)
+    for x, y in zip(dense_a.values(), dense_b.values(), strict=True):
+        np.testing.assert_allclose(y, x, atol=1e-6)
     assert rows_a.keys() == rows_b.keys()
     for table in rows_a:
         np.testing.assert_allclose(rows_b[table], rows_a[table], atol=1e-6)
+
+
+@pytest.mark.timeout(420)
+def test_read_your_writes_trains_exactly_as_reading_after_every_push(tmp_path: Path) -> None:
+    """One worker, async: the default (the push answers with its rows and the dense
+    weights before its writes land; the next batch's rows are fetched during the step
+    and patched from the answers) gives the same losses, dense weights and rows as
+    reading everything after each push (`read_your_writes=False`), on the same data from
+    the same weights. A stale row or weight would differ by a whole Adam step (~0.02)."""
+    fresh = _train_fresh(tmp_path, "fresh", read_your_writes=False)
+    answered = _train_fresh(tmp_path, "answered")
+    assert fresh[3] == answered[3] == 26  # every layer's rows fed to the graph step
+    _assert_same_training(fresh, answered)
+
+
+@pytest.mark.timeout(420)
+def test_rows_fed_to_the_graph_step_train_as_lookups_inside_it(tmp_path: Path) -> None:
+    """Layers that name their batch column get their rows as arguments of the step's
+    tf.function (looked up and deduplicated outside it); without `feature` every layer
+    looks up inside the graph (a py_function each, reading after the last push's answer
+    patched in): both train the same."""
+    fed = _train_fresh(tmp_path, "fed")
+    in_graph = _train_fresh(tmp_path, "in-graph", in_graph=True)
+    assert (fed[3], in_graph[3]) == (26, 0)
+    _assert_same_training(fed, in_graph)
 
 
 _PEOPLE_TABLES = "".join(
