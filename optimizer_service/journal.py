@@ -9,6 +9,12 @@ slot is an empty header.
 A plan whose write failed after it was journaled is replayed from here: in the
 background while the replica lives (`Journal.finish_later`), or by the next replica
 before it serves (`Updater.recover`).
+
+A dense update is journaled as its `DenseSwitch` (the new `current` pointer and the one
+it replaces), not as values: `write` writes the new generation's chunks together with the
+journal's chunks, before the header, so a replay finds them. A journal written by an
+older service carries the dense values inline (`dense`): it still decodes, and its
+replay writes them as a new generation.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from lookup_table.core.keyspace import META_TABLE, Kind, journal_id
@@ -26,7 +32,7 @@ from lookup_table.errors import DataLossError, StoreError
 from lookup_table.store import EmbeddingStore
 from optimizer_service.errors import UnavailableError
 from optimizer_service.locks import RowLocks
-from optimizer_service.plan import TableUpdate, WritePlan
+from optimizer_service.plan import DenseSwitch, TableUpdate, WritePlan
 
 __all__ = ["JOURNAL_CHUNK_BYTES", "JOURNAL_SLOTS", "Journal", "decode_journal", "encode_journal"]
 
@@ -72,20 +78,45 @@ class Journal:
     def give_back(self, slot: int) -> None:
         self._free.put_nowait(slot)
 
-    async def write(self, slot: int, plan: WritePlan) -> None:
+    async def write(
+        self, slot: int, plan: WritePlan, *, alongside: Iterable[Awaitable[object]] = ()
+    ) -> None:
         """Chunks first, then the header (with a CRC-32 of the body): a header is only
-        ever present over a complete journal."""
+        ever present over a complete journal. See `write_chunks` for `alongside`."""
+        header = await self.write_chunks(slot, plan, alongside=alongside)
+        await self.write_header(slot, header)
+
+    async def write_chunks(
+        self, slot: int, plan: WritePlan, *, alongside: Iterable[Awaitable[object]] = ()
+    ) -> bytes:
+        """The first half of `write`: the journal's chunks, together with the writes
+        `alongside` (the new dense generation's chunks, which the journal names but does
+        not carry). Returns the header for `write_header`. When one fails, the others
+        are still awaited before the first error is raised: nothing of them is in
+        flight afterwards (the caller may delete what they wrote)."""
         size = sum(u.rows.nbytes + u.slots.nbytes for u in plan.updates)
         if size > _OFFLOAD_JOURNAL_BYTES:  # packing and the CRC would stall the loop
             chunks, header = await asyncio.to_thread(encode_journal, plan)
         else:
             chunks, header = encode_journal(plan)
-        await self.store.set_blobs(
-            META_TABLE,
-            [self._id(slot, i) for i in range(len(chunks))],
-            chunks,
-            kind=Kind.JOURNAL,
+        results = await asyncio.gather(
+            self.store.set_blobs(
+                META_TABLE,
+                [self._id(slot, i) for i in range(len(chunks))],
+                chunks,
+                kind=Kind.JOURNAL,
+            ),
+            *alongside,
+            return_exceptions=True,
         )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return header
+
+    async def write_header(self, slot: int, header: bytes) -> None:
+        """The second half of `write`: from here on the plan is journaled (a failure of
+        this write may have stored it all the same)."""
         await self.store.set_blobs(META_TABLE, [self._id(slot)], [header], kind=Kind.JOURNAL)
 
     async def clear(self, slot: int) -> None:
@@ -161,8 +192,8 @@ def _held_by_failed_write(push_id: str, error: Exception | None) -> BaseExceptio
     """The error for a push that needs rows a failed, journaled push still holds: the
     same kind of error (so the service answers the same status and `type`), naming it."""
     message = (
-        f"rows of this push are held by push {push_id!r}, whose write failed and is retried "
-        f"in the background until it succeeds: {error}"
+        f"rows (or the dense parameters) of this push are held by push {push_id!r}, whose "
+        f"write failed and is retried in the background until it succeeds: {error}"
     )
     if isinstance(error, DataLossError):
         return DataLossError(message, nodes=error.nodes)
@@ -186,7 +217,12 @@ def encode_journal(plan: WritePlan) -> tuple[list[bytes], bytes]:
             for u in plan.updates
         ],
     }
-    if plan.dense is not None:
+    if plan.dense_switch is not None:
+        doc["dense_switch"] = {
+            "current": plan.dense_switch.current,
+            "previous": plan.dense_switch.previous,
+        }
+    elif plan.dense is not None:  # no generation written for it: carry the values
         params, slots = plan.dense
         doc["dense"] = {
             "params": {n: encode_array(v) for n, v in params.items()},
@@ -220,8 +256,16 @@ def decode_journal(body: bytes) -> WritePlan:
         )
         for t in doc["tables"]
     ]
+    switch = None
+    if doc.get("dense_switch") is not None:
+        switch = DenseSwitch(
+            current=dict(doc["dense_switch"]["current"]),
+            previous=None
+            if doc["dense_switch"]["previous"] is None
+            else dict(doc["dense_switch"]["previous"]),
+        )
     dense = None
-    if doc.get("dense") is not None:
+    if doc.get("dense") is not None:  # a journal of an older service: the values inline
         dense = (
             {
                 n: decode_array(v, field="journal.dense").copy()
@@ -233,5 +277,9 @@ def decode_journal(body: bytes) -> WritePlan:
             },
         )
     return WritePlan(
-        push_id=str(doc["push_id"]), updates=updates, version=doc.get("version"), dense=dense
+        push_id=str(doc["push_id"]),
+        updates=updates,
+        version=doc.get("version"),
+        dense=dense,
+        dense_switch=switch,
     )

@@ -6,7 +6,12 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 
-__all__ = ["RowLocks"]
+__all__ = ["DENSE_KEY", "RowLocks"]
+
+DENSE_KEY = -1
+"""The lock key of the dense parameters (and of the replica's version), held like one
+more row: a push that updates them holds it from its read to its write, and a failed
+write hands it to its replay. Row keys are uint64 hashes, never negative."""
 
 
 class RowLocks:

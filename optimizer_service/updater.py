@@ -23,6 +23,18 @@ node, a lost or stopped one), a push that needs those rows, or a journal slot wh
 every slot is held so, fails at once with the replay's last error (the same store
 error, naming the node) instead of waiting for rows that may never be released.
 
+Dense parameters (replica 0): the dense update of a push is computed from the
+in-memory copy of `DenseParams` (checked against memcached's `current` pointer, read
+together with the rows), its new generation is written together with the journal's
+chunks, and the journal records only the switch of `current` (`plan.DenseSwitch`).
+Writing the plan switches `current`, updates the in-memory copy and deletes the
+previous generation. Updates of the dense parameters (and of the version) are
+serialized by one more row lock, `locks.DENSE_KEY`: a failed dense write keeps it
+with its replay, so the next dense push never computes from a state the replay will
+overwrite; while the replay keeps failing, that push fails fast with its error, as
+pushes on its rows do. A replay switches `current` only if it still names the state
+the push replaced (a restore since then wins).
+
 In sync mode the pushes of one version are first collected by `sync.SyncRounds`,
 which applies their mean as one push.
 """
@@ -30,6 +42,7 @@ which applies their mean as one push.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -44,12 +57,12 @@ from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id, version
 from lookup_table.core.optimizers import Optimizer, make_optimizer
 from lookup_table.core.sharding import row_hashes
 from lookup_table.core.wire import encode_array, encode_ids
-from lookup_table.dense import DenseParams
+from lookup_table.dense import DenseGeneration, DenseParams
 from lookup_table.store import EmbeddingStore
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.journal import Journal
-from optimizer_service.locks import RowLocks
-from optimizer_service.plan import TableUpdate, WritePlan
+from optimizer_service.locks import DENSE_KEY, RowLocks
+from optimizer_service.plan import DenseSwitch, TableUpdate, WritePlan
 from optimizer_service.push import Push, TableGrads
 from optimizer_service.sync import SyncRounds
 
@@ -95,6 +108,7 @@ class Updater:
         self._version_changed = asyncio.Condition()
         self._inflight: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._finishers: set[asyncio.Task[None]] = set()
+        self._cleanups: set[asyncio.Task[None]] = set()
         self._on_rows = on_rows
         self._rounds = SyncRounds(config.workers)
         self._open = asyncio.Event()
@@ -157,6 +171,7 @@ class Updater:
         if not self.paused:
             raise RuntimeError("reload() needs a paused replica")
         self._rounds.clear()
+        self.dense.forget()
         version = await self._stored_version()
         async with self._version_changed:
             self.version = version  # may go back: the checkpoint is older
@@ -254,30 +269,42 @@ class Updater:
         keys: set[int] = set()
         for t in push.tables:
             keys.update(row_hashes(t.table, t.ids).tolist())
+        if push.dense or version is not None:
+            keys.add(DENSE_KEY)  # one dense (and version) update at a time
         await self.locks.acquire(keys)
         handed_over = False
         try:
-            async with self.dense.lock if push.dense or version is not None else _nolock():
-                plan = await self._plan(push, version)
-                if on_plan is not None:
-                    on_plan(plan)
-                slot = await self.journal.take()
-                journaled = False
-                try:
-                    await self.journal.write(slot, plan)
-                    journaled = True
-                    await self._write_plan(plan)
-                    await self.journal.clear(slot)
-                except BaseException:
-                    if journaled:
-                        # Half-written rows must not be seen: the rows stay locked and the
-                        # journal slot taken until a background replay finishes the push.
-                        self._finish_later(slot, plan, keys)
-                        handed_over = True
-                    else:
-                        self.journal.give_back(slot)
-                    raise
-                self.journal.give_back(slot)
+            plan = await self._plan(push, version)
+            if on_plan is not None:
+                on_plan(plan)
+            generation = plan.dense_generation
+            slot = await self.journal.take()
+            header_sent = journaled = False
+            try:
+                header = await self.journal.write_chunks(
+                    slot,
+                    plan,
+                    alongside=[self.dense.write_chunks(generation)] if generation else [],
+                )
+                header_sent = True
+                await self.journal.write_header(slot, header)
+                journaled = True
+                await self._write_plan(plan)
+                await self.journal.clear(slot)
+            except BaseException:
+                if journaled:
+                    # Half-written rows must not be seen: the rows stay locked and the
+                    # journal slot taken until a background replay finishes the push.
+                    self._finish_later(slot, plan, keys)
+                    handed_over = True
+                else:
+                    self.journal.give_back(slot)
+                    if generation is not None and not header_sent:
+                        # nothing names the new generation (a header whose write failed
+                        # might have landed all the same: then its chunks must stay)
+                        self._discard_later(generation)
+                raise
+            self.journal.give_back(slot)
         finally:
             if not handed_over:
                 await self.locks.release(keys)
@@ -342,22 +369,35 @@ class Updater:
         return out
 
     async def _plan(self, push: Push, version: int | None) -> WritePlan:
-        updates = list(await asyncio.gather(*(self._updated(t) for t in push.tables)))
-        plan = WritePlan(push_id=push.push_id, updates=updates, version=version)
-        if push.dense or (version is not None and self.replica == 0):
-            state = await self.dense.read(with_slots=True)
-            if state is None:
-                if push.dense:
-                    raise BadRequestError(
-                        "dense: the dense parameters are not initialized; POST /v1/dense/init "
-                        "first (trainer.Trainer does)",
-                        reason="dense_uninitialized",
-                    )
-            else:
-                self.dense.check_grads(state, push.dense)
-                plan.dense = self.dense.update(state, push.dense)
-                if plan.version is None:
-                    plan.version = state.version + 1
+        rows = asyncio.gather(*(self._updated(t) for t in push.tables))
+        if not (push.dense or (version is not None and self.replica == 0)):
+            return WritePlan(push_id=push.push_id, updates=list(await rows), version=version)
+        # the dense `current` pointer is read with the rows: the in-memory copy is used
+        # when it still names it (one small get instead of the whole generation)
+        updates, current = await asyncio.gather(rows, self.dense.meta())
+        plan = WritePlan(push_id=push.push_id, updates=list(updates), version=version)
+        state = None if current is None else await self.dense.read(current=current)
+        if state is None:
+            if push.dense:
+                raise BadRequestError(
+                    "dense: the dense parameters are not initialized; POST /v1/dense/init "
+                    "first (trainer.Trainer does)",
+                    reason="dense_uninitialized",
+                )
+            return plan
+        self.dense.check_grads(state, push.dense)
+        if plan.version is None:
+            plan.version = state.version + 1
+        if push.dense:
+            params, slots = self.dense.update(state, push.dense)
+            generation = self.dense.prepare(plan.version, params, slots)
+        else:  # only the version moves (a sync round without dense gradients)
+            params, slots = dict(state.params), dict(state.slots)
+            generation = DenseGeneration(meta={**state.meta, "version": plan.version})
+        plan.dense = (params, slots)
+        plan.dense_switch = DenseSwitch(current=generation.meta, previous=dict(state.meta))
+        if generation.param_ids or generation.slot_ids:
+            plan.dense_generation = generation
         return plan
 
     async def _updated(self, grads: TableGrads) -> TableUpdate:
@@ -400,11 +440,25 @@ class Updater:
                 jobs.append(self.store.set(u.table, u.ids, u.slots, kind=Kind.SLOTS))
         await asyncio.gather(*jobs)
 
-    async def _write_plan(self, plan: WritePlan) -> None:
-        """Write rows, slots, dense parameters and version; then the done record."""
+    async def _write_plan(self, plan: WritePlan, *, replay: bool = False) -> None:
+        """Write rows, slots, the dense switch and version; then the done record.
+
+        `replay`: the plan comes back from the journal (a failed write or a crash); its
+        dense switch happens only if `current` still names the state it replaces.
+        """
         # the jobs return None or set_blobs' stored flags; only their completion matters
         jobs: list[Awaitable[object]] = [self._write_updates(plan.updates)]
-        if plan.dense is not None and plan.version is not None:
+        if plan.dense_switch is not None:
+            jobs.append(
+                self.dense.switch(
+                    plan.dense_switch.current,
+                    plan.dense_switch.previous,
+                    values=plan.dense,
+                    check=replay,
+                )
+            )
+        elif plan.dense is not None and plan.version is not None:
+            # a journal of an older service: it carries the values, not a generation
             jobs.append(self.dense.write(plan.version, *plan.dense))
         if plan.version is not None:
             jobs.append(
@@ -430,10 +484,21 @@ class Updater:
         """Replay a journaled push in the background until it sticks (`Journal.finish_later`);
         the replay owns (and finally releases) its journal slot and row locks."""
         task = self.journal.finish_later(
-            slot, plan, write=self._write_plan, locks=self.locks, keys=keys
+            slot,
+            plan,
+            write=functools.partial(self._write_plan, replay=True),
+            locks=self.locks,
+            keys=keys,
         )
         self._finishers.add(task)
         task.add_done_callback(self._finishers.discard)
+
+    def _discard_later(self, generation: DenseGeneration) -> None:
+        """Delete, in the background and best effort, the chunks of a dense generation
+        that no journal or pointer names (its push failed before its journal header)."""
+        task = asyncio.get_running_loop().create_task(self.dense.discard(generation))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     # ------------------------------------------------------------ recovery
 
@@ -451,7 +516,7 @@ class Updater:
                 logger.warning(
                     "replica %d: replaying journaled push %s", self.replica, plan.push_id
                 )
-                await self._write_plan(plan)
+                await self._write_plan(plan, replay=True)
                 finished += 1
             await self.journal.clear(slot)
         await self._set_version(await self._stored_version())
@@ -461,17 +526,12 @@ class Updater:
         (raw,) = await self.store.get_blobs(META_TABLE, [version_id(self.replica)], kind=Kind.META)
         version = int(raw) if raw else 0
         if self.replica == 0:
-            state = await self.dense.read()
-            if state is not None:
-                version = max(version, state.version)
+            current = await self.dense.meta()
+            if current is not None:
+                version = max(version, int(current["version"]))
         return version
 
     async def close(self) -> None:
         """Wait briefly for background finishers; those still running resume at restart."""
-        if self._finishers:
-            await asyncio.wait(self._finishers, timeout=5)
-
-
-@asynccontextmanager
-async def _nolock() -> AsyncIterator[None]:
-    yield
+        if self._finishers or self._cleanups:
+            await asyncio.wait(self._finishers | self._cleanups, timeout=5)

@@ -306,6 +306,42 @@ async def test_restore_pauses_and_reloads_running_replicas(
     assert np.array_equal(_bits(got_slots), _bits(want_slots))
 
 
+@pytest.mark.parametrize("pause", [True, False], ids=["paused", "no-pause"])
+async def test_a_dense_push_after_a_restore_starts_from_the_restored_parameters(
+    pause: bool, trained: ClusterConfig, tmp_path: Path
+) -> None:
+    """Replica 0 serves the dense parameters from memory: after a restore (also one with
+    `--no-pause`, which does not reload the replica) it serves and updates the restored
+    ones, not those it trained past the checkpoint."""
+    ck = tmp_path / "ck"
+    dense = (await save_checkpoint(trained, ck, progress=False))["dense"]
+    restored = {p["name"]: _load(ck, p["file"]) for p in dense["params"]}
+    restored_slots = {p["name"]: _load(ck, p["slots_file"]) for p in dense["params"]}
+    rng = np.random.default_rng(11)
+    async with OptimizerClient(trained) as client:
+        for _ in range(2):
+            await _push(client, 0, rng)
+        version, before = await client.dense()
+        assert version == dense["version"] + 2
+        await restore_checkpoint(trained, ck, force=True, pause=pause, progress=False)
+        version, now = await client.dense()
+        assert version == dense["version"]
+        for name, value in restored.items():
+            assert np.array_equal(_bits(now[name]), _bits(value)), name
+        grads = {n: np.full(v.shape, 0.25, np.float32) for n, v in restored.items()}
+        result = await client.push({}, dense=grads)
+        if pause:  # (without the reload the replica keeps answering its own, higher version)
+            assert result["version"] == dense["version"] + 1
+        version, now = await client.dense()
+        assert version == dense["version"] + 1
+    adam = make_optimizer(trained.optimizer)
+    for name, value in restored.items():
+        want, _ = adam.update(
+            value.reshape(1, -1), grads[name].reshape(1, -1), restored_slots[name]
+        )
+        assert np.array_equal(_bits(now[name]), _bits(want.reshape(value.shape))), name
+
+
 async def test_resume_with_reload_needs_a_paused_replica(trained: ClusterConfig) -> None:
     async with OptimizerClient(trained, max_retries=0) as client:
         with pytest.raises(PushRejectedError, match="reload=1 needs a paused replica"):
