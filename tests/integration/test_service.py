@@ -412,10 +412,10 @@ async def test_an_answered_push_whose_write_fails_raises_the_store_error_after_a
     failures = 0
     store_full = True
 
-    async def write_plan(plan: Any) -> None:  # the background replay calls it too
+    async def write_plan(plan: Any, **kwargs: Any) -> None:  # the background replay too
         nonlocal failures
         if not store_full:
-            return await real(plan)
+            return await real(plan, **kwargs)
         failures += 1
         raise StoreFullError("memcached node n1 is full (SERVER_ERROR out of memory)", node="n1")
 
