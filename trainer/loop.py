@@ -153,6 +153,56 @@ def _patched(
     return out
 
 
+def _member(ids: IdArray, among: IdArray | None) -> NDArray[np.bool_] | None:
+    """Which of `ids` are in the sorted unique `among` (None if none or no `among`)."""
+    if among is None or not among.shape[0] or not ids.shape[0]:
+        return None
+    pos = np.minimum(np.searchsorted(among, ids), among.shape[0] - 1)
+    hit: NDArray[np.bool_] = among[pos] == ids
+    return hit if hit.any() else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Partial:
+    """Rows of the ids not skipped; the skipped ones must come from a push's answer."""
+
+    rows: NDArray[np.float32]  # (len(ids), dim); skipped rows are zeros until completed
+    skipped: NDArray[np.bool_]
+
+    def complete(
+        self, table: str, ids: IdArray, patches: Iterable[RowPatch]
+    ) -> NDArray[np.float32]:
+        out = self.rows
+        left = self.skipped.copy()
+        for patch in patches:
+            newer = patch.get(table)
+            if newer is None:
+                continue
+            hit = _member(ids, newer[0])
+            if hit is None:
+                continue
+            pos = np.searchsorted(newer[0], ids[hit])
+            out[hit] = newer[1][pos]
+            left &= ~hit
+        if left.any():
+            raise RuntimeError(
+                f"{int(left.sum())} rows of table {table!r} were left to a push's answer "
+                f"that did not bring them (a bug)"
+            )
+        return out
+
+
+async def _partial(
+    store: EmbeddingStore, table: str, ids: IdArray, skip: NDArray[np.bool_]
+) -> _Partial:
+    read = ids[~skip]
+    got = await store.lookup(table, read) if read.shape[0] else None
+    rows = np.zeros((ids.shape[0], store.config.table(table).dim), np.float32)
+    if got is not None:
+        rows[~skip] = got
+    return _Partial(rows=rows, skipped=skip)
+
+
 class _Prefetched:
     """Rows fetched ahead for one step: table -> [(unique ids, future rows)].
 
@@ -364,16 +414,40 @@ class Trainer:
             raise error from error.__cause__
         self._lookup_error = None
 
-    def _prefetch(self, features: Mapping[str, Any]) -> _Prefetched:
+    def _prefetch(
+        self, features: Mapping[str, Any], *, answered: Mapping[str, IdArray] | None = None
+    ) -> _Prefetched:
+        """Fetch the rows of a batch ahead. Ids in `answered` (table -> sorted unique ids
+        that a push in flight will answer with) are not read: that answer, which
+        `newer` gets, brings their rows."""
         pre = _Prefetched()
         for i, layer in enumerate(self.layers):
             if layer.feature is None or layer.feature not in features:
                 continue
             fed = _fed_ids(layer, features[layer.feature])
-            fut = self._submit(self._store.lookup(layer.table, fed.uniq))
-            pre.entries.setdefault(layer.table, []).append((fed.uniq, fut))
+            skip = _member(fed.uniq, (answered or {}).get(layer.table))
+            fut: concurrent.futures.Future[Any]
+            if skip is None:
+                fut = self._submit(self._store.lookup(layer.table, fed.uniq))
+                pre.entries.setdefault(layer.table, []).append((fed.uniq, fut))
+            else:
+                fut = self._submit(_partial(self._store, layer.table, fed.uniq, skip))
             pre.fed[i] = (fed, fut)
         return pre
+
+    def _pushed_ids(self, features: Mapping[str, Any]) -> dict[str, IdArray]:
+        """Per table, the ids this step's push will surely answer with: those of the fed
+        layers (called on exactly their column, so these are the ids they look up)."""
+        position = {id(layer): i for i, layer in enumerate(self.layers)}
+        parts: dict[str, list[IdArray]] = {}
+        for layer in self._fed_layers or []:
+            ahead = self._prefetched.fed.get(position[id(layer)])
+            uniq = ahead[0].uniq if ahead else _fed_ids(layer, features[layer.feature]).uniq  # type: ignore[index]
+            parts.setdefault(layer.table, []).append(uniq)
+        return {
+            table: got[0] if len(got) == 1 else cast(IdArray, np.unique(np.concatenate(got)))
+            for table, got in parts.items()
+        }
 
     def _fed_rows(
         self, position: int, layer: DistributedEmbedding, features: Mapping[str, Any]
@@ -384,7 +458,10 @@ class Trainer:
             ahead = self._prefetched.fed.get(position)
             if ahead is not None:
                 fed, fut = ahead
-                rows = np.asarray(fut.result(), np.float32)
+                got = fut.result()
+                if isinstance(got, _Partial):
+                    return fed, got.complete(layer.table, fed.uniq, self._prefetched.newer)
+                rows = np.asarray(got, np.float32)
                 return fed, _patched(layer.table, fed.uniq, rows, self._prefetched.newer)
             fed = _fed_ids(layer, features[layer.feature])  # type: ignore[index]
             rows = self._run(self._store.lookup(layer.table, fed.uniq, create=True))
@@ -678,7 +755,7 @@ class Trainer:
                 if self._read_your_writes and nxt is not None:
                     # sent now, so it overlaps this step; the answer of the last push (if
                     # not written yet) and of this step's push patch it
-                    upcoming = self._prefetch(_split(nxt)[0])
+                    upcoming = self._prefetch(_split(nxt)[0], answered=self._pushed_ids(features))
                     upcoming.newer = list(self._unsettled_rows)
                 loss = self.train_step(features, labels)
                 if upcoming is not None:
