@@ -69,7 +69,7 @@ class TrainResult:
     seconds: float = 0.0
     losses: list[tuple[int, float]] = field(default_factory=list)
     evals: list[dict[str, float]] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the model version each step used
 
     @property
     def examples_per_s(self) -> float:
@@ -518,6 +518,15 @@ class Trainer:
         while self._pushes:
             self._pushes.popleft().result()
 
+    def _settle_quietly(self, error: BaseException) -> None:
+        """After `error` ended training: wait for the answered push's writes, logging (not
+        raising) their failure, often of the same fault, so that `error` is what the
+        caller sees and a later `close()` has nothing left to raise."""
+        try:
+            self._settle()
+        except Exception:
+            logger.warning("the last push failed as well after %r", error, exc_info=True)
+
     def _settle(self) -> None:
         """Wait until the answered push is written (raising its error if it failed)."""
         if self._unsettled is not None:
@@ -757,6 +766,7 @@ class Trainer:
                     # not written yet) and of this step's push patch it
                     upcoming = self._prefetch(_split(nxt)[0], answered=self._pushed_ids(features))
                     upcoming.newer = list(self._unsettled_rows)
+                computed_on = self.version  # an answered push brings the next one
                 loss = self.train_step(features, labels)
                 if upcoming is not None:
                     upcoming.newer.append(self._updated)
@@ -768,7 +778,7 @@ class Trainer:
                 result.steps += 1
                 result.examples += labels.shape[0]
                 result.losses.append((result.steps, loss))
-                result.versions.append(self.version)
+                result.versions.append(computed_on)
                 elapsed = time.perf_counter() - start
                 bar.update(1)
                 bar.set_postfix(
@@ -786,6 +796,9 @@ class Trainer:
                 current = nxt
             self._drain_pushes()
             result.seconds = time.perf_counter() - start
+        except BaseException as exc:
+            self._settle_quietly(exc)
+            raise
         finally:
             bar.close()
             self._prefetched = _Prefetched()  # rows fetched for this run only

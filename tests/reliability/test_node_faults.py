@@ -108,6 +108,16 @@ def _source() -> Any:
     return SyntheticSource(1_000_000, seed=7).select([*TABLE_NAMES, "I1"])
 
 
+async def _written(config: ClusterConfig, version: int) -> None:
+    """Wait until the replica has written every push up to model version `version` (a
+    trainer's pushes are answered before their writes land)."""
+    async with OptimizerClient(config) as client:
+        for _ in range(100):
+            if await client.version(after=version - 1) >= version:
+                return
+    raise AssertionError(f"the replica never reached version {version}")
+
+
 def _trainer(config: ClusterConfig, source: Any, *, max_pushes_in_flight: int = 0) -> Any:
     import keras
 
@@ -233,10 +243,12 @@ def test_node_lost_during_training_raises_data_loss_then_restore_resumes(tmp_pat
 
                 def restart_between_batches() -> Iterator[Any]:
                     # fit() asks for batch i+1 just before it runs the step on batch i, after
-                    # the step on batch i-1 finished (its push applied): so the restart
-                    # below lands between the steps on batches 1 and 2.
+                    # the step on batch i-1 was answered; that push's writes may still be
+                    # landing, so the restart waits for them (the replica's version): it
+                    # then lands between the steps on batches 1 and 2.
                     for i, batch in enumerate(batches):
                         if i == 3:
+                            asyncio.run(_written(config, trainer.version))
                             lost.restart_empty()
                             restarted_at.append(time.monotonic())
                         pulled.append(i)
@@ -513,13 +525,15 @@ def test_full_node_stops_training_with_store_full_and_keeps_rows(tmp_path: Path)
             snapshot: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
             def snapshotting() -> Iterator[Any]:
-                # When fit() asks for batch j, the steps on batches 0..j-2 are done (their
-                # pushes applied) and the step on batch j-1 comes next: if that one fails,
-                # the rows of batches 0..j-2 it does not touch must stay exactly as read here.
+                # When fit() asks for batch j, the steps on batches 0..j-3 are done (their
+                # pushes written), the step on batch j-2 was answered (its writes may still
+                # be landing) and the step on batch j-1 comes next: if either fails, the
+                # rows of batches 0..j-3 that neither touches must stay exactly as read here.
                 for j, batch in enumerate(source.batches(512, epochs=None)):
-                    if j >= 2:
+                    if j >= 3:
                         for table in TABLE_NAMES:
-                            ids = np.unique(np.concatenate([s[table] for s in seen[: j - 1]]))
+                            ids = np.unique(np.concatenate([s[table] for s in seen[: j - 2]]))
+                            ids = ids[~np.isin(ids, seen[j - 2][table])]
                             ids = ids[~np.isin(ids, seen[j - 1][table])]
                             values, found = loop.run_until_complete(reader.get(table, ids))
                             assert found.all(), f"rows of {table} vanished before the node filled"
