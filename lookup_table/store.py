@@ -51,6 +51,7 @@ aiomcache#489). `stats` runs on a connection of its own (`memcached.commands`).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import logging
 import time
@@ -181,6 +182,49 @@ class _Replies:
 
     replies: list[protocol.MgReply]
     end: int
+
+
+@dataclass(slots=True, eq=False)
+class _ReadGroup:
+    """The segments of one round trip whose values have one size: one group of quiet reads.
+
+    Its reads are numbered across the segments (`starts[k]` is segment k's first).
+    """
+
+    nbytes: int
+    segments: list[_Segment]
+    starts: list[int]
+    n: int
+
+    @classmethod
+    def of(cls, parts: Sequence[_Part], segments: Sequence[_Segment]) -> list[_ReadGroup]:
+        by_size: dict[int, _ReadGroup] = {}
+        for s in segments:
+            nbytes = parts[s.part].nbytes
+            group = by_size.get(nbytes)
+            if group is None:
+                group = by_size[nbytes] = cls(nbytes, [], [], 0)
+            group.segments.append(s)
+            group.starts.append(group.n)
+            group.n += s.index.shape[0]
+        return list(by_size.values())
+
+    def request(self) -> bytes:
+        return b"".join(
+            [
+                protocol.build_mg_quiet(s.keys, first=start, total=self.n)
+                for s, start in zip(self.segments, self.starts, strict=True)
+            ]
+        )
+
+    def segment_at(self, i: int) -> tuple[_Segment, int]:
+        """The segment of read i of the group, and i's position in it."""
+        k = bisect.bisect_right(self.starts, i) - 1
+        return self.segments[k], i - self.starts[k]
+
+    def key_text(self, i: int) -> str:
+        segment, local = self.segment_at(i)
+        return _key_text(segment.keys, local)
 
 
 def _num_keys(keys: Keys) -> int:
@@ -856,21 +900,23 @@ class EmbeddingStore:
         segments: list[_Segment],
         results: list[tuple[NDArray[np.float32], NDArray[np.bool_]]],
     ) -> None:
-        """Quiet fixed-width reads of `segments`, each closed by `mn`, in one round trip.
+        """Quiet fixed-width reads of `segments` in one round trip: one group per value size.
 
-        Each segment is one (table, kind), so its hits have one size and parse as one
-        fixed-stride block (protocol.parse_mg_quiet); the `mn` after it marks where
-        its replies end, misses sending nothing. The sentinel read in front is not
-        quiet, so its miss is an explicit EN.
+        The segments whose values have one size (rows of every table of one dim, say)
+        are one group of quiet reads, numbered across the segments, closed by `mn`, so
+        their hits parse as one fixed-stride block (protocol.parse_mg_quiet) whatever
+        the tables and the misses (which send nothing); the `mn` marks where the
+        group's replies end. The sentinel read in front is not quiet, so its miss is
+        an explicit EN.
         """
-        sizes = [_num_keys(s.keys) for s in segments]
+        groups = _ReadGroup.of(parts, segments)
 
         def parse_reply(data: bytes, pos: int) -> _Replies | None:
             replies: list[protocol.MgReply] = []
-            for k, s in enumerate(segments):
+            for k, group in enumerate(groups):
                 if k:
-                    pos += len(protocol.END_REPLY)  # the MN that closed the segment before
-                reply = protocol.parse_mg_quiet(data, pos, sizes[k], nbytes=parts[s.part].nbytes)
+                    pos += len(protocol.END_REPLY)  # the MN that closed the group before
+                reply = protocol.parse_mg_quiet(data, pos, group.n, nbytes=group.nbytes)
                 if reply is None:
                     return None
                 replies.append(reply)
@@ -878,29 +924,37 @@ class EmbeddingStore:
             return _Replies(replies, end=pos)
 
         def finish(data: bytes, got: _Replies) -> _Replies:  # not None: None means "incomplete"
-            for s, reply in zip(segments, got.replies, strict=True):
-                self._raise_reply_errors(node, s.keys, reply.errors, quiet=True)
-            for s, reply in zip(segments, got.replies, strict=True):
-                part = parts[s.part]
-                bad = np.flatnonzero(reply.found & (reply.sizes != part.nbytes))
+            for group, reply in zip(groups, got.replies, strict=True):
+                if reply.errors:
+                    i, line = next(iter(reply.errors.items()))
+                    # A quiet read's error line carries no token: it answers this key or a
+                    # later one.
+                    key = f"{group.key_text(i)!r} or a later key of the batch"
+                    self._raise_reply_error(node, key, line)
+            for group, reply in zip(groups, got.replies, strict=True):
+                bad = np.flatnonzero(reply.found & (reply.sizes != group.nbytes))
                 if bad.size:
                     i = int(bad[0])
+                    table = parts[group.segment_at(i)[0].part].placed.table
                     raise CorruptValueError(
-                        f"value of key {_key_text(s.keys, i)!r} of table {part.placed.table!r} "
-                        f"on memcached node {node.address} has {int(reply.sizes[i])} bytes, "
-                        f"expected {part.nbytes} ({part.nbytes // 4} float32): the table's dim "
+                        f"value of key {group.key_text(i)!r} of table {table!r} on memcached "
+                        f"node {node.address} has {int(reply.sizes[i])} bytes, expected "
+                        f"{group.nbytes} ({group.nbytes // 4} float32): the table's dim "
                         f"changed or the value is corrupt; restore the table's dim or use a "
                         f"new table name",
                         node=node.address,
                     )
-            for s, reply in zip(segments, got.replies, strict=True):
-                values, found = results[s.part]
-                raw = protocol.gather_values(data, reply, parts[s.part].nbytes)
-                values[s.index] = raw.view(ROW_DTYPE)
-                found[s.index] = reply.found
+            for group, reply in zip(groups, got.replies, strict=True):
+                raw = protocol.gather_values(data, reply, group.nbytes).view(ROW_DTYPE)
+                found = reply.found
+                for s, start in zip(group.segments, group.starts, strict=True):
+                    end = start + s.index.shape[0]
+                    values_out, found_out = results[s.part]
+                    values_out[s.index] = raw[start:end]
+                    found_out[s.index] = found[start:end]
             return got
 
-        commands = protocol.END.join([protocol.build_mg_quiet(s.keys) for s in segments])
+        commands = protocol.END.join([group.request() for group in groups])
         await self._batch(node, commands, parse_reply, finish)
 
     async def _mg_blobs(self, node: Node, keys: Keys, *, check: bool = True) -> list[bytes | None]:

@@ -5,7 +5,8 @@ the protocol ourselves (memcached >= 1.6, `doc/protocol.txt`, "Meta Commands").
 A batch to one node is one write::
 
     mg <sentinel key> v\\r\\n          (optional: the node's data-loss sentinel)
-    mg <key> v q O<i>\\r\\n x n        (read of fixed-size rows)   or
+    mg <key> v q O<i>\\r\\n x n        (read of fixed-size rows; several tables and
+    [mn\\r\\n mg <key> v q O<i>\\r\\n x m]  kinds: one group per value size)   or
     mg <key> v\\r\\n   x n             (read of blobs)   or
     ms <key> <len> [ME]\\r\\n<data>\\r\\n x n   (write)
     mn\\r\\n                           (end marker: memcached answers MN\\r\\n)
@@ -20,6 +21,13 @@ tokens must rise strictly: a repeated, out-of-order or out-of-range token is a
 stale or foreign reply (ProtocolError). Error lines carry no token; they fall back
 to a per-reply scan (as do values of another size), which knows only the lowest
 position an error line can belong to.
+
+A batch of several tables and kinds (the store's `get_many`) reads the keys of
+each value size (rows of dim 16, Adam slots of 33 floats, ...) as one group,
+numbered across its tables (`build_mg_quiet(..., first=, total=)`), and closes
+each group but the last with `mn`: a group's hits then stay one fixed-stride
+block, and its `MN` says where its replies end (`parse_mg_quiet` parses up to
+the first `MN` at a reply boundary, wherever it is in the buffer).
 
 The sentinel and blobs are read without the quiet flag: every command then has
 exactly one reply (`EN\\r\\n` on a miss), in order, so replies map to keys by
@@ -133,16 +141,22 @@ def _quiet_tail(n: int) -> NDArray[np.uint8]:
     return tail[:n]
 
 
-def build_mg_quiet(keys: Keys) -> bytes:
+def build_mg_quiet(keys: Keys, *, first: int = 0, total: int | None = None) -> bytes:
     """`mg <key> v q O<i>\\r\\n` for the key at every position i, as one buffer.
 
     i is zero-padded to `token_width(n)` digits, so every hit of one value size
-    has the same reply length (`parse_mg_quiet`).
+    has the same reply length (`parse_mg_quiet`). A group of `total` reads may be
+    built in pieces: the keys of one piece get the tokens `first` ..
+    `first + len(keys) - 1`, padded to the digits of the whole group.
     """
     n = _num_keys(keys)
     if n == 0:
         return b""
-    tail = _quiet_tail(n)
+    if total is None:
+        total = n
+    if not 0 <= first <= total - n:
+        raise ValueError(f"reads {first} .. {first + n - 1} are not in a group of {total}")
+    tail = _quiet_tail(total)[first : first + n]
     if isinstance(keys, np.ndarray):
         key_width = keys.shape[1]
         out = np.empty((n, 3 + key_width + tail.shape[1]), dtype=np.uint8)

@@ -476,6 +476,25 @@ async def test_wrong_length_value_is_corruption_naming_table_and_key(store: Embe
         )
 
 
+async def test_corruption_in_a_later_table_of_one_value_size_names_that_table(
+    config: ClusterConfig,
+) -> None:
+    """Tables of one dim are one group of reads: the error still names the right key."""
+    config = make_config(list(config.node_addresses), tables=MANY_TABLES[:6])
+    ids = {f"C{i}": np.arange(50, dtype=np.int64) for i in range(6)}
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        await store.lookup_many(ids)
+        key = encode_key(store.namespace, "C4", "w", 33)
+        node = store.nodes[int(node_of("C4", np.array([33]), store.nodes)[0])]
+        with _raw_client(node) as client:
+            client.set(key, b"\x00" * 8)
+        with pytest.raises(CorruptValueError, match=rf"{key.decode()}' of table 'C4'.*8 bytes"):
+            await store.lookup_many(ids)
+        with pytest.raises(CorruptValueError, match=rf"{key.decode()}' of table 'C4'"):
+            await store.get_many([TableRead(t, v) for t, v in ids.items()])
+
+
 async def test_lost_node_raises_data_loss_and_nothing_is_created_anywhere(own_nodes: Any) -> None:
     config = make_config([s.address for s in own_nodes])
     user = _ids_on_every_node("user", config.node_addresses, 200)

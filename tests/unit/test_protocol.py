@@ -722,3 +722,25 @@ def test_quiet_tails_are_cached_per_token_width_and_exact_for_every_size() -> No
         assert request.startswith(b"mg k v q O%s\r\n" % (b"0" * width))
         assert request.endswith(b"mg k v q O%0*d\r\n" % (width, n - 1))
         assert len(request) == n * (len(b"mg k v q O\r\n") + width)
+
+
+@given(st.lists(st.integers(0, 30), max_size=6), st.booleans())
+def test_a_group_built_in_pieces_is_the_group_built_at_once(sizes: list[int], matrix: bool) -> None:
+    """The reads of several tables with one value size are one group, numbered across them."""
+    total = sum(sizes)
+    ids = np.arange(total, dtype=np.int64)
+    keys = key_matrix(ids)
+    whole = build_mg_quiet(keys if matrix else [bytes(k) for k in keys])
+    pieces, first = [], 0
+    for n in sizes:
+        piece = keys[first : first + n]
+        pieces.append(
+            build_mg_quiet(piece if matrix else [bytes(k) for k in piece], first=first, total=total)
+        )
+        first += n
+    assert b"".join(pieces) == whole
+
+
+def test_a_piece_must_fit_in_its_group() -> None:
+    with pytest.raises(ValueError, match="reads 1 .. 2 are not in a group of 2"):
+        build_mg_quiet([b"a", b"b"], first=1, total=2)
