@@ -209,13 +209,11 @@ class _ReadGroup:
             group.n += s.index.shape[0]
         return list(by_size.values())
 
-    def request(self) -> bytes:
-        return b"".join(
-            [
-                protocol.build_mg_quiet(s.keys, first=start, total=self.n)
-                for s, start in zip(self.segments, self.starts, strict=True)
-            ]
-        )
+    def request(self) -> list[bytes]:
+        return [
+            protocol.build_mg_quiet(s.keys, first=start, total=self.n)
+            for s, start in zip(self.segments, self.starts, strict=True)
+        ]
 
     def segment_at(self, i: int) -> tuple[_Segment, int]:
         """The segment of read i of the group, and i's position in it."""
@@ -865,14 +863,14 @@ class EmbeddingStore:
     async def _batch(
         self,
         node: Node,
-        commands: bytes,
+        commands: list[bytes],
         parse_reply: Callable[[bytes, int], R | None],
         finish: Callable[[bytes, R], T],
         *,
         check: bool = True,
         writes: bool = False,
     ) -> T:
-        """One pipelined round trip: [sentinel read] + `commands` + `mn`.
+        """One pipelined round trip: [sentinel read] + `commands` (in parts) + `mn`.
 
         `parse_reply(data, pos)` parses the commands' replies from `pos` (None while
         incomplete); the sentinel and completeness are checked here once for every
@@ -880,7 +878,7 @@ class EmbeddingStore:
         builds the result.
         """
         check = check and self._check_sentinels
-        request = (self._sentinel_request() if check else b"") + commands
+        request = [self._sentinel_request(), *commands] if check else commands
 
         def parse(data: bytes) -> T | None:
             pos = self._check_sentinel(node, data, writes=writes) if check else 0
@@ -954,7 +952,11 @@ class EmbeddingStore:
                     found_out[s.index] = found[start:end]
             return got
 
-        commands = protocol.END.join([group.request() for group in groups])
+        commands: list[bytes] = []
+        for k, group in enumerate(groups):
+            if k:
+                commands.append(protocol.END)  # closes the group before
+            commands.extend(group.request())
         await self._batch(node, commands, parse_reply, finish)
 
     async def _mg_blobs(self, node: Node, keys: Keys, *, check: bool = True) -> list[bytes | None]:
@@ -969,7 +971,7 @@ class EmbeddingStore:
 
         return await self._batch(
             node,
-            protocol.build_mg(keys),
+            [protocol.build_mg(keys)],
             lambda data, pos: protocol.parse_mg(data, pos, n),
             finish,
             check=check,
@@ -1015,9 +1017,7 @@ class EmbeddingStore:
                 )
             return [ok[bounds[k] : bounds[k + 1]] for k in range(len(segments))]
 
-        commands = b"".join(
-            [protocol.build_ms(keys, values, add=add, ttl_s=ttl_s) for keys, values in segments]
-        )
+        commands = [protocol.build_ms(k, v, add=add, ttl_s=ttl_s) for k, v in segments]
         return await self._batch(
             node,
             commands,
@@ -1037,7 +1037,7 @@ class EmbeddingStore:
 
         return await self._batch(
             node,
-            protocol.build_md(keys),
+            [protocol.build_md(keys)],
             lambda data, pos: protocol.parse_ms(data, pos, n),
             finish,
         )
@@ -1052,20 +1052,11 @@ class EmbeddingStore:
         return None
 
     @classmethod
-    def _raise_reply_errors(
-        cls, node: Node, keys: Keys, errors: dict[int, bytes], *, quiet: bool = False
-    ) -> None:
-        """Raise for the first error line; `quiet`: its position is only the lowest possible."""
-        if not errors:
-            return
-        i, line = next(iter(errors.items()))
-        # A quiet read's error line carries no token: it answers this key or a later one.
-        key = (
-            f"{_key_text(keys, i)!r} or a later key of the batch"
-            if quiet
-            else repr(_key_text(keys, i))
-        )
-        cls._raise_reply_error(node, key, line)
+    def _raise_reply_errors(cls, node: Node, keys: Keys, errors: dict[int, bytes]) -> None:
+        """Raise for the first error line of a reply that has one line per key."""
+        if errors:
+            i, line = next(iter(errors.items()))
+            cls._raise_reply_error(node, repr(_key_text(keys, i)), line)
 
     @staticmethod
     def _raise_reply_error(node: Node, key: str, line: bytes) -> None:

@@ -156,9 +156,10 @@ async def test_a_push_reads_and_writes_every_table_in_one_request_per_node(
     sent: list[tuple[str, bytes]] = []
     original = Node.roundtrip
 
-    async def roundtrip(self: Node, request: bytes, parse: Any) -> Any:
-        if any(k in request for k in table_keys):
-            sent.append((self.address, request))
+    async def roundtrip(self: Node, request: Any, parse: Any) -> Any:
+        joined = request if isinstance(request, bytes) else b"".join(request)
+        if any(k in joined for k in table_keys):
+            sent.append((self.address, joined))
         return await original(self, request, parse)
 
     monkeypatch.setattr(Node, "roundtrip", roundtrip)

@@ -81,8 +81,9 @@ def round_trips(monkeypatch: pytest.MonkeyPatch) -> RoundTrips:
     seen = RoundTrips()
     original = Node.roundtrip
 
-    async def roundtrip(self: Node, request: bytes, parse: Callable[[bytes], Any]) -> Any:
-        seen.requests[self.address].append(request)
+    async def roundtrip(self: Node, request: Any, parse: Callable[[bytes], Any]) -> Any:
+        sent = request if isinstance(request, bytes) else b"".join(request)
+        seen.requests[self.address].append(sent)
         return await original(self, request, parse)
 
     monkeypatch.setattr(Node, "roundtrip", roundtrip)
