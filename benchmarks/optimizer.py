@@ -20,10 +20,10 @@ measures rows/s updated by one push of random float32 gradients for those ids:
   check, row locks, reading rows + slots, Adam (in a worker thread above
   `_OFFLOAD_FLOATS`), the journal, writing rows + slots, the done record and
   clearing the journal: the whole exactly-once path.
-* `inprocess`: the bare work in this process, on the same rows: `store.get` of
-  the rows and of the slots (concurrently), `optimizer.update` (Adam, inline),
-  `store.set` of the rows and of the slots (concurrently). No HTTP, no
-  validation, no journal, no done record.
+* `inprocess`: the bare work in this process, on the same rows: one
+  `store.get_many` of the rows and the slots (one request per node, as the
+  service reads them), `optimizer.update` (Adam, inline), one `store.set_many`
+  of the rows and the slots. No HTTP, no validation, no journal, no done record.
 
 Every round pushes fresh gradients (generated before timing). The two methods
 run on the same process, cluster, ids and rows, interleaved round by round (the
@@ -79,7 +79,7 @@ from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, load_config
 from lookup_table.core.optimizers import Optimizer, make_optimizer
 from lookup_table.ops.localcluster import free_port, memcached_cluster
-from lookup_table.store import EmbeddingStore
+from lookup_table.store import EmbeddingStore, TableRead, TableWrite
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
@@ -105,7 +105,7 @@ GRAD_SCALE = 0.01
 METHODS = ("http", "inprocess")
 LABELS = {
     "http": "OptimizerClient.push -> service (HTTP)",
-    "inprocess": "in-process get + Adam + set",
+    "inprocess": "in-process get_many + Adam + set_many",
 }
 ACCEPT_HTTP_VS_INPROCESS = 0.7
 SERVICE_START_TIMEOUT_S = 60.0
@@ -301,13 +301,13 @@ async def inprocess_update(
 ) -> None:
     """Read rows + slots, one Adam step, write both back: nothing else."""
     width = optimizer.slot_width(dim)
-    (rows, _), (slots, _) = await asyncio.gather(
-        store.get(table, ids, width=dim, unique=True),
-        store.get(table, ids, kind="s", width=width, unique=True),
+    (rows, _), (slots, _) = await store.get_many(
+        [TableRead(table, ids, width=dim), TableRead(table, ids, kind="s", width=width)],
+        unique=True,
     )
     new_rows, new_slots = optimizer.update(rows, grads, slots)
-    await asyncio.gather(
-        store.set(table, ids, new_rows), store.set(table, ids, new_slots, kind="s")
+    await store.set_many(
+        [TableWrite(table, ids, new_rows), TableWrite(table, ids, new_slots, kind="s")]
     )
 
 

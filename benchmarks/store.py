@@ -46,7 +46,23 @@ connections, overlaps parsing one chunk with memcached serving the next. So
 `lookup/ceiling` can come out near or above 1.0 there; it reads "no Python
 overhead left to win", not "faster than possible".
 
-A second, pure section times key encoding of the same ids:
+A multi-table section times a training step's shape: 26 tables of dim 16 (the
+demo model's), 400 unique random int64 ids each (10,400 rows, about a step's
+unique ids, PERF-NOTES.md), read two ways in the same run, interleaved:
+
+* `many`: `await store.lookup_many({table: ids})`: one request per node for
+  every table.
+* `concurrent`: `await asyncio.gather(*(store.lookup(t, ids) ...))`: what a
+  trainer did before, one request per node per table, all concurrent.
+* `many_mixed` / `concurrent_mixed`: the same with 10 % new ids per table (fresh
+  every round): the reads, then the `add` of the new rows (one more request per
+  node for `lookup_many`, one per table and node for the concurrent lookups).
+
+`concurrent/many` is the speed-up (seconds of the concurrent lookups / seconds of
+lookup_many, the median of the rounds' ratios), checked first to return the
+same rows.
+
+A last, pure section times key encoding of the same ids:
 `keys.encode_keys` (vectorized) against a naive per-id f-string loop.
 
 Results go to `<out-dir>/store.json` and `<out-dir>/store.png`
@@ -106,6 +122,16 @@ LABELS = {
     "pymemcache": "pymemcache get_many per node",
 }
 KEY_METHODS = ("encode_keys", "int_key_matrix", "naive_loop")
+MANY_TABLES = 26
+MANY_IDS = 400  # unique ids per table
+MANY_DIM = 16
+MANY_METHODS = ("many", "concurrent", "many_mixed", "concurrent_mixed")
+MANY_LABELS = {
+    "many": "lookup_many, existing rows",
+    "concurrent": "26 concurrent lookups, existing rows",
+    "many_mixed": "lookup_many, 10 % new rows",
+    "concurrent_mixed": "26 concurrent lookups, 10 % new rows",
+}
 ACCEPT_LOOKUP_VS_CEILING = 0.7
 ACCEPT_LOOKUP_VS_PYMEMCACHE = 2.0
 ACCEPT_MIXED_VS_LOOKUP = 0.9
@@ -358,6 +384,54 @@ async def bench_dim(
     return timings
 
 
+async def bench_many_tables(store: EmbeddingStore, *, rounds: int) -> Timings:
+    """lookup_many of 26 tables against 26 concurrent lookups (see the module docstring)."""
+    rng = np.random.default_rng(SEED + 1)
+    tables = [f"many{k}" for k in range(MANY_TABLES)]
+    n_new = MANY_IDS // 10
+    # per table: the existing ids, then a block of new ids per round and method (+ warm-up)
+    blocks = unique_id_blocks(rng, 1 + 2 * (rounds + 1), MANY_IDS * MANY_TABLES)
+    existing = {t: blocks[0][k * MANY_IDS : (k + 1) * MANY_IDS] for k, t in enumerate(tables)}
+
+    def mixed(block: NDArray[np.int64]) -> dict[str, NDArray[np.int64]]:
+        return {
+            t: mixed_batch(existing[t], block[k * n_new : (k + 1) * n_new], rng)
+            for k, t in enumerate(tables)
+        }
+
+    batches = [mixed(block) for block in blocks[1:]]
+
+    async def concurrent(ids: dict[str, NDArray[np.int64]]) -> dict[str, NDArray[np.float32]]:
+        rows = await asyncio.gather(*(store.lookup(t, v) for t, v in ids.items()))
+        return dict(zip(ids, rows, strict=True))
+
+    await store.lookup_many(existing)  # populate
+    # Warm-up (untimed): both ways return the same rows, whichever creates the new ones.
+    pairs = [
+        (await store.lookup_many(existing), await concurrent(existing)),
+        (await store.lookup_many(batches[0]), await concurrent(batches[0])),
+        (await concurrent(batches[1]), await store.lookup_many(batches[1])),
+    ]
+    for a, b in pairs:
+        if a.keys() != b.keys() or not all(np.array_equal(a[t], b[t]) for t in tables):
+            raise RuntimeError("lookup_many and the concurrent lookups read different rows")
+
+    timings = Timings()
+    for r in progress(rounds, "26 tables"):
+        shift = r % len(MANY_METHODS)
+        for method in MANY_METHODS[shift:] + MANY_METHODS[:shift]:
+            if method == "many":
+                seconds = await timed(partial(store.lookup_many, existing))
+            elif method == "concurrent":
+                seconds = await timed(partial(concurrent, existing))
+            elif method == "many_mixed":
+                seconds = await timed(partial(store.lookup_many, batches[2 + 2 * r]))
+            else:
+                seconds = await timed(partial(concurrent, batches[3 + 2 * r]))
+            timings.add(method, seconds)
+    return timings
+
+
 def bench_keys(namespace: str, table: str, ids: NDArray[np.int64], rounds: int) -> Timings:
     prefix = key_prefix(namespace, table, "w")
     if encode_keys(namespace, table, "w", ids) != naive_keys(namespace, table, ids):
@@ -379,7 +453,8 @@ def make_config(addresses: list[str]) -> ClusterConfig:
     raw: dict[str, Any] = {
         "namespace": "bench" + uuid.uuid4().hex[:8],
         "memcached": addresses,
-        "tables": [{"name": f"emb{d}", "dim": d, "seed": d} for d in DIMS],
+        "tables": [{"name": f"emb{d}", "dim": d, "seed": d} for d in DIMS]
+        + [{"name": f"many{k}", "dim": MANY_DIM, "seed": 100 + k} for k in range(MANY_TABLES)],
     }
     return parse_config(raw, env={})
 
@@ -410,6 +485,7 @@ async def run_cluster(config: ClusterConfig, *, n_ids: int, rounds: int) -> dict
                     new_blocks=[block[:n_new] for block in own[rounds + 1 :]],
                     rounds=rounds,
                 )
+            results["many_tables"] = await bench_many_tables(store, rounds=rounds)
         finally:
             await ceiling.close()
             pymc.close()
@@ -458,6 +534,27 @@ def summarize(results: dict[str, Any], n_ids: int) -> dict[str, Any]:
                 >= ACCEPT_MIXED_VS_LOOKUP,
             },
         }
+    m: Timings = results["many_tables"]
+    mmed = {x: m.median(x) for x in MANY_METHODS}
+    rows_per_batch = MANY_TABLES * MANY_IDS
+    summary["many_tables"] = {
+        "tables": MANY_TABLES,
+        "unique_ids_per_table": MANY_IDS,
+        "dim": MANY_DIM,
+        "seconds_per_round": m.rounds,
+        "median_seconds": mmed,
+        "rows_per_s": {x: rows_per_batch / mmed[x] for x in MANY_METHODS},
+        "speedup_median_of_paired_rounds": {
+            "concurrent/many": paired_ratio(m.rounds["many"], m.rounds["concurrent"]),
+            "concurrent_mixed/many_mixed": paired_ratio(
+                m.rounds["many_mixed"], m.rounds["concurrent_mixed"]
+            ),
+        },
+        "speedup_of_medians": {
+            "concurrent/many": mmed["concurrent"] / mmed["many"],
+            "concurrent_mixed/many_mixed": mmed["concurrent_mixed"] / mmed["many_mixed"],
+        },
+    }
     k: Timings = results["keys"]
     kmed = {m: k.median(m) for m in KEY_METHODS}
     summary["key_encoding"] = {
@@ -504,6 +601,23 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
             f"  target >= 0.9: {'met' if ok[name + ' >= 0.9'] else 'NOT MET'}"
             for name in ("mixed/lookup", "mixed_eval/lookup")
         )
+    mt = summary["many_tables"]
+    lines.append("")
+    lines.append(
+        f"{mt['tables']} tables x {mt['unique_ids_per_table']} unique ids, dim {mt['dim']} "
+        f"(a training step's lookups)"
+    )
+    lines.append(f"  {'method':<40} {'median ms':>10} {'rows/s':>9}")
+    lines.extend(
+        f"  {MANY_LABELS[x]:<40} {mt['median_seconds'][x] * 1e3:>10.1f} "
+        f"{fmt_rate(mt['rows_per_s'][x]):>9}"
+        for x in MANY_METHODS
+    )
+    sp, sm = mt["speedup_median_of_paired_rounds"], mt["speedup_of_medians"]
+    lines.extend(
+        f"  {name:<28} {sm[name]:5.2f}x faster with lookup_many  (paired {sp[name]:.2f}x)"
+        for name in ("concurrent/many", "concurrent_mixed/many_mixed")
+    )
     k = summary["key_encoding"]
     lines.append("")
     lines.append(f"key encoding of {n_ids:,} int ids")

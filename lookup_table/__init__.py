@@ -55,7 +55,7 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __get
         StoreTimeoutError,
         WireError,
     )
-    from lookup_table.store import EmbeddingStore
+    from lookup_table.store import EmbeddingStore, TableRead, TableWrite
 
 __all__ = [
     "AdagradConfig",
@@ -85,7 +85,9 @@ __all__ = [
     "StoreError",
     "StoreFullError",
     "StoreTimeoutError",
+    "TableRead",
     "TableSpec",
+    "TableWrite",
     "WireError",
     "decode_key",
     "encode_key",
@@ -124,7 +126,9 @@ _LAZY = {
     "StoreError": "lookup_table.errors",
     "StoreFullError": "lookup_table.errors",
     "StoreTimeoutError": "lookup_table.errors",
+    "TableRead": "lookup_table.store",
     "TableSpec": "lookup_table.config",
+    "TableWrite": "lookup_table.store",
     "WireError": "lookup_table.errors",
     "decode_key": "lookup_table.core.keys",
     "encode_key": "lookup_table.core.keys",

@@ -1,17 +1,30 @@
 """`EmbeddingStore`: the async shell over the memcached fleet.
 
-A batch costs one pipelined round trip per node (per `store.max_batch_keys` ids),
+A batch costs one pipelined round trip per node (per `store.max_batch_keys` keys),
 all nodes in parallel::
 
     store = EmbeddingStore(load_config("cluster.toml"))
     async with store:
         rows = await store.lookup("user", ids)          # float32 (len(ids), dim)
+        by_table = await store.lookup_many({"user": ids, "item": item_ids})
 
 `lookup` deduplicates ids, reads every row of the batch, and creates the
 missing ones with `add` (set-if-absent) from the table's deterministic
 initializer, so concurrent trainers never overwrite each other: a trainer that
 loses the `add` race re-reads the winner's row. `lookup(..., create=False)`
 never writes: missing rows come back as their would-be initial value.
+
+Many tables, many kinds, one round trip: `lookup_many` looks up the ids of many
+tables, `get_many` reads and `set_many` / `add_many` write values of many (table,
+kind) pairs (`TableRead`, `TableWrite`), each as ONE pipelined request per node
+(split only where a node's keys exceed `store.max_batch_keys`), with the node's
+sentinel read first, exactly as the single-table calls do. A training step of 26
+tables is then one request per node instead of 26, and the optimizer service
+reads the rows and slots of a whole push in one request per node and writes them
+back in another. The ids of a table are encoded and placed on nodes once per
+call: parts of one table that pass the same ids object (rows and slots of the
+same ids) share the work, and only the key prefix differs per kind (rows and
+slots of one id are on the same node: placement ignores the kind).
 
 Data loss: every batch also reads the node's sentinel (written by
 `lookup-table-admin init`) in the same round trip. A node whose sentinel is
@@ -23,7 +36,10 @@ missing until an operator restores or re-initializes. Its adds, which memcached
 ran all the same, may be on the node; nothing reads them, and `restore --force`
 deletes them. The same holds for any write batch sent to a lost node.) A `-M`
 node that is out of memory raises `StoreFullError`; a value of the wrong length
-`CorruptValueError`; timeouts and refused connections `NodeUnavailableError`.
+`CorruptValueError` naming the table and key; timeouts and refused connections
+`NodeUnavailableError` (`StoreTimeoutError`). Ids that cannot be keys
+(`KeyEncodingError`) and unknown tables (`ConfigError`) are raised before
+anything is sent, for every table of a multi-table call.
 
 Connections: `lookup_table.memcached` is the one transport. Each node has a small
 pool of `store.pool_size` connections (`memcached.node.Node`); a connection that
@@ -35,19 +51,21 @@ aiomcache#489). `stats` runs on a connection of its own (`memcached.commands`).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig
 from lookup_table.core.initializers import initial_rows
-from lookup_table.core.keys import IdArray, as_ids, encode_keys, int_key_matrix, key_prefix
+from lookup_table.core.keys import IdArray, IdBodies, as_ids, id_bodies, key_prefix, prefixed_keys
 from lookup_table.core.keyspace import Kind, sentinel_key
 from lookup_table.core.rows import ROW_DTYPE, encode_rows, row_bytes
 from lookup_table.core.sharding import node_of
@@ -65,18 +83,146 @@ from lookup_table.memcached import commands, protocol
 from lookup_table.memcached.node import Node
 from lookup_table.memcached.protocol import Keys
 
-__all__ = ["EmbeddingStore"]
+__all__ = ["EmbeddingStore", "TableRead", "TableWrite"]
 
 logger = logging.getLogger(__name__)
 
+
+class _Reply(Protocol):
+    @property
+    def end(self) -> int: ...
+
+
 T = TypeVar("T")
+R = TypeVar("R", bound=_Reply)
 
 
-def _keys_for(namespace: str, table: str, kind: str, ids: IdArray) -> Keys:
-    """Fixed-width int keys as one uint8 matrix; str keys as a list of bytes."""
-    if ids.dtype == np.int64:
-        return int_key_matrix(key_prefix(namespace, table, kind), cast("NDArray[np.int64]", ids))
-    return encode_keys(namespace, table, kind, ids)
+@dataclass(frozen=True, slots=True)
+class TableRead:
+    """One part of `EmbeddingStore.get_many`: fixed-width float32 values of one (table, kind).
+
+    Attributes:
+        table: the table (its keys' `{table}` part).
+        ids: int64 or str ids, anything `lookup_table.core.keys.as_ids` takes.
+        kind: "w" rows (the default), "s" slots, ...
+        width: floats per value; None: the table's dim. A stored value of another
+            length raises CorruptValueError.
+    """
+
+    table: str
+    ids: Any
+    kind: str = Kind.ROW
+    width: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TableWrite:
+    """One part of `EmbeddingStore.set_many` / `add_many`: values of one (table, kind).
+
+    Attributes:
+        table: the table.
+        ids: unique int64 or str ids, (n,).
+        values: float32 (n, width); rows ("w") must have the table's dim.
+        kind: "w" rows (the default), "s" slots, ...
+    """
+
+    table: str
+    ids: Any
+    values: NDArray[np.float32]
+    kind: str = Kind.ROW
+
+
+@dataclass(slots=True, eq=False)
+class _Placed:
+    """Ids of one table, encoded (without the kind's prefix) and placed on nodes once."""
+
+    table: str
+    ids: IdArray
+    bodies: IdBodies
+    by_node: list[NDArray[np.intp]]  # positions in `ids` of each node's ids, ascending
+
+    def only(self, mask: NDArray[np.bool_]) -> list[NDArray[np.intp]]:
+        """`by_node` restricted to the positions where `mask` is true."""
+        return [positions[mask[positions]] for positions in self.by_node]
+
+
+@dataclass(slots=True, eq=False)
+class _Part:
+    """One (table, kind) of a batch: which ids of a `_Placed` to send, and their values.
+
+    Results of the part are aligned with `placed.ids`; ids not sent stay zero/false.
+    """
+
+    placed: _Placed
+    prefix: bytes  # `{namespace}/{table}/{kind}/`
+    by_node: list[NDArray[np.intp]]
+    nbytes: int = 0  # fixed-width reads: the value size
+    values: NDArray[np.uint8] | Sequence[bytes] | None = None  # writes, aligned with ids
+
+    def values_at(self, index: NDArray[np.intp]) -> NDArray[np.uint8] | list[bytes]:
+        if isinstance(self.values, np.ndarray):
+            return self.values[index]
+        if self.values is None:
+            raise ValueError("a read part has no values")
+        return [self.values[i] for i in index.tolist()]
+
+
+@dataclass(slots=True, eq=False)
+class _Segment:
+    """The ids of one part that go to one node in one round trip, and their keys."""
+
+    part: int
+    index: NDArray[np.intp]  # positions in the part's ids
+    keys: Keys
+
+
+@dataclass(slots=True, eq=False)
+class _Replies:
+    """The quiet-read replies of the segments of one round trip; `end` is the final MN."""
+
+    replies: list[protocol.MgReply]
+    end: int
+
+
+@dataclass(slots=True, eq=False)
+class _ReadGroup:
+    """The segments of one round trip whose values have one size: one group of quiet reads.
+
+    Its reads are numbered across the segments (`starts[k]` is segment k's first).
+    """
+
+    nbytes: int
+    segments: list[_Segment]
+    starts: list[int]
+    n: int
+
+    @classmethod
+    def of(cls, parts: Sequence[_Part], segments: Sequence[_Segment]) -> list[_ReadGroup]:
+        by_size: dict[int, _ReadGroup] = {}
+        for s in segments:
+            nbytes = parts[s.part].nbytes
+            group = by_size.get(nbytes)
+            if group is None:
+                group = by_size[nbytes] = cls(nbytes, [], [], 0)
+            group.segments.append(s)
+            group.starts.append(group.n)
+            group.n += s.index.shape[0]
+        return list(by_size.values())
+
+    def request(self) -> list[bytes]:
+        return [
+            protocol.build_mg_quiet(s.keys, first=start, total=self.n)
+            for s, start in zip(self.segments, self.starts, strict=True)
+        ]
+
+    def segment_at(self, i: int) -> tuple[_Segment, int]:
+        """The segment of read i of the group, and i's position in it."""
+        k = bisect.bisect_right(self.starts, i) - 1
+        return self.segments[k], i - self.starts[k]
+
+    def key_text(self, i: int) -> str:
+        segment, local = self.segment_at(i)
+        return _key_text(segment.keys, local)
 
 
 def _num_keys(keys: Keys) -> int:
@@ -121,6 +267,37 @@ async def _gather(jobs: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
     return [t.result() for t in tasks]
 
 
+def _unique(ids: IdArray) -> tuple[IdArray, NDArray[np.intp]]:
+    """The sorted unique ids and the inverse, intp (n,): uniq[inverse] == ids."""
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    return cast("IdArray", uniq), inverse.reshape(-1)
+
+
+def _group_key(table: str, ids: Any) -> tuple[str, int]:
+    """Parts of one table that pass the same ids object share their encoding and placement."""
+    return table, id(ids)
+
+
+@dataclass(slots=True, eq=False)
+class _TableLookup:
+    """One table of `lookup_many`: its unique ids (placed), and the rows read for them."""
+
+    table: str
+    inverse: NDArray[np.intp]  # uniq[inverse] == the ids asked for
+    rows: _Part  # the read of the unique ids' rows
+    values: NDArray[np.float32]  # (len(uniq), dim)
+    found: NDArray[np.bool_]  # (len(uniq),)
+
+    @property
+    def dim(self) -> int:
+        return int(self.values.shape[1])
+
+    def part(self, only: NDArray[np.bool_], **what: Any) -> _Part:
+        """A batch part over the ids of this table where `only` is true."""
+        placed = self.rows.placed
+        return _Part(placed, self.rows.prefix, placed.only(only), **what)
+
+
 class EmbeddingStore:
     """Batched, async access to the rows and slots of every table in memcached.
 
@@ -153,7 +330,7 @@ class EmbeddingStore:
         for node in self._nodes:
             await node.close()
 
-    # ------------------------------------------------------------ public API
+    # ------------------------------------------------------------ lookups
 
     async def lookup(self, table: str, ids: Any, *, create: bool = True) -> NDArray[np.float32]:
         """The rows of `ids` in order, float32 (len(ids), dim).
@@ -173,8 +350,7 @@ class EmbeddingStore:
         id_array = self._table_ids(table, ids)
         if id_array.shape[0] == 0:
             return np.zeros((0, spec.dim), dtype=np.float32)
-        uniq_any, inverse = np.unique(id_array, return_inverse=True)
-        uniq = cast(IdArray, uniq_any)
+        uniq, inverse = _unique(id_array)
         values, found = await self.get(table, uniq, width=spec.dim, unique=True)
         missing = np.flatnonzero(~found)
         if missing.size:
@@ -187,15 +363,70 @@ class EmbeddingStore:
                 if raced.size:
                     again, ok = await self.get(table, uniq[raced], width=spec.dim, unique=True)
                     if not ok.all():
-                        bad = uniq[raced][~ok][0]
-                        raise StoreError(
-                            f"row {bad!r} of table {table!r} was created by another writer but "
-                            f"is gone again (deleted or flushed between two round trips)"
-                        )
+                        raise self._vanished(table, uniq[raced][~ok][0])
                     values[raced] = again
             else:
                 values[missing] = fresh
-        return values[inverse.reshape(-1)]
+        return values[inverse]
+
+    async def lookup_many(
+        self, ids: Mapping[str, Any], *, create: bool = True
+    ) -> dict[str, NDArray[np.float32]]:
+        """`lookup` of many tables at once: {table: ids} -> {table: rows}.
+
+        Each table's rows are float32 (len(ids), dim), exactly what `lookup(table,
+        ids, create=create)` returns: duplicates fetched once, missing rows created
+        with `add` from the table's initializer, a row whose `add` lost a race
+        re-read, `created` counted per table, and nothing written with
+        `create=False`. The reads of every table are one request per node; the adds
+        of every table's new rows one more (only if there are new rows); the
+        re-reads of lost races one more (only if an `add` lost one). Every table
+        and id is checked before anything is sent.
+
+        Raises:
+            ConfigError: an unknown table.
+            KeyEncodingError: an id that cannot be a key, or of the wrong type for
+                its table.
+            DataLossError: a node lost its data; nothing was created, on any table.
+            StoreFullError, CorruptValueError, NodeUnavailableError: see errors.py.
+        """
+        prepared: list[tuple[str, NDArray[np.intp], _Part]] = []
+        for table, table_ids in ids.items():
+            dim = self.config.table(table).dim
+            uniq, inverse = _unique(self._table_ids(table, table_ids))
+            placed = self._place(table, uniq)
+            rows = _Part(placed, self._prefix(placed, Kind.ROW), placed.by_node, row_bytes(dim))
+            prepared.append((table, inverse, rows))
+        lookups = [
+            _TableLookup(table, inverse, rows, values, found)
+            for (table, inverse, rows), (values, found) in zip(
+                prepared, await self._read([rows for _, _, rows in prepared]), strict=True
+            )
+        ]
+
+        new = [(t, ~t.found) for t in lookups if not t.found.all()]
+        for t, missing in new:
+            spec = self.config.table(t.table)
+            t.values[missing] = initial_rows(
+                spec.initializer, seed=spec.seed, ids=t.rows.placed.ids[missing], dim=spec.dim
+            )
+        if create and new:
+            adds = [t.part(missing, values=encode_rows(t.values, t.dim)) for t, missing in new]
+            stored_all = await self._write(adds, add=True)
+            raced: list[tuple[_TableLookup, NDArray[np.bool_]]] = []
+            for (t, missing), stored in zip(new, stored_all, strict=True):
+                self.created[t.table] = self.created.get(t.table, 0) + int(stored.sum())
+                if not stored[missing].all():
+                    raced.append((t, missing & ~stored))
+            if raced:
+                again = await self._read([t.part(lost, nbytes=t.rows.nbytes) for t, lost in raced])
+                for (t, lost), (values, found) in zip(raced, again, strict=True):
+                    if not found[lost].all():
+                        raise self._vanished(t.table, t.rows.placed.ids[lost & ~found][0])
+                    t.values[lost] = values[lost]
+        return {t.table: t.values[t.inverse] for t in lookups}
+
+    # ------------------------------------------------------------ fixed-width values
 
     async def get(
         self,
@@ -217,25 +448,52 @@ class EmbeddingStore:
         Returns:
             (values float32 (n, width), found bool (n,)); missing values are zeros.
         """
-        if width is None:
-            width = self.config.table(table).dim
-        id_array = self._table_ids(table, ids) if kind == Kind.ROW else as_ids(ids, table=table)
-        if not unique:
-            uniq, inverse = np.unique(id_array, return_inverse=True)
-            if uniq.shape[0] != id_array.shape[0]:
-                values, found = await self.get(table, uniq, kind=kind, width=width, unique=True)
-                return values[inverse.reshape(-1)], found[inverse.reshape(-1)]
-        nbytes = row_bytes(width)
-        out = np.zeros((id_array.shape[0], width), dtype=np.float32)
-        found = np.zeros(id_array.shape[0], dtype=bool)
+        (result,) = await self.get_many([TableRead(table, ids, kind, width)], unique=unique)
+        return result
 
-        async def one(node: Node, index: NDArray[np.intp], keys: Keys) -> None:
-            raw, hit = await self._mg_fixed(node, keys, nbytes)
-            out[index] = raw.view(ROW_DTYPE)
-            found[index] = hit
+    async def get_many(
+        self, reads: Sequence[TableRead], *, unique: bool = False
+    ) -> list[tuple[NDArray[np.float32], NDArray[np.bool_]]]:
+        """`get` of many (table, kind) parts in one request per node; results in order.
 
-        await self._fan_out(table, kind, id_array, one, check_sentinel=True)
-        return out, found
+        Each result is what `get(read.table, read.ids, kind=read.kind,
+        width=read.width)` returns: (values float32 (n, width), found bool (n,)),
+        missing values zeros. Reads of one table that pass the same `ids` object
+        (e.g. rows and slots of the same ids) are deduplicated, encoded and placed
+        once. `unique=True`: the caller guarantees every read's ids are unique.
+
+        Raises:
+            ConfigError: a read of an unknown table without a width.
+            KeyEncodingError: ids that cannot be keys, or row ids of the wrong type
+                for their table (before anything is sent).
+            CorruptValueError: a value of another length, naming its table and key.
+            DataLossError, StoreFullError, NodeUnavailableError: see errors.py.
+        """
+        rows_of = {_group_key(r.table, r.ids) for r in reads if r.kind == Kind.ROW}
+        groups: dict[tuple[str, int], tuple[_Placed, NDArray[np.intp] | None]] = {}
+        for read in reads:
+            key = _group_key(read.table, read.ids)
+            if key in groups:
+                continue
+            id_array = self._ids_of(read.table, read.ids, rows=key in rows_of)
+            inverse = None
+            if not unique:
+                uniq, inv = _unique(id_array)
+                if uniq.shape[0] != id_array.shape[0]:
+                    id_array, inverse = uniq, inv
+            groups[key] = (self._place(read.table, id_array), inverse)
+        parts: list[_Part] = []
+        for read in reads:
+            placed, _ = groups[_group_key(read.table, read.ids)]
+            width = self.config.table(read.table).dim if read.width is None else read.width
+            prefix = self._prefix(placed, read.kind)
+            parts.append(_Part(placed, prefix, placed.by_node, nbytes=row_bytes(width)))
+        results = await self._read(parts)
+        out: list[tuple[NDArray[np.float32], NDArray[np.bool_]]] = []
+        for read, (values, found) in zip(reads, results, strict=True):
+            _, inverse = groups[_group_key(read.table, read.ids)]
+            out.append((values, found) if inverse is None else (values[inverse], found[inverse]))
+        return out
 
     async def set(
         self, table: str, ids: Any, values: NDArray[np.float32], *, kind: str = Kind.ROW
@@ -246,12 +504,23 @@ class EmbeddingStore:
             ValueError: duplicate ids or a shape mismatch.
             StoreFullError: a node is out of memory (some values may be written).
         """
-        id_array, matrix = self._prepare_write(table, ids, values, kind)
+        await self.set_many([TableWrite(table, ids, values, kind)])
 
-        async def one(node: Node, index: NDArray[np.intp], keys: Keys) -> None:
-            await self._ms(node, keys, matrix[index], add=False)
+    async def set_many(self, writes: Sequence[TableWrite]) -> None:
+        """`set` of many (table, kind) parts in one request per node (overwrite).
 
-        await self._fan_out(table, kind, id_array, one, check_sentinel=True)
+        Writes of one table that pass the same `ids` object (e.g. rows and slots of
+        the same ids) are checked, encoded and placed once. Each (table, kind) may
+        appear once.
+
+        Raises:
+            ValueError: duplicate ids, a shape mismatch, or one (table, kind) twice
+                (before anything is sent).
+            KeyEncodingError: ids that cannot be keys, or row ids of the wrong type.
+            StoreFullError: a node is out of memory (some values may be written).
+            DataLossError, NodeUnavailableError: see errors.py.
+        """
+        await self._write(self._write_parts(writes, unique=False), add=False)
 
     async def add(
         self,
@@ -266,14 +535,21 @@ class EmbeddingStore:
 
         `unique=True`: the caller guarantees the ids are unique (skips the check).
         """
-        id_array, matrix = self._prepare_write(table, ids, values, kind, unique=unique)
-        stored = np.zeros(id_array.shape[0], dtype=bool)
-
-        async def one(node: Node, index: NDArray[np.intp], keys: Keys) -> None:
-            stored[index] = await self._ms(node, keys, matrix[index], add=True)
-
-        await self._fan_out(table, kind, id_array, one, check_sentinel=True)
+        (stored,) = await self.add_many([TableWrite(table, ids, values, kind)], unique=unique)
         return stored
+
+    async def add_many(
+        self, writes: Sequence[TableWrite], *, unique: bool = False
+    ) -> list[NDArray[np.bool_]]:
+        """`add` (set-if-absent) of many (table, kind) parts in one request per node.
+
+        Returns, per write in order, which of its values were stored, bool (n,).
+        `unique=True`: the caller guarantees every write's ids are unique. Raises
+        what `set_many` raises.
+        """
+        return await self._write(self._write_parts(writes, unique=unique), add=True)
+
+    # ------------------------------------------------------------ blobs
 
     async def get_blobs(self, table: str, ids: Any, *, kind: str) -> list[bytes | None]:
         """Read variable-length values (dense chunks, bookkeeping) of unique `ids`."""
@@ -285,7 +561,7 @@ class EmbeddingStore:
             for i, value in zip(index.tolist(), values, strict=True):
                 out[i] = value
 
-        await self._fan_out(table, kind, id_array, one, check_sentinel=True)
+        await self._fan_out(table, kind, id_array, one)
         return out
 
     async def set_blobs(
@@ -309,11 +585,11 @@ class EmbeddingStore:
         stored = np.zeros(id_array.shape[0], dtype=bool)
 
         async def one(node: Node, index: NDArray[np.intp], keys: Keys) -> None:
-            stored[index] = await self._ms(
-                node, keys, [values[i] for i in index.tolist()], add=add, ttl_s=ttl_s
+            (stored[index],) = await self._ms(
+                node, [(keys, [values[i] for i in index.tolist()])], add=add, ttl_s=ttl_s
             )
 
-        await self._fan_out(table, kind, id_array, one, check_sentinel=True)
+        await self._fan_out(table, kind, id_array, one)
         if not add and not stored.all():
             raise StoreError(f"memcached did not store {int((~stored).sum())} values of {table!r}")
         return stored
@@ -326,7 +602,7 @@ class EmbeddingStore:
         async def one(node: Node, index: NDArray[np.intp], keys: Keys) -> None:
             existed[index] = await self._md(node, keys)
 
-        await self._fan_out(table, kind, id_array, one, check_sentinel=True)
+        await self._fan_out(table, kind, id_array, one)
         return existed
 
     # ------------------------------------------------------------ sentinels
@@ -362,7 +638,9 @@ class EmbeddingStore:
                     "created": time.time(),
                 }
             ).encode()
-            stored = await self._ms(node, [self._sentinel_key], [value], add=True, check=False)
+            (stored,) = await self._ms(
+                node, [([self._sentinel_key], [value])], add=True, check=False
+            )
             return bool(stored[0])
 
         targets = [n for n in self._nodes if n.address in wanted]
@@ -376,7 +654,7 @@ class EmbeddingStore:
         )
         return dict(zip(self.nodes, values, strict=True))
 
-    # ------------------------------------------------------------ internals
+    # ------------------------------------------------------------ internals: preparing
 
     def _table_ids(self, table: str, ids: Any) -> IdArray:
         spec = self.config.table(table)
@@ -390,35 +668,146 @@ class EmbeddingStore:
             )
         return id_array
 
+    def _ids_of(self, table: str, ids: Any, *, rows: bool) -> IdArray:
+        """Normalized ids; those of rows (`rows`) must have the table's id type."""
+        return self._table_ids(table, ids) if rows else as_ids(ids, table=table)
+
     def _require_unique(self, table: str, ids: IdArray) -> None:
         ordered = np.sort(ids)
         if ordered.shape[0] > 1 and (ordered[1:] == ordered[:-1]).any():
             raise ValueError(f"a write to table {table!r} has duplicate ids; sum or dedupe first")
 
-    def _prepare_write(
-        self,
-        table: str,
-        ids: Any,
-        values: NDArray[np.float32],
-        kind: str,
-        *,
-        unique: bool = False,
-    ) -> tuple[IdArray, NDArray[np.uint8]]:
-        id_array = self._table_ids(table, ids) if kind == Kind.ROW else as_ids(ids, table=table)
-        arr = np.asarray(values)
-        if arr.ndim != 2 or arr.shape[0] != id_array.shape[0]:
-            raise ValueError(
-                f"values for table {table!r} must be (n, width) with n={id_array.shape[0]} "
-                f"ids; got shape {arr.shape}"
+    def _place(self, table: str, ids: IdArray) -> _Placed:
+        """Encode `ids` once and split them by node (rendezvous placement, ignores the kind)."""
+        bodies = id_bodies(table, ids)
+        if len(self._nodes) == 1:
+            return _Placed(table, ids, bodies, [np.arange(ids.shape[0], dtype=np.intp)])
+        placement = node_of(table, ids, self.nodes)
+        order = np.argsort(placement, kind="stable")
+        bounds = np.searchsorted(placement[order], np.arange(len(self._nodes) + 1)).tolist()
+        by_node = [order[bounds[j] : bounds[j + 1]] for j in range(len(self._nodes))]
+        return _Placed(table, ids, bodies, by_node)
+
+    def _prefix(self, placed: _Placed, kind: str) -> bytes:
+        """The key prefix of `kind`, checked against the longest id of `placed`."""
+        prefix = key_prefix(self.namespace, placed.table, kind)
+        placed.bodies.check_prefix(prefix)
+        return prefix
+
+    def _write_parts(self, writes: Sequence[TableWrite], *, unique: bool) -> list[_Part]:
+        """Check every write and place each table's ids once; nothing is sent yet."""
+        seen: set[tuple[str, str]] = set()
+        rows_of = {_group_key(w.table, w.ids) for w in writes if w.kind == Kind.ROW}
+        placed_of: dict[tuple[str, int], _Placed] = {}
+        parts: list[_Part] = []
+        for w in writes:
+            if (w.table, w.kind) in seen:
+                raise ValueError(
+                    f"two writes of table {w.table!r} kind {str(w.kind)!r} in one batch; "
+                    f"concatenate their ids and values"
+                )
+            seen.add((w.table, w.kind))
+            key = _group_key(w.table, w.ids)
+            placed = placed_of.get(key)
+            if placed is None:
+                id_array = self._ids_of(w.table, w.ids, rows=key in rows_of)
+                if not unique:
+                    self._require_unique(w.table, id_array)
+                placed = placed_of[key] = self._place(w.table, id_array)
+            n = placed.ids.shape[0]
+            arr = np.asarray(w.values)
+            if arr.ndim != 2 or arr.shape[0] != n:
+                raise ValueError(
+                    f"values for table {w.table!r} must be (n, width) with n={n} "
+                    f"ids; got shape {arr.shape}"
+                )
+            if w.kind == Kind.ROW and arr.shape[1] != self.config.table(w.table).dim:
+                raise ValueError(
+                    f"table {w.table!r} has dim={self.config.table(w.table).dim} but the rows "
+                    f"have {arr.shape[1]} floats"
+                )
+            matrix = encode_rows(arr, arr.shape[1])
+            parts.append(_Part(placed, self._prefix(placed, w.kind), placed.by_node, values=matrix))
+        return parts
+
+    @staticmethod
+    def _vanished(table: str, id_: object) -> StoreError:
+        return StoreError(
+            f"row {id_!r} of table {table!r} was created by another writer but "
+            f"is gone again (deleted or flushed between two round trips)"
+        )
+
+    # ------------------------------------------------------------ internals: fan-out
+
+    def _chunks(self, parts: Sequence[_Part]) -> list[tuple[Node, list[_Segment]]]:
+        """Each node's ids of every part, as round trips of at most `max_batch_keys` keys.
+
+        Every key is built here, before anything is sent.
+        """
+        step = self.config.store.max_batch_keys
+        out: list[tuple[Node, list[_Segment]]] = []
+        for j, node in enumerate(self._nodes):
+            segments: list[_Segment] = []
+            size = 0
+            for p, part in enumerate(parts):
+                positions = part.by_node[j]
+                start = 0
+                while start < positions.shape[0]:
+                    index = positions[start : start + step - size]
+                    keys = prefixed_keys(part.prefix, part.placed.bodies.bodies, index)
+                    segments.append(_Segment(p, index, keys))
+                    size += index.shape[0]
+                    start += index.shape[0]
+                    if size == step:
+                        out.append((node, segments))
+                        segments, size = [], 0
+            if segments:
+                out.append((node, segments))
+        return out
+
+    async def _run(self, jobs: Sequence[Coroutine[Any, Any, None]]) -> None:
+        """Run the round trips of a batch; a batch on an uninitialized cluster says so."""
+        if not jobs:
+            return
+        try:
+            await _gather(jobs)
+        except DataLossError as exc:
+            if not any(v is not None for v in (await self.sentinels()).values()):
+                raise ClusterNotInitializedError(
+                    f"namespace {self.namespace!r} is not initialized on any memcached node "
+                    f"({', '.join(self.nodes)}): run `lookup-table-admin init --config FILE` "
+                    f"(deploy/cluster.sh up does it)"
+                ) from exc
+            raise
+
+    async def _read(
+        self, parts: Sequence[_Part]
+    ) -> list[tuple[NDArray[np.float32], NDArray[np.bool_]]]:
+        """Fixed-width reads of every part: one request per node (per max_batch_keys)."""
+        results = [
+            (
+                np.zeros((p.placed.ids.shape[0], p.nbytes // ROW_DTYPE.itemsize), dtype=np.float32),
+                np.zeros(p.placed.ids.shape[0], dtype=bool),
             )
-        if kind == Kind.ROW and arr.shape[1] != self.config.table(table).dim:
-            raise ValueError(
-                f"table {table!r} has dim={self.config.table(table).dim} but the rows have "
-                f"{arr.shape[1]} floats"
+            for p in parts
+        ]
+        chunks = self._chunks(parts)
+        await self._run([self._mg_rows(node, parts, segs, results) for node, segs in chunks])
+        return results
+
+    async def _write(self, parts: Sequence[_Part], *, add: bool) -> list[NDArray[np.bool_]]:
+        """`ms` (or `add`) of every part: one request per node (per max_batch_keys)."""
+        stored = [np.zeros(p.placed.ids.shape[0], dtype=bool) for p in parts]
+
+        async def one(node: Node, segments: list[_Segment]) -> None:
+            flags = await self._ms(
+                node, [(s.keys, parts[s.part].values_at(s.index)) for s in segments], add=add
             )
-        if not unique:
-            self._require_unique(table, id_array)
-        return id_array, encode_rows(arr, arr.shape[1])
+            for s, ok in zip(segments, flags, strict=True):
+                stored[s.part][s.index] = ok
+
+        await self._run([one(node, segments) for node, segments in self._chunks(parts)])
+        return stored
 
     async def _fan_out(
         self,
@@ -426,38 +815,16 @@ class EmbeddingStore:
         kind: str,
         ids: IdArray,
         job: Callable[[Node, NDArray[np.intp], Keys], Coroutine[Any, Any, None]],
-        *,
-        check_sentinel: bool,
     ) -> None:
-        """Split ids by node (and max_batch_keys) and run `job` on every part concurrently."""
+        """Split the ids of one (table, kind) by node (and max_batch_keys); run `job` on each."""
         if ids.shape[0] == 0:
             return
-        keys_all = _keys_for(self.namespace, table, kind, ids)
-        placement = node_of(table, ids, self.nodes)
-        order = np.argsort(placement, kind="stable")
-        bounds = np.searchsorted(placement[order], np.arange(len(self._nodes) + 1))
-        step = self.config.store.max_batch_keys
-        jobs: list[Coroutine[Any, Any, None]] = []
-        for j, node in enumerate(self._nodes):
-            part = order[bounds[j] : bounds[j + 1]]
-            for start in range(0, part.shape[0], step):
-                index = part[start : start + step]
-                keys = (
-                    keys_all[index]
-                    if isinstance(keys_all, np.ndarray)
-                    else [keys_all[i] for i in index.tolist()]
-                )
-                jobs.append(job(node, index, keys))
-        try:
-            await _gather(jobs)
-        except DataLossError as exc:
-            if check_sentinel and not any(v is not None for v in (await self.sentinels()).values()):
-                raise ClusterNotInitializedError(
-                    f"namespace {self.namespace!r} is not initialized on any memcached node "
-                    f"({', '.join(self.nodes)}): run `lookup-table-admin init --config FILE` "
-                    f"(deploy/cluster.sh up does it)"
-                ) from exc
-            raise
+        placed = self._place(table, ids)
+        part = _Part(placed, self._prefix(placed, kind), placed.by_node)
+        chunks = self._chunks([part])
+        await self._run([job(node, s.index, s.keys) for node, (s,) in chunks])
+
+    # ------------------------------------------------------------ internals: round trips
 
     def _sentinel_request(self) -> bytes:
         return protocol.build_mg([self._sentinel_key]) if self._check_sentinels else b""
@@ -496,22 +863,22 @@ class EmbeddingStore:
     async def _batch(
         self,
         node: Node,
-        keys: Keys,
-        commands: bytes,
-        parse_reply: Callable[[bytes, int], protocol.MgReply | protocol.MsReply | None],
-        finish: Callable[[bytes, Any], T],
+        commands: list[bytes],
+        parse_reply: Callable[[bytes, int], R | None],
+        finish: Callable[[bytes, R], T],
         *,
         check: bool = True,
         writes: bool = False,
     ) -> T:
-        """One pipelined round trip: [sentinel read] + `commands` + `mn`.
+        """One pipelined round trip: [sentinel read] + `commands` (in parts) + `mn`.
 
         `parse_reply(data, pos)` parses the commands' replies from `pos` (None while
-        incomplete); the sentinel, completeness and per-key error lines are checked
-        here once for every kind of batch, then `finish(data, reply)` builds the result.
+        incomplete); the sentinel and completeness are checked here once for every
+        kind of batch, then `finish(data, reply)` checks the replies' error lines and
+        builds the result.
         """
         check = check and self._check_sentinels
-        request = (self._sentinel_request() if check else b"") + commands
+        request = [self._sentinel_request(), *commands] if check else commands
 
         def parse(data: bytes) -> T | None:
             pos = self._check_sentinel(node, data, writes=writes) if check else 0
@@ -520,48 +887,83 @@ class EmbeddingStore:
             reply = parse_reply(data, pos)
             if reply is None or data[reply.end :] != protocol.END_REPLY:
                 return self._incomplete(node, data, reply)
-            quiet = isinstance(reply, protocol.MgReply) and reply.quiet
-            self._raise_reply_errors(node, keys, reply.errors, quiet=quiet)
             return finish(data, reply)
 
         return await node.roundtrip(request, parse)
 
-    async def _mg_fixed(
-        self, node: Node, keys: Keys, nbytes: int
-    ) -> tuple[NDArray[np.uint8], NDArray[np.bool_]]:
-        n = _num_keys(keys)
+    async def _mg_rows(
+        self,
+        node: Node,
+        parts: Sequence[_Part],
+        segments: list[_Segment],
+        results: list[tuple[NDArray[np.float32], NDArray[np.bool_]]],
+    ) -> None:
+        """Quiet fixed-width reads of `segments` in one round trip: one group per value size.
 
-        def finish(
-            data: bytes, reply: protocol.MgReply
-        ) -> tuple[NDArray[np.uint8], NDArray[np.bool_]]:
-            found = reply.found
-            bad = np.flatnonzero(found & (reply.sizes != nbytes))
-            if bad.size:
-                i = int(bad[0])
-                raise CorruptValueError(
-                    f"value of key {_key_text(keys, i)!r} on memcached node {node.address} has "
-                    f"{int(reply.sizes[i])} bytes, expected {nbytes} ({nbytes // 4} float32): the "
-                    f"table's dim changed or the value is corrupt; restore the table's dim or "
-                    f"use a new table name",
-                    node=node.address,
-                )
-            return protocol.gather_values(data, reply, nbytes), found
+        The segments whose values have one size (rows of every table of one dim, say)
+        are one group of quiet reads, numbered across the segments, closed by `mn`, so
+        their hits parse as one fixed-stride block (protocol.parse_mg_quiet) whatever
+        the tables and the misses (which send nothing); the `mn` marks where the
+        group's replies end. The sentinel read in front is not quiet, so its miss is
+        an explicit EN.
+        """
+        groups = _ReadGroup.of(parts, segments)
 
-        # Quiet reads: misses send nothing, so hits and misses in any mix parse as one
-        # fixed-stride block (protocol.parse_mg_quiet); the sentinel read in front is
-        # not quiet, so its miss is an explicit EN.
-        return await self._batch(
-            node,
-            keys,
-            protocol.build_mg_quiet(keys),
-            lambda data, pos: protocol.parse_mg_quiet(data, pos, n, nbytes=nbytes),
-            finish,
-        )
+        def parse_reply(data: bytes, pos: int) -> _Replies | None:
+            replies: list[protocol.MgReply] = []
+            for k, group in enumerate(groups):
+                if k:
+                    pos += len(protocol.END_REPLY)  # the MN that closed the group before
+                reply = protocol.parse_mg_quiet(data, pos, group.n, nbytes=group.nbytes)
+                if reply is None:
+                    return None
+                replies.append(reply)
+                pos = reply.end
+            return _Replies(replies, end=pos)
+
+        def finish(data: bytes, got: _Replies) -> _Replies:  # not None: None means "incomplete"
+            for group, reply in zip(groups, got.replies, strict=True):
+                if reply.errors:
+                    i, line = next(iter(reply.errors.items()))
+                    # A quiet read's error line carries no token: it answers this key or a
+                    # later one.
+                    key = f"{group.key_text(i)!r} or a later key of the batch"
+                    self._raise_reply_error(node, key, line)
+            for group, reply in zip(groups, got.replies, strict=True):
+                bad = np.flatnonzero(reply.found & (reply.sizes != group.nbytes))
+                if bad.size:
+                    i = int(bad[0])
+                    table = parts[group.segment_at(i)[0].part].placed.table
+                    raise CorruptValueError(
+                        f"value of key {group.key_text(i)!r} of table {table!r} on memcached "
+                        f"node {node.address} has {int(reply.sizes[i])} bytes, expected "
+                        f"{group.nbytes} ({group.nbytes // 4} float32): the table's dim "
+                        f"changed or the value is corrupt; restore the table's dim or use a "
+                        f"new table name",
+                        node=node.address,
+                    )
+            for group, reply in zip(groups, got.replies, strict=True):
+                raw = protocol.gather_values(data, reply, group.nbytes).view(ROW_DTYPE)
+                found = reply.found
+                for s, start in zip(group.segments, group.starts, strict=True):
+                    end = start + s.index.shape[0]
+                    values_out, found_out = results[s.part]
+                    values_out[s.index] = raw[start:end]
+                    found_out[s.index] = found[start:end]
+            return got
+
+        commands: list[bytes] = []
+        for k, group in enumerate(groups):
+            if k:
+                commands.append(protocol.END)  # closes the group before
+            commands.extend(group.request())
+        await self._batch(node, commands, parse_reply, finish)
 
     async def _mg_blobs(self, node: Node, keys: Keys, *, check: bool = True) -> list[bytes | None]:
         n = _num_keys(keys)
 
         def finish(data: bytes, reply: protocol.MgReply) -> list[bytes | None]:
+            self._raise_reply_errors(node, keys, reply.errors)
             return [
                 data[s : s + z] if s >= 0 else None
                 for s, z in zip(reply.starts.tolist(), reply.sizes.tolist(), strict=True)
@@ -569,8 +971,7 @@ class EmbeddingStore:
 
         return await self._batch(
             node,
-            keys,
-            protocol.build_mg(keys),
+            [protocol.build_mg(keys)],
             lambda data, pos: protocol.parse_mg(data, pos, n),
             finish,
             check=check,
@@ -579,21 +980,33 @@ class EmbeddingStore:
     async def _ms(
         self,
         node: Node,
-        keys: Keys,
-        values: NDArray[np.uint8] | list[bytes],
+        segments: Sequence[tuple[Keys, NDArray[np.uint8] | list[bytes]]],
         *,
         add: bool,
         check: bool = True,
         ttl_s: int = 0,
-    ) -> NDArray[np.bool_]:
-        n = _num_keys(keys)
+    ) -> list[NDArray[np.bool_]]:
+        """`ms` of every (keys, values) segment in one round trip; stored flags per segment.
 
-        def finish(data: bytes, reply: protocol.MsReply) -> NDArray[np.bool_]:
+        Every `ms` answers one status line whatever its value's size, so the segments
+        parse as one run of replies.
+        """
+        sizes = [_num_keys(keys) for keys, _ in segments]
+        bounds = np.cumsum([0, *sizes]).tolist()
+
+        def key_text(i: int) -> str:
+            k = int(np.searchsorted(bounds, i, side="right")) - 1
+            return _key_text(segments[k][0], i - bounds[k])
+
+        def finish(data: bytes, reply: protocol.MsReply) -> list[NDArray[np.bool_]]:
+            if reply.errors:
+                i, line = next(iter(reply.errors.items()))
+                self._raise_reply_error(node, repr(key_text(i)), line)
             ok: NDArray[np.bool_] = np.equal(reply.status, protocol.STATUS_STORED)
             if not add and not ok.all():
                 i = int(np.flatnonzero(~ok)[0])
                 raise StoreError(
-                    f"memcached node {node.address} did not store key {_key_text(keys, i)!r} "
+                    f"memcached node {node.address} did not store key {key_text(i)!r} "
                     f"(status {int(reply.status[i])})",
                     node=node.address,
                 )
@@ -602,13 +1015,13 @@ class EmbeddingStore:
                     f"memcached node {node.address} answered an add with an unexpected status",
                     node=node.address,
                 )
-            return ok
+            return [ok[bounds[k] : bounds[k + 1]] for k in range(len(segments))]
 
+        commands = [protocol.build_ms(k, v, add=add, ttl_s=ttl_s) for k, v in segments]
         return await self._batch(
             node,
-            keys,
-            protocol.build_ms(keys, values, add=add, ttl_s=ttl_s),
-            lambda data, pos: protocol.parse_ms(data, pos, n),
+            commands,
+            lambda data, pos: protocol.parse_ms(data, pos, bounds[-1]),
             finish,
             check=check,
             writes=True,
@@ -618,13 +1031,13 @@ class EmbeddingStore:
         n = _num_keys(keys)
 
         def finish(data: bytes, reply: protocol.MsReply) -> NDArray[np.bool_]:
+            self._raise_reply_errors(node, keys, reply.errors)
             existed: NDArray[np.bool_] = np.equal(reply.status, protocol.STATUS_STORED)
             return existed
 
         return await self._batch(
             node,
-            keys,
-            protocol.build_md(keys),
+            [protocol.build_md(keys)],
             lambda data, pos: protocol.parse_ms(data, pos, n),
             finish,
         )
@@ -638,20 +1051,15 @@ class EmbeddingStore:
             )
         return None
 
+    @classmethod
+    def _raise_reply_errors(cls, node: Node, keys: Keys, errors: dict[int, bytes]) -> None:
+        """Raise for the first error line of a reply that has one line per key."""
+        if errors:
+            i, line = next(iter(errors.items()))
+            cls._raise_reply_error(node, repr(_key_text(keys, i)), line)
+
     @staticmethod
-    def _raise_reply_errors(
-        node: Node, keys: Keys, errors: dict[int, bytes], *, quiet: bool = False
-    ) -> None:
-        """Raise for the first error line; `quiet`: its position is only the lowest possible."""
-        if not errors:
-            return
-        i, line = next(iter(errors.items()))
-        # A quiet read's error line carries no token: it answers this key or a later one.
-        key = (
-            f"{_key_text(keys, i)!r} or a later key of the batch"
-            if quiet
-            else repr(_key_text(keys, i))
-        )
+    def _raise_reply_error(node: Node, key: str, line: bytes) -> None:
         if b"out of memory" in line:
             raise StoreFullError(
                 f"memcached node {node.address} is out of memory (started with -M) and refused "

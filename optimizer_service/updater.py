@@ -44,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -58,7 +58,7 @@ from lookup_table.core.optimizers import Optimizer, make_optimizer
 from lookup_table.core.sharding import row_hashes
 from lookup_table.core.wire import encode_array, encode_ids
 from lookup_table.dense import DenseGeneration, DenseParams
-from lookup_table.store import EmbeddingStore
+from lookup_table.store import EmbeddingStore, TableRead, TableWrite
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.journal import Journal
 from optimizer_service.locks import DENSE_KEY, RowLocks
@@ -369,7 +369,7 @@ class Updater:
         return out
 
     async def _plan(self, push: Push, version: int | None) -> WritePlan:
-        rows = asyncio.gather(*(self._updated(t) for t in push.tables))
+        rows = self._updated(push.tables)
         if not (push.dense or (version is not None and self.replica == 0)):
             return WritePlan(push_id=push.push_id, updates=list(await rows), version=version)
         # the dense `current` pointer is read with the rows: the in-memory copy is used
@@ -400,19 +400,38 @@ class Updater:
             plan.dense_generation = generation
         return plan
 
-    async def _updated(self, grads: TableGrads) -> TableUpdate:
+    async def _updated(self, tables: Sequence[TableGrads]) -> list[TableUpdate]:
+        """Read the rows and slots of every table of a push (one request per node; rows
+        and slots of one id share a node) and apply each table's optimizer."""
+        reads: list[TableRead] = []
+        has_slots: list[bool] = []
+        for grads in tables:
+            width = self.optimizers[grads.table].slot_width(self.config.table(grads.table).dim)
+            reads.append(TableRead(grads.table, grads.ids))
+            if width:
+                reads.append(TableRead(grads.table, grads.ids, kind=Kind.SLOTS, width=width))
+            has_slots.append(width > 0)
+        values = iter(await self.store.get_many(reads, unique=True))
+        jobs = []
+        for grads, slotted in zip(tables, has_slots, strict=True):
+            rows, found = next(values)
+            jobs.append(self._update(grads, rows, found, next(values) if slotted else None))
+        return list(await asyncio.gather(*jobs))
+
+    async def _update(
+        self,
+        grads: TableGrads,
+        rows: NDArray[np.float32],
+        found: NDArray[np.bool_],
+        slots_read: tuple[NDArray[np.float32], NDArray[np.bool_]] | None,
+    ) -> TableUpdate:
         spec = self.config.table(grads.table)
         optimizer = self.optimizers[grads.table]
-        width = optimizer.slot_width(spec.dim)
         n = grads.ids.shape[0]
-        if width:
-            (rows, found), (slots, has_slots) = await asyncio.gather(
-                self.store.get(grads.table, grads.ids, width=spec.dim, unique=True),
-                self.store.get(grads.table, grads.ids, kind=Kind.SLOTS, width=width, unique=True),
-            )
-        else:
-            rows, found = await self.store.get(grads.table, grads.ids, width=spec.dim, unique=True)
+        if slots_read is None:
             slots, has_slots = np.zeros((n, 0), dtype=np.float32), np.ones(n, dtype=bool)
+        else:
+            slots, has_slots = slots_read
         if not found.all():
             # Never seen by `lookup` (or the trainer skipped it): its value is its initial
             # row, exactly what a lookup would have created. A lost node is caught by the
@@ -433,12 +452,13 @@ class Updater:
         return TableUpdate(table=grads.table, ids=grads.ids, rows=new_rows, slots=new_slots)
 
     async def _write_updates(self, updates: Iterable[TableUpdate]) -> None:
-        jobs = []
+        """Write the rows and slots of every table in one request per node."""
+        writes: list[TableWrite] = []
         for u in updates:
-            jobs.append(self.store.set(u.table, u.ids, u.rows))
+            writes.append(TableWrite(u.table, u.ids, u.rows))
             if u.slots.shape[1]:
-                jobs.append(self.store.set(u.table, u.ids, u.slots, kind=Kind.SLOTS))
-        await asyncio.gather(*jobs)
+                writes.append(TableWrite(u.table, u.ids, u.slots, kind=Kind.SLOTS))
+        await self.store.set_many(writes)
 
     async def _write_plan(self, plan: WritePlan, *, replay: bool = False) -> None:
         """Write rows, slots, the dense switch and version; then the done record.

@@ -8,6 +8,8 @@ start their own.
 from __future__ import annotations
 
 import os
+import signal
+import time
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Iterator
@@ -98,6 +100,26 @@ def make_config(
     }
     raw.update(overrides)
     return parse_config(raw, env={})
+
+
+def sigstop(pid: int, *, timeout_s: float = 5.0) -> None:
+    """SIGSTOP `pid` and wait until every thread of it has stopped.
+
+    kill() returns before the stop reaches every thread: a worker thread still
+    running can answer one more request (seen here on a loaded 2-core machine).
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    task_dir = f"/proc/{pid}/task"
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(task_dir):
+            with open(f"{task_dir}/{tid}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        if all(state in "tT" for state in states):
+            return
+        time.sleep(0.001)
+    raise RuntimeError(f"process {pid} did not stop within {timeout_s} s of SIGSTOP")
 
 
 @pytest.fixture

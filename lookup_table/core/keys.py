@@ -40,13 +40,16 @@ __all__ = [
     "MAX_NAME_BYTES",
     "DecodedKey",
     "IdArray",
+    "IdBodies",
     "as_ids",
     "decode_key",
     "encode_key",
     "encode_keys",
+    "id_bodies",
     "id_text",
     "int_key_matrix",
     "key_prefix",
+    "prefixed_keys",
     "validate_name",
 ]
 
@@ -182,35 +185,110 @@ def _object_ids(values: list[Any], where: str) -> IdArray:
     return np.array(values, dtype=np.int64)
 
 
-def int_key_matrix(prefix: bytes, ids: NDArray[np.int64]) -> NDArray[np.uint8]:
-    """Keys of int ids as a uint8 matrix (n, len(prefix) + 17), one key per row. No loop."""
+def _write_int_bodies(out: NDArray[np.uint8], ids: NDArray[np.int64]) -> None:
+    """Write `i` + 16 hex digits of each int id into `out` (n, 17). No loop."""
     n = ids.shape[0]
     be = np.ascontiguousarray(ids, dtype=np.int64).astype(">i8").view(np.uint8).reshape(n, 8)
-    out = np.empty((n, len(prefix) + INT_ID_BYTES), dtype=np.uint8)
+    out[:, 0] = ord("i")
+    out[:, 1::2] = _HEX_DIGITS[be >> 4]
+    out[:, 2::2] = _HEX_DIGITS[be & 15]
+
+
+def int_key_matrix(prefix: bytes, ids: NDArray[np.int64]) -> NDArray[np.uint8]:
+    """Keys of int ids as a uint8 matrix (n, len(prefix) + 17), one key per row. No loop."""
+    out = np.empty((ids.shape[0], len(prefix) + INT_ID_BYTES), dtype=np.uint8)
     out[:, : len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
-    out[:, len(prefix)] = ord("i")
-    digits = out[:, len(prefix) + 1 :]
-    digits[:, 0::2] = _HEX_DIGITS[be >> 4]
-    digits[:, 1::2] = _HEX_DIGITS[be & 15]
+    _write_int_bodies(out[:, len(prefix) :], ids)
     return out
 
 
-def _encode_str_id(value: str, prefix: bytes, table: str) -> bytes:
+def _str_body(value: str, table: str) -> bytes:
     try:
         body = value if _SAFE_RE.match(value) else quote(value, safe="", errors="strict")
-        key = prefix + b"s" + body.encode("ascii")
+        return b"s" + body.encode("ascii")
     except UnicodeEncodeError as exc:
         raise KeyEncodingError(
             f"id {id_text(value)} of table {table!r} is not valid Unicode text "
             f"(it cannot be encoded as UTF-8: {exc.reason})"
         ) from exc
+
+
+def _too_long(value: str, key_bytes: int, table: str) -> KeyEncodingError:
+    return KeyEncodingError(
+        f"id {id_text(value)} of table {table!r} is too long for a memcached key: the key "
+        f"would be {key_bytes} bytes, over the limit of {MAX_KEY_BYTES}; shorten or hash long "
+        f"ids (e.g. hashlib.blake2b(id).hexdigest()) before looking them up"
+    )
+
+
+def _encode_str_id(value: str, prefix: bytes, table: str) -> bytes:
+    key = prefix + _str_body(value, table)
     if len(key) > MAX_KEY_BYTES:
-        raise KeyEncodingError(
-            f"id {id_text(value)} of table {table!r} is too long for a memcached key: the key "
-            f"would be {len(key)} bytes, over the limit of {MAX_KEY_BYTES}; shorten or hash long "
-            f"ids (e.g. hashlib.blake2b(id).hexdigest()) before looking them up"
-        )
+        raise _too_long(value, len(key), table)
     return key
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class IdBodies:
+    """The encoded ids of a batch: each key without its `{namespace}/{table}/{kind}/` prefix.
+
+    Encoded once and joined with the prefix of every kind (`prefixed_keys`), so rows
+    and slots of the same ids share the work. `bodies` is a uint8 matrix (n, 17) for
+    int ids, a list of bytes for str ids; `longest` is the longest body in bytes.
+    """
+
+    ids: IdArray
+    table: str
+    bodies: NDArray[np.uint8] | list[bytes]
+    longest: int
+
+    def check_prefix(self, prefix: bytes) -> None:
+        """Raise if a key of `prefix` + a body would exceed MAX_KEY_BYTES.
+
+        Raises:
+            KeyEncodingError: naming the first id that does not fit.
+        """
+        if len(prefix) + self.longest <= MAX_KEY_BYTES:
+            return
+        if isinstance(self.bodies, np.ndarray):  # unreachable: key_prefix leaves room
+            raise KeyEncodingError(f"key prefix {prefix!r} leaves no room for an id")
+        for i, body in enumerate(self.bodies):
+            if len(prefix) + len(body) > MAX_KEY_BYTES:
+                raise _too_long(str(self.ids[i]), len(prefix) + len(body), self.table)
+
+
+def id_bodies(table: str, ids: IdArray) -> IdBodies:
+    """Encode a batch of ids once, for keys of any kind (`prefixed_keys`).
+
+    Raises:
+        KeyEncodingError: a str id that is not valid Unicode text.
+    """
+    if ids.dtype == np.int64:  # a dtype comparison does not narrow the union for mypy
+        bodies = np.empty((ids.shape[0], INT_ID_BYTES), dtype=np.uint8)
+        _write_int_bodies(bodies, cast("NDArray[np.int64]", ids))
+        return IdBodies(ids=ids, table=table, bodies=bodies, longest=INT_ID_BYTES)
+    encoded = [_str_body(s, table) for s in ids.tolist()]
+    return IdBodies(ids=ids, table=table, bodies=encoded, longest=max(map(len, encoded), default=0))
+
+
+def prefixed_keys(
+    prefix: bytes,
+    bodies: NDArray[np.uint8] | list[bytes],
+    index: NDArray[np.intp] | None = None,
+) -> NDArray[np.uint8] | list[bytes]:
+    """Keys `prefix + body` of the bodies at `index` (default: all), in that order.
+
+    A uint8 matrix (m, len(prefix) + 17) for int bodies, a list of bytes for str
+    bodies. The caller has checked the lengths (`IdBodies.check_prefix`).
+    """
+    if isinstance(bodies, np.ndarray):
+        picked = bodies if index is None else bodies[index]
+        out = np.empty((picked.shape[0], len(prefix) + picked.shape[1]), dtype=np.uint8)
+        out[:, : len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+        out[:, len(prefix) :] = picked
+        return out
+    chosen = bodies if index is None else [bodies[i] for i in index.tolist()]
+    return [prefix + body for body in chosen]
 
 
 def encode_keys(namespace: str, table: str, kind: str, ids: IdArray) -> list[bytes]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -82,8 +82,14 @@ class Node:
     async def _connect(self) -> _Conn:
         return _Conn(*await open_connection(self.spec, self._cfg))
 
-    async def roundtrip(self, request: bytes, parse: Callable[[bytes], T | None]) -> T:
+    async def roundtrip(
+        self, request: bytes | Sequence[bytes], parse: Callable[[bytes], T | None]
+    ) -> T:
         """Send one pipelined request ending in `mn` and parse the whole reply.
+
+        `request` may come in parts (sentinel read, commands): they are joined with
+        the `mn` once, as one write. A batch of many tables is megabytes, and every
+        copy of it costs fresh pages (the service pins malloc's mmap threshold).
 
         `parse(data)` returns None while the reply is incomplete. The reply is
         complete only after `MN\\r\\n`; data ending in those bytes by chance
@@ -94,6 +100,8 @@ class Node:
         """
         if self._closed:
             raise NodeUnavailableError(f"store is closed (node {self.address})", node=self.address)
+        parts = [request] if isinstance(request, bytes) else list(request)
+        payload = b"".join([*parts, protocol.END])
         # The wait for a free connection has its own deadline: behind `pool_size` calls
         # stuck on a stopped node, a call fails after at most 2 x timeout_s, not after
         # one timeout per call queued in front of it.
@@ -113,12 +121,12 @@ class Node:
                     while self._idle:
                         conn = self._idle.pop()
                         try:
-                            return await self._exchange(conn, request, parse)
+                            return await self._exchange(conn, payload, parse)
                         except _StaleConnectionError:
                             logger.debug(
                                 "node %s: pooled connection was dead, retrying", self.address
                             )
-                    return await self._exchange(await self._connect(), request, parse)
+                    return await self._exchange(await self._connect(), payload, parse)
             except TimeoutError as exc:
                 raise StoreTimeoutError(
                     f"memcached node {self.address} did not answer within "
@@ -134,12 +142,13 @@ class Node:
         finally:
             self._slots.release()
 
-    async def _exchange(self, conn: _Conn, request: bytes, parse: Callable[[bytes], T | None]) -> T:
-        """One request/reply on `conn`; the connection goes back to the pool only if clean."""
+    async def _exchange(self, conn: _Conn, payload: bytes, parse: Callable[[bytes], T | None]) -> T:
+        """One request/reply on `conn` (`payload` ends in `mn`); the connection goes back to
+        the pool only if clean."""
         reusable = False
         received = 0
         try:
-            conn.writer.write(request + protocol.END)
+            conn.writer.write(payload)
             chunks: list[bytes] = []
             tail = b""
             while True:
@@ -154,7 +163,7 @@ class Node:
                     )
                 received += len(chunk)
                 chunks.append(chunk)
-                tail = (tail + chunk)[-4:]
+                tail = (tail + chunk[-4:])[-4:]  # not tail + chunk: a copy of the chunk
                 if tail != protocol.END_REPLY:
                     continue
                 data = chunks[0] if len(chunks) == 1 else b"".join(chunks)

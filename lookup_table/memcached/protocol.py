@@ -5,7 +5,8 @@ the protocol ourselves (memcached >= 1.6, `doc/protocol.txt`, "Meta Commands").
 A batch to one node is one write::
 
     mg <sentinel key> v\\r\\n          (optional: the node's data-loss sentinel)
-    mg <key> v q O<i>\\r\\n x n        (read of fixed-size rows)   or
+    mg <key> v q O<i>\\r\\n x n        (read of fixed-size rows; several tables and
+    [mn\\r\\n mg <key> v q O<i>\\r\\n x m]  kinds: one group per value size)   or
     mg <key> v\\r\\n   x n             (read of blobs)   or
     ms <key> <len> [ME]\\r\\n<data>\\r\\n x n   (write)
     mn\\r\\n                           (end marker: memcached answers MN\\r\\n)
@@ -21,6 +22,13 @@ stale or foreign reply (ProtocolError). Error lines carry no token; they fall ba
 to a per-reply scan (as do values of another size), which knows only the lowest
 position an error line can belong to.
 
+A batch of several tables and kinds (the store's `get_many`) reads the keys of
+each value size (rows of dim 16, Adam slots of 33 floats, ...) as one group,
+numbered across its tables (`build_mg_quiet(..., first=, total=)`), and closes
+each group but the last with `mn`: a group's hits then stay one fixed-stride
+block, and its `MN` says where its replies end (`parse_mg_quiet` parses up to
+the first `MN` at a reply boundary, wherever it is in the buffer).
+
 The sentinel and blobs are read without the quiet flag: every command then has
 exactly one reply (`EN\\r\\n` on a miss), in order, so replies map to keys by
 position, and a missing sentinel is an explicit `EN`. Writes answer `HD\\r\\n`
@@ -31,7 +39,6 @@ comparison when all are `HD`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import TypeAlias
 
 import numpy as np
@@ -108,33 +115,48 @@ def token_width(n: int) -> int:
     return len(str(n - 1)) if n > 1 else 1
 
 
-@lru_cache(maxsize=8)
+_TAIL_ROWS = 1 << 17  # tails cached per token width: up to this many rows (1.8 MB)
+_tails: dict[int, NDArray[np.uint8]] = {}
+
+
 def _quiet_tail(n: int) -> NDArray[np.uint8]:
     """`" v q O<i>\\r\\n"` for i in 0 .. n-1 as a read-only uint8 matrix (n, width + 8).
 
-    Cached: a store's batches mostly have `store.max_batch_keys` keys, and building
-    the digits costs as much as the rest of the request.
+    Cached per token width (all of its 10**width rows, up to `_TAIL_ROWS`) and
+    sliced: the batches of a store have every size (one per node and table and
+    kind), and building the digits costs as much as the rest of the request.
     """
     width = token_width(n)
+    cached = _tails.get(width)
+    if cached is not None and cached.shape[0] >= n:
+        return cached[:n]
+    rows = max(n, min(10**width, _TAIL_ROWS))
     powers = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
-    tail = np.empty((n, width + 8), dtype=np.uint8)
+    tail = np.empty((rows, width + 8), dtype=np.uint8)
     tail[:, :6] = np.frombuffer(b" v q O", dtype=np.uint8)
-    tail[:, 6:-2] = (np.arange(n, dtype=np.int64)[:, None] // powers) % 10 + _ZERO
+    tail[:, 6:-2] = (np.arange(rows, dtype=np.int64)[:, None] // powers) % 10 + _ZERO
     tail[:, -2:] = _CRLF
     tail.setflags(write=False)
-    return tail
+    _tails[width] = tail
+    return tail[:n]
 
 
-def build_mg_quiet(keys: Keys) -> bytes:
+def build_mg_quiet(keys: Keys, *, first: int = 0, total: int | None = None) -> bytes:
     """`mg <key> v q O<i>\\r\\n` for the key at every position i, as one buffer.
 
     i is zero-padded to `token_width(n)` digits, so every hit of one value size
-    has the same reply length (`parse_mg_quiet`).
+    has the same reply length (`parse_mg_quiet`). A group of `total` reads may be
+    built in pieces: the keys of one piece get the tokens `first` ..
+    `first + len(keys) - 1`, padded to the digits of the whole group.
     """
     n = _num_keys(keys)
     if n == 0:
         return b""
-    tail = _quiet_tail(n)
+    if total is None:
+        total = n
+    if not 0 <= first <= total - n:
+        raise ValueError(f"reads {first} .. {first + n - 1} are not in a group of {total}")
+    tail = _quiet_tail(total)[first : first + n]
     if isinstance(keys, np.ndarray):
         key_width = keys.shape[1]
         out = np.empty((n, 3 + key_width + tail.shape[1]), dtype=np.uint8)
@@ -304,81 +326,58 @@ def parse_mg(
     return MgReply(starts=starts, sizes=sizes, end=pos, errors=errors)
 
 
-def _fixed_quiet_hits(
+def _fixed_quiet_prefix(
     buf: bytes | bytearray, pos: int, n: int, nbytes: int, width: int
-) -> MgReply | None:
-    """The reply from `pos` to the final `MN` as hits of `nbytes` only, or None.
+) -> tuple[NDArray[np.int64], int] | None:
+    """The hits of `nbytes` that follow each other from `pos`, decoded without a loop.
 
-    Sound without a scan: the block at `pos` starts a reply; when its whole header
-    reads `VA <nbytes> O<digits>`, its value has nbytes bytes and the next block
-    starts the next reply, and so on; the `MN` after the last block is then the
-    end marker itself (no other reply starts with `MN`).
+    Returns (their read positions, their stride) for the longest run of blocks
+    `VA <nbytes> O<token>\\r\\n<value>\\r\\n` at a fixed stride from `pos` (at most
+    n, only whole blocks in the buffer); None if a token of the run is out of
+    order or range (the scan then names it). Sound without a scan: the block at
+    `pos` starts a reply; when its whole header reads `VA <nbytes> O<digits>` and
+    its value ends in CRLF, it is one hit of nbytes and the next block starts the
+    next reply, and so on. Whatever follows the run (a miss sends nothing: the
+    `MN`, an error line, a value of another size, more of a reply still to come)
+    is left to the scan.
     """
     head = b"VA %d O" % nbytes
     header_len = len(head) + width + 2
     stride = header_len + nbytes + 2
-    end = len(buf) - len(END_REPLY)
-    body = end - pos
-    if body < 0 or body % stride or buf[end:] != END_REPLY:
+    blocks = min(n, max(0, len(buf) - pos) // stride)
+    if blocks == 0:
+        return np.empty(0, dtype=np.int64), stride
+    block = np.frombuffer(buf, dtype=np.uint8, count=blocks * stride, offset=pos).reshape(
+        blocks, stride
+    )
+    digits = block[:, len(head) : len(head) + width] - np.uint8(_ZERO)  # wraps below "0"
+    ok = (
+        (block[:, : len(head)] == np.frombuffer(head, dtype=np.uint8)).all(axis=1)
+        & (digits <= 9).all(axis=1)
+        & (block[:, header_len - 2 : header_len] == _CRLF).all(axis=1)
+        & (block[:, -2:] == _CRLF).all(axis=1)
+    )
+    run = blocks if ok.all() else int(np.argmin(ok))
+    index = digits[:run].astype(np.int64) @ (10 ** np.arange(width - 1, -1, -1, dtype=np.int64))
+    if run and (index[-1] >= n or (index[1:] <= index[:-1]).any()):
         return None
-    hits = body // stride
-    starts = np.full(n, -1, dtype=np.int64)
-    if hits == 0:
-        return MgReply(starts=starts, sizes=np.zeros(n, dtype=np.int64), end=end, quiet=True)
-    if hits > n:
-        return None
-    block = np.frombuffer(buf, dtype=np.uint8, count=body, offset=pos).reshape(hits, stride)
-    if not (
-        (block[:, : len(head)] == np.frombuffer(head, dtype=np.uint8)).all()
-        and (block[:, header_len - 2 : header_len] == _CRLF).all()
-        and (block[:, -2:] == _CRLF).all()
-    ):
-        return None
-    tokens = block[:, len(head) : len(head) + width]
-    offsets = pos + header_len + np.arange(hits, dtype=np.int64) * stride
-    if hits == n:  # every read hit: the tokens must be 0 .. n-1 in order
-        if not (tokens == _quiet_tail(n)[:, 6 : 6 + width]).all():
-            return None  # the scan names the repeated or out-of-order token
-        sizes = np.full(n, nbytes, dtype=np.int64)
-        return MgReply(starts=offsets, sizes=sizes, end=end, stride=stride, quiet=True)
-    digits = tokens - np.uint8(_ZERO)  # wraps below "0"
-    if (digits > 9).any():
-        return None
-    index = digits[:, 0].astype(np.int64)
-    for j in range(1, width):
-        index = index * 10 + digits[:, j]
-    if index[-1] >= n or (index[1:] <= index[:-1]).any():
-        return None  # the scan names the repeated or out-of-range token
-    starts[index] = offsets
-    sizes = np.zeros(n, dtype=np.int64)
-    sizes[index] = nbytes
-    return MgReply(starts=starts, sizes=sizes, end=end, stride=stride, quiet=True)
+    return index, stride
 
 
-def parse_mg_quiet(
-    buf: bytes | bytearray, pos: int, n: int, *, nbytes: int | None = None
-) -> MgReply | None:
-    """Parse the replies of n quiet reads (`build_mg_quiet`) from `pos` up to the `MN`.
-
-    Returns None while incomplete; `end` is the offset of the `MN\\r\\n` that ends
-    the batch. With `nbytes` (the expected value size) a reply whose hits all have
-    that size is decoded as one fixed-stride block, whatever the misses; otherwise
-    each reply is scanned.
-
-    Raises:
-        ProtocolError: a line that is not a quiet meta-get reply, a token that is
-            repeated, out of order or out of range (a stale or foreign reply), or
-            more replies than reads.
-    """
-    width = token_width(n)
-    if nbytes is not None:
-        fast = _fixed_quiet_hits(buf, pos, n, nbytes, width)
-        if fast is not None:
-            return fast
-    starts = np.full(n, -1, dtype=np.int64)
-    sizes = np.zeros(n, dtype=np.int64)
-    errors: dict[int, bytes] = {}
-    low = 0  # the lowest position the next reply can belong to
+def _scan_quiet(
+    buf: bytes | bytearray,
+    pos: int,
+    n: int,
+    width: int,
+    low: int,
+    starts: NDArray[np.int64],
+    sizes: NDArray[np.int64],
+    errors: dict[int, bytes],
+) -> tuple[int, bool] | None:
+    """Scan quiet replies from `pos` (the next can belong to read `low` or later) up to
+    the `MN`, filling `starts`, `sizes` and `errors`; returns (the MN's offset,
+    whether a hit was found), or None while incomplete."""
+    hit = False
     while not buf.startswith(END_REPLY, pos):
         nl = buf.find(b"\r\n", pos)
         if nl < 0:
@@ -399,6 +398,7 @@ def parse_mg_quiet(
             if end is None:
                 return None
             starts[i], sizes[i] = nl + 2, size
+            hit = True
             low = i + 1
             pos = end
         elif buf.startswith(_ERROR_PREFIXES, pos):
@@ -409,7 +409,54 @@ def parse_mg_quiet(
             pos = nl + 2
         else:
             raise ProtocolError(f"unexpected quiet meta-get reply {bytes(buf[pos:nl])[:80]!r}")
-    return MgReply(starts=starts, sizes=sizes, end=pos, errors=errors, quiet=True)
+    return pos, hit
+
+
+def parse_mg_quiet(
+    buf: bytes | bytearray, pos: int, n: int, *, nbytes: int | None = None
+) -> MgReply | None:
+    """Parse the replies of n quiet reads (`build_mg_quiet`) from `pos` up to the `MN`.
+
+    Returns None while incomplete; `end` is the offset of the first `MN\\r\\n` at a
+    reply boundary: the one that ends these reads, which need not end the buffer
+    (a batch may pipeline several groups of quiet reads, each closed by `mn`).
+    With `nbytes` (the expected value size) the hits of that size that follow each
+    other are decoded as one fixed-stride block, whatever the misses; only what
+    follows them (the `MN`, error lines, values of another size) is scanned.
+
+    Raises:
+        ProtocolError: a line that is not a quiet meta-get reply, a token that is
+            repeated, out of order or out of range (a stale or foreign reply), or
+            more replies than reads.
+    """
+    width = token_width(n)
+    starts = np.full(n, -1, dtype=np.int64)
+    sizes = np.zeros(n, dtype=np.int64)
+    errors: dict[int, bytes] = {}
+    run = _fixed_quiet_prefix(buf, pos, n, nbytes, width) if nbytes is not None else None
+    if nbytes is not None and run is not None and run[0].size:
+        index, stride = run
+        header_len = stride - nbytes - 2
+        starts[index] = pos + header_len + np.arange(index.size, dtype=np.int64) * stride
+        sizes[index] = nbytes
+        after = pos + index.size * stride
+        scanned = _scan_quiet(buf, after, n, width, int(index[-1]) + 1, starts, sizes, errors)
+        if scanned is None:
+            return None
+        end, more_hits = scanned
+        return _quiet_reply(starts, sizes, end, 0 if more_hits else stride, errors)
+    scanned = _scan_quiet(buf, pos, n, width, 0, starts, sizes, errors)
+    return None if scanned is None else _quiet_reply(starts, sizes, scanned[0], 0, errors)
+
+
+def _quiet_reply(
+    starts: NDArray[np.int64],
+    sizes: NDArray[np.int64],
+    end: int,
+    stride: int,
+    errors: dict[int, bytes],
+) -> MgReply:
+    return MgReply(starts=starts, sizes=sizes, end=end, stride=stride, errors=errors, quiet=True)
 
 
 def parse_ms(buf: bytes | bytearray, pos: int, n: int) -> MsReply | None:

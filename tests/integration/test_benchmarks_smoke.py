@@ -75,6 +75,16 @@ def test_store_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
         assert set(result["ratios"]) == set(RATIOS)
         assert all(r > 0 for r in result["ratios"].values())
 
+    many = report["many_tables"]
+    assert (many["tables"], many["unique_ids_per_table"]) == (26, 400)
+    for method in ("many", "concurrent", "many_mixed", "concurrent_mixed"):
+        assert len(many["seconds_per_round"][method]) == 3
+    assert set(many["speedup_median_of_paired_rounds"]) == {
+        "concurrent/many",
+        "concurrent_mixed/many_mixed",
+    }
+    assert all(r > 0 for r in many["speedup_median_of_paired_rounds"].values())
+
     keys = report["key_encoding"]
     assert set(keys["ratios"]) == {"naive_loop/encode_keys", "naive_loop/int_key_matrix"}
     assert (tmp_path / "store.png").stat().st_size > 0

@@ -18,6 +18,7 @@ from lookup_table import EmbeddingStore, PushRejectedError, initial_rows
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
 from lookup_table.core.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
+from lookup_table.memcached.node import Node
 from optimizer_service.app import UPDATER, make_app
 from optimizer_service.errors import NotOwnerError
 from optimizer_service.push import parse_push
@@ -142,6 +143,43 @@ async def http(served) -> AsyncIterator[TestClient]:
         yield client
     finally:
         await client.close()
+
+
+async def test_a_push_reads_and_writes_every_table_in_one_request_per_node(
+    served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows and slots of all the tables of a push: one read and one write per node."""
+    config, _ = served
+    ids = {"user": np.arange(60), "word": [f"w{i}" for i in range(40)], "ads": np.arange(80)}
+    async with EmbeddingStore(config) as store:
+        await store.lookup_many({t: ids[t] for t in ("user", "ads")})  # words are new
+    table_keys = [f"{config.namespace}/{t}/{k}/".encode() for t in ids for k in ("w", "s")]
+    sent: list[tuple[str, bytes]] = []
+    original = Node.roundtrip
+
+    async def roundtrip(self: Node, request: Any, parse: Any) -> Any:
+        joined = request if isinstance(request, bytes) else b"".join(request)
+        if any(k in joined for k in table_keys):
+            sent.append((self.address, joined))
+        return await original(self, request, parse)
+
+    monkeypatch.setattr(Node, "roundtrip", roundtrip)
+    rng = np.random.default_rng(3)
+    push = {
+        t: (v, rng.standard_normal((len(v), config.table(t).dim)).astype(np.float32))
+        for t, v in ids.items()
+    }
+    async with OptimizerClient(config) as client:
+        assert (await client.push(push))["applied"]
+    for node in config.node_addresses:
+        requests = [r for address, r in sent if address == node]
+        # after the sentinel read: the quiet reads of every table, then the writes
+        assert [r.split(b"\r\n", 1)[1][:3] for r in requests] == [b"mg ", b"ms "], node
+    assert sum(r.count(b" v q O") for _, r in sent) == 60 + 40 + 2 * 80  # SGD has no slots
+    monkeypatch.undo()
+    async with EmbeddingStore(config) as store:
+        _, has_slots = await store.get("ads", ids["ads"], kind="s", width=33)
+    assert has_slots.all()
 
 
 async def test_bad_pushes_are_4xx_and_write_nothing(served, http) -> None:

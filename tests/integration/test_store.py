@@ -29,7 +29,7 @@ from lookup_table import (
 )
 from lookup_table.core.sharding import node_of
 from lookup_table.ops.localcluster import free_port, start_memcached
-from tests.conftest import make_config
+from tests.conftest import make_config, sigstop
 
 pytestmark = pytest.mark.integration
 
@@ -248,7 +248,7 @@ async def test_stopped_node_times_out_naming_it(own_nodes) -> None:
         await s.write_sentinels()
         rows = await s.lookup("user", np.arange(100, dtype=np.int64))
         stopped = own_nodes[0]
-        os.kill(stopped.pid, signal.SIGSTOP)
+        sigstop(stopped.pid)
         try:
             t0 = time.monotonic()
             with pytest.raises(StoreTimeoutError, match=rf"{stopped.address}.*0.5 s"):
@@ -268,7 +268,7 @@ async def test_calls_queued_behind_a_stopped_node_fail_within_two_timeouts(own_n
         await s.write_sentinels()
         await s.lookup("user", np.arange(10, dtype=np.int64))
         stopped = own_nodes[0]
-        os.kill(stopped.pid, signal.SIGSTOP)
+        sigstop(stopped.pid)
         try:
 
             async def one(i: int) -> float:

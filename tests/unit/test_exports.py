@@ -21,7 +21,7 @@ FULLY_PUBLIC = ["lookup_table.errors", "lookup_table.config", "lookup_table.clie
 PARTLY_PUBLIC = {
     "lookup_table.core.keys": ["decode_key", "encode_key", "encode_keys"],
     "lookup_table.core.initializers": ["InitializerSpec", "initial_rows"],
-    "lookup_table.store": ["EmbeddingStore"],
+    "lookup_table.store": ["EmbeddingStore", "TableRead", "TableWrite"],
 }
 # Named by DESIGN.md "Python API" (the client may not be written yet).
 DESIGN_NAMES = ["load_config", "EmbeddingStore", "OptimizerClient"]

@@ -18,8 +18,10 @@ from lookup_table.core.keys import (
     decode_key,
     encode_key,
     encode_keys,
+    id_bodies,
     int_key_matrix,
     key_prefix,
+    prefixed_keys,
     validate_name,
 )
 from lookup_table.errors import KeyEncodingError
@@ -303,6 +305,48 @@ def test_longest_str_id_that_fits() -> None:
     assert decode_key(key).id == fits
     with pytest.raises(KeyEncodingError):
         encode_key("demo", "user", "w", fits + "x")
+
+
+# ------------------------------------------------------------------ encoded once, every kind
+
+
+def _as_list(keys: np.ndarray | list[bytes]) -> list[bytes]:
+    return [bytes(k) for k in keys] if isinstance(keys, np.ndarray) else keys
+
+
+@given(st.one_of(int_id_arrays(max_size=30), str_id_lists(max_size=30)), st.data())
+def test_id_bodies_with_any_prefix_are_encode_keys(ids: object, data: st.DataObject) -> None:
+    """The bodies are encoded once; joined with each kind's prefix they are its keys."""
+    id_array = as_ids(ids, table="user")
+    bodies = id_bodies("user", id_array)
+    for kind in ("w", "s", "ds"):
+        prefix = key_prefix("demo", "user", kind)
+        bodies.check_prefix(prefix)
+        assert _as_list(prefixed_keys(prefix, bodies.bodies)) == encode_keys(
+            "demo", "user", kind, id_array
+        )
+        index = np.array(
+            data.draw(st.lists(st.integers(0, max(0, id_array.shape[0] - 1)), max_size=10))
+            if id_array.shape[0]
+            else [],
+            dtype=np.intp,
+        )
+        picked = _as_list(prefixed_keys(prefix, bodies.bodies, index))
+        everything = encode_keys("demo", "user", kind, id_array)
+        assert picked == [everything[i] for i in index.tolist()]
+
+
+def test_id_bodies_refuse_too_long_ids_per_prefix() -> None:
+    """A body that fits one kind's prefix may not fit a longer one: checked per prefix."""
+    short = key_prefix("demo", "user", "w")
+    fits = "x" * (MAX_KEY_BYTES - len(short) - 1)  # + the `s` tag
+    bodies = id_bodies("user", as_ids(["a", fits], table="user"))
+    bodies.check_prefix(short)
+    with pytest.raises(KeyEncodingError, match="too long.*251 bytes.*hash long ids") as info:
+        bodies.check_prefix(key_prefix("demo", "user", "ds"))
+    assert "'user'" in str(info.value)
+    with pytest.raises(KeyEncodingError, match="not valid Unicode"):
+        id_bodies("word", as_ids(["ok", "\ud800"], table="word"))
 
 
 # ------------------------------------------------------------------ names and kinds

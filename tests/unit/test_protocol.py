@@ -621,3 +621,126 @@ def test_quiet_reply_after_the_end_marker_is_left_to_the_caller() -> None:
     assert reply is not None
     assert buf[reply.end :] != END_REPLY
     assert reply.found.tolist() == [True, False]
+
+
+# ------------------------------------------------------------------ groups of quiet reads
+# A multi-table batch pipelines one group of quiet reads per (table, kind), each closed
+# by `mn`: every group parses on its own up to its MN, wherever it sits in the buffer.
+
+
+def grouped_reply(groups: list[list[Reply]]) -> bytes:
+    return b"".join(quiet_reply(g) + END_REPLY for g in groups)
+
+
+def parse_groups(buf: bytes, pos: int, groups: list[tuple[int, int | None]]) -> list[MgReply]:
+    """Parse (n, nbytes) groups one after the other, as the store does; [] if incomplete."""
+    out = []
+    for k, (n, nbytes) in enumerate(groups):
+        if k:
+            pos += len(END_REPLY)
+        reply = parse_mg_quiet(buf, pos, n, nbytes=nbytes)
+        if reply is None:
+            return []
+        out.append(reply)
+        pos = reply.end
+    return out
+
+
+group_st = st.integers(1, 12).flatmap(
+    lambda nbytes: st.tuples(
+        st.just(nbytes),
+        st.lists(
+            st.one_of(
+                st.binary(min_size=nbytes, max_size=nbytes),
+                st.none(),
+                # values that look like protocol lines must not confuse the parsers
+                st.sampled_from([b"MN\r\n" * 3, b"VA 4 O0\r\n" * 2, b"\r\n" * 6]).map(
+                    lambda v: v[:nbytes]
+                ),
+            ),
+            max_size=30,
+        ),
+    )
+)
+
+
+@given(st.lists(group_st, min_size=1, max_size=5), st.integers(0, 3))
+def test_groups_of_quiet_reads_parse_each_as_alone(
+    groups: list[tuple[int, list[Reply]]], lead: int
+) -> None:
+    buf = b"x" * lead + grouped_reply([g for _, g in groups])
+    replies = parse_groups(buf, lead, [(len(g), nbytes) for nbytes, g in groups])
+    assert len(replies) == len(groups)
+    assert buf[replies[-1].end :] == END_REPLY
+    for (nbytes, group), reply in zip(groups, replies, strict=True):
+        alone_buf = quiet_reply(group) + END_REPLY
+        alone = parse_mg_quiet(alone_buf, 0, len(group), nbytes=nbytes)
+        assert alone is not None
+        assert reply.found.tolist() == alone.found.tolist()
+        assert reply.sizes.tolist() == alone.sizes.tolist()
+        assert reply.errors == alone.errors == {}
+        if any(r is not None for r in group):
+            assert reply.stride == alone.stride != 0  # hits of one size: no scan
+        got = gather_values(buf, reply, nbytes)
+        assert got.tobytes() == naive_values(group, nbytes).tobytes()
+
+
+@given(st.lists(group_st, min_size=1, max_size=4))
+def test_any_prefix_of_grouped_replies_is_incomplete_never_an_error(
+    groups: list[tuple[int, list[Reply]]],
+) -> None:
+    """Also a prefix that ends with a group's MN: the next groups are still to come."""
+    buf = grouped_reply([g for _, g in groups])
+    shape = [(len(g), nbytes) for nbytes, g in groups]
+    for cut in range(len(buf)):
+        replies = parse_groups(buf[:cut], 0, shape)
+        assert replies == [] or buf[:cut][replies[-1].end :] != END_REPLY, cut
+    assert len(parse_groups(buf, 0, shape)) == len(groups)
+
+
+def test_a_group_with_a_wrong_size_or_an_error_line_scans_only_after_its_run() -> None:
+    oom = b"SERVER_ERROR out of memory writing get response"
+    groups: list[list[Reply]] = [
+        [b"aaaa", b"bbbb", b"cc", None, b"dddd"],  # a value of another size in the middle
+        [b"eeeeeeee", Err(oom), None],
+        [None, b"ffffffff"],
+    ]
+    buf = grouped_reply(groups)
+    first, second, third = parse_groups(buf, 0, [(5, 4), (3, 8), (2, 8)])
+    assert first.sizes.tolist() == [4, 4, 2, 0, 4] and first.stride == 0
+    assert buf[first.starts[2] : first.starts[2] + 2] == b"cc"
+    assert second.found.tolist() == [True, False, False] and second.errors == {1: oom}
+    assert third.found.tolist() == [False, True] and third.stride != 0
+    assert buf[third.end :] == END_REPLY
+
+
+def test_quiet_tails_are_cached_per_token_width_and_exact_for_every_size() -> None:
+    for n in (1, 2, 9, 10, 11, 99, 100, 101, 999, 1000, 1001, 16_384, 16_385, 3):
+        keys = [b"k"] * n
+        request = build_mg_quiet(keys)
+        width = token_width(n)
+        assert request.startswith(b"mg k v q O%s\r\n" % (b"0" * width))
+        assert request.endswith(b"mg k v q O%0*d\r\n" % (width, n - 1))
+        assert len(request) == n * (len(b"mg k v q O\r\n") + width)
+
+
+@given(st.lists(st.integers(0, 30), max_size=6), st.booleans())
+def test_a_group_built_in_pieces_is_the_group_built_at_once(sizes: list[int], matrix: bool) -> None:
+    """The reads of several tables with one value size are one group, numbered across them."""
+    total = sum(sizes)
+    ids = np.arange(total, dtype=np.int64)
+    keys = key_matrix(ids)
+    whole = build_mg_quiet(keys if matrix else [bytes(k) for k in keys])
+    pieces, first = [], 0
+    for n in sizes:
+        piece = keys[first : first + n]
+        pieces.append(
+            build_mg_quiet(piece if matrix else [bytes(k) for k in piece], first=first, total=total)
+        )
+        first += n
+    assert b"".join(pieces) == whole
+
+
+def test_a_piece_must_fit_in_its_group() -> None:
+    with pytest.raises(ValueError, match="reads 1 .. 2 are not in a group of 2"):
+        build_mg_quiet([b"a", b"b"], first=1, total=2)
