@@ -192,15 +192,43 @@ class _Partial:
         return out
 
 
-async def _partial(
-    store: EmbeddingStore, table: str, ids: IdArray, skip: NDArray[np.bool_]
-) -> _Partial:
-    read = ids[~skip]
-    got = await store.lookup(table, read) if read.shape[0] else None
-    rows = np.zeros((ids.shape[0], store.config.table(table).dim), np.float32)
-    if got is not None:
-        rows[~skip] = got
-    return _Partial(rows=rows, skipped=skip)
+async def _lookup_batch(
+    store: EmbeddingStore, wanted: list[tuple[str, IdArray, NDArray[np.bool_] | None]]
+) -> list[NDArray[np.float32] | _Partial]:
+    """The rows of every (table, unique ids, skipped or None) of a batch, in one
+    `lookup_many` (one request per node): full rows, or a `_Partial` where ids are
+    skipped (left to a push's answer)."""
+    parts: dict[str, list[IdArray]] = {}
+    for table, ids, skip in wanted:
+        parts.setdefault(table, []).append(ids if skip is None else ids[~skip])
+    union = {
+        table: got[0] if len(got) == 1 else cast(IdArray, np.unique(np.concatenate(got)))
+        for table, got in parts.items()
+    }
+    rows = await store.lookup_many(union)
+    out: list[NDArray[np.float32] | _Partial] = []
+    for table, ids, skip in wanted:
+        every, values = union[table], rows[table]
+        read = ids if skip is None else ids[~skip]
+        mine = values if read is every else values[np.searchsorted(every, read)]
+        if skip is None:
+            out.append(mine)
+        else:
+            full = np.zeros((ids.shape[0], values.shape[1]), np.float32)
+            full[~skip] = mine
+            out.append(_Partial(rows=full, skipped=skip))
+    return out
+
+
+class _Part:
+    """One layer's share of a batch lookup: `result()` as a future's."""
+
+    def __init__(self, batch: concurrent.futures.Future[Any], position: int) -> None:
+        self._batch = batch
+        self._position = position
+
+    def result(self) -> Any:
+        return self._batch.result()[self._position]
 
 
 class _Prefetched:
@@ -212,12 +240,12 @@ class _Prefetched:
     """
 
     def __init__(self) -> None:
-        self.entries: dict[str, list[tuple[IdArray, concurrent.futures.Future[Any]]]] = {}
+        self.entries: dict[str, list[tuple[IdArray, _Part]]] = {}
         self.newer: list[RowPatch] = []
         # per layer (by position in Trainer.layers): its ids as the graph step is fed them
-        self.fed: dict[int, tuple[_FedIds, concurrent.futures.Future[Any]]] = {}
+        self.fed: dict[int, tuple[_FedIds, _Part]] = {}
 
-    def find(self, table: str, ids: IdArray) -> concurrent.futures.Future[Any] | None:
+    def find(self, table: str, ids: IdArray) -> _Part | None:
         for uniq, fut in self.entries.get(table, []):
             if uniq.shape == ids.shape and np.array_equal(uniq, ids):
                 return fut
@@ -421,18 +449,23 @@ class Trainer:
         that a push in flight will answer with) are not read: that answer, which
         `newer` gets, brings their rows."""
         pre = _Prefetched()
+        wanted: list[tuple[str, IdArray, NDArray[np.bool_] | None]] = []
+        layers: list[tuple[int, _FedIds, bool]] = []
         for i, layer in enumerate(self.layers):
             if layer.feature is None or layer.feature not in features:
                 continue
             fed = _fed_ids(layer, features[layer.feature])
             skip = _member(fed.uniq, (answered or {}).get(layer.table))
-            fut: concurrent.futures.Future[Any]
-            if skip is None:
-                fut = self._submit(self._store.lookup(layer.table, fed.uniq))
-                pre.entries.setdefault(layer.table, []).append((fed.uniq, fut))
-            else:
-                fut = self._submit(_partial(self._store, layer.table, fed.uniq, skip))
-            pre.fed[i] = (fed, fut)
+            wanted.append((layer.table, fed.uniq, skip))
+            layers.append((i, fed, skip is None))
+        if not wanted:
+            return pre
+        batch = self._submit(_lookup_batch(self._store, wanted))
+        for k, (i, fed, whole) in enumerate(layers):
+            part = _Part(batch, k)
+            if whole:
+                pre.entries.setdefault(self.layers[i].table, []).append((fed.uniq, part))
+            pre.fed[i] = (fed, part)
         return pre
 
     def _pushed_ids(self, features: Mapping[str, Any]) -> dict[str, IdArray]:
