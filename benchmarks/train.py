@@ -74,8 +74,10 @@ are read at the same two points as the CPU times: key operations per step.
 asynchrony costs in AUC; use `--out-dir` to keep such runs apart.
 
 Results go to `<out-dir>/train.json` and `<out-dir>/train.png` (default
-`benchmarks/results/`). The issue's targets: distributed >= 0.5 x local
-examples/s, and eval AUC within 0.01 of local after the same steps. Any failure
+`benchmarks/results/`). The targets (issue 14): distributed >= 1.0 x local
+examples/s and examples per CPU-second, the infrastructure's CPU (service and
+memcached) <= 0.6 x the trainer's, and eval AUC within 0.01 of local after the
+same steps (they are reported, not enforced). Any failure
 exits non-zero; the cluster is always stopped.
 """
 
@@ -137,7 +139,9 @@ PACKAGES = ("lookup_table", "optimizer_service", "trainer")  # whose source file
 VOCABULARY = 100_000  # rows per local Keras table (PERF-NOTES.md)
 EMBEDDING_LR = 0.01  # deploy/demo.toml: C1..C26 Adam 0.01
 DENSE_LR = 0.001  # deploy/demo.toml: [optimizer] Adam 0.001
-TARGET_RATIO = 0.5
+TARGET_RATIO = 1.0
+TARGET_CPU_RATIO = 1.0  # examples per CPU-second, distributed / local
+TARGET_INFRA_SHARE = 0.6  # (service + memcached CPU) / trainer CPU
 TARGET_AUC_GAP = 0.01
 PY_SPY_RATE_HZ = 100
 METHODS = ("local", "distributed")
@@ -569,9 +573,19 @@ def summarize(
     )
     out["auc_gap_distributed_minus_local"] = gap
     out["reference_auc_hidden_model"] = reference_auc
+    cpu = out["distributed"]["cpu_ms_per_step"]
+    trainer_ms = cpu.get("trainer", 0.0)
+    infra = sum(v for k, v in cpu.items() if k != "trainer")
+    out["infrastructure_cpu_per_trainer_cpu"] = infra / trainer_ms if trainer_ms else math.nan
     out["acceptance"] = {
         f"distributed/local examples/s >= {TARGET_RATIO}": ratio >= TARGET_RATIO,
         f"|eval AUC gap| <= {TARGET_AUC_GAP}": abs(gap) <= TARGET_AUC_GAP,
+        f"distributed/local examples per CPU-second >= {TARGET_CPU_RATIO}": (
+            out["ratio_examples_per_cpu_s"] >= TARGET_CPU_RATIO
+        ),
+        f"infrastructure CPU / trainer CPU <= {TARGET_INFRA_SHARE}": (
+            out["infrastructure_cpu_per_trainer_cpu"] <= TARGET_INFRA_SHARE
+        ),
     }
     return out
 
@@ -607,7 +621,8 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
         f"(paired rounds {summary['ratio_median_of_paired_rounds']:.2f})  "
         f"target >= {TARGET_RATIO}: {'met' if ok[0] else 'NOT MET'}",
         f"distributed/local examples per CPU-second (all processes; robust to other load): "
-        f"{summary['ratio_examples_per_cpu_s']:.2f}",
+        f"{summary['ratio_examples_per_cpu_s']:.2f}  target >= {TARGET_CPU_RATIO}: "
+        f"{'met' if ok[2] else 'NOT MET'}",
         f"eval AUC distributed - local: {summary['auc_gap_distributed_minus_local']:+.4f}  "
         f"target |gap| <= {TARGET_AUC_GAP}: {'met' if ok[1] else 'NOT MET'}",
         f"AUC of the data's noise-free logit on the same batches (ceiling): "
@@ -617,6 +632,9 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
         + ", ".join(f"{k} {v:.0f}" for k, v in summary["distributed"]["cpu_ms_per_step"].items())
         + f" (total {summary['distributed']['total_cpu_ms_per_step']:.0f} over "
         f"{summary['distributed']['step_ms_median']:.0f} ms wall, {os.cpu_count()} cores)",
+        f"infrastructure (service + memcached) CPU / trainer CPU: "
+        f"{summary['infrastructure_cpu_per_trainer_cpu']:.2f}  target <= {TARGET_INFRA_SHARE}: "
+        f"{'met' if ok[3] else 'NOT MET'}",
     ]
     return "\n".join(lines)
 
@@ -900,6 +918,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "acceptance_targets": {
             "distributed/local examples/s": TARGET_RATIO,
+            "distributed/local examples per CPU-second": TARGET_CPU_RATIO,
+            "infrastructure CPU / trainer CPU": TARGET_INFRA_SHARE,
             "abs eval AUC gap": TARGET_AUC_GAP,
         },
         "summary": summary,
