@@ -7,6 +7,7 @@ start their own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
+from pymemcache.client.base import Client as SyncClient
 
 from lookup_table.config import ClusterConfig, parse_config
 from lookup_table.ops.localcluster import MemcachedProcess, memcached_cluster
@@ -133,3 +135,20 @@ async def store(config: ClusterConfig) -> AsyncIterator[EmbeddingStore]:
     async with EmbeddingStore(config) as s:
         await s.write_sentinels()
         yield s
+
+
+@contextlib.contextmanager
+def raw_client(address: str) -> Iterator[SyncClient]:
+    """A plain pymemcache client of one node, to look at what is really stored."""
+    host, port = address.split(":")
+    client = SyncClient((host, int(port)), connect_timeout=2, timeout=2)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def node_stat(address: str, name: str) -> int:
+    """One `stats` counter of a memcached node."""
+    with raw_client(address) as client:
+        return int(client.stats()[name.encode()])

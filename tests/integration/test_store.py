@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from pymemcache.client.base import Client as SyncClient
 
 from lookup_table import (
     ClusterNotInitializedError,
@@ -29,25 +26,9 @@ from lookup_table import (
 )
 from lookup_table.core.sharding import node_of
 from lookup_table.ops.localcluster import free_port, start_memcached
-from tests.conftest import make_config, sigstop
+from tests.conftest import make_config, node_stat, raw_client, sigstop
 
 pytestmark = pytest.mark.integration
-
-
-@contextlib.contextmanager
-def _raw_client(address: str) -> Iterator[SyncClient]:
-    """A plain pymemcache client, to look at what is really stored."""
-    host, port = address.split(":")
-    client = SyncClient((host, int(port)), connect_timeout=2, timeout=2)
-    try:
-        yield client
-    finally:
-        client.close()
-
-
-def _node_stat(address: str, name: str) -> int:
-    with _raw_client(address) as client:
-        return int(client.stats()[name.encode()])
 
 
 async def test_lookup_creates_initial_rows_in_order(store: EmbeddingStore) -> None:
@@ -61,7 +42,7 @@ async def test_lookup_creates_initial_rows_in_order(store: EmbeddingStore) -> No
     # The rows are really stored, as exactly dim little-endian float32.
     key = encode_key(store.namespace, "user", "w", -3)
     node = store.nodes[int(node_of("user", np.array([-3]), store.nodes)[0])]
-    with _raw_client(node) as client:
+    with raw_client(node) as client:
         raw = client.get(key)
     assert raw == expected[1].astype("<f4").tobytes()
 
@@ -69,9 +50,9 @@ async def test_lookup_creates_initial_rows_in_order(store: EmbeddingStore) -> No
 async def test_each_unique_id_is_fetched_once(store: EmbeddingStore) -> None:
     ids = np.array([1, 2, 3] * 100, dtype=np.int64)
     await store.lookup("user", ids)
-    before = sum(_node_stat(n, "cmd_get") for n in store.nodes)
+    before = sum(node_stat(n, "cmd_get") for n in store.nodes)
     await store.lookup("user", ids)
-    after = sum(_node_stat(n, "cmd_get") for n in store.nodes)
+    after = sum(node_stat(n, "cmd_get") for n in store.nodes)
     touched = len(set(node_of("user", np.array([1, 2, 3]), store.nodes).tolist()))
     assert after - before == 3 + touched  # three rows + one sentinel per node touched
 
@@ -176,7 +157,7 @@ async def test_wrong_length_value_is_corruption_not_a_miss(store: EmbeddingStore
     await store.lookup("user", [42])
     key = encode_key(store.namespace, "user", "w", 42)
     node = store.nodes[int(node_of("user", np.array([42]), store.nodes)[0])]
-    with _raw_client(node) as client:
+    with raw_client(node) as client:
         client.set(key, b"\x00" * 10)
         with pytest.raises(CorruptValueError, match=rf"{key.decode()}.*{node}.*10 bytes"):
             await store.lookup("user", [1, 42, 2])
@@ -215,7 +196,7 @@ async def test_restarted_node_raises_data_loss_and_creates_nothing(own_nodes) ->
             await s.lookup("user", ids)
         assert info.value.nodes == (lost.address,)
         assert "reinit --yes" in str(info.value)
-        assert _node_stat(lost.address, "curr_items") == 0  # nothing re-created there
+        assert node_stat(lost.address, "curr_items") == 0  # nothing re-created there
         with pytest.raises(DataLossError):
             await s.lookup("user", ids, create=False)
         # The surviving node still serves its rows only through an explicit decision:

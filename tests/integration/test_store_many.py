@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pymemcache.client.base import Client as SyncClient
 
 import lookup_table.store as store_module
 from lookup_table import (
@@ -36,27 +34,12 @@ from lookup_table.config import ClusterConfig
 from lookup_table.core.sharding import node_of
 from lookup_table.memcached.node import Node
 from lookup_table.ops.localcluster import start_memcached
-from tests.conftest import make_config, sigstop
+from tests.conftest import make_config, node_stat, raw_client, sigstop
 
 pytestmark = pytest.mark.integration
 
 MANY_TABLES: list[dict[str, Any]] = [{"name": f"C{i}", "dim": 16, "seed": i} for i in range(26)]
 ADAM_SLOTS = 2 * 16 + 1  # m, v and the row's step
-
-
-@contextlib.contextmanager
-def _raw_client(address: str) -> Iterator[SyncClient]:
-    host, port = address.split(":")
-    client = SyncClient((host, int(port)), connect_timeout=2, timeout=2)
-    try:
-        yield client
-    finally:
-        client.close()
-
-
-def _node_stat(address: str, name: str) -> int:
-    with _raw_client(address) as client:
-        return int(client.stats()[name.encode()])
 
 
 class RoundTrips:
@@ -274,9 +257,9 @@ async def test_rows_and_slots_of_26_tables_are_one_request_per_node(
             for t, table_ids in ids.items()
             for kind in ("w", "s")
         ]
-        gets_before = sum(_node_stat(n, "cmd_get") for n in store.nodes)
+        gets_before = sum(node_stat(n, "cmd_get") for n in store.nodes)
         results = await store.get_many(reads)
-        gets_after = sum(_node_stat(n, "cmd_get") for n in store.nodes)
+        gets_after = sum(node_stat(n, "cmd_get") for n in store.nodes)
         assert sorted(placements) == sorted(ids)
         assert round_trips.per_node() == dict.fromkeys(store.nodes, 1)
         keys = sum(np.unique(v).shape[0] for v in ids.values()) * 2
@@ -454,7 +437,7 @@ async def test_wrong_length_value_is_corruption_naming_table_and_key(store: Embe
     await store.lookup_many({"user": [42], "item": [42]})
     key = encode_key(store.namespace, "item", "w", 42)
     node = store.nodes[int(node_of("item", np.array([42]), store.nodes)[0])]
-    with _raw_client(node) as client:
+    with raw_client(node) as client:
         client.set(key, b"\x00" * 10)
         with pytest.raises(
             CorruptValueError,
@@ -488,7 +471,7 @@ async def test_corruption_in_a_later_table_of_one_value_size_names_that_table(
         await store.lookup_many(ids)
         key = encode_key(store.namespace, "C4", "w", 33)
         node = store.nodes[int(node_of("C4", np.array([33]), store.nodes)[0])]
-        with _raw_client(node) as client:
+        with raw_client(node) as client:
             client.set(key, b"\x00" * 8)
         with pytest.raises(CorruptValueError, match=rf"{key.decode()}' of table 'C4'.*8 bytes"):
             await store.lookup_many(ids)
@@ -504,13 +487,13 @@ async def test_lost_node_raises_data_loss_and_nothing_is_created_anywhere(own_no
         before = await s.lookup_many({"user": user, "word": ["a", "b", "c"]})
         lost, kept = own_nodes[1], own_nodes[0]
         lost.restart_empty()
-        items_kept = _node_stat(kept.address, "curr_items")
+        items_kept = node_stat(kept.address, "curr_items")
         with pytest.raises(DataLossError, match=lost.address) as info:
             await s.lookup_many({"user": np.concatenate([user, user + 10_000]), "word": ["d", "e"]})
         assert info.value.nodes == (lost.address,)
         assert "reinit --yes" in str(info.value)
-        assert _node_stat(lost.address, "curr_items") == 0  # nothing re-created there
-        assert _node_stat(kept.address, "curr_items") == items_kept  # nor on the kept node
+        assert node_stat(lost.address, "curr_items") == 0  # nothing re-created there
+        assert node_stat(kept.address, "curr_items") == items_kept  # nor on the kept node
         for call in (
             lambda: s.lookup_many({"user": user}, create=False),
             lambda: s.get_many(
