@@ -157,14 +157,15 @@ class DistributedEmbedding(keras.layers.Layer):
         self._tape = None
         self._feed = None
 
-    def feed(self, inputs: Any, rows: tf.Tensor, index: tf.Tensor) -> None:
+    def feed(self, inputs: Any, table: tf.Tensor, index: tf.Tensor) -> None:
         """(The trainer, at trace time, inside `begin_step`/`end_step`.) Serve a call on
-        exactly the tensor `inputs` (dense or ragged ids, no sparse weights) from `rows`
-        (u, dim), the rows of its unique contributing ids, and `index`, per flat position
-        its row (u for a padding id), both computed outside the graph as the py_function
-        lookup would; `fed` tells afterwards whether a call took them. The caller
-        watches `rows` and pushes their gradient itself."""
-        self._feed = (inputs, rows, index)
+        exactly the tensor `inputs` (dense or ragged ids, no sparse weights) from `table`
+        (n + 1, dim): rows (of this and maybe other layers) whose last row is zeros, and
+        `index`, per flat position its row in `table` (n, the zero row, for a padding
+        id), both computed outside the graph as the py_function lookup would; `fed`
+        tells afterwards whether a call took them. The caller watches `table` and
+        pushes its gradient itself."""
+        self._feed = (inputs, table, index)
         self.fed = False
 
     def get_config(self) -> dict[str, Any]:
@@ -419,7 +420,9 @@ class DistributedEmbedding(keras.layers.Layer):
             segments = tf.range(tf.size(flat, out_type=tf.int64)) // tf.maximum(per_group, 1)
         feed = self._feed
         if feed is not None and original is feed[0] and sparse_weights is None:
-            rows, index = feed[1], feed[2]
+            # rows of several layers in one table, its last row zeros (padding's)
+            table, index = feed[1], feed[2]
+            num_rows = tf.shape(table, out_type=tf.int64)[0] - 1
             self.fed = True
         else:
             # Only lookups under a tape (a training trace) get a slot: a predict trace must
@@ -435,13 +438,14 @@ class DistributedEmbedding(keras.layers.Layer):
             if self._tape is not None:
                 self._tape.watch(rows)
                 self.graph_rows.append(rows)
-        table = tf.concat([rows, tf.zeros((1, self.dim), tf.float32)], axis=0)
+            table = tf.concat([rows, tf.zeros((1, self.dim), tf.float32)], axis=0)
+            num_rows = tf.shape(rows, out_type=tf.int64)[0]
         emb = tf.gather(table, index)
         if self.combiner is None:
             if isinstance(inputs, tf.RaggedTensor):
                 return tf.RaggedTensor.from_row_splits(emb, inputs.row_splits)
             return tf.reshape(emb, tf.concat([tf.shape(inputs), [self.dim]], axis=0))
-        contributes = tf.cast(index < tf.cast(tf.shape(rows)[0], tf.int64), tf.float32)
+        contributes = tf.cast(index < num_rows, tf.float32)
         weighted = isinstance(inputs, tf.SparseTensor) and sparse_weights is not None
         w = weights * contributes if weighted else contributes
         total = tf.math.unsorted_segment_sum(emb * w[:, None], segments, num_segments=groups)

@@ -570,7 +570,11 @@ class Trainer:
     def _push(self, records: list[Any], grads: list[Any], dense: dict[str, Any]) -> None:
         tables: dict[str, tuple[list[IdArray], list[NDArray[np.float32]]]] = {}
         for rec, grad in zip(records, grads, strict=True):
-            g = np.asarray(tf.convert_to_tensor(grad), np.float32)
+            g = (
+                grad
+                if isinstance(grad, np.ndarray)
+                else np.asarray(tf.convert_to_tensor(grad), np.float32)  # IndexedSlices too
+            )
             ids_list, grads_list = tables.setdefault(rec.table, ([], []))
             ids_list.append(rec.ids)
             grads_list.append(g)
@@ -628,28 +632,37 @@ class Trainer:
     def _make_graph_step(self, fed_layers: list[DistributedEmbedding]) -> Any:
         """The train step as one tf.function. Layers of `fed_layers` get their rows as
         arguments (looked up and deduplicated before the call, from the batch column
-        they name), the others look up inside the graph (a py_function each)."""
+        they name), the others look up inside the graph (a py_function each).
+
+        The fed rows come as few tensors, whatever the number of layers (each argument
+        costs TF's call path): one table per dim (the rows of its layers one after the
+        other, then a zero row), one index of every layer's positions, and the bounds
+        of each layer's part of it."""
         layers = self.layers
         dense_list = list(self.dense_vars.values())
+        dims = sorted({layer.dim for layer in fed_layers})
+        group = [dims.index(layer.dim) for layer in fed_layers]
 
         @tf.function(reduce_retracing=True)
-        def step(inputs: Any, labels: Any, fed_rows: Any, fed_index: Any) -> Any:
+        def step(inputs: Any, labels: Any, tables: Any, index: Any, bounds: Any) -> Any:
             with tf.GradientTape() as tape:
                 for layer in layers:
                     layer.begin_step(tape)  # at trace time: a new trace, rows watched
-                for layer, rows, index in zip(fed_layers, fed_rows, fed_index, strict=True):
-                    tape.watch(rows)
-                    layer.feed(inputs[layer.feature], rows, index)
+                for table in tables:
+                    tape.watch(table)
+                for k, layer in enumerate(fed_layers):
+                    part = index[bounds[k] : bounds[k + 1]]
+                    layer.feed(inputs[layer.feature], tables[group[k]], part)
                 preds = self.model(inputs, training=True)
                 loss = self.loss_fn(tf.reshape(labels, (-1, 1)), tf.reshape(preds, (-1, 1)))
             rows = [r for layer in layers for r in layer.graph_rows]
-            n, m = len(rows), len(fed_rows)
-            grads = tape.gradient(loss, rows + list(fed_rows) + dense_list)
+            n, m = len(rows), len(tables)
+            grads = tape.gradient(loss, rows + list(tables) + dense_list)
             for layer in layers:
                 layer.end_step()
             row_grads = [
                 tf.zeros_like(r) if g is None else tf.convert_to_tensor(g)
-                for r, g in zip(rows + list(fed_rows), grads[: n + m], strict=True)
+                for r, g in zip(rows + list(tables), grads[: n + m], strict=True)
             ]
             dense_grads = [
                 tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
@@ -673,11 +686,25 @@ class Trainer:
         position = {id(layer): i for i, layer in enumerate(self.layers)}
         with self._lookups():
             fed = [self._fed_rows(position[id(layer)], layer, features) for layer in fed_layers]
+        # per dim: the layers' rows one after another, then the zero row (padding's)
+        dims = sorted({layer.dim for layer in fed_layers})
+        parts: dict[int, list[NDArray[np.float32]]] = {d: [] for d in dims}
+        offset: list[int] = []
+        for layer, (_, rows) in zip(fed_layers, fed, strict=True):
+            offset.append(sum(r.shape[0] for r in parts[layer.dim]))
+            parts[layer.dim].append(rows)
+        totals = {d: sum(r.shape[0] for r in parts[d]) for d in dims}
+        indexes = []
+        for layer, (ids, _), start in zip(fed_layers, fed, offset, strict=True):
+            own = ids.uniq.shape[0]
+            indexes.append(np.where(ids.index < own, ids.index + start, totals[layer.dim]))
+        lengths = [i.shape[0] for i in indexes]
         args = (
             inputs,
             tf.constant(labels),
-            [tf.constant(rows) for _, rows in fed],
-            [tf.constant(ids.index) for ids, _ in fed],
+            [tf.constant(np.concatenate([*parts[d], np.zeros((1, d), np.float32)])) for d in dims],
+            tf.constant(np.concatenate(indexes) if indexes else np.zeros(0, np.int64)),
+            tf.constant(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)),
         )
         if self._graph_step is None:
             self._graph_step = self._make_graph_step(fed_layers)
@@ -688,17 +715,23 @@ class Trainer:
                 self._graph_step = None
                 return self._graph_train_step(features, inputs, labels)
         with self._lookups():
-            loss_t, row_grads, fed_grads, dense_grads = self._graph_step(*args)
+            loss_t, row_grads, table_grads, dense_grads = self._graph_step(*args)
         records: list[RecordedLookup | None] = [
             rec for layer in self.layers for rec in layer.graph_records[: len(layer.graph_rows)]
         ]
         if any(r is None for r in records) or len(records) != len(row_grads):
             raise RuntimeError("a lookup of the step did not record its ids (a bug)")
+        table_np = [np.asarray(g) for g in table_grads]
+        fed_grads = [
+            table_np[dims.index(layer.dim)][start : start + ids.uniq.shape[0]]
+            for layer, (ids, _), start in zip(fed_layers, fed, offset, strict=True)
+        ]
         records += [
             RecordedLookup(table=layer.table, ids=ids.uniq, rows=None)
             for layer, (ids, _) in zip(fed_layers, fed, strict=True)
         ]
-        return loss_t, cast(list[RecordedLookup], records), [*row_grads, *fed_grads], dense_grads
+        grads = [np.asarray(g) for g in row_grads] + fed_grads
+        return loss_t, cast(list[RecordedLookup], records), grads, dense_grads
 
     def _make_graph_predict(self) -> Any:
         @tf.function(reduce_retracing=True)
@@ -717,7 +750,7 @@ class Trainer:
                 features, inputs, labels
             )
             dense = {path: g.numpy() for path, g in zip(self.dense_vars, dense_grads, strict=True)}
-            self._push(graph_records, [g.numpy() for g in row_grads], dense)
+            self._push(graph_records, row_grads, dense)
             return float(loss_t)
         with tf.GradientTape() as tape:
             for layer in self.layers:
