@@ -341,13 +341,8 @@ class Updater:
                 else:
                     reads.append(t)
             if reads:
-                got = await asyncio.gather(
-                    *(
-                        self.store.get(
-                            t.table, t.ids, width=self.config.table(t.table).dim, unique=True
-                        )
-                        for t in reads
-                    )
+                got = await self.store.get_many(
+                    [TableRead(t.table, t.ids) for t in reads], unique=True
                 )
                 for t, (rows, _found) in zip(reads, got, strict=True):
                     updated[t.table] = (t.ids, rows)

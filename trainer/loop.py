@@ -134,25 +134,6 @@ RowPatch = Mapping[str, tuple[IdArray, NDArray[np.float32]]]
 """Rows a push produced (its answer): table -> (sorted unique ids, rows)."""
 
 
-def _patched(
-    table: str, ids: IdArray, rows: NDArray[np.float32], patches: Iterable[RowPatch]
-) -> NDArray[np.float32]:
-    """`rows` of `ids` with the rows of `patches` put in, later patches winning (a copy
-    if anything changes)."""
-    out = rows
-    for patch in patches:
-        newer = patch.get(table)
-        if newer is None or not ids.shape[0] or not newer[0].shape[0]:
-            continue
-        new_ids, new_rows = newer
-        pos = np.minimum(np.searchsorted(new_ids, ids), new_ids.shape[0] - 1)
-        hit = new_ids[pos] == ids
-        if hit.any():
-            out = out.copy() if out is rows else out
-            out[hit] = new_rows[pos[hit]]
-    return out
-
-
 def _member(ids: IdArray, among: IdArray | None) -> NDArray[np.bool_] | None:
     """Which of `ids` are in the sorted unique `among` (None if none or no `among`)."""
     if among is None or not among.shape[0] or not ids.shape[0]:
@@ -160,6 +141,33 @@ def _member(ids: IdArray, among: IdArray | None) -> NDArray[np.bool_] | None:
     pos = np.minimum(np.searchsorted(among, ids), among.shape[0] - 1)
     hit: NDArray[np.bool_] = among[pos] == ids
     return hit if hit.any() else None
+
+
+def _patch(
+    table: str, ids: IdArray, rows: NDArray[np.float32], patches: Iterable[RowPatch]
+) -> tuple[NDArray[np.float32], NDArray[np.bool_]]:
+    """`rows` of `ids` with the rows of `patches` put in, later patches winning (a copy
+    if anything changes), and which of `ids` the patches brought."""
+    out = rows
+    brought = np.zeros(ids.shape[0], dtype=bool)
+    for patch in patches:
+        newer = patch.get(table)
+        if newer is None:
+            continue
+        hit = _member(ids, newer[0])
+        if hit is None:
+            continue
+        out = out.copy() if out is rows else out
+        out[hit] = newer[1][np.searchsorted(newer[0], ids[hit])]
+        brought |= hit
+    return out, brought
+
+
+def _patched(
+    table: str, ids: IdArray, rows: NDArray[np.float32], patches: Iterable[RowPatch]
+) -> NDArray[np.float32]:
+    """`rows` of `ids` with the rows of `patches` put in (see `_patch`)."""
+    return _patch(table, ids, rows, patches)[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,18 +180,8 @@ class _Partial:
     def complete(
         self, table: str, ids: IdArray, patches: Iterable[RowPatch]
     ) -> NDArray[np.float32]:
-        out = self.rows
-        left = self.skipped.copy()
-        for patch in patches:
-            newer = patch.get(table)
-            if newer is None:
-                continue
-            hit = _member(ids, newer[0])
-            if hit is None:
-                continue
-            pos = np.searchsorted(newer[0], ids[hit])
-            out[hit] = newer[1][pos]
-            left &= ~hit
+        out, brought = _patch(table, ids, self.rows, patches)
+        left = self.skipped & ~brought
         if left.any():
             raise RuntimeError(
                 f"{int(left.sum())} rows of table {table!r} were left to a push's answer "
@@ -198,18 +196,18 @@ async def _lookup_batch(
     """The rows of every (table, unique ids, skipped or None) of a batch, in one
     `lookup_many` (one request per node): full rows, or a `_Partial` where ids are
     skipped (left to a push's answer)."""
+    reads = [ids if skip is None else ids[~skip] for _, ids, skip in wanted]
     parts: dict[str, list[IdArray]] = {}
-    for table, ids, skip in wanted:
-        parts.setdefault(table, []).append(ids if skip is None else ids[~skip])
+    for (table, _, _), read in zip(wanted, reads, strict=True):
+        parts.setdefault(table, []).append(read)
     union = {
         table: got[0] if len(got) == 1 else cast(IdArray, np.unique(np.concatenate(got)))
         for table, got in parts.items()
     }
     rows = await store.lookup_many(union)
     out: list[NDArray[np.float32] | _Partial] = []
-    for table, ids, skip in wanted:
+    for (table, ids, skip), read in zip(wanted, reads, strict=True):
         every, values = union[table], rows[table]
-        read = ids if skip is None else ids[~skip]
         mine = values if read is every else values[np.searchsorted(every, read)]
         if skip is None:
             out.append(mine)
@@ -319,6 +317,7 @@ class Trainer:
                     f"dim={spec.dim} in the cluster file"
                 )
             layer.bind(self)
+        self._position = {id(layer): i for i, layer in enumerate(self.layers)}
         self.input_names = [t.name for t in model.inputs]
         self.dense_vars = {v.path: v for v in model.trainable_variables}
         self.version = 0
@@ -341,7 +340,6 @@ class Trainer:
         self._updated: RowPatch = {}
         self._dense_fresh = False
         self._unsettled: concurrent.futures.Future[Any] | None = None
-        self._unsettled_rows: list[RowPatch] = []
 
     # ------------------------------------------------------------ plumbing
 
@@ -397,6 +395,11 @@ class Trainer:
         )
 
     @property
+    def _unsettled_rows(self) -> list[RowPatch]:
+        """The answer of the push whose writes may not have landed yet, if any."""
+        return [self._updated] if self._unsettled is not None else []
+
+    @property
     def fed_layers(self) -> list[DistributedEmbedding]:
         """The layers whose rows the graph step gets as arguments (looked up outside it,
         prefetched): those naming a model input as `feature` and called on exactly it.
@@ -413,13 +416,7 @@ class Trainer:
         """Rows for a layer's lookup: prefetched when possible, else fetched now."""
         try:
             if training:
-                fut = self._prefetched.find(table, ids)
-                if fut is not None:
-                    fetched = np.asarray(fut.result())
-                    return _patched(table, ids, fetched, self._prefetched.newer)
-                # read now: a push answered but not yet written may be newer than the store
-                fetched = self._run(self._store.lookup(table, ids, create=True))
-                return _patched(table, ids, fetched, self._unsettled_rows)
+                return self._training_rows(table, ids, self._prefetched.find(table, ids))
             return self._run(self._store.lookup(table, ids, create=False))
         except Exception as exc:
             if self._lookup_error is None:  # the first failure is the one TF reports
@@ -471,10 +468,9 @@ class Trainer:
     def _pushed_ids(self, features: Mapping[str, Any]) -> dict[str, IdArray]:
         """Per table, the ids this step's push will surely answer with: those of the fed
         layers (called on exactly their column, so these are the ids they look up)."""
-        position = {id(layer): i for i, layer in enumerate(self.layers)}
         parts: dict[str, list[IdArray]] = {}
         for layer in self._fed_layers or []:
-            ahead = self._prefetched.fed.get(position[id(layer)])
+            ahead = self._prefetched.fed.get(self._position[id(layer)])
             uniq = ahead[0].uniq if ahead else _fed_ids(layer, features[layer.feature]).uniq  # type: ignore[index]
             parts.setdefault(layer.table, []).append(uniq)
         return {
@@ -482,27 +478,29 @@ class Trainer:
             for table, got in parts.items()
         }
 
+    def _training_rows(self, table: str, ids: IdArray, ahead: _Part | None) -> NDArray[np.float32]:
+        """Rows of unique `ids` for a training step: fetched ahead (`ahead`), with the
+        answers that came after the fetch was sent put in, or read now, with the answer
+        of a push not written yet put in (it may be newer than the store)."""
+        if ahead is not None:
+            got = ahead.result()
+            if isinstance(got, _Partial):
+                return got.complete(table, ids, self._prefetched.newer)
+            return _patched(table, ids, np.asarray(got, np.float32), self._prefetched.newer)
+        rows = self._run(self._store.lookup(table, ids, create=True))
+        return _patched(table, ids, rows, self._unsettled_rows)
+
     def _fed_rows(
-        self, position: int, layer: DistributedEmbedding, features: Mapping[str, Any]
+        self, layer: DistributedEmbedding, features: Mapping[str, Any]
     ) -> tuple[_FedIds, NDArray[np.float32]]:
-        """A fed layer's ids and rows for this batch: prefetched (and patched with the
-        answers that came after the fetch was sent) or fetched now."""
-        try:
-            ahead = self._prefetched.fed.get(position)
-            if ahead is not None:
-                fed, fut = ahead
-                got = fut.result()
-                if isinstance(got, _Partial):
-                    return fed, got.complete(layer.table, fed.uniq, self._prefetched.newer)
-                rows = np.asarray(got, np.float32)
-                return fed, _patched(layer.table, fed.uniq, rows, self._prefetched.newer)
-            fed = _fed_ids(layer, features[layer.feature])  # type: ignore[index]
-            rows = self._run(self._store.lookup(layer.table, fed.uniq, create=True))
-            return fed, _patched(layer.table, fed.uniq, rows, self._unsettled_rows)
-        except Exception as exc:
-            if self._lookup_error is None:
-                self._lookup_error = exc
-            raise
+        """A fed layer's ids and rows for this batch (outside the graph: an error is
+        raised as it is)."""
+        ahead = self._prefetched.fed.get(self._position[id(layer)])
+        if ahead is not None:
+            fed, part = ahead
+            return fed, self._training_rows(layer.table, fed.uniq, part)
+        fed = _fed_ids(layer, features[layer.feature])  # type: ignore[index]
+        return fed, self._training_rows(layer.table, fed.uniq, None)
 
     # ------------------------------------------------------------ dense weights
 
@@ -564,7 +562,6 @@ class Trainer:
         """Wait until the answered push is written (raising its error if it failed)."""
         if self._unsettled is not None:
             pending, self._unsettled = self._unsettled, None
-            self._unsettled_rows = []
             pending.result()
 
     def _push(self, records: list[Any], grads: list[Any], dense: dict[str, Any]) -> None:
@@ -616,7 +613,6 @@ class Trainer:
         doc = answered.result() if answered.done() else pushing.result()
         self._unsettled = pushing
         self._updated = doc["updated"]
-        self._unsettled_rows = [self._updated]
         if "params" in doc:
             self._assign_dense(doc["dense_version"], doc["params"])
             self._dense_fresh = True
@@ -683,9 +679,7 @@ class Trainer:
                 if layer.feature is not None and layer.feature in self.input_names
             ]
         fed_layers = self._fed_layers
-        position = {id(layer): i for i, layer in enumerate(self.layers)}
-        with self._lookups():
-            fed = [self._fed_rows(position[id(layer)], layer, features) for layer in fed_layers]
+        fed = [self._fed_rows(layer, features) for layer in fed_layers]
         # per dim: the layers' rows one after another, then the zero row (padding's)
         dims = sorted({layer.dim for layer in fed_layers})
         parts: dict[int, list[NDArray[np.float32]]] = {d: [] for d in dims}
