@@ -1,10 +1,12 @@
 """The journal of one replica: a push's write plan, stored before its rows are written.
 
 A replica has `JOURNAL_SLOTS` slots (`_meta/j/rK-jS`). A slot holds one `WritePlan`,
-packed with msgpack and cut into chunks under memcached's item-size limit
-(`JOURNAL_CHUNK_BYTES`); the chunks are written first, then a header with the body's
-size and CRC-32, so a header is only ever present over a complete journal. A cleared
-slot is an empty header.
+packed with msgpack: each table as its summed gradients and the hashes of its new rows
+and slots (`plan.TableRedo`), not the new values. A body that fits in one item
+(`JOURNAL_CHUNK_BYTES`, under memcached's default 1 MiB limit) is written inside its
+header, one `set`; a bigger one is cut into chunks, written first, then the header with
+the body's size and CRC-32, so a header is only ever present over a complete journal. A
+cleared slot is an empty header.
 
 A plan whose write failed after it was journaled is replayed from here: in the
 background while the replica lives (`Journal.finish_later`), or by the next replica
@@ -26,20 +28,24 @@ import zlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+import numpy as np
+
 from lookup_table.core.keyspace import META_TABLE, Kind, journal_id
+from lookup_table.core.rows import value_hashes
 from lookup_table.core.wire import decode_array, decode_ids, encode_array, encode_ids, pack, unpack
 from lookup_table.errors import DataLossError, StoreError
 from lookup_table.store import EmbeddingStore
 from optimizer_service.errors import UnavailableError
 from optimizer_service.locks import RowLocks
-from optimizer_service.plan import DenseSwitch, TableUpdate, WritePlan
+from optimizer_service.plan import DenseSwitch, TableRedo, TableUpdate, WritePlan
 
 __all__ = ["JOURNAL_CHUNK_BYTES", "JOURNAL_SLOTS", "Journal", "decode_journal", "encode_journal"]
 
 logger = logging.getLogger(__name__)
 
 JOURNAL_SLOTS = 8
-JOURNAL_CHUNK_BYTES = 512 * 1024
+# memcached's default item limit (-I) is 1 MiB, key and item header included
+JOURNAL_CHUNK_BYTES = 1024 * 1024 - 8 * 1024
 _OFFLOAD_JOURNAL_BYTES = 1 << 20  # above this, encode the journal in a thread
 
 
@@ -95,20 +101,21 @@ class Journal:
         are still awaited before the first error is raised: nothing of them is in
         flight afterwards (the caller may delete what they wrote)."""
         size = sum(u.rows.nbytes + u.slots.nbytes for u in plan.updates)
-        if size > _OFFLOAD_JOURNAL_BYTES:  # packing and the CRC would stall the loop
+        if size > _OFFLOAD_JOURNAL_BYTES:  # hashing, packing and the CRC would stall the loop
             chunks, header = await asyncio.to_thread(encode_journal, plan)
         else:
             chunks, header = encode_journal(plan)
-        results = await asyncio.gather(
-            self.store.set_blobs(
-                META_TABLE,
-                [self._id(slot, i) for i in range(len(chunks))],
-                chunks,
-                kind=Kind.JOURNAL,
-            ),
-            *alongside,
-            return_exceptions=True,
-        )
+        writes: list[Awaitable[object]] = list(alongside)
+        if chunks:
+            writes.append(
+                self.store.set_blobs(
+                    META_TABLE,
+                    [self._id(slot, i) for i in range(len(chunks))],
+                    chunks,
+                    kind=Kind.JOURNAL,
+                )
+            )
+        results = await asyncio.gather(*writes, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
@@ -128,11 +135,15 @@ class Journal:
         if not raw:
             return None
         header = unpack(raw)
-        ids = [self._id(slot, i) for i in range(int(header["chunks"]))]
-        chunks = await self.store.get_blobs(META_TABLE, ids, kind=Kind.JOURNAL)
-        if any(c is None for c in chunks):
-            raise RuntimeError(f"journal slot {slot} of replica {self.replica} is missing chunks")
-        body = b"".join(c for c in chunks if c is not None)
+        body = header.get("body")
+        if body is None:
+            ids = [self._id(slot, i) for i in range(int(header["chunks"]))]
+            chunks = await self.store.get_blobs(META_TABLE, ids, kind=Kind.JOURNAL)
+            if any(c is None for c in chunks):
+                raise RuntimeError(
+                    f"journal slot {slot} of replica {self.replica} is missing chunks"
+                )
+            body = b"".join(c for c in chunks if c is not None)
         if len(body) != header["bytes"] or zlib.crc32(body) != header["crc32"]:
             raise RuntimeError(f"journal slot {slot} of replica {self.replica} fails its checksum")
         return decode_journal(body)
@@ -202,20 +213,32 @@ def _held_by_failed_write(push_id: str, error: Exception | None) -> BaseExceptio
     return UnavailableError(message)
 
 
+def _encode_update(u: TableUpdate) -> dict[str, Any]:
+    if u.grads is None:  # absolute values (journals of an older service; tests)
+        return {
+            "table": u.table,
+            "ids": encode_ids(u.ids),
+            "rows": encode_array(u.rows),
+            "slots": encode_array(u.slots),
+        }
+    return {
+        "table": u.table,
+        "ids": encode_ids(u.ids),
+        "grads": encode_array(u.grads),
+        "row_hashes": encode_array(value_hashes(u.rows).view(np.int64)),
+        "slot_hashes": encode_array(value_hashes(u.slots).view(np.int64)),
+    }
+
+
 def encode_journal(plan: WritePlan) -> tuple[list[bytes], bytes]:
-    """A plan as journal chunks (<= JOURNAL_CHUNK_BYTES) and its header (pure, thread-safe)."""
+    """A plan as journal chunks (<= JOURNAL_CHUNK_BYTES) and its header (pure, thread-safe).
+
+    A body that fits in one item travels inside the header: no chunks.
+    """
     doc: dict[str, Any] = {
         "push_id": plan.push_id,
         "version": plan.version,
-        "tables": [
-            {
-                "table": u.table,
-                "ids": encode_ids(u.ids),
-                "rows": encode_array(u.rows),
-                "slots": encode_array(u.slots),
-            }
-            for u in plan.updates
-        ],
+        "tables": [_encode_update(u) for u in plan.updates],
     }
     if plan.dense_switch is not None:
         doc["dense_switch"] = {
@@ -229,33 +252,40 @@ def encode_journal(plan: WritePlan) -> tuple[list[bytes], bytes]:
             "slots": {n: encode_array(v) for n, v in slots.items()},
         }
     body = pack(doc)
-    chunks = [
-        body[i : i + JOURNAL_CHUNK_BYTES] for i in range(0, len(body), JOURNAL_CHUNK_BYTES)
-    ] or [b""]
-    header = pack(
-        {
-            "push_id": plan.push_id,
-            "chunks": len(chunks),
-            "bytes": len(body),
-            "crc32": zlib.crc32(body),
-            "time": time.time(),
-        }
+    header: dict[str, Any] = {
+        "push_id": plan.push_id,
+        "bytes": len(body),
+        "crc32": zlib.crc32(body),
+        "time": time.time(),
+    }
+    if len(body) <= JOURNAL_CHUNK_BYTES:
+        return [], pack({**header, "chunks": 0, "body": body})
+    chunks = [body[i : i + JOURNAL_CHUNK_BYTES] for i in range(0, len(body), JOURNAL_CHUNK_BYTES)]
+    return chunks, pack({**header, "chunks": len(chunks)})
+
+
+def _decode_table(t: dict[str, Any]) -> TableUpdate | TableRedo:
+    ids = decode_ids(t["ids"], field="journal.ids")
+    if "grads" not in t:
+        return TableUpdate(
+            table=t["table"],
+            ids=ids,
+            rows=decode_array(t["rows"], field="journal.rows").copy(),
+            slots=decode_array(t["slots"], field="journal.slots").copy(),
+        )
+    return TableRedo(
+        table=t["table"],
+        ids=ids,
+        grads=decode_array(t["grads"], field="journal.grads").copy(),
+        row_hashes=decode_array(t["row_hashes"], field="journal.row_hashes").view(np.uint64),
+        slot_hashes=decode_array(t["slot_hashes"], field="journal.slot_hashes").view(np.uint64),
     )
-    return chunks, header
 
 
 def decode_journal(body: bytes) -> WritePlan:
     """The plan of a journal body whose size and checksum were checked (pure)."""
     doc = unpack(body)
-    updates = [
-        TableUpdate(
-            table=t["table"],
-            ids=decode_ids(t["ids"], field="journal.ids"),
-            rows=decode_array(t["rows"], field="journal.rows").copy(),
-            slots=decode_array(t["slots"], field="journal.slots").copy(),
-        )
-        for t in doc["tables"]
-    ]
+    tables = [_decode_table(t) for t in doc["tables"]]
     switch = None
     if doc.get("dense_switch") is not None:
         switch = DenseSwitch(
@@ -278,7 +308,8 @@ def decode_journal(body: bytes) -> WritePlan:
         )
     return WritePlan(
         push_id=str(doc["push_id"]),
-        updates=updates,
+        updates=[t for t in tables if isinstance(t, TableUpdate)],
+        redo=[t for t in tables if isinstance(t, TableRedo)],
         version=doc.get("version"),
         dense=dense,
         dense_switch=switch,

@@ -1,8 +1,17 @@
-"""What one push writes, as absolute values: computed once, journaled, then written.
+"""What one push writes: computed once, journaled, then written.
 
 A `WritePlan` holds the new rows and slots of every table of a push, and where it has
 them the replica's new version and the dense parameters' update. Its values are
-absolute, not deltas, so writing one plan twice, as a journal replay may, is harmless.
+absolute, not deltas, so writing one plan twice is harmless.
+
+The journal does not carry those values: it carries each table's summed gradients and
+a hash of every new row and of its new slots (`TableRedo`), about a third of the bytes
+with Adam. A replay reads the rows and slots, keeps those whose hash says they are
+already written, and recomputes the others: slots from the gradients and the old
+slots (`Optimizer.next_slots`, which never looks at the row), rows from the old row,
+the gradients and the new slots (`Optimizer.finish`). Every mix of written and
+unwritten rows and slots a failed write can leave is so finished exactly once; no
+other push touches those rows before the journal is cleared (they stay locked).
 
 The dense update is journaled as a switch of the `current` pointer (`DenseSwitch`), not
 as values: the new generation's chunks (`WritePlan.dense_generation`) are written before
@@ -11,7 +20,7 @@ the journal header, so a replay needs only the pointer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,7 +29,7 @@ from numpy.typing import NDArray
 from lookup_table.core.keys import IdArray
 from lookup_table.dense import DenseGeneration
 
-__all__ = ["DenseSwitch", "DenseWrite", "TableUpdate", "WritePlan"]
+__all__ = ["DenseSwitch", "DenseWrite", "TableRedo", "TableUpdate", "WritePlan"]
 
 DenseWrite = tuple[dict[str, NDArray[np.float32]], dict[str, NDArray[np.float32]]]
 """The new dense parameters and their optimizer slots, by parameter name."""
@@ -34,6 +43,19 @@ class TableUpdate:
     ids: IdArray
     rows: NDArray[np.float32]
     slots: NDArray[np.float32]
+    grads: NDArray[np.float32] | None = None  # the summed gradients: what is journaled
+
+
+@dataclass(slots=True)
+class TableRedo:
+    """A journaled table update: the unique ids (n,), their summed gradients (n, dim),
+    and the `value_hashes` of their new rows and new slots (n,) uint64."""
+
+    table: str
+    ids: IdArray
+    grads: NDArray[np.float32]
+    row_hashes: NDArray[np.uint64]
+    slot_hashes: NDArray[np.uint64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +78,7 @@ class WritePlan:
 
     push_id: str
     updates: list[TableUpdate]
+    redo: list[TableRedo] = field(default_factory=list)  # a journal's: values to recompute
     version: int | None = None  # the replica's new version (sync mode, or dense updates)
     dense: DenseWrite | None = None
     dense_switch: DenseSwitch | None = None

@@ -55,6 +55,7 @@ from lookup_table.config import ClusterConfig
 from lookup_table.core.initializers import initial_rows
 from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id, version_id
 from lookup_table.core.optimizers import Optimizer, make_optimizer
+from lookup_table.core.rows import value_hashes
 from lookup_table.core.sharding import row_hashes
 from lookup_table.core.wire import encode_array, encode_ids
 from lookup_table.dense import DenseGeneration, DenseParams
@@ -62,7 +63,7 @@ from lookup_table.store import EmbeddingStore, TableRead, TableWrite
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.journal import Journal
 from optimizer_service.locks import DENSE_KEY, RowLocks
-from optimizer_service.plan import DenseSwitch, TableUpdate, WritePlan
+from optimizer_service.plan import DenseSwitch, TableRedo, TableUpdate, WritePlan
 from optimizer_service.push import Push, TableGrads
 from optimizer_service.sync import SyncRounds
 
@@ -444,16 +445,78 @@ class Updater:
             )
         else:
             new_rows, new_slots = _compute(optimizer, rows, grads.grads, slots)
-        return TableUpdate(table=grads.table, ids=grads.ids, rows=new_rows, slots=new_slots)
+        return TableUpdate(
+            table=grads.table, ids=grads.ids, rows=new_rows, slots=new_slots, grads=grads.grads
+        )
+
+    async def _redone(self, redo: Sequence[TableRedo]) -> list[TableUpdate]:
+        """What a journal's tables still need written: the rows and slots whose stored
+        hash is not the journaled one, recomputed (see `plan`); one read per node."""
+        reads: list[TableRead] = []
+        widths: list[int] = []
+        for r in redo:
+            width = self.optimizers[r.table].slot_width(self.config.table(r.table).dim)
+            reads.append(TableRead(r.table, r.ids))
+            if width:
+                reads.append(TableRead(r.table, r.ids, kind=Kind.SLOTS, width=width))
+            widths.append(width)
+        values = iter(await self.store.get_many(reads, unique=True))
+        out: list[TableUpdate] = []
+        for r, width in zip(redo, widths, strict=True):
+            spec = self.config.table(r.table)
+            optimizer = self.optimizers[r.table]
+            rows, found = next(values)
+            if not found.all():  # never written: still its initial row
+                missing = np.flatnonzero(~found)
+                rows[missing] = initial_rows(
+                    spec.initializer, seed=spec.seed, ids=r.ids[missing], dim=spec.dim
+                )
+            if width:
+                slots, has_slots = next(values)
+                if not has_slots.all():
+                    fresh = np.flatnonzero(~has_slots)
+                    slots[fresh] = optimizer.initial_slots(fresh.size, spec.dim)
+            else:
+                slots = np.zeros((r.ids.shape[0], 0), dtype=np.float32)
+            old_slots = value_hashes(slots) != r.slot_hashes
+            old_rows = value_hashes(rows) != r.row_hashes
+            if old_slots.any():
+                todo = np.flatnonzero(old_slots)
+                slots[todo] = optimizer.next_slots(r.grads[todo], slots[todo])
+            if old_rows.any():
+                todo = np.flatnonzero(old_rows)
+                rows[todo] = optimizer.finish(rows[todo], r.grads[todo], slots[todo])
+            differ = int(
+                np.count_nonzero(value_hashes(slots[old_slots]) != r.slot_hashes[old_slots])
+                + np.count_nonzero(value_hashes(rows[old_rows]) != r.row_hashes[old_rows])
+            )
+            if differ:  # another C library's powf, say: the push is still finished once
+                logger.warning(
+                    "replica %d: table %s: %d recomputed values differ from the journaled ones",
+                    self.replica,
+                    r.table,
+                    differ,
+                )
+            if old_rows.any():
+                out.append(
+                    TableUpdate(r.table, r.ids[old_rows], rows[old_rows], slots[old_rows][:, :0])
+                )
+            if width and old_slots.any():
+                out.append(
+                    TableUpdate(r.table, r.ids[old_slots], rows[old_slots][:, :0], slots[old_slots])
+                )
+        return out
 
     async def _write_updates(self, updates: Iterable[TableUpdate]) -> None:
         """Write the rows and slots of every table in one request per node."""
         writes: list[TableWrite] = []
         for u in updates:
-            writes.append(TableWrite(u.table, u.ids, u.rows))
+            if u.rows.shape[1]:
+                writes.append(TableWrite(u.table, u.ids, u.rows))
             if u.slots.shape[1]:
                 writes.append(TableWrite(u.table, u.ids, u.slots, kind=Kind.SLOTS))
-        await self.store.set_many(writes)
+        if writes:
+            await self.store.set_many(writes)
 
     async def _write_plan(self, plan: WritePlan, *, replay: bool = False) -> None:
         """Write rows, slots, the dense switch and version; then the done record.
@@ -461,8 +524,11 @@ class Updater:
         `replay`: the plan comes back from the journal (a failed write or a crash); its
         dense switch happens only if `current` still names the state it replaces.
         """
+        updates = list(plan.updates)
+        if plan.redo:  # a journal's: read what is written, recompute the rest
+            updates += await self._redone(plan.redo)
         # the jobs return None or set_blobs' stored flags; only their completion matters
-        jobs: list[Awaitable[object]] = [self._write_updates(plan.updates)]
+        jobs: list[Awaitable[object]] = [self._write_updates(updates)]
         if plan.dense_switch is not None:
             jobs.append(
                 self.dense.switch(

@@ -11,11 +11,17 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
+from lookup_table.core.hashing import mix64
 from lookup_table.errors import CorruptValueError
 
-__all__ = ["ROW_DTYPE", "decode_row", "encode_rows", "row_bytes"]
+__all__ = ["ROW_DTYPE", "decode_row", "encode_rows", "row_bytes", "value_hashes"]
 
 ROW_DTYPE = np.dtype("<f4")
+
+# Keys of the values' hash, one per 32-bit word: odd 64-bit constants from a fixed seed.
+_HASH_KEYS = np.random.default_rng(0x6A6F75726E616C).integers(
+    0, 2**63, size=4096, dtype=np.uint64
+) * np.uint64(2) + np.uint64(1)
 
 
 def row_bytes(width: int) -> int:
@@ -52,3 +58,25 @@ def decode_row(
             node=node,
         )
     return np.frombuffer(value, dtype=ROW_DTYPE).astype(np.float32)
+
+
+def value_hashes(values: NDArray[np.float32]) -> NDArray[np.uint64]:
+    """A 64-bit hash of each stored value (row or slots), (n, width) float32 -> (n,) uint64.
+
+    Tells whether a stored value is the one a journal expects (`optimizer_service`): it
+    hashes the stored bytes, so -0.0 and 0.0, or two NaNs of other payloads, differ. A
+    multilinear sum of the 32-bit words with odd 64-bit keys, then `mix64`: two values
+    that differ in any word collide with probability about 2**-64 when they differ in low
+    bits (as an optimizer step's do), never when they differ in one word only.
+    """
+    arr = np.ascontiguousarray(values, dtype=ROW_DTYPE)
+    if arr.ndim != 2:
+        raise ValueError(f"expected values of shape (n, width), got {arr.shape}")
+    width = arr.shape[1]
+    if width > _HASH_KEYS.size:
+        raise ValueError(f"values of {width} floats: at most {_HASH_KEYS.size} are hashed")
+    words = arr.view(np.uint32).astype(np.uint64)
+    words *= _HASH_KEYS[:width]  # wraps modulo 2**64, as intended
+    total = words.sum(axis=1, dtype=np.uint64)
+    total ^= np.uint64(width)
+    return mix64(total)

@@ -46,16 +46,27 @@ class Adagrad:
         """Every accumulator at float32(initial_accumulator_value)."""
         return np.full((n, dim), _F32(self.config.initial_accumulator_value), dtype=np.float32)
 
+    def next_slots(self, grads: Float32Array, slots: Float32Array) -> Float32Array:
+        """The accumulator plus `g**2`."""
+        new_acc = np.square(grads)
+        new_acc += slots  # Keras: accumulator + g**2; addition commutes bit for bit
+        return new_acc
+
+    def finish(
+        self, weights: Float32Array, grads: Float32Array, new_slots: Float32Array
+    ) -> Float32Array:
+        """The rows moved by `lr * g / sqrt(accumulator + epsilon)`."""
+        c = self.config
+        delta = _F32(c.learning_rate) * grads
+        denom = new_slots + _F32(c.epsilon)
+        np.sqrt(denom, out=denom)
+        delta /= denom
+        return weights - delta
+
     def update(
         self, weights: Float32Array, grads: Float32Array, slots: Float32Array
     ) -> tuple[Float32Array, Float32Array]:
         """One Adagrad step on rows (see module docstring)."""
         check_update_args(weights, grads, slots, self.slot_width)
-        c = self.config
-        new_acc = np.square(grads)
-        new_acc += slots  # Keras: accumulator + g**2; addition commutes bit for bit
-        delta = _F32(c.learning_rate) * grads
-        denom = new_acc + _F32(c.epsilon)
-        np.sqrt(denom, out=denom)
-        delta /= denom
-        return weights - delta, new_acc
+        new_slots = self.next_slots(grads, slots)
+        return self.finish(weights, grads, new_slots), new_slots

@@ -120,19 +120,12 @@ class Adam:
         """All zeros: m = v = 0 and step 0 (the first update uses t = 1)."""
         return np.zeros((n, self.slot_width(dim)), dtype=np.float32)
 
-    def update(
-        self, weights: Float32Array, grads: Float32Array, slots: Float32Array
-    ) -> tuple[Float32Array, Float32Array]:
-        """One Adam step per row, each with its own step count (see module docstring)."""
-        dim = check_update_args(weights, grads, slots, self.slot_width)
+    def next_slots(self, grads: Float32Array, slots: Float32Array) -> Float32Array:
+        """m, v and the step after one step (see module docstring)."""
         c = self.config
+        dim = grads.shape[1]
         m = slots[:, :dim]
         v = slots[:, dim : 2 * dim]
-        t = slots[:, 2 * dim :] + _F32(1)  # (n, 1): broadcasts over the row
-        beta_1_power = _beta_powers(c.beta_1, t)
-        beta_2_power = _beta_powers(c.beta_2, t)
-        alpha = _F32(c.learning_rate) * np.sqrt(_F32(1) - beta_2_power) / (_F32(1) - beta_1_power)
-
         new_slots = np.empty_like(slots)
         new_m = new_slots[:, :dim]
         np.subtract(grads, m, out=new_m)
@@ -143,10 +136,29 @@ class Adam:
         new_v -= v
         new_v *= _F32(1 - c.beta_2)
         new_v += v
-        new_slots[:, 2 * dim :] = t
+        new_slots[:, 2 * dim :] = slots[:, 2 * dim :] + _F32(1)
+        return new_slots
 
-        delta = new_m * alpha
-        denom = np.sqrt(new_v)
+    def finish(
+        self, weights: Float32Array, grads: Float32Array, new_slots: Float32Array
+    ) -> Float32Array:
+        """The rows moved by the new m and v, bias-corrected with the new step `t`."""
+        c = self.config
+        dim = weights.shape[1]
+        t = new_slots[:, 2 * dim :]  # (n, 1): broadcasts over the row
+        beta_1_power = _beta_powers(c.beta_1, t)
+        beta_2_power = _beta_powers(c.beta_2, t)
+        alpha = _F32(c.learning_rate) * np.sqrt(_F32(1) - beta_2_power) / (_F32(1) - beta_1_power)
+        delta: Float32Array = new_slots[:, :dim] * alpha
+        denom = np.sqrt(new_slots[:, dim : 2 * dim])
         denom += _F32(c.epsilon)
         delta /= denom
-        return weights - delta, new_slots
+        return weights - delta
+
+    def update(
+        self, weights: Float32Array, grads: Float32Array, slots: Float32Array
+    ) -> tuple[Float32Array, Float32Array]:
+        """One Adam step per row, each with its own step count (see module docstring)."""
+        check_update_args(weights, grads, slots, self.slot_width)
+        new_slots = self.next_slots(grads, slots)
+        return self.finish(weights, grads, new_slots), new_slots

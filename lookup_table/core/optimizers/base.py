@@ -44,6 +44,24 @@ class Optimizer(Protocol):
         """Slots of `n` rows that were never updated, float32 (n, slot_width(dim))."""
         ...
 
+    def next_slots(self, grads: Float32Array, slots: Float32Array) -> Float32Array:
+        """The slots after one step: (n, slot_width), from the grads and old slots alone.
+
+        Never depends on the rows, so a journal replay that finds a row's slots not yet
+        written recomputes them from the gradients, whatever state its row is in.
+        """
+        ...
+
+    def finish(
+        self, weights: Float32Array, grads: Float32Array, new_slots: Float32Array
+    ) -> Float32Array:
+        """The rows after one step, from the old rows, the grads and `next_slots`' result.
+
+        `update(w, g, s) == (finish(w, g, next_slots(g, s)), next_slots(g, s))`, bit for
+        bit: `update` is this composition.
+        """
+        ...
+
     def update(
         self, weights: Float32Array, grads: Float32Array, slots: Float32Array
     ) -> tuple[Float32Array, Float32Array]:

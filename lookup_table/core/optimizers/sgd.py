@@ -49,21 +49,32 @@ class SGD:
         """Zero momentum, or an (n, 0) array when there is no momentum."""
         return np.zeros((n, self.slot_width(dim)), dtype=np.float32)
 
+    def next_slots(self, grads: Float32Array, slots: Float32Array) -> Float32Array:
+        """The new momentum `m * momentum - g * lr`, or no slots without momentum."""
+        c = self.config
+        if c.momentum == 0:
+            return slots.copy()
+        new_m = slots * _F32(c.momentum)
+        new_m -= grads * _F32(c.learning_rate)
+        return new_m
+
+    def finish(
+        self, weights: Float32Array, grads: Float32Array, new_slots: Float32Array
+    ) -> Float32Array:
+        """The rows moved by `-g * lr`, or by the new momentum (Nesterov: look-ahead)."""
+        c = self.config
+        if c.momentum == 0:
+            return weights - grads * _F32(c.learning_rate)
+        if c.nesterov:
+            step = new_slots * _F32(c.momentum)
+            step -= grads * _F32(c.learning_rate)
+            return weights + step
+        return weights + new_slots
+
     def update(
         self, weights: Float32Array, grads: Float32Array, slots: Float32Array
     ) -> tuple[Float32Array, Float32Array]:
         """One SGD step on rows (see module docstring)."""
         check_update_args(weights, grads, slots, self.slot_width)
-        c = self.config
-        lr = _F32(c.learning_rate)
-        scaled = grads * lr
-        if c.momentum == 0:
-            return weights - scaled, slots.copy()
-        momentum = _F32(c.momentum)
-        new_m = slots * momentum
-        new_m -= scaled
-        if c.nesterov:
-            step = new_m * momentum
-            step -= scaled
-            return weights + step, new_m
-        return weights + new_m, new_m
+        new_slots = self.next_slots(grads, slots)
+        return self.finish(weights, grads, new_slots), new_slots

@@ -1,0 +1,162 @@
+"""A journaled push whose write stopped anywhere is finished exactly once by a replay.
+
+The journal carries a push's summed gradients and the hashes of its new rows and
+slots, not the values (optimizer_service/plan.py). A write that fails part-way can
+leave any id with its row and its slots each written or not (slots and rows are
+separate items, on one node; a full `-M` node may refuse either one): every one of
+the four mixes, plus rows never created, must end with the values the push computed,
+bit for bit, and nothing applied twice. Real memcached, the real service app.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from lookup_table import EmbeddingStore
+from lookup_table.core.keyspace import Kind
+from lookup_table.core.optimizers import make_optimizer
+from lookup_table.core.wire import unpack
+from lookup_table.store import TableRead, TableWrite
+from optimizer_service.app import UPDATER, make_app
+from optimizer_service.journal import JOURNAL_CHUNK_BYTES, Journal, decode_journal
+from optimizer_service.plan import TableUpdate
+from optimizer_service.push import parse_push
+from tests.conftest import make_config
+from tests.integration.test_service import _body
+
+pytestmark = pytest.mark.integration
+
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "adam": {"name": "adam", "learning_rate": 0.01},
+    "sgd": {"name": "sgd", "learning_rate": 0.5},
+    "momentum": {"name": "sgd", "learning_rate": 0.1, "momentum": 0.9},
+    "nesterov": {"name": "sgd", "learning_rate": 0.1, "momentum": 0.9, "nesterov": True},
+    "adagrad": {"name": "adagrad", "learning_rate": 0.1},
+}
+# per id of the push: (row written, slots written) when the write stopped
+MIX = [(True, True), (False, True), (True, False), (False, False)]
+
+
+async def _read(store: EmbeddingStore, table: str, ids: Any, width: int) -> tuple[Any, Any]:
+    reads = [TableRead(table, ids)]
+    if width:
+        reads.append(TableRead(table, ids, kind=Kind.SLOTS, width=width))
+    got = await store.get_many(reads, unique=True)
+    rows, found = got[0]
+    slots, has = got[1] if width else (np.zeros((len(ids), 0), np.float32), found)
+    return (rows, found), (slots, has)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+async def test_a_replay_finishes_every_mix_of_written_rows_and_slots_exactly_once(
+    memcached_nodes: list[str], aiohttp_server: Any, caplog: pytest.LogCaptureFixture, name: str
+) -> None:
+    tables = [
+        {"name": "t", "dim": 8, "seed": 5, "optimizer": OPTIMIZERS[name]},
+        {"name": "s", "dim": 4, "seed": 6, "id_type": "string", "optimizer": OPTIMIZERS[name]},
+    ]
+    config = make_config(memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"])
+    opt = make_optimizer(config.table("t").optimizer)
+    width = opt.slot_width(8)
+    # ids 0..7 exist (0..3 with slots from an earlier push), 8..11 were never looked up
+    ids = np.arange(12, dtype=np.int64)
+    words = [f"w{i}" for i in range(8)]
+    rng = np.random.default_rng(7)
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        await store.lookup("t", ids[:8])
+        await store.lookup("s", words[:4])
+    server = await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
+    updater = server.app[UPDATER]
+    first = {"t": (ids[:4], rng.standard_normal((4, 8), dtype=np.float32))}
+    await updater.apply(parse_push(unpack(_body("first", first)), config=config))
+
+    grads = rng.standard_normal((12, 8), dtype=np.float32)
+    wgrads = rng.standard_normal((8, 4), dtype=np.float32)
+    async with EmbeddingStore(config) as store:
+        (rows, found), (slots, has) = await _read(store, "t", ids, width)
+    rows[~found] = np.stack([r for r in (await _initial(config, ids[~found]))])
+    slots[~has] = opt.initial_slots(int((~has).sum()), 8)
+    want_rows, want_slots = opt.update(rows, grads, slots)
+
+    async def stop_part_way(updates: list[TableUpdate]) -> None:
+        writes = []
+        for u in updates:
+            n = u.ids.shape[0]
+            row_done = np.array([MIX[i % 4][0] for i in range(n)])
+            slot_done = np.array([MIX[i % 4][1] for i in range(n)])
+            writes.append(TableWrite(u.table, u.ids[row_done], u.rows[row_done]))
+            if u.slots.shape[1]:
+                writes.append(
+                    TableWrite(u.table, u.ids[slot_done], u.slots[slot_done], kind=Kind.SLOTS)
+                )
+        await updater.store.set_many(writes)
+        raise ConnectionResetError("simulated crash in the middle of the rows")
+
+    updater._write_updates = stop_part_way  # type: ignore[method-assign]
+    push_id = uuid.uuid4().hex
+    body = _body(push_id, {"t": (ids, grads), "s": (words, wgrads)})
+    with pytest.raises(ConnectionResetError):
+        await updater.apply(parse_push(unpack(body), config=config))
+    for task in list(updater._finishers):
+        task.cancel()  # the dead process's background replay never runs
+    await server.close()
+
+    async with EmbeddingStore(config) as store:
+        journal = Journal(store, replica=0)
+        plans = [p for p in [await journal.read(s) for s in range(journal.slots)] if p]
+        assert [p.push_id for p in plans] == [push_id]
+        plan = plans[0]
+        assert not plan.updates and [r.table for r in plan.redo] == ["t", "s"]
+        np.testing.assert_array_equal(plan.redo[0].grads, grads)  # journaled: the gradients
+        (mid_rows, _), (mid_slots, _) = await _read(store, "t", ids, width)
+    # the crash left every mix: some rows and slots new, others old
+    assert (mid_rows == want_rows).all(axis=1).tolist() != [True] * 12
+
+    caplog.set_level(logging.WARNING, logger="optimizer_service.updater")
+    restarted = await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
+    assert "replaying journaled push" in caplog.text
+    assert "differ from the journaled" not in caplog.text  # every recomputation matched
+    async with EmbeddingStore(config) as store:
+        (got_rows, found), (got_slots, has) = await _read(store, "t", ids, width)
+        assert found.all() and has.all()
+        journal = Journal(store, replica=0)
+        np.testing.assert_array_equal(got_rows, want_rows)
+        np.testing.assert_array_equal(got_slots, want_slots)
+        assert [await journal.read(s) for s in range(journal.slots)] == [None] * journal.slots
+    retry = await restarted.app[UPDATER].apply(parse_push(unpack(body), config=config))
+    assert retry["duplicate"]
+
+
+async def _initial(config: Any, ids: Any) -> Any:
+    from lookup_table import initial_rows
+
+    spec = config.table("t")
+    return initial_rows(spec.initializer, seed=spec.seed, ids=ids, dim=spec.dim)
+
+
+def test_a_small_journal_is_one_item_and_a_big_one_is_chunked() -> None:
+    """The body travels inside the header when it fits in one item (one `set`)."""
+    from optimizer_service.journal import encode_journal
+    from optimizer_service.plan import WritePlan
+
+    def plan(n: int) -> WritePlan:
+        rows = np.ones((n, 16), np.float32)
+        slots = np.zeros((n, 33), np.float32)
+        update = TableUpdate("t", np.arange(n, dtype=np.int64), rows, slots, grads=rows * 2)
+        return WritePlan(push_id="p", updates=[update])
+
+    chunks, header = encode_journal(plan(1000))
+    assert chunks == [] and unpack(header)["chunks"] == 0
+    back = decode_journal(unpack(header)["body"])
+    assert back.redo[0].grads.tolist() == (np.ones((1000, 16)) * 2).tolist()
+    big = JOURNAL_CHUNK_BYTES // (8 + 64 + 16) + 1000  # ids, grads, two hashes per id
+    chunks, header = encode_journal(plan(big))
+    assert len(chunks) == 2 and "body" not in unpack(header)
+    assert decode_journal(b"".join(chunks)).redo[0].ids.shape == (big,)
