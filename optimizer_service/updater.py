@@ -3,20 +3,25 @@
 Exactly-once, per replica K (the replica owns its rows; nobody else writes them):
 
 1. A push whose id has a *done record* (`_meta/p/rK:<push_id>`, TTL
-   `service.push_record_ttl_s`) is acknowledged and not applied again. Two copies
-   of one push in flight at once share one application (in-process).
+   `service.push_record_ttl_s`, read together with its rows in step 3) is
+   acknowledged and not applied again. Two copies of one push in flight at once share
+   one application (in-process).
 2. The rows of the push are locked (in-process; no two pushes read-modify-write
    one row at once; pushes on disjoint rows run concurrently): `locks.RowLocks`.
 3. Rows and slots are read, the optimizer computes the new ones: a `plan.WritePlan`.
-4. The plan is written to a *journal slot* (`_meta/j/rK-jS`, chunked under the
-   item-size limit, header written last with a checksum): `journal.Journal`.
-5. Rows and slots are written, then the done record, then the journal header
-   is cleared.
+4. The plan is written to a *journal slot* (`_meta/j/rK-jS`): the push's summed
+   gradients and the hashes of the new rows and slots, one item when it fits, else
+   chunks and a header written last with a checksum: `journal.Journal`.
+5. Rows and slots are written, then the done record; the push is answered and its
+   rows unlocked, and the journal header is cleared in the background (a journal whose
+   push has a done record is never replayed).
 
 A crash before 4 completes leaves the rows untouched: the retry recomputes. A
 crash after 4 leaves a journal: a restarting replica replays every journal whose
 push has no done record *before it serves* (`recover`), so the retry finds the
-done record. If writing fails after 4 in a live replica, the push's rows stay
+done record. A replay reads the rows and slots and recomputes only those whose hash is
+not the journaled one (`plan`): any mix a write stopped part-way leaves ends exactly
+as the push computed it. If writing fails after 4 in a live replica, the push's rows stay
 locked and a background task replays the journal until it succeeds, so no other
 push can read a half-written row. While that replay keeps failing (a full `-M`
 node, a lost or stopped one), a push that needs those rows, or a journal slot when
@@ -159,8 +164,8 @@ class Updater:
             )
             for task in self._finishers:
                 task.cancel()
-        if self._finishers:  # a replay about to succeed (or to end its cancellation)
-            await asyncio.wait(set(self._finishers), timeout=2.0)
+        if self._finishers or self._cleanups:  # a replay about to succeed, journal clears
+            await asyncio.wait(self._finishers | self._cleanups, timeout=2.0)
         return len(self._finishers)
 
     async def reload(self) -> int:
@@ -265,8 +270,6 @@ class Updater:
         version: int | None,
         on_plan: Callable[[WritePlan], None] | None = None,
     ) -> dict[str, Any]:
-        if await self.is_done(push.push_id):
-            return {"applied": False, "duplicate": True, "rows": 0, "version": self.version}
         keys: set[int] = set()
         for t in push.tables:
             keys.update(row_hashes(t.table, t.ids).tolist())
@@ -275,7 +278,17 @@ class Updater:
         await self.locks.acquire(keys)
         handed_over = False
         try:
-            plan = await self._plan(push, version)
+            # the done record is read together with the rows (one round trip, not two)
+            done, planned = await asyncio.gather(
+                self.is_done(push.push_id), self._plan(push, version), return_exceptions=True
+            )
+            if isinstance(done, BaseException):
+                raise done
+            if done:
+                return {"applied": False, "duplicate": True, "rows": 0, "version": self.version}
+            if isinstance(planned, BaseException):
+                raise planned
+            plan = planned
             if on_plan is not None:
                 on_plan(plan)
             generation = plan.dense_generation
@@ -291,7 +304,6 @@ class Updater:
                 await self.journal.write_header(slot, header)
                 journaled = True
                 await self._write_plan(plan)
-                await self.journal.clear(slot)
             except BaseException:
                 if journaled:
                     # Half-written rows must not be seen: the rows stay locked and the
@@ -305,7 +317,7 @@ class Updater:
                         # might have landed all the same: then its chunks must stay)
                         self._discard_later(generation)
                 raise
-            self.journal.give_back(slot)
+            self._clear_later(slot)
         finally:
             if not handed_over:
                 await self.locks.release(keys)
@@ -573,6 +585,31 @@ class Updater:
         )
         self._finishers.add(task)
         task.add_done_callback(self._finishers.discard)
+
+    def _clear_later(self, slot: int) -> None:
+        """Clear a finished push's journal slot in the background, then free it.
+
+        The push is answered and its rows unlocked first: its done record is written, so
+        a recovery that finds the journal before the clear lands skips it, and a failed
+        clear only leaves the slot to be overwritten by its next push.
+        """
+
+        async def clear() -> None:
+            try:
+                await self.journal.clear(slot)
+            except Exception:
+                logger.warning(
+                    "replica %d: clearing journal slot %d failed (its push is done)",
+                    self.replica,
+                    slot,
+                    exc_info=True,
+                )
+            finally:
+                self.journal.give_back(slot)
+
+        task = asyncio.get_running_loop().create_task(clear())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     def _discard_later(self, generation: DenseGeneration) -> None:
         """Delete, in the background and best effort, the chunks of a dense generation
