@@ -130,6 +130,7 @@ class ServiceConfig:
     push_record_ttl_s: int = 86_400
     long_poll_timeout_s: float = 30.0
     request_timeout_s: float = 60.0
+    cache_mb: int = 256
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -377,6 +378,7 @@ def _parse_service(raw: object) -> ServiceConfig:
         request_timeout_s=section.number(
             "request_timeout_s", defaults.request_timeout_s, positive=True
         ),
+        cache_mb=section.integer("cache_mb", defaults.cache_mb, minimum=0),
     )
     section.finish([f.name for f in dataclasses.fields(ServiceConfig)])
     return service

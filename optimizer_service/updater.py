@@ -65,6 +65,7 @@ from lookup_table.core.sharding import row_hashes
 from lookup_table.core.wire import encode_array, encode_ids
 from lookup_table.dense import DenseGeneration, DenseParams
 from lookup_table.store import EmbeddingStore, TableRead, TableWrite
+from optimizer_service.cache import RowCache
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.journal import Journal
 from optimizer_service.locks import DENSE_KEY, RowLocks
@@ -109,6 +110,8 @@ class Updater:
         self.dense = DenseParams(store, make_optimizer(config.optimizer))
         self.locks = RowLocks()
         self.journal = Journal(store, replica=replica)
+        self.cache = RowCache(config, config.service.cache_mb * 2**20)
+        self._sentinels: dict[str, bytes | None] | None = None  # None: cache not in use
         self.applied = 0
         self.version = 0
         self._version_changed = asyncio.Condition()
@@ -178,6 +181,8 @@ class Updater:
             raise RuntimeError("reload() needs a paused replica")
         self._rounds.clear()
         self.dense.forget()
+        self.cache.forget()
+        self._sentinels = await self._cache_sentinels()
         version = await self._stored_version()
         async with self._version_changed:
             self.version = version  # may go back: the checkpoint is older
@@ -305,6 +310,7 @@ class Updater:
                 journaled = True
                 await self._write_plan(plan)
             except BaseException:
+                self.cache.forget((u.table, u.ids) for u in plan.updates)  # half written?
                 if journaled:
                     # Half-written rows must not be seen: the rows stay locked and the
                     # journal slot taken until a background replay finishes the push.
@@ -318,6 +324,9 @@ class Updater:
                         self._discard_later(generation)
                 raise
             self._clear_later(slot)
+            if self._sentinels is not None:
+                for u in plan.updates:
+                    self.cache.put(u.table, u.ids, u.rows, u.slots)
         finally:
             if not handed_over:
                 await self.locks.release(keys)
@@ -410,21 +419,86 @@ class Updater:
 
     async def _updated(self, tables: Sequence[TableGrads]) -> list[TableUpdate]:
         """Read the rows and slots of every table of a push (one request per node; rows
-        and slots of one id share a node) and apply each table's optimizer."""
-        reads: list[TableRead] = []
-        has_slots: list[bool] = []
+        and slots of one id share a node), those not in the cache, and apply each
+        table's optimizer."""
+        cached: list[tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.float32]]] = []
         for grads in tables:
-            width = self.optimizers[grads.table].slot_width(self.config.table(grads.table).dim)
-            reads.append(TableRead(grads.table, grads.ids))
-            if width:
-                reads.append(TableRead(grads.table, grads.ids, kind=Kind.SLOTS, width=width))
-            has_slots.append(width > 0)
-        values = iter(await self.store.get_many(reads, unique=True))
+            if self._sentinels is not None and self.cache.caches(grads.table):
+                cached.append(self.cache.get(grads.table, grads.ids))
+            else:
+                n = grads.ids.shape[0]
+                nothing = np.empty((n, 0), dtype=np.float32)
+                cached.append((np.zeros(n, dtype=bool), nothing, nothing))
+        if any(hit.any() for hit, _, _ in cached):
+            # cached rows are what this replica wrote, unless a node lost its data since
+            # (its sentinel is gone, or new after a reinit): read together with the rest
+            sentinels, values = await asyncio.gather(
+                self.store.sentinels(), self._read(tables, [~hit for hit, _, _ in cached])
+            )
+            if sentinels != self._sentinels:
+                logger.warning(
+                    "replica %d: a node's sentinel changed (lost data, reinit): the row "
+                    "cache is dropped",
+                    self.replica,
+                )
+                self.cache.forget()
+                self._sentinels = sentinels if all(sentinels.values()) else None
+                return await self._updated(tables)
+        else:
+            values = await self._read(tables, [~hit for hit, _, _ in cached])
         jobs = []
-        for grads, slotted in zip(tables, has_slots, strict=True):
-            rows, found = next(values)
-            jobs.append(self._update(grads, rows, found, next(values) if slotted else None))
+        for grads, (hit, rows_c, slots_c), read in zip(tables, cached, values, strict=True):
+            spec = self.config.table(grads.table)
+            width = self.optimizers[grads.table].slot_width(spec.dim)
+            n = grads.ids.shape[0]
+            if hit.all():
+                rows, found, slots, has = rows_c, hit, slots_c, hit
+            else:
+                miss = np.flatnonzero(~hit)
+                rows = np.empty((n, spec.dim), dtype=np.float32)
+                slots = np.empty((n, width), dtype=np.float32)
+                found, has = hit.copy(), hit.copy()
+                if hit.any():
+                    rows[hit], slots[hit] = rows_c[hit], slots_c[hit]
+                (rows[miss], found[miss]), (slots[miss], has[miss]) = read
+            jobs.append(self._update(grads, rows, found, (slots, has) if width else None))
         return list(await asyncio.gather(*jobs))
+
+    async def _read(
+        self, tables: Sequence[TableGrads], wanted: Sequence[NDArray[np.bool_]]
+    ) -> list[Any]:
+        """Per table, ((rows, found), (slots, has)) of the ids `wanted` (one request per
+        node for all tables); None for a table with none wanted."""
+        reads: list[TableRead] = []
+        widths: list[int] = []
+        for grads, want in zip(tables, wanted, strict=True):
+            width = self.optimizers[grads.table].slot_width(self.config.table(grads.table).dim)
+            widths.append(width)
+            if not want.any():
+                continue
+            ids = grads.ids if want.all() else grads.ids[want]
+            reads.append(TableRead(grads.table, ids))
+            if width:
+                reads.append(TableRead(grads.table, ids, kind=Kind.SLOTS, width=width))
+        values = iter(await self.store.get_many(reads, unique=True) if reads else ())
+        out: list[Any] = []
+        for want, width in zip(wanted, widths, strict=True):
+            if not want.any():
+                out.append(None)
+                continue
+            rows = next(values)
+            n = rows[0].shape[0]
+            none = (np.zeros((n, 0), dtype=np.float32), np.ones(n, dtype=bool))
+            out.append((rows, next(values) if width else none))
+        return out
+
+    async def _cache_sentinels(self) -> dict[str, bytes | None] | None:
+        """The nodes' sentinels, which the cache's rows belong to; None (no cache) while
+        a node lacks one, or when the cache is off."""
+        if self.config.service.cache_mb <= 0:
+            return None
+        sentinels = await self.store.sentinels()
+        return sentinels if all(sentinels.values()) else None
 
     async def _update(
         self,
@@ -638,6 +712,7 @@ class Updater:
                 finished += 1
             await self.journal.clear(slot)
         await self._set_version(await self._stored_version())
+        self._sentinels = await self._cache_sentinels()
         return finished
 
     async def _stored_version(self) -> int:

@@ -1,0 +1,232 @@
+"""The rows and slots a replica last wrote, kept in its memory (bounded, vectorized).
+
+A replica is the only writer of the rows it owns (trainers only `add` rows that do not
+exist yet), so after it wrote a row and its slots, memcached holds exactly what it
+wrote until the replica writes them again, or the data goes away: a checkpoint restore
+(`Updater.reload` clears the cache), or a node that lost its data and was
+re-initialized (the sentinel's value changes: the updater clears the cache when it
+sees a new one). A push whose ids are all cached reads no row from memcached.
+
+One `_IntMap` per int64 table and generation: open addressing with linear probing over
+numpy arrays, probed for a whole batch at once (a loop over probe steps, never over
+ids), no deletions. Two generations bound the memory: lookups look in the young map,
+then in the old one (a hit there moves to the young map); when the young map is half
+full it becomes the old one and the old one is dropped, so what was not used for a
+generation is forgotten (an approximate LRU). Tables of string ids are not cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import cast
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lookup_table.config import ClusterConfig
+from lookup_table.core.hashing import mix64
+from lookup_table.core.keys import IdArray
+from lookup_table.core.optimizers import make_optimizer
+
+__all__ = ["RowCache"]
+
+_MAX_PROBES = 64  # at load <= 1/2 a probe sequence this long is vanishingly rare
+_MIN_CAPACITY = 1024
+_ENTRY_OVERHEAD = 9  # bytes per slot besides the values: the key (8) and `used` (1)
+
+
+def _int_ids(ids: IdArray) -> NDArray[np.int64]:
+    if ids.dtype != np.int64:
+        raise TypeError(f"the row cache holds int64 ids, got {ids.dtype}")
+    return cast("NDArray[np.int64]", ids)
+
+
+def _positions(ids: NDArray[np.int64], mask: int) -> NDArray[np.intp]:
+    return (mix64(ids.view(np.uint64)) & np.uint64(mask)).astype(np.intp)
+
+
+class _IntMap:
+    """int64 id -> a float32 value of `width` floats; open addressing, no deletions."""
+
+    def __init__(self, capacity: int, width: int) -> None:
+        self.mask = capacity - 1
+        self.keys = np.zeros(capacity, dtype=np.int64)
+        self.used = np.zeros(capacity, dtype=bool)
+        self.valid = np.zeros(capacity, dtype=bool)  # False: the id's value was forgotten
+        self.values = np.empty((capacity, width), dtype=np.float32)
+        self.size = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.mask + 1
+
+    def find(self, ids: NDArray[np.int64]) -> NDArray[np.intp]:
+        """The slot of each id, -1 where it is absent (a slot may hold a forgotten value)."""
+        out = np.full(ids.shape[0], -1, dtype=np.intp)
+        start = _positions(ids, self.mask)
+        todo = np.arange(ids.shape[0])
+        for step in range(_MAX_PROBES):
+            if not todo.size:
+                break
+            p = (start[todo] + step) & self.mask
+            used = self.used[p]
+            match = used & (self.keys[p] == ids[todo])
+            out[todo[match]] = p[match]
+            todo = todo[used & ~match]  # a free slot ends the search: absent
+        return out
+
+    def insert(self, ids: NDArray[np.int64], values: NDArray[np.float32]) -> NDArray[np.bool_]:
+        """Put absent, unique `ids`; False where no free slot was found within the probes."""
+        placed = np.zeros(ids.shape[0], dtype=bool)
+        start = _positions(ids, self.mask)
+        todo = np.arange(ids.shape[0])
+        for step in range(_MAX_PROBES):
+            if not todo.size:
+                break
+            p = (start[todo] + step) & self.mask
+            free = ~self.used[p]
+            # of the ids that reach one free slot in this step, the first takes it; the
+            # others probe on, past a slot that is now used (as `find` will)
+            slots, first = np.unique(p[free], return_index=True)
+            winners = todo[free][first]
+            self.used[slots] = True
+            self.valid[slots] = True
+            self.keys[slots] = ids[winners]
+            self.values[slots] = values[winners]
+            placed[winners] = True
+            todo = todo[~placed[todo]]
+        self.size += int(placed.sum())
+        return placed
+
+
+class _TableCache:
+    """Two generations of `_IntMap`, growing up to `max_capacity` slots each."""
+
+    def __init__(self, width: int, max_capacity: int) -> None:
+        self.width = width
+        self.max_capacity = max_capacity
+        self.young = _IntMap(min(_MIN_CAPACITY, max_capacity), width)
+        self.old: _IntMap | None = None
+
+    def nbytes(self) -> int:
+        maps = [self.young] + ([self.old] if self.old is not None else [])
+        return sum(m.capacity * (self.width * 4 + _ENTRY_OVERHEAD) for m in maps)
+
+    def get(self, ids: NDArray[np.int64]) -> tuple[NDArray[np.bool_], NDArray[np.float32]]:
+        pos = self.young.find(ids)
+        present = pos >= 0
+        hit = present.copy()
+        hit[present] = self.young.valid[pos[present]]
+        values = np.empty((ids.shape[0], self.width), dtype=np.float32)
+        values[hit] = self.young.values[pos[hit]]
+        if self.old is not None and not present.all():  # in the young map: never the old one
+            miss = np.flatnonzero(~present)
+            old_pos = self.old.find(ids[miss])
+            found = old_pos >= 0
+            found[found] = self.old.valid[old_pos[found]]
+            if found.any():
+                got = miss[found]
+                values[got] = self.old.values[old_pos[found]]
+                hit[got] = True
+                self.put(ids[got], values[got])  # used again: keep it in the young map
+        return hit, values
+
+    def put(self, ids: NDArray[np.int64], values: NDArray[np.float32]) -> None:
+        pos = self.young.find(ids)
+        present = pos >= 0
+        self.young.values[pos[present]] = values[present]
+        self.young.valid[pos[present]] = True
+        new = np.flatnonzero(~present)
+        if not new.size:
+            return
+        if 2 * (self.young.size + new.size) > self.young.capacity:
+            self._make_room(new.size)
+        placed = self.young.insert(ids[new], values[new])
+        if not placed.all():  # a probe sequence ran out: start a fresh generation
+            self._rotate()
+            left = new[~placed]
+            self.young.insert(ids[left], values[left])
+
+    def drop(self, ids: NDArray[np.int64]) -> None:
+        """Forget the values of `ids` (what is stored for them is not known any more)."""
+        for m in (self.young, self.old):
+            if m is not None:
+                pos = m.find(ids)
+                m.valid[pos[pos >= 0]] = False
+
+    def _make_room(self, incoming: int) -> None:
+        need = 2 * (self.young.size + incoming)
+        if self.young.capacity < self.max_capacity:
+            capacity = self.young.capacity
+            while capacity < need and capacity < self.max_capacity:
+                capacity *= 2
+            self._grow(capacity)
+        if 2 * (self.young.size + incoming) > self.young.capacity:
+            self._rotate()
+
+    def _grow(self, capacity: int) -> None:
+        old = self.young
+        self.young = _IntMap(capacity, self.width)
+        live = np.flatnonzero(old.used & old.valid)
+        self.young.insert(old.keys[live], old.values[live])
+
+    def _rotate(self) -> None:
+        self.old = self.young
+        self.young = _IntMap(self.old.capacity, self.width)
+
+
+class RowCache:
+    """Rows and slots (concatenated: dim + slot width floats) by table and int64 id."""
+
+    def __init__(self, config: ClusterConfig, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._dims: dict[str, int] = {}
+        self._tables: dict[str, _TableCache] = {}
+        int_tables = [t for t in config.tables if t.id_type == "int64"]
+        if max_bytes <= 0 or not int_tables:
+            return
+        share = max_bytes // len(int_tables)
+        for t in int_tables:
+            width = t.dim + make_optimizer(t.optimizer).slot_width(t.dim)
+            per_map = share // (2 * (width * 4 + _ENTRY_OVERHEAD))  # two generations
+            capacity = 1 << max(int(per_map).bit_length() - 1, 0)
+            if capacity < _MIN_CAPACITY:
+                continue
+            self._dims[t.name] = t.dim
+            self._tables[t.name] = _TableCache(width, capacity)
+
+    def caches(self, table: str) -> bool:
+        return table in self._tables
+
+    def get(
+        self, table: str, ids: IdArray
+    ) -> tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.float32]]:
+        """(hit, rows, slots) of unique `ids`; rows and slots are garbage where not hit."""
+        cache = self._tables[table]
+        hit, values = cache.get(_int_ids(ids))
+        dim = self._dims[table]
+        return hit, values[:, :dim], values[:, dim:]
+
+    def put(
+        self,
+        table: str,
+        ids: IdArray,
+        rows: NDArray[np.float32],
+        slots: NDArray[np.float32],
+    ) -> None:
+        cache = self._tables.get(table)
+        if cache is not None:
+            cache.put(_int_ids(ids), np.concatenate([rows, slots], axis=1))
+
+    def forget(self, tables: Iterable[tuple[str, IdArray]] | None = None) -> None:
+        """Forget the given (table, ids), or everything."""
+        if tables is None:
+            for name, cache in list(self._tables.items()):
+                self._tables[name] = _TableCache(cache.width, cache.max_capacity)
+            return
+        for name, ids in tables:
+            if name in self._tables:
+                self._tables[name].drop(_int_ids(ids))
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes() for c in self._tables.values())
