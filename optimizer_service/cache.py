@@ -53,7 +53,9 @@ class _IntMap:
         self.keys = np.zeros(capacity, dtype=np.int64)
         self.used = np.zeros(capacity, dtype=bool)
         self.valid = np.zeros(capacity, dtype=bool)  # False: the id's value was forgotten
-        self.values = np.empty((capacity, width), dtype=np.float32)
+        self.values = np.zeros((capacity, width), dtype=np.float32)
+        for arr in (self.keys, self.used, self.valid, self.values):
+            arr.fill(0)  # touch every page now: `nbytes` is what the cache holds resident
         self.size = 0
 
     @property

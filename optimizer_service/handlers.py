@@ -258,6 +258,7 @@ def metrics_handler(registry: CollectorRegistry) -> Handler:
         store = request.app[STORE]
         metrics.version.set(request.app[UPDATER].version)
         metrics.rows_locked.set(request.app[UPDATER].locks.held)
+        metrics.row_cache_bytes.set(request.app[UPDATER].cache.nbytes())
         try:
             stats = await store.stats()
         except LookupTableError as exc:

@@ -52,6 +52,11 @@ class ServiceMetrics:
         self.rows_locked = Gauge(
             "lookup_table_rows_locked", "Rows held by in-flight pushes", registry=registry
         )
+        self.row_cache_bytes = Gauge(
+            "lookup_table_row_cache_bytes",
+            "Memory of the replica's row cache (bounded by service.cache_mb)",
+            registry=registry,
+        )
         self.node_items = Gauge(
             "lookup_table_node_items", "memcached curr_items", ["node"], registry=registry
         )
