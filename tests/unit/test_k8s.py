@@ -688,3 +688,27 @@ def test_the_image_builds_the_package_from_what_the_context_holds() -> None:
         "lookup_table/__pycache__/x.pyc",
     ):
         assert _dockerignored(kept_out, patterns), kept_out
+
+
+def test_only_our_pods_may_reach_memcached() -> None:
+    """The NetworkPolicy selects the memcached pods and admits every pod that uses them."""
+    policy = _one("NetworkPolicy", "lookup-table-memcached")
+    sts = _one("StatefulSet", "lookup-table-memcached")
+    labels = _pod_template(sts)["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    [rule] = policy["spec"]["ingress"]
+    [source] = rule["from"]
+    allowed = source["podSelector"]["matchLabels"]
+    [port] = rule["ports"]
+    assert port["port"] == int(_flag(_memcached()[1], "-p"))
+    clients = [obj for obj, _ in _ours()]
+    assert {o["metadata"]["name"] for o in clients} >= {
+        "lookup-table-optimizer",
+        "lookup-table-train",
+        "lookup-table-init",
+        "lookup-table-checkpoint",
+        "lookup-table-restore",
+    }
+    for obj in clients:
+        pod_labels = _pod_template(obj)["metadata"]["labels"]
+        assert allowed.items() <= pod_labels.items(), obj["metadata"]["name"]
