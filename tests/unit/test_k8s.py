@@ -8,8 +8,10 @@ that runs one of our console scripts gets its command line checked by our real a
 parsers, once per pod the controller would create, with `$(VAR)` references expanded the
 way the kubelet does from the env the pod would have (the downward API's labels and
 annotations as the StatefulSet and Job controllers set them). memcached is started with
-its manifest's arguments; the ConfigMap's cluster file loads with `load_config`; and the
-counts that must agree (nodes, replicas, trainers) do.
+its manifest's arguments; the ConfigMap's cluster file loads with `load_config`; the
+counts that must agree (nodes, replicas, trainers) do; the trainers' wait for the fleet
+runs against a stand-in /healthz; and the Dockerfile copies what the package build needs
+and `.dockerignore` keeps.
 """
 
 from __future__ import annotations
@@ -220,7 +222,9 @@ def _parsed(obj: Obj, name: str) -> list[Any]:
 
 
 def _mib(quantity: str) -> float:
-    units = {"Ki": 2**-10, "Mi": 1, "Gi": 2**10, "Ti": 2**20}
+    """A Kubernetes memory quantity in MiB (binary or decimal suffixes)."""
+    units = {"Ki": 2**-10, "Mi": 1, "Gi": 2**10, "Ti": 2**20, "k": 1e3, "M": 1e6, "G": 1e9}
+    units.update({k: v / 2**20 for k, v in units.items() if k in ("k", "M", "G")})
     for suffix, factor in units.items():
         if quantity.endswith(suffix):
             return float(quantity[: -len(suffix)]) * factor
