@@ -139,9 +139,12 @@ async def store(config: ClusterConfig) -> AsyncIterator[EmbeddingStore]:
 
 @contextlib.contextmanager
 def raw_client(address: str) -> Iterator[SyncClient]:
-    """A plain pymemcache client of one node, to look at what is really stored."""
+    """A plain pymemcache client of one node, to look at what is really stored.
+
+    Writes wait for memcached's answer (pymemcache's default is noreply: a set could
+    still be in flight when the test's next read runs, seen on a loaded machine)."""
     host, port = address.split(":")
-    client = SyncClient((host, int(port)), connect_timeout=2, timeout=2)
+    client = SyncClient((host, int(port)), connect_timeout=2, timeout=2, default_noreply=False)
     try:
         yield client
     finally:
