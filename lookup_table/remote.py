@@ -313,8 +313,12 @@ class _ModelRunner:
         return self.predict_function
 
     def end_fit(self) -> None:
+        """Every push written, then the service's dense weights (the model holds the
+        trained weights after fit, for `save` and `get_weights`; in sync mode and with
+        pushes in flight the last answers did not bring them)."""
         self._pending = None
         self.session.end_training()
+        self.session._refresh_dense(fresh=True)
 
     # ------------------------------------------------------------ training
 
