@@ -26,7 +26,10 @@ service's dense weights once). A step ends when Trainer's loss is back in Python
 Keras' `on_train_batch_end`. examples/s = timed steps x batch / window seconds; CPU ms
 per step of this process and of the cluster's processes over the same window
 (/proc/<pid>/stat). The summary is the median over rounds of each method and the
-median of the per-pair ratios keras_fit / trainer. The target (issue 15): keras_fit
+median of the per-pair ratios keras_fit / trainer. The machine is shared: a round whose
+window saw other processes use more than 15 % of the machine is run again (`--retries`,
+default 2), and each round counts its least disturbed attempt (every attempt stays in
+the report's `rounds`). The target (issue 15): keras_fit
 within 10 % of trainer (ratio >= 0.9); reported, not enforced.
 
 Results go to `<out-dir>/keras_fit.json` (default `benchmarks/results/`). Any failure
@@ -227,8 +230,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 if not r["disturbed"]:
                     break
-    # the last attempt of each round
-    final = {r["round"]: r for r in rounds}
+    # of each round's attempts, the one other processes disturbed least
+    final: dict[int, dict[str, Any]] = {}
+    for r in rounds:
+        best = final.get(r["round"])
+        share = r["cpu"]["other_processes_share"]
+        if best is None or share < best["cpu"]["other_processes_share"]:
+            final[r["round"]] = r
     per = {m: [r for r in final.values() if r["method"] == m] for m in METHODS}
     summary: dict[str, Any] = {
         m: {

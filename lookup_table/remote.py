@@ -468,8 +468,8 @@ def _reaching(session: TrainingSession, what: str) -> Any:
             f"{session.config.namespace!r} ({', '.join(session.config.optimizers)}): {exc}. "
             f"Is the cluster up? deploy/cluster.sh up --config <your cluster file>"
         ) from exc
-    except NodeUnavailableError as exc:
-        raise NodeUnavailableError(
+    except NodeUnavailableError as exc:  # its own type: a StoreTimeoutError stays one
+        raise type(exc)(
             f"{what} could not reach memcached node {exc.node or ''} of namespace "
             f"{session.config.namespace!r}: {exc}. Is the cluster up? deploy/cluster.sh up "
             f"--config <your cluster file>",
