@@ -1,9 +1,12 @@
 """`DistributedEmbedding`: a Keras layer whose table lives in memcached.
 
-Use it where you would use `keras.layers.Embedding`; `trainer.Trainer` binds it
-to the cluster, fetches the rows of each batch (prefetching the next batch's
-while the current one computes) and pushes the gradients to the optimizer
-service::
+Use it where you would use `keras.layers.Embedding`, and train the model with
+Keras' own `model.fit` after `model.compile(optimizer=RemoteOptimizer(config), ...)`
+(`lookup_table.remote`; this module wraps `keras.Model.make_train_function` and its
+test/predict twins so that models with these layers run against their cluster), or
+with `trainer.Trainer`. Either binds the layers to the cluster, fetches the rows of
+each batch (prefetching the next batch's while the current one computes) and pushes
+the gradients to the optimizer service::
 
     user = keras.Input((), dtype="int64", name="user")
     x = DistributedEmbedding(table_spec)(user)                  # (batch, dim)
@@ -40,7 +43,7 @@ runs eagerly (the lookup happens outside the TF graph).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import keras
 import numpy as np
@@ -50,7 +53,16 @@ from numpy.typing import NDArray
 from lookup_table.config import TableSpec
 from lookup_table.core.keys import IdArray, as_ids
 
-__all__ = ["DistributedEmbedding", "RecordedLookup", "RowSource"]
+if TYPE_CHECKING:  # at run time, `__getattr__` below (lookup_table.remote imports this module)
+    from lookup_table.remote import RemoteOptimizer
+
+__all__ = [
+    "DistributedEmbedding",
+    "RecordedLookup",
+    "RemoteOptimizer",
+    "RowSource",
+    "distributed_layers",
+]
 
 _COMBINERS = (None, "sum", "mean", "sqrtn")
 
@@ -70,6 +82,14 @@ class RecordedLookup:
     table: str
     ids: IdArray
     rows: tf.Tensor
+
+
+def _not_bound(table: str) -> str:
+    return (
+        f"DistributedEmbedding({table!r}) is not bound to a cluster: compile its model with "
+        f"optimizer=lookup_table.keras.RemoteOptimizer(config) for model.fit / evaluate / "
+        f"predict, train it with trainer.Trainer, or call layer.bind(source) first"
+    )
 
 
 def _to_ids(values: NDArray[Any], table: str) -> IdArray:
@@ -139,6 +159,11 @@ class DistributedEmbedding(keras.layers.Layer):
         """Give the layer its row source (the trainer does this)."""
         self._source = source
 
+    @property
+    def source(self) -> RowSource | None:
+        """The row source the layer is bound to (None: not bound)."""
+        return self._source
+
     def begin_step(self, tape: tf.GradientTape | None) -> None:
         """Start a step: lookups are watched by `tape` and recorded in `records`.
 
@@ -193,10 +218,7 @@ class DistributedEmbedding(keras.layers.Layer):
     def _lookup(self, ids: IdArray, training: bool) -> tuple[tf.Tensor, NDArray[np.intp]]:
         """Rows tensor (u, dim) of the unique ids and the inverse index of `ids`."""
         if self._source is None:
-            raise RuntimeError(
-                f"DistributedEmbedding({self.table!r}) is not bound to a cluster: train it "
-                f"with trainer.Trainer, or call layer.bind(source) first"
-            )
+            raise RuntimeError(_not_bound(self.table))
         if ids.shape[0] == 0:
             uniq, inverse = ids, np.zeros(0, dtype=np.intp)
         else:
@@ -241,10 +263,7 @@ class DistributedEmbedding(keras.layers.Layer):
             raise ValueError("a combiner needs at least 1-D ids")
         if not tf.executing_eagerly():
             if self._source is None:
-                raise RuntimeError(
-                    f"DistributedEmbedding({self.table!r}) is not bound to a cluster: train it "
-                    f"with trainer.Trainer, or call layer.bind(source) first"
-                )
+                raise RuntimeError(_not_bound(self.table))
             return self._call_graph(inputs, sparse_weights, bool(training))
         if isinstance(inputs, tf.SparseTensor):
             return self._call_sparse(inputs, sparse_weights, bool(training))
@@ -358,10 +377,7 @@ class DistributedEmbedding(keras.layers.Layer):
         if weights.shape[0] == ids.shape[0] and weights.shape[0]:
             keep &= (weights != 0) if self.combiner == "sum" else (weights > 0)
         if self._source is None:
-            raise RuntimeError(
-                f"DistributedEmbedding({self.table!r}) is not bound to a cluster: train it "
-                f"with trainer.Trainer, or call layer.bind(source) first"
-            )
+            raise RuntimeError(_not_bound(self.table))
         kept = ids[keep]
         uniq: IdArray
         if kept.shape[0]:
@@ -462,3 +478,55 @@ class DistributedEmbedding(keras.layers.Layer):
         in_shape = tf.shape(inputs)
         lead = tf.cond(tf.size(in_shape) > 1, lambda: in_shape[:-1], lambda: in_shape)
         return tf.reshape(out, tf.concat([lead, [self.dim]], axis=0))
+
+
+def distributed_layers(model: keras.Model) -> list[DistributedEmbedding]:
+    """The `DistributedEmbedding` layers of `model`, in Keras' order."""
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, DistributedEmbedding)
+    ]
+
+
+def __getattr__(name: str) -> Any:
+    """`RemoteOptimizer` is imported on first use (its module imports this one)."""
+    if name == "RemoteOptimizer":
+        from lookup_table.remote import RemoteOptimizer
+
+        return RemoteOptimizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _hook_model_functions() -> None:
+    """Make `model.fit`, `evaluate` and `predict` of models with `DistributedEmbedding`
+    layers run against their cluster (`lookup_table.remote`).
+
+    Wraps `keras.Model.make_train_function`, `make_test_function` and
+    `make_predict_function` (once per process): a model without these layers gets
+    Keras' own functions; one with them gets the cluster's, or a clear error if it was
+    not compiled with a `RemoteOptimizer`. A subclass that overrides one of them keeps
+    its own."""
+    if getattr(keras.Model, "_lookup_table_hooked", False):
+        return
+    for kind in ("train", "test", "predict"):
+        name = f"make_{kind}_function"
+        original = getattr(keras.Model, name)
+
+        def hooked(
+            self: keras.Model, force: bool = False, *, _original: Any = original, _kind: str = kind
+        ) -> Any:
+            if not distributed_layers(self):
+                return _original(self, force)
+            from lookup_table.remote import model_function
+
+            return model_function(self, _kind, force=force)
+
+        hooked.__name__ = hooked.__qualname__ = name
+        hooked.__doc__ = original.__doc__
+        hooked.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(keras.Model, name, hooked)
+    keras.Model._lookup_table_hooked = True
+
+
+_hook_model_functions()

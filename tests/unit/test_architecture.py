@@ -23,6 +23,8 @@ LAYERS = [
     ("lookup_table.dense", 4),
     ("lookup_table.client", 5),
     ("lookup_table.keras", 5),
+    ("lookup_table.session", 5),  # the cluster side of training (store, client, layers)
+    ("lookup_table.remote", 5),  # RemoteOptimizer: Keras' model.fit on the session
     ("lookup_table", 6),  # the package itself (lazy re-exports) and ops/
     ("optimizer_service", 7),
     ("trainer", 8),

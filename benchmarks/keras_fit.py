@@ -1,0 +1,304 @@
+"""Benchmark Keras' own `model.fit` (with `RemoteOptimizer`) against `Trainer.fit`.
+
+Run from the repository root::
+
+    python benchmarks/keras_fit.py            # 150 steps of 1,024 examples, 3 rounds each
+    python benchmarks/keras_fit.py --quick    # smoke run: 12 steps, 1 round each
+
+Both train the demo's shape (`trainer.models.build_model("mlp")`: 26 embeddings of dim
+16 and 13 numeric columns, Dense 256-128-1, the same seed) on the same
+`SyntheticSource` batches (seed 0, batch 1,024, eval fraction 0.2), each round on a
+fresh local cluster (deploy/demo.toml's tables and optimizers, fresh ports and
+namespace, async mode, 1 worker: 2 memcached nodes and 1 optimizer replica):
+
+* `trainer`: `trainer.Trainer(config, model).fit(batches)` with its defaults;
+* `keras_fit`: `model.compile(optimizer=RemoteOptimizer(config),
+  loss="binary_crossentropy")` then `model.fit(x, y, batch_size=1024, shuffle=False)`
+  on the same examples as numpy columns (the same batches, in order), with
+  RemoteOptimizer's defaults (the same as Trainer's).
+
+Both methods run in this one process, side by side: rounds alternate A B B A ... so a
+drift of the machine's load hits both; every round builds a new model. Timing: steps
+`warmup+1 .. steps` (the first `--warmup`, default 10, are not timed: tracing, first
+connections, first rows), from the end of step `warmup` to the return of `fit` (which
+for both waits for the last push to be written; model.fit then also reads the
+service's dense weights once). A step ends when Trainer's loss is back in Python, or at
+Keras' `on_train_batch_end`. examples/s = timed steps x batch / window seconds; CPU ms
+per step of this process and of the cluster's processes over the same window
+(/proc/<pid>/stat). The summary is the median over rounds of each method and the
+median of the per-pair ratios keras_fit / trainer. The machine is shared: a round whose
+window saw other processes use more than 15 % of the machine is run again (`--retries`,
+default 2), and each round counts its least disturbed attempt (every attempt stays in
+the report's `rounds`). The target (issue 15): keras_fit
+within 10 % of trainer (ratio >= 0.9); reported, not enforced.
+
+Results go to `<out-dir>/keras_fit.json` (default `benchmarks/results/`). Any failure
+exits non-zero; the clusters are always stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    BATCH_SIZE,
+    DATA_SEED,
+    DISTURBED_SHARE,
+    EVAL_FRACTION,
+    HIDDEN,
+    MODEL,
+    MODEL_SEED,
+    add_quiet_options,
+    cluster_pids,
+    code_fingerprint,
+    cpu_snapshot,
+    cpu_usage,
+    local_cluster,
+    machine_info,
+    paired_ratio,
+    quiet_options,
+    report_head,
+    service_log_errors,
+    wait_for_quiet,
+    write_json,
+)
+
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+PACKAGES = ("lookup_table", "optimizer_service", "trainer")
+METHODS = ("trainer", "keras_fit")
+TARGET_RATIO = 0.9  # keras_fit examples/s >= 0.9 x trainer's
+
+
+def make_batches(steps: int, batch_size: int) -> tuple[Any, list[Any]]:
+    """`steps` full train batches of the demo's synthetic data (see train.py)."""
+    from trainer.data import SyntheticSource
+
+    need = (steps + 1) * batch_size / (1 - EVAL_FRACTION)
+    source = SyntheticSource(int(math.ceil(need * 1.1)), seed=DATA_SEED)
+    batches = list(
+        itertools.islice(
+            source.batches(batch_size, split="train", eval_fraction=EVAL_FRACTION), steps
+        )
+    )
+    if len(batches) != steps or any(len(b.labels) != batch_size for b in batches):
+        raise RuntimeError(f"wanted {steps} batches of {batch_size}")
+    return source, batches
+
+
+def run_round(
+    method: str, work_dir: Path, source: Any, batches: Sequence[Any], warmup: int
+) -> dict[str, Any]:
+    """One round of `method` on a fresh cluster."""
+    import keras
+
+    from lookup_table.config import load_config
+    from lookup_table.keras import RemoteOptimizer
+    from trainer.loop import Trainer
+    from trainer.models import build_model
+
+    keras.backend.clear_session()
+    batch_size = len(batches[0].labels)
+    with local_cluster(work_dir) as (config_path, run_dir, info):
+        config = load_config(config_path)
+        model = build_model(MODEL, source.schema, config, hidden=HIDDEN, seed=MODEL_SEED)
+        pids = {"this_process": os.getpid(), **cluster_pids(run_dir)}
+        nodes = list(config.node_addresses)
+        ends: list[float] = []
+        marks: dict[str, Any] = {}
+
+        def step_done() -> None:
+            ends.append(time.perf_counter())
+            if len(ends) == warmup:
+                marks["cpu_start"] = cpu_snapshot(pids, nodes)
+
+        losses: list[float] = []
+        if method == "trainer":
+
+            class TimedTrainer(Trainer):
+                def train_step(self, features: Any, labels: Any) -> float:
+                    loss = super().train_step(features, labels)
+                    step_done()
+                    return loss
+
+            with TimedTrainer(config, model, progress=False) as trainer:
+                result = trainer.fit(batches)
+                end = time.perf_counter()
+                losses = [loss for _, loss in result.losses]
+                fed = len(trainer.fed_layers)
+        else:
+
+            class Timed(keras.callbacks.Callback):  # type: ignore[misc]
+                def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+                    step_done()
+
+            names = [t.name for t in model.inputs]
+            x = {n: np.concatenate([np.asarray(b.features[n]) for b in batches]) for n in names}
+            y = np.concatenate([b.labels for b in batches])
+            optimizer = RemoteOptimizer(config)
+            model.compile(optimizer=optimizer, loss="binary_crossentropy")
+            try:
+                history = model.fit(
+                    x, y, batch_size=batch_size, shuffle=False, verbose=0, callbacks=[Timed()]
+                )
+                end = time.perf_counter()
+                losses = list(history.history["loss"])  # the epoch's mean
+                fed = len(optimizer.session.fed_layers) if optimizer.session else 0
+            finally:
+                optimizer.close()
+        cpu_end = cpu_snapshot(pids, nodes)
+        errors = service_log_errors(run_dir)
+    if len(ends) != len(batches) or "cpu_start" not in marks:
+        raise RuntimeError(f"{method}: {len(ends)} step ends for {len(batches)} batches")
+    timed = len(ends) - warmup
+    seconds = end - ends[warmup - 1]
+    step_ms = [(b - a) * 1e3 for a, b in itertools.pairwise(ends[warmup - 1 :])]
+    return {
+        "method": method,
+        "steps": len(ends),
+        "timed_steps": timed,
+        "seconds": seconds,
+        "examples_per_s": timed * batch_size / seconds,
+        "step_ms_median": statistics.median(step_ms),
+        "fed_layers": fed,
+        "losses": losses,
+        "cpu": cpu_usage(marks["cpu_start"], cpu_end, timed),
+        "cluster": info,
+        "service_log_errors": errors,
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=None, help="train steps (default 150)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 10)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per method (default 3)")
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    parser.add_argument("--quick", action="store_true", help="12 steps (2 warm-up), 1 round")
+    add_quiet_options(parser, unit="round", wait_s=60.0)
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (12 if args.quick else 150)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    quiet_options(args, wait_s=60.0)
+    if not 1 <= args.warmup < args.steps - 1:
+        parser.error(f"--warmup must be in 1..steps-2, got {args.warmup} for {args.steps} steps")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: clusters stop
+    started = time.time()
+    import keras
+    import tensorflow as tf
+
+    machine = machine_info({"tensorflow": tf.__version__, "keras": keras.__version__})
+    code = code_fingerprint(PACKAGES)
+    source, batches = make_batches(args.steps, args.batch_size)
+    order = [METHODS[(k + (k // 2)) % 2] for k in range(2 * args.rounds)]  # A B B A A B ...
+    rounds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-keras-fit-") as tmp:
+        for k, method in enumerate(order):
+            for attempt in range(args.retries + 1):
+                print(f"round {k + 1}/{len(order)}: {method} ...", flush=True)
+                quiet = wait_for_quiet(args.quiet_wait_s)
+                r = run_round(method, Path(tmp) / f"r{k}-{attempt}", source, batches, args.warmup)
+                r["round"], r["attempt"], r["machine_before"] = k, attempt, quiet
+                r["disturbed"] = r["cpu"]["other_processes_share"] > DISTURBED_SHARE
+                rounds.append(r)
+                print(
+                    f"  {r['examples_per_s']:,.0f} examples/s, {r['step_ms_median']:.1f} ms/step, "
+                    f"{r['fed_layers']} fed layers, other processes "
+                    f"{r['cpu']['other_processes_share']:.0%} of the machine",
+                    flush=True,
+                )
+                if not r["disturbed"]:
+                    break
+    # of each round's attempts, the one other processes disturbed least
+    final: dict[int, dict[str, Any]] = {}
+    for r in rounds:
+        best = final.get(r["round"])
+        share = r["cpu"]["other_processes_share"]
+        if best is None or share < best["cpu"]["other_processes_share"]:
+            final[r["round"]] = r
+    per = {m: [r for r in final.values() if r["method"] == m] for m in METHODS}
+    summary: dict[str, Any] = {
+        m: {
+            "examples_per_s": statistics.median(r["examples_per_s"] for r in per[m]),
+            "examples_per_s_rounds": [r["examples_per_s"] for r in per[m]],
+            "step_ms_median": statistics.median(r["step_ms_median"] for r in per[m]),
+            "cpu_ms_per_step": {
+                name: statistics.median(r["cpu"]["cpu_ms_per_step"].get(name, 0.0) for r in per[m])
+                for name in per[m][0]["cpu"]["cpu_ms_per_step"]
+            },
+            "disturbed_rounds": sum(r["disturbed"] for r in per[m]),
+        }
+        for m in METHODS
+    }
+    # pairs in run order: (A B) (B A) ...: the rate ratio keras_fit / trainer of each pair
+    pairs = [(order[i : i + 2], [final[i], final[i + 1]]) for i in range(0, len(order), 2)]
+    fit_s = [p[1][p[0].index("keras_fit")]["seconds"] for p in pairs]
+    trainer_s = [p[1][p[0].index("trainer")]["seconds"] for p in pairs]
+    summary["ratio_keras_fit_vs_trainer"] = (
+        summary["keras_fit"]["examples_per_s"] / summary["trainer"]["examples_per_s"]
+    )
+    summary["ratio_median_of_paired_rounds"] = paired_ratio(fit_s, trainer_s)
+    summary["target_ratio"] = TARGET_RATIO
+    summary["target_met"] = summary["ratio_median_of_paired_rounds"] >= TARGET_RATIO
+    print()
+    for m in METHODS:
+        s = summary[m]
+        print(
+            f"{m:>10}: {s['examples_per_s']:,.0f} examples/s (rounds "
+            + ", ".join(f"{v:,.0f}" for v in s["examples_per_s_rounds"])
+            + f"), {s['step_ms_median']:.1f} ms/step"
+        )
+    print(
+        f"keras_fit / trainer examples/s: {summary['ratio_keras_fit_vs_trainer']:.3f} "
+        f"(median of paired rounds {summary['ratio_median_of_paired_rounds']:.3f}); target >= "
+        f"{TARGET_RATIO}: {'met' if summary['target_met'] else 'NOT MET'}"
+    )
+    report = {
+        **report_head("keras_fit", started, machine, code),
+        "parameters": {
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "batch_size": args.batch_size,
+            "model": MODEL,
+            "hidden": list(HIDDEN),
+            "order": order,
+            "quick": args.quick,
+            "retries": args.retries,
+        },
+        "summary": summary,
+        "rounds": rounds,
+    }
+    if code_fingerprint(PACKAGES)["sha256_16"] != code["sha256_16"]:
+        report["code"]["changed_on_disk_during_run"] = True
+        print("warning: the code changed on disk during the run", file=sys.stderr)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / "keras_fit.json"
+    write_json(path, report)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

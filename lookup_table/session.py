@@ -1,0 +1,870 @@
+"""`TrainingSession`: the cluster side of training a model with `DistributedEmbedding` layers.
+
+Both training loops use it: `trainer.Trainer` (its own loop over batches) and Keras'
+`model.fit` with `lookup_table.keras.RemoteOptimizer`. It owns what they share:
+
+* an asyncio loop in a background thread with the `EmbeddingStore` and the
+  `OptimizerClient`, so network I/O overlaps TensorFlow's compute;
+* the rows of each step: a layer called on exactly a model input (its *column*)
+  gets its batch's unique ids deduplicated and their rows fetched outside the
+  graph, ahead of time (`_prefetch`, one `lookup_many` for every table), and fed
+  to the graph step as arguments (`FedBatch`: one table per dim, one index, its
+  bounds); other layers look up inside the graph (a `py_function` each, `rows`);
+* pushes with exactly-once push ids (`OptimizerClient.push`), answered or not,
+  pipelined or not, and their settling (`_settle`: an answered push's writes);
+* the dense weights: `/v1/dense/init` (the first trainer wins, so every trainer
+  starts from the same weights), refreshed from push answers or `GET /v1/dense`.
+
+* `mode = "async"` (ElasticDL/Paddle asynchronous SGD): each push is applied on
+  arrival; other workers' pushes interleave with ours. By default
+  (`max_pushes_in_flight=0`) a step uses rows and weights only after its previous
+  push was applied, so one worker alone trains exactly like local training:
+  the push answers with the rows and dense weights it produced (read your
+  writes), and the next batch's rows, fetched while the step computed, take the
+  answer's rows for the ids the push changed. `max_pushes_in_flight=K >= 1`
+  pipelines: up to K pushes stay outstanding, the next batch's rows are
+  prefetched and the dense weights pulled during the previous step — faster,
+  at the price of up to K+1 steps of staleness.
+* `mode = "sync"`: each push carries the model version the step was computed on;
+  the service applies the mean of every worker's push once, the trainer then
+  reads the new dense weights and rows (no prefetch across versions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import numpy as np
+import tensorflow as tf
+from numpy.typing import NDArray
+
+from lookup_table.client import OptimizerClient
+from lookup_table.config import ClusterConfig
+from lookup_table.core.keys import IdArray, as_ids
+from lookup_table.errors import ConfigError
+from lookup_table.keras import DistributedEmbedding, RecordedLookup
+from lookup_table.store import EmbeddingStore
+
+__all__ = ["WHOLE", "FedBatch", "FedLayer", "GraphStep", "RowPatch", "TrainingSession"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+WHOLE = "<the inputs themselves>"
+"""A column key: the layer is called on the model's only input (not a dict of them)."""
+
+
+def column_of(features: Any, key: Any) -> Any:
+    """The column `key` of a batch's features (`WHOLE`: the features themselves), or
+    None if the batch has no such column."""
+    if key == WHOLE and not isinstance(features, Mapping):
+        return features
+    if isinstance(features, Mapping) and key in features:
+        return features[key]
+    return None
+
+
+def _column_ids(value: Any) -> NDArray[Any]:
+    """The flat ids of a batch column: numpy, a tf tensor, or ragged (tf or with
+    `row_splits` and `values`)."""
+    if isinstance(value, tf.RaggedTensor):
+        return np.asarray(value.flat_values)
+    if hasattr(value, "row_splits") and hasattr(value, "values"):
+        return np.asarray(value.values)
+    return np.asarray(value).reshape(-1)
+
+
+@dataclass(frozen=True, slots=True)
+class _FedIds:
+    """A layer's ids in one batch as the graph step is fed them: the unique contributing
+    ids, and per flat position its row (u, the zero row, for a padding id)."""
+
+    uniq: IdArray
+    index: NDArray[np.int64]
+
+
+def _fed_ids(layer: DistributedEmbedding, value: Any) -> _FedIds:
+    """What the layer's py_function lookup computes in the graph, from the batch column."""
+    raw = _column_ids(value)
+    ids = as_ids(raw.tolist() if raw.dtype.kind in "SO" else raw, table=layer.table)
+    keep = layer.not_padding(ids)
+    kept = ids[keep]
+    if kept.shape[0]:
+        uniq_any, inverse = np.unique(kept, return_inverse=True)
+        uniq = cast(IdArray, uniq_any)
+    else:
+        uniq, inverse = kept, np.zeros(0, dtype=np.intp)
+    index = np.full(ids.shape[0], uniq.shape[0], dtype=np.int64)
+    index[keep] = inverse.reshape(-1)
+    return _FedIds(uniq=uniq, index=index)
+
+
+RowPatch = Mapping[str, tuple[IdArray, NDArray[np.float32]]]
+"""Rows a push produced (its answer): table -> (sorted unique ids, rows)."""
+
+
+def _member(ids: IdArray, among: IdArray | None) -> NDArray[np.bool_] | None:
+    """Which of `ids` are in the sorted unique `among` (None if none or no `among`)."""
+    if among is None or not among.shape[0] or not ids.shape[0]:
+        return None
+    pos = np.minimum(np.searchsorted(among, ids), among.shape[0] - 1)
+    hit: NDArray[np.bool_] = among[pos] == ids
+    return hit if hit.any() else None
+
+
+def _patch(
+    table: str, ids: IdArray, rows: NDArray[np.float32], patches: Iterable[RowPatch]
+) -> tuple[NDArray[np.float32], NDArray[np.bool_]]:
+    """`rows` of `ids` with the rows of `patches` put in, later patches winning (a copy
+    if anything changes), and which of `ids` the patches brought."""
+    out = rows
+    brought = np.zeros(ids.shape[0], dtype=bool)
+    for patch in patches:
+        newer = patch.get(table)
+        if newer is None:
+            continue
+        hit = _member(ids, newer[0])
+        if hit is None:
+            continue
+        out = out.copy() if out is rows else out
+        out[hit] = newer[1][np.searchsorted(newer[0], ids[hit])]
+        brought |= hit
+    return out, brought
+
+
+def _patched(
+    table: str, ids: IdArray, rows: NDArray[np.float32], patches: Iterable[RowPatch]
+) -> NDArray[np.float32]:
+    """`rows` of `ids` with the rows of `patches` put in (see `_patch`)."""
+    return _patch(table, ids, rows, patches)[0]
+
+
+@dataclass(frozen=True, slots=True)
+class _Partial:
+    """Rows of the ids not skipped; the skipped ones must come from a push's answer."""
+
+    rows: NDArray[np.float32]  # (len(ids), dim); skipped rows are zeros until completed
+    skipped: NDArray[np.bool_]
+
+    def complete(
+        self, table: str, ids: IdArray, patches: Iterable[RowPatch]
+    ) -> NDArray[np.float32]:
+        out, brought = _patch(table, ids, self.rows, patches)
+        left = self.skipped & ~brought
+        if left.any():
+            raise RuntimeError(
+                f"{int(left.sum())} rows of table {table!r} were left to a push's answer "
+                f"that did not bring them (a bug)"
+            )
+        return out
+
+
+async def _lookup_batch(
+    store: EmbeddingStore,
+    wanted: list[tuple[str, IdArray, NDArray[np.bool_] | None]],
+    *,
+    create: bool = True,
+) -> list[NDArray[np.float32] | _Partial]:
+    """The rows of every (table, unique ids, skipped or None) of a batch, in one
+    `lookup_many` (one request per node): full rows, or a `_Partial` where ids are
+    skipped (left to a push's answer)."""
+    reads = [ids if skip is None else ids[~skip] for _, ids, skip in wanted]
+    parts: dict[str, list[IdArray]] = {}
+    for (table, _, _), read in zip(wanted, reads, strict=True):
+        parts.setdefault(table, []).append(read)
+    union = {
+        table: got[0] if len(got) == 1 else cast(IdArray, np.unique(np.concatenate(got)))
+        for table, got in parts.items()
+    }
+    rows = await store.lookup_many(union, create=create)
+    out: list[NDArray[np.float32] | _Partial] = []
+    for (table, ids, skip), read in zip(wanted, reads, strict=True):
+        every, values = union[table], rows[table]
+        mine = values if read is every else values[np.searchsorted(every, read)]
+        if skip is None:
+            out.append(mine)
+        else:
+            full = np.zeros((ids.shape[0], values.shape[1]), np.float32)
+            full[~skip] = mine
+            out.append(_Partial(rows=full, skipped=skip))
+    return out
+
+
+class _Part:
+    """One layer's share of a batch lookup: `result()` as a future's."""
+
+    def __init__(self, batch: concurrent.futures.Future[Any], position: int) -> None:
+        self._batch = batch
+        self._position = position
+
+    def result(self) -> Any:
+        return self._batch.result()[self._position]
+
+
+class _Prefetched:
+    """Rows fetched ahead for one step: table -> [(unique ids, future rows)].
+
+    `newer` lists the answers of the pushes that may have changed rows after the fetch
+    was sent (the push of the step during which it was sent, and one whose answer came
+    but whose writes had not landed yet); their rows replace the fetched ones.
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[str, list[tuple[IdArray, _Part]]] = {}
+        self.newer: list[RowPatch] = []
+        # per layer (by position in TrainingSession.layers): its ids as the graph step
+        # is fed them
+        self.fed: dict[int, tuple[_FedIds, _Part]] = {}
+
+    def find(self, table: str, ids: IdArray) -> _Part | None:
+        for uniq, fut in self.entries.get(table, []):
+            if uniq.shape == ids.shape and np.array_equal(uniq, ids):
+                return fut
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class FedLayer:
+    """A layer whose rows the graph step gets as arguments, and the column it is called
+    on (a key of the step's input dict, or `WHOLE`)."""
+
+    layer: DistributedEmbedding
+    key: Any
+
+
+class FedBatch:
+    """The fed layers' rows of one batch as graph-step arguments, and the way back from
+    their gradients to (table, unique ids, summed gradient) records.
+
+    The rows come as few tensors, whatever the number of layers (each argument costs
+    TF's call path): `args` = (one table per dim: the rows of its layers one after the
+    other, then a zero row; one index of every layer's positions; the bounds of each
+    layer's part of it).
+    """
+
+    def __init__(
+        self,
+        fed: Sequence[FedLayer],
+        got: Sequence[tuple[_FedIds, NDArray[np.float32]]],
+    ) -> None:
+        self.dims = sorted({f.layer.dim for f in fed})
+        parts: dict[int, list[NDArray[np.float32]]] = {d: [] for d in self.dims}
+        self.offsets: list[int] = []
+        for f, (_, rows) in zip(fed, got, strict=True):
+            self.offsets.append(sum(r.shape[0] for r in parts[f.layer.dim]))
+            parts[f.layer.dim].append(rows)
+        totals = {d: sum(r.shape[0] for r in parts[d]) for d in self.dims}
+        indexes = []
+        for f, (ids, _), start in zip(fed, got, self.offsets, strict=True):
+            own = ids.uniq.shape[0]
+            indexes.append(np.where(ids.index < own, ids.index + start, totals[f.layer.dim]))
+        lengths = [i.shape[0] for i in indexes]
+        self.fed = list(fed)
+        self.ids = [ids for ids, _ in got]
+        self.args = (
+            [
+                tf.constant(np.concatenate([*parts[d], np.zeros((1, d), np.float32)]))
+                for d in self.dims
+            ],
+            tf.constant(np.concatenate(indexes) if indexes else np.zeros(0, np.int64)),
+            tf.constant(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)),
+        )
+
+    def records(
+        self, table_grads: Sequence[Any]
+    ) -> tuple[list[RecordedLookup], list[NDArray[np.float32]]]:
+        """Per fed layer: (table, unique ids) and their summed gradient, from the step's
+        gradients w.r.t. the tables of `args`."""
+        table_np = [np.asarray(g) for g in table_grads]
+        grads = [
+            table_np[self.dims.index(f.layer.dim)][start : start + ids.uniq.shape[0]]
+            for f, ids, start in zip(self.fed, self.ids, self.offsets, strict=True)
+        ]
+        records = [
+            RecordedLookup(table=f.layer.table, ids=ids.uniq, rows=None)
+            for f, ids in zip(self.fed, self.ids, strict=True)
+        ]
+        return records, grads
+
+
+def feed_layers(fed: Sequence[FedLayer], inputs: Any, tables: Any, index: Any, bounds: Any) -> None:
+    """(At trace time, inside `begin_step`/`end_step`.) Hand each fed layer its column,
+    its table and its part of the index (see `DistributedEmbedding.feed`)."""
+    dims = sorted({f.layer.dim for f in fed})
+    for k, f in enumerate(fed):
+        column = column_of(inputs, f.key)
+        f.layer.feed(column, tables[dims.index(f.layer.dim)], index[bounds[k] : bounds[k + 1]])
+
+
+def fed_train_step(
+    layers: Sequence[DistributedEmbedding],
+    fed: Sequence[FedLayer],
+    dense_vars: Sequence[Any],
+    *,
+    inputs_of: Callable[[Any], Any],
+    forward: Callable[[Any], tuple[Any, Any]],
+    after: Callable[[Any, Any, Any], Any],
+) -> Any:
+    """A train step as one tf.function: `step(data, tables, index, bounds)` ->
+    (what `after` returns, row gradients of the in-graph lookups, gradients w.r.t.
+    `tables`, dense gradients).
+
+    `forward(data)` -> (loss, state) runs under the tape, with `fed` layers fed from
+    `tables` (their columns found in `inputs_of(data)`) and the others looking up inside
+    the graph; `after(data, loss, state)` runs after it (e.g. Keras' metrics)."""
+
+    @tf.function(reduce_retracing=True)
+    def step(data: Any, tables: Any, index: Any, bounds: Any) -> Any:
+        with tf.GradientTape() as tape:
+            for layer in layers:
+                layer.begin_step(tape)  # at trace time: a new trace, rows watched
+            for table in tables:
+                tape.watch(table)
+            feed_layers(fed, inputs_of(data), tables, index, bounds)
+            loss, state = forward(data)
+        rows = [r for layer in layers for r in layer.graph_rows]
+        n, m = len(rows), len(tables)
+        grads = tape.gradient(loss, rows + list(tables) + list(dense_vars))
+        for layer in layers:
+            layer.end_step()
+        row_grads = [
+            tf.zeros_like(r) if g is None else tf.convert_to_tensor(g)
+            for r, g in zip(rows + list(tables), grads[: n + m], strict=True)
+        ]
+        dense_grads = [
+            tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+            for v, g in zip(dense_vars, grads[n + m :], strict=True)
+        ]
+        return after(data, loss, state), row_grads[:n], row_grads[n:], dense_grads
+
+    return step
+
+
+class GraphStep:
+    """Runs a step built by `make(fed)` (see `fed_train_step`) with the session's rows:
+    the fed layers' rows as arguments (`training`: a training step's, prefetched and
+    patched; else read with `create=False`), the others' through in-graph lookups.
+
+    Which candidates are really fed is known after the first trace (a layer called on a
+    transformed column is not): the step is then rebuilt without the others."""
+
+    def __init__(
+        self,
+        session: TrainingSession,
+        candidates: Sequence[FedLayer],
+        make: Callable[[list[FedLayer]], Any],
+        *,
+        training: bool = True,
+    ) -> None:
+        self.session = session
+        self.fed: list[FedLayer] = list(candidates)
+        self.training = training
+        self._make = make
+        self._fn: Any = None
+        if training:
+            session._fed_layers = [f.layer for f in self.fed]
+
+    def run(self, data: Any, features: Any) -> tuple[Any, FedBatch]:
+        """Run the step on `data` whose model inputs are `features`: what it returns,
+        and the fed rows it was given."""
+        session = self.session
+        if self.training:
+            got = [session._fed_rows(f, features) for f in self.fed]
+        else:
+            got = session.evaluation_rows(self.fed, features)
+        batch = FedBatch(self.fed, got)
+        if self._fn is None:
+            self._fn = self._make(self.fed)
+            self._fn.get_concrete_function(data, *batch.args)  # trace: which feeds are taken
+            taken = [f for f in self.fed if f.layer.fed]
+            if len(taken) < len(self.fed):  # e.g. the model transforms a column first
+                self.fed = taken
+                if self.training:
+                    session._fed_layers = [f.layer for f in taken]
+                self._fn = None
+                return self.run(data, features)
+        with session._lookups():
+            return self._fn(data, *batch.args), batch
+
+    def __call__(
+        self, data: Any, features: Any
+    ) -> tuple[Any, list[RecordedLookup], list[NDArray[np.float32]], list[Any]]:
+        """Run a training step (`fed_train_step`); returns (what its `after` returned,
+        the lookups' records, their row gradients, the dense gradients)."""
+        (out, row_grads, table_grads, dense_grads), batch = self.run(data, features)
+        records: list[RecordedLookup | None] = [
+            rec
+            for layer in self.session.layers
+            for rec in layer.graph_records[: len(layer.graph_rows)]
+        ]
+        if any(r is None for r in records) or len(records) != len(row_grads):
+            raise RuntimeError("a lookup of the step did not record its ids (a bug)")
+        fed_records, fed_grads = batch.records(table_grads)
+        grads = [np.asarray(g) for g in row_grads] + fed_grads
+        return out, cast(list[RecordedLookup], records) + fed_records, grads, dense_grads
+
+
+class TrainingSession:
+    """The cluster side of training `layers` and `dense_vars` (see the module docstring).
+
+    Args:
+        config: the cluster file (memcached nodes, optimizer replicas, tables).
+        layers: the model's `DistributedEmbedding` layers; each must name a table of
+            `config` with the same dim. They are bound to this session (`rows`).
+        dense_vars: the dense parameters by name (a variable's path): trained by the
+            optimizer service, assigned from its answers.
+        columns: per layer, the key of the batch column it is called on (a model
+            input; `WHOLE` for a model's only input), or None: its rows are then looked
+            up inside the graph.
+        worker_index: this trainer's index (0..workers-1); sent with each push.
+        dense_refresh_steps, max_pushes_in_flight, read_your_writes: see
+            `trainer.Trainer`.
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        layers: Sequence[DistributedEmbedding],
+        dense_vars: Mapping[str, Any],
+        *,
+        columns: Sequence[Any] | None = None,
+        worker_index: int = 0,
+        dense_refresh_steps: int = 1,
+        max_pushes_in_flight: int = 0,
+        read_your_writes: bool = True,
+    ) -> None:
+        if dense_refresh_steps < 1:
+            raise ConfigError(f"dense_refresh_steps must be >= 1, got {dense_refresh_steps}")
+        if max_pushes_in_flight < 0:
+            raise ConfigError(f"max_pushes_in_flight must be >= 0, got {max_pushes_in_flight}")
+        self.config = config
+        self.worker_index = worker_index
+        self.dense_refresh_steps = dense_refresh_steps
+        self.max_pushes_in_flight = max_pushes_in_flight
+        self.read_your_writes = read_your_writes
+        self.layers = list(layers)
+        for layer in self.layers:
+            check_layer(config, layer)
+        for layer in self.layers:
+            layer.bind(self)
+        self.columns: list[Any] = list(columns) if columns is not None else [None] * len(layers)
+        self._fed_layers: list[DistributedEmbedding] | None = None  # decided at the first trace
+        self._position = {id(layer): i for i, layer in enumerate(self.layers)}
+        self.dense_vars = dict(dense_vars)
+        self.version = 0
+        self.steps = 0  # training steps since `begin_training`
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="lookup-table-io", daemon=True
+        )
+        self._thread.start()
+        self._store = EmbeddingStore(config)
+        self._client = OptimizerClient(config, worker=worker_index)
+        self._prefetched = _Prefetched()
+        self._pushes: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
+        self._dense_ready = False
+        self._dense_future: concurrent.futures.Future[Any] | None = None
+        self._closed = False
+        self._lookup_error: Exception | None = None
+        # read your writes: the rows of the last push's answer, and whether the dense
+        # weights came with it (then no pull is needed before the next step); a push
+        # answers before its writes land: `_unsettled` until it is confirmed
+        self._updated: RowPatch = {}
+        self._dense_fresh = False
+        self._unsettled: concurrent.futures.Future[Any] | None = None
+
+    # ------------------------------------------------------------ plumbing
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._submit(coro).result()
+
+    def close(self) -> None:
+        """Wait for outstanding pushes, close connections, stop the I/O thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._drain_pushes()
+        finally:
+            for layer in self.layers:
+                if layer.source is self:
+                    layer.bind(None)
+            self._run(self._store.close())
+            self._run(self._client.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def _pipelined(self) -> bool:
+        """Whether steps overlap pushes, prefetches and dense pulls (async mode, K >= 1)."""
+        return self.config.mode == "async" and self.max_pushes_in_flight > 0
+
+    @property
+    def _read_your_writes(self) -> bool:
+        """Whether pushes answer with the rows and dense weights they produced (async mode,
+        K = 0): the next batch's rows are prefetched during a step, and the push's answer
+        replaces those of its own ids and brings the dense weights, so one worker trains
+        exactly as with fresh reads, without waiting for a read after its push."""
+        return (
+            self.read_your_writes and self.config.mode == "async" and self.max_pushes_in_flight == 0
+        )
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether a step's next batch has its rows fetched while the step computes."""
+        return self._pipelined or self._read_your_writes
+
+    @property
+    def _unsettled_rows(self) -> list[RowPatch]:
+        """The answer of the push whose writes may not have landed yet, if any."""
+        return [self._updated] if self._unsettled is not None else []
+
+    @property
+    def fed_layers(self) -> list[DistributedEmbedding]:
+        """The layers whose rows the graph step gets as arguments (looked up outside it,
+        prefetched): those called on exactly a model input they name. Known after the
+        first graph step; the others look up inside the graph."""
+        return list(self._fed_layers or [])
+
+    @property
+    def rows_created(self) -> dict[str, int]:
+        return dict(self._store.created)
+
+    # ------------------------------------------------------------ RowSource
+
+    def rows(self, table: str, ids: IdArray, *, training: bool) -> NDArray[np.float32]:
+        """Rows for a layer's lookup: prefetched when possible, else fetched now."""
+        try:
+            if training:
+                return self._training_rows(table, ids, self._prefetched.find(table, ids))
+            return self._run(self._store.lookup(table, ids, create=False))
+        except Exception as exc:
+            if self._lookup_error is None:  # the first failure is the one TF reports
+                self._lookup_error = exc
+            raise
+
+    @contextlib.contextmanager
+    def _lookups(self) -> Iterator[None]:
+        """Run the model so that a failed lookup raises its own error (DataLossError,
+        StoreFullError, StoreTimeoutError, ...): inside a tf.function TF turns it into an
+        UnknownError, and Keras (eager) into a copy without its `node`/`nodes`."""
+        self._lookup_error = None
+        try:
+            yield
+        except Exception as exc:
+            error, self._lookup_error = self._lookup_error, None
+            if error is None or error is exc:
+                raise
+            # as it was raised in the I/O thread, with its own cause (TF's copy adds nothing)
+            raise error from error.__cause__
+        self._lookup_error = None
+
+    # ------------------------------------------------------------ rows of a step
+
+    def _columns(self, features: Any) -> Iterator[tuple[int, Any]]:
+        """(layer position, column value) of every layer whose column the batch has."""
+        for i, key in enumerate(self.columns):
+            if key is None:
+                continue
+            value = column_of(features, key)
+            if value is not None:
+                yield i, value
+
+    def _prefetch(
+        self,
+        features: Any,
+        *,
+        answered: Mapping[str, IdArray] | None = None,
+        create: bool = True,
+    ) -> _Prefetched:
+        """Fetch the rows of a batch ahead. Ids in `answered` (table -> sorted unique ids
+        that a push in flight will answer with) are not read: that answer, which
+        `newer` gets, brings their rows."""
+        pre = _Prefetched()
+        wanted: list[tuple[str, IdArray, NDArray[np.bool_] | None]] = []
+        layers: list[tuple[int, _FedIds, bool]] = []
+        for i, value in self._columns(features):
+            layer = self.layers[i]
+            fed = _fed_ids(layer, value)
+            skip = _member(fed.uniq, (answered or {}).get(layer.table))
+            wanted.append((layer.table, fed.uniq, skip))
+            layers.append((i, fed, skip is None))
+        if not wanted:
+            return pre
+        batch = self._submit(_lookup_batch(self._store, wanted, create=create))
+        for k, (i, fed, whole) in enumerate(layers):
+            part = _Part(batch, k)
+            if whole:
+                pre.entries.setdefault(self.layers[i].table, []).append((fed.uniq, part))
+            pre.fed[i] = (fed, part)
+        return pre
+
+    def _pushed_ids(self, features: Any) -> dict[str, IdArray]:
+        """Per table, the ids this step's push will surely answer with: those of the fed
+        layers (called on exactly their column, so these are the ids they look up)."""
+        parts: dict[str, list[IdArray]] = {}
+        for layer in self._fed_layers or []:
+            i = self._position[id(layer)]
+            ahead = self._prefetched.fed.get(i)
+            uniq = (
+                ahead[0].uniq
+                if ahead
+                else _fed_ids(layer, column_of(features, self.columns[i])).uniq
+            )
+            parts.setdefault(layer.table, []).append(uniq)
+        return {
+            table: got[0] if len(got) == 1 else cast(IdArray, np.unique(np.concatenate(got)))
+            for table, got in parts.items()
+        }
+
+    def _training_rows(self, table: str, ids: IdArray, ahead: _Part | None) -> NDArray[np.float32]:
+        """Rows of unique `ids` for a training step: fetched ahead (`ahead`), with the
+        answers that came after the fetch was sent put in, or read now, with the answer
+        of a push not written yet put in (it may be newer than the store)."""
+        if ahead is not None:
+            got = ahead.result()
+            if isinstance(got, _Partial):
+                return got.complete(table, ids, self._prefetched.newer)
+            return _patched(table, ids, np.asarray(got, np.float32), self._prefetched.newer)
+        rows = self._run(self._store.lookup(table, ids, create=True))
+        return _patched(table, ids, rows, self._unsettled_rows)
+
+    def _fed_rows(self, fed: FedLayer, features: Any) -> tuple[_FedIds, NDArray[np.float32]]:
+        """A fed layer's ids and rows for this training batch (outside the graph: an
+        error is raised as it is)."""
+        ahead = self._prefetched.fed.get(self._position[id(fed.layer)])
+        if ahead is not None:
+            ids, part = ahead
+            return ids, self._training_rows(fed.layer.table, ids.uniq, part)
+        ids = _fed_ids(fed.layer, column_of(features, fed.key))
+        return ids, self._training_rows(fed.layer.table, ids.uniq, None)
+
+    def evaluation_rows(
+        self, fed: Sequence[FedLayer], features: Any
+    ) -> list[tuple[_FedIds, NDArray[np.float32]]]:
+        """The fed layers' ids and rows of an evaluation batch: one `lookup_many` with
+        `create=False` (writes nothing; unseen ids get their would-be initial rows)."""
+        ids = [_fed_ids(f.layer, column_of(features, f.key)) for f in fed]
+        if not fed:
+            return []
+        got = self._run(
+            _lookup_batch(
+                self._store,
+                [(f.layer.table, i.uniq, None) for f, i in zip(fed, ids, strict=True)],
+                create=False,
+            )
+        )
+        return [(i, cast(NDArray[np.float32], g)) for i, g in zip(ids, got, strict=True)]
+
+    # ------------------------------------------------------------ a training step
+
+    def begin_training(self) -> None:
+        """Before a run of steps: the dense weights from the service (initialized by the
+        first trainer), nothing fetched ahead yet."""
+        if not self._dense_ready:
+            self._init_dense()
+        self._prefetched = _Prefetched()
+        self.steps = 0
+
+    def end_training(self) -> None:
+        """After a run of steps: every push written; rows fetched ahead dropped."""
+        try:
+            self._drain_pushes()
+        finally:
+            self.forget_prefetched()
+
+    def forget_prefetched(self) -> None:
+        """Drop the rows fetched ahead (they were for this run of steps only)."""
+        self._prefetched = _Prefetched()
+
+    def prefetch_first(self, features: Any) -> None:
+        """Fetch the first batch's rows ahead (when steps may overlap with I/O)."""
+        if self.prefetches:
+            self._prefetched = self._prefetch(features)
+
+    def step(self, features: Any, upcoming: Any | None, compute: Callable[[], T]) -> T:
+        """One training step's I/O around `compute` (which runs the graph step on the
+        batch of `features` and pushes): the dense refresh it needs first, the rows of
+        the `upcoming` batch (None: no more) fetched while it computes, skipping the ids
+        its push answers with, and those fetched rows handed to the next step."""
+        if self.steps % self.dense_refresh_steps == 0 and self.steps > 0:
+            if not self._dense_fresh:
+                self._refresh_dense()
+        self._dense_fresh = False
+        ahead = None
+        if self._read_your_writes and upcoming is not None:
+            # sent now, so it overlaps this step; the answer of the last push (if not
+            # written yet) and of this step's push patch it
+            ahead = self._prefetch(upcoming, answered=self._pushed_ids(features))
+            ahead.newer = list(self._unsettled_rows)
+        out = compute()
+        if ahead is not None:
+            ahead.newer.append(self._updated)
+            self._prefetched = ahead
+        elif self._pipelined and upcoming is not None:
+            self._prefetched = self._prefetch(upcoming)
+        else:  # nothing fetched ahead: a later step must not find this step's rows
+            self._prefetched = _Prefetched()
+        self.steps += 1
+        return out
+
+    # ------------------------------------------------------------ dense weights
+
+    def _init_dense(self) -> None:
+        params = {path: np.asarray(v.numpy(), np.float32) for path, v in self.dense_vars.items()}
+        version, winner = self._run(self._client.dense_init(params))
+        self._assign_dense(version, winner)
+        self._dense_ready = True
+
+    def _assign_dense(self, version: int, params: Mapping[str, NDArray[np.float32]]) -> None:
+        missing = sorted(set(self.dense_vars) - set(params))
+        if missing:
+            raise ConfigError(
+                f"the service's dense parameters lack {missing[:5]}: another model was "
+                f"initialized in namespace {self.config.namespace!r}; use a new namespace"
+            )
+        for path, var in self.dense_vars.items():
+            value = params[path]
+            if tuple(value.shape) != tuple(var.shape):
+                raise ConfigError(
+                    f"dense parameter {path}: the service has shape {value.shape}, "
+                    f"the model {tuple(var.shape)}; use a new namespace"
+                )
+            var.assign(value)
+        self.version = version
+
+    def _refresh_dense(self, *, fresh: bool = False) -> None:
+        """Pull the dense weights. Pipelined, the fetch overlaps a step: it assigns the
+        weights fetched during the previous step and starts the next fetch (one step of
+        extra staleness); otherwise, and with `fresh`, it waits for them."""
+        self._settle()  # an answered push's weights may not be written yet
+        if fresh or not self._pipelined:
+            self._dense_future = None
+            version, params = self._run(self._client.dense())
+            self._assign_dense(version, params)
+            return
+        if self._dense_future is not None:
+            version, params = self._dense_future.result()
+            self._assign_dense(version, params)
+        self._dense_future = self._submit(self._client.dense())
+
+    # ------------------------------------------------------------ pushes
+
+    def _drain_pushes(self) -> None:
+        self._settle()
+        while self._pushes:
+            self._pushes.popleft().result()
+
+    def _settle_quietly(self, error: BaseException) -> None:
+        """After `error` ended training: wait for the answered push's writes, logging (not
+        raising) their failure, often of the same fault, so that `error` is what the
+        caller sees and a later `close()` has nothing left to raise."""
+        try:
+            self._settle()
+        except Exception:
+            logger.warning("the last push failed as well after %r", error, exc_info=True)
+
+    def _settle(self) -> None:
+        """Wait until the answered push is written (raising its error if it failed)."""
+        if self._unsettled is not None:
+            pending, self._unsettled = self._unsettled, None
+            pending.result()
+
+    def _push(self, records: list[Any], grads: list[Any], dense: dict[str, Any]) -> None:
+        tables: dict[str, tuple[list[IdArray], list[NDArray[np.float32]]]] = {}
+        for rec, grad in zip(records, grads, strict=True):
+            g = (
+                grad
+                if isinstance(grad, np.ndarray)
+                else np.asarray(tf.convert_to_tensor(grad), np.float32)  # IndexedSlices too
+            )
+            ids_list, grads_list = tables.setdefault(rec.table, ([], []))
+            ids_list.append(rec.ids)
+            grads_list.append(g)
+        payload = {
+            name: (
+                np.concatenate(i) if len(i) > 1 else i[0],
+                np.concatenate(g) if len(g) > 1 else g[0],
+            )
+            for name, (i, g) in tables.items()
+        }
+        while self._pushes and len(self._pushes) >= self.max_pushes_in_flight:
+            self._pushes.popleft().result()
+        if self._read_your_writes:
+            self._push_answered(payload, dense)
+            return
+        fut = self._submit(self._client.push(payload, dense=dense, version=self.version))
+        self._pushes.append(fut)
+        if not self._pipelined:
+            self._drain_pushes()
+
+    def _push_answered(self, payload: Mapping[str, Any], dense: Mapping[str, Any]) -> None:
+        """Push and take the rows and dense weights from the answer, which the replicas
+        send before writing; the writes finish while the next step computes (`_settle`
+        waits for them before the next push, at an evaluation and at the end)."""
+        self._settle()
+        answer = ("rows", "dense") if self.dense_refresh_steps == 1 else ("rows",)
+        answered: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+
+        def on_answer(doc: dict[str, Any]) -> None:
+            if not answered.done():
+                answered.set_result(doc)
+
+        pushing = self._submit(
+            self._client.push(
+                payload, dense=dense, version=self.version, answer=answer, on_answer=on_answer
+            )
+        )
+        concurrent.futures.wait([answered, pushing], return_when=concurrent.futures.FIRST_COMPLETED)
+        doc = answered.result() if answered.done() else pushing.result()
+        self._unsettled = pushing
+        self._updated = doc["updated"]
+        if "params" in doc:
+            self._assign_dense(doc["dense_version"], doc["params"])
+            self._dense_fresh = True
+
+    def push_step(
+        self,
+        records: list[RecordedLookup],
+        row_grads: list[NDArray[np.float32]],
+        dense_grads: Sequence[Any],
+    ) -> None:
+        """Push one step's gradients: rows per record, dense per `dense_vars` (in order)."""
+        dense = {
+            path: np.asarray(g, np.float32)
+            for path, g in zip(self.dense_vars, dense_grads, strict=True)
+        }
+        self._push(records, row_grads, dense)
+
+
+def check_layer(config: ClusterConfig, layer: DistributedEmbedding) -> None:
+    """Raise ConfigError unless the cluster file has the layer's table with its dim."""
+    try:
+        spec = config.table(layer.table)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"layer {layer.name!r} embeds table {layer.table!r}, which the cluster file "
+            f"(namespace {config.namespace!r}) does not define: {exc}; add a [[tables]] "
+            f'entry name = "{layer.table}", dim = {layer.dim} or fix the layer\'s table'
+        ) from None
+    if spec.dim != layer.dim:
+        raise ConfigError(
+            f"layer {layer.name!r} expects dim={layer.dim} but table {layer.table!r} has "
+            f"dim={spec.dim} in the cluster file"
+        )
