@@ -49,8 +49,9 @@ from numpy.typing import NDArray
 
 from lookup_table.config import TableSpec
 from lookup_table.core.keys import IdArray, as_ids
+from lookup_table.serving import export_saved_model
 
-__all__ = ["DistributedEmbedding", "RecordedLookup", "RowSource"]
+__all__ = ["DistributedEmbedding", "RecordedLookup", "RowSource", "export_saved_model"]
 
 _COMBINERS = (None, "sum", "mean", "sqrtn")
 
