@@ -100,11 +100,12 @@ _EXACT_INITIALIZERS = ("zeros", "constant", "uniform")
 _INSERT_CHUNK = 1 << 20  # ids per insert into a hash table (bounds the temporary tensors)
 _MAX_LOAD_FACTOR = 0.8  # DenseHashTable's default
 _INT64_MIN = -(2**63)
-# Sentinel keys of a string table's DenseHashTable: 0xFF never occurs in UTF-8, so no
-# str id can be one (a query of such bytes is answered as an unseen id).
-_EMPTY_STR = b"\xff\xfelookup-table:empty"
-_DELETED_STR = b"\xff\xfelookup-table:deleted"
-_UNUSED_STR = b"\xff\xfelookup-table:unused"
+# Sentinel keys of a string table's DenseHashTable: 0xFF and 0xFE never occur in UTF-8,
+# so no str id can be one (a query of such bytes is answered as an unseen id). Short:
+# every empty bucket of the saved table holds the empty key.
+_EMPTY_STR = b"\xff"
+_DELETED_STR = b"\xfe"
+_UNUSED_STR = b"\xff\xfe"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

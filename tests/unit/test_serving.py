@@ -159,15 +159,16 @@ def _leftovers(parent: Path) -> list[str]:
 
 def test_unseen_zeros_serves_stored_rows_and_zeros(tmp_path: Path) -> None:
     """`unseen="zeros"` (needed for the normal initializer): a served id gets its row, an
-    unseen one zeros; padding and combiners are the integration test's."""
+    unseen one zeros, also the hash tables' own sentinel keys (the smallest int64s; the
+    bytes 0xFF and 0xFE, never UTF-8). Padding and combiners: the integration test."""
     rows = {"user": _rows(USER, [5, -9]), "word": _rows(WORD, ["a", ""])}
     info = export_saved_model(_model(), tmp_path / "m", rows=rows, unseen="zeros")
     assert info["tables"] == {"user": 2, "word": 2} and info["inputs"] == ["user", "word"]
     serve = tf.saved_model.load(str(tmp_path / "m")).signatures["serving_default"]
-    (out,) = serve(
-        user=tf.constant([-9, 6, 5], tf.int64), word=tf.constant(["", "b", "a"])
-    ).values()
-    want = np.zeros((3, 7), np.float32)
+    users = tf.constant([-9, 6, 5, -(2**63), -(2**63) + 1], tf.int64)
+    words = tf.constant([b"", b"b", b"a", b"\xff", b"\xfe"])
+    (out,) = serve(user=users, word=words).values()
+    want = np.zeros((5, 7), np.float32)
     want[0, :4], want[2, :4] = rows["user"].rows[1], rows["user"].rows[0]
     want[0, 4:], want[2, 4:] = rows["word"].rows[1], rows["word"].rows[0]
     assert np.array_equal(np.asarray(out), want)
