@@ -98,6 +98,8 @@ Unseen = Literal["initializer", "zeros"]
 
 _EXACT_INITIALIZERS = ("zeros", "constant", "uniform")
 _INSERT_CHUNK = 1 << 20  # ids per insert into a hash table (bounds the temporary tensors)
+_CHUNK_BYTES = 16 << 20  # rows per copy into the rows variable
+_FIXED_BYTES = 64 << 20  # tracing, the graph, TF's own buffers (measured 20-55 MB)
 _MAX_LOAD_FACTOR = 0.8  # DenseHashTable's default
 _INT64_MIN = -(2**63)
 # Sentinel keys of a string table's DenseHashTable: 0xFF and 0xFE never occur in UTF-8,
@@ -127,7 +129,8 @@ class TableRows:
 
 
 def estimate_export_bytes(*, count: int, dim: int, id_type: str, id_bytes: int = 0) -> int:
-    """Peak memory an export of one table needs, in bytes (measured; docs/serving.md).
+    """Peak memory an export of one table needs, in bytes (benchmarks/export_size.py
+    measures it: this is 1.05 to 1.4 times the peak it saw at 1M rows).
 
     Args:
         count: rows exported.
@@ -136,15 +139,12 @@ def estimate_export_bytes(*, count: int, dim: int, id_type: str, id_bytes: int =
         id_bytes: total UTF-8 bytes of the string ids (0 for int64 ids).
     """
     buckets = _buckets(count)
-    # tf.string keys: a 32-byte tstring, plus the bytes when they do not fit inline
-    key = 8 if id_type == "int64" else 32
-    text = 0 if id_type == "int64" else id_bytes
-    # Python str ids while reading (object array + str objects) and their bytes for TF
-    source_ids = 8 * count if id_type == "int64" else 90 * count + 2 * text
+    key = 8 if id_type == "int64" else 32  # a tf.string key is a 32-byte tstring
     rows = 4 * dim * (count + 1)
-    # rows: the source array, the variable, the save's copy; the hash table and the
-    # copy its export makes when it is saved
-    return 3 * rows + source_ids + 2 * buckets * (key + 8) + 2 * text
+    # Python str ids (object array, str objects) and their UTF-8 while inserted
+    source_ids = 8 * count if id_type == "int64" else 70 * count + id_bytes
+    # the source rows and the variable; the hash table and the copy its save makes
+    return 2 * rows + source_ids + 2 * buckets * (key + 8) + _FIXED_BYTES
 
 
 def _buckets(count: int) -> int:
@@ -425,9 +425,20 @@ class _TableLookup:
             stop = min(start + _INSERT_CHUNK, self.count)
             keys = _key_tensor(source.ids[start:stop], self.string)
             self.table.insert(keys, tf.range(start, stop, dtype=tf.int64))
-        rows = np.zeros((self.count + 1, spec.dim), np.float32)  # the last row: zeros
-        rows[: self.count] = source.rows
-        self.rows = tf.Variable(rows, trainable=False, name=f"rows_{_safe_name(spec.name)}")
+        # The last row stays zeros. Filled in chunks with scatter_update, so the variable is
+        # the only full copy TF makes (the source may be memory-mapped); a zeros initial
+        # value or slice assignments cost a second copy of the rows (measured).
+        shape = [self.count + 1, spec.dim]
+        self.rows = tf.Variable(
+            lambda: tf.zeros(shape, tf.float32),
+            trainable=False,
+            name=f"rows_{_safe_name(spec.name)}",
+        )
+        step = max(1, _CHUNK_BYTES // (4 * spec.dim))
+        for start in range(0, self.count, step):
+            stop = min(start + step, self.count)
+            chunk = np.asarray(source.rows[start:stop], np.float32)
+            self.rows.scatter_update(tf.IndexedSlices(chunk, tf.range(start, stop)))
 
     def ids_of(self, flat: tf.Tensor, where: str) -> tf.Tensor:
         """A layer's flat input as this table's key dtype (int64 or tf.string)."""
@@ -853,8 +864,9 @@ def _sources(
     read = _read_rows(config, chosen)
     out: dict[str, TableRows] = {}
     for t in wanted:
-        values, found = read[t]
-        out[t] = TableRows(spec=specs[t], ids=chosen[t][found], rows=values[found])
+        values, found = read.pop(t)  # not two copies of the rows at once
+        kept = values if found.all() else values[found]
+        out[t] = TableRows(spec=specs[t], ids=chosen[t][found], rows=kept)
     return out
 
 
