@@ -208,3 +208,19 @@ def test_a_layer_fed_ids_of_the_wrong_type_is_refused_and_nothing_is_left(tmp_pa
     with pytest.raises(ConfigError, match="table 'user' has int64 ids but the layer gets string"):
         export_saved_model(model, tmp_path / "m", rows={"user": _rows(USER, [1])})
     assert _leftovers(tmp_path) == []
+
+
+class _Subclassed(keras.Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = DistributedEmbedding(USER)
+
+    def call(self, inputs: Any) -> Any:
+        return self.embedding(inputs)
+
+
+def test_a_model_without_keras_inputs_is_refused(tmp_path: Path) -> None:
+    """A signature needs the inputs' names and dtypes, which only keras.Input gives."""
+    with pytest.raises(ConfigError, match="functional or Sequential model"):
+        export_saved_model(_Subclassed(), tmp_path / "m", rows={"user": _rows(USER, [1])})
+    assert _leftovers(tmp_path) == []
