@@ -87,6 +87,8 @@ __all__ = [
     "check_export_memory",
     "estimate_export_bytes",
     "export_saved_model",
+    "id_hashes_tf",
+    "initial_rows_tf",
 ]
 
 logger = logging.getLogger(__name__)
@@ -756,7 +758,9 @@ def export_saved_model(
     layers = _embedding_layers(model)
     inputs = _inputs(model)
     wanted = sorted({layer.table for layer in layers})
-    sources = _sources(wanted, rows=rows, config=config, ids=ids, limit=memory_limit_bytes)
+    sources = _sources(
+        wanted, rows=rows, config=config, ids=ids, unseen=unseen, limit=memory_limit_bytes
+    )
     for layer in layers:
         spec = sources[layer.table].spec
         if spec.dim != layer.dim:
@@ -785,6 +789,7 @@ def export_saved_model(
         return result
 
     specs = [s for i in inputs for s in i.specs]
+    created = [p for p in target.parents if not p.exists()]  # innermost first
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
     try:
@@ -803,6 +808,9 @@ def export_saved_model(
         os.rename(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for parent in created:
+            with contextlib.suppress(OSError):
+                parent.rmdir()
         raise
     size = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
     return {
@@ -820,10 +828,11 @@ def _sources(
     rows: Mapping[str, TableRows] | None,
     config: ClusterConfig | None,
     ids: Mapping[str, Any] | None,
+    unseen: Unseen,
     limit: int | None,
 ) -> dict[str, TableRows]:
     """The rows of every table in `wanted`, from `rows` or read from the cluster, after
-    checking that the export fits in memory."""
+    checking that unseen ids can be served and that the export fits in memory."""
     if rows is None and (config is None or ids is None) or rows is not None and ids is not None:
         raise ConfigError(
             "pass the rows to export as rows=checkpoint_rows(dir), or as config= and "
@@ -842,6 +851,9 @@ def _sources(
                     f"table {name!r}: rows of shape {got.rows.shape} for {got.ids.shape[0]} "
                     f"ids of dim {got.spec.dim}"
                 )
+        if unseen == "initializer":
+            for t in wanted:
+                _check_reproducible(rows[t].spec)
         needed = sum(_estimate(rows[t].spec, rows[t].ids) for t in wanted)
         check_export_memory(needed, limit_bytes=limit)
         return {t: rows[t] for t in wanted}
@@ -854,6 +866,9 @@ def _sources(
             f"every table (an empty list serves all its ids as unseen)"
         )
     specs = {t: config.table(t) for t in wanted}
+    if unseen == "initializer":
+        for spec in specs.values():
+            _check_reproducible(spec)
     chosen: dict[str, IdArray] = {}
     for t in wanted:
         given = as_ids(ids[t], table=t)

@@ -206,8 +206,8 @@ def test_a_layer_fed_ids_of_the_wrong_type_is_refused_and_nothing_is_left(tmp_pa
     user = keras.Input(shape=(), dtype="string", name="user")
     model = keras.Model(user, DistributedEmbedding(USER)(user))
     with pytest.raises(ConfigError, match="table 'user' has int64 ids but the layer gets string"):
-        export_saved_model(model, tmp_path / "m", rows={"user": _rows(USER, [1])})
-    assert _leftovers(tmp_path) == []
+        export_saved_model(model, tmp_path / "a" / "b" / "1", rows={"user": _rows(USER, [1])})
+    assert _leftovers(tmp_path) == []  # the parents it made are gone too
 
 
 class _Subclassed(keras.Model):
