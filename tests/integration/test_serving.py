@@ -315,6 +315,14 @@ SERVE = textwrap.dedent(
         args = {k: tf.constant(v, getattr(tf, t)) for k, (t, v) in job["inputs"].items()}
         out = {k: v.numpy() for k, v in serve(**args).items()}
         np.savez(job["out"], **out)
+        # as TF Serving's C++ loader does: a graph, the restore op, the init op, and
+        # the signature's tensors by name
+        with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+            meta = tf.compat.v1.saved_model.loader.load(sess, ["serve"], job["path"])
+            signature = meta.signature_def["serving_default"]
+            feed = {signature.inputs[k].name: v.numpy() for k, v in args.items()}
+            fetch = {k: v.name for k, v in signature.outputs.items()}
+            np.savez(job["out"].replace(".npz", "-graph.npz"), **sess.run(fetch, feed))
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("lookup_table", "trainer"))
     print(json.dumps({"project_modules": loaded}))
     """
@@ -324,10 +332,11 @@ SERVE = textwrap.dedent(
 @pytest.mark.timeout(240)
 def test_served_without_the_project_equals_predict(served: Served, tmp_path: Path) -> None:
     """`tf.saved_model.load` in a process where lookup_table, trainer and
-    optimizer_service cannot be imported serves both exports; every output equals
-    `model.predict` with the layers bound to the cluster: trained and never seen ids
-    (their initial rows, int64 and string, BLAKE2b across blocks), padding, ragged,
-    dense and sparse multi-hot inputs, every combiner, sparse weights."""
+    optimizer_service cannot be imported serves both exports, and so does the TF1 graph
+    loader (restore op, init op, tensors by name: how TF Serving loads a SavedModel);
+    every output equals `model.predict` with the layers bound to the cluster: trained
+    and never seen ids (their initial rows, int64 and string, BLAKE2b across blocks),
+    padding, ragged, dense and sparse multi-hot inputs, every combiner, sparse weights."""
     assert served.cli[0] == 0, served.cli
     seen = _checkpoint_ids(served)
     assert not set(NEVER_SEEN_USERS) & seen["user"] and not set(NEVER_SEEN_ITEMS) & seen["item"]
@@ -359,10 +368,11 @@ def test_served_without_the_project_equals_predict(served: Served, tmp_path: Pat
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"project_modules": []}
-    for name in ("view", "sparse"):
+    for name in ("view", "sparse", "view-graph", "sparse-graph"):
+        expected = served.expected[name.removesuffix("-graph")]
         with np.load(tmp_path / f"{name}.npz", allow_pickle=False) as got:
-            assert sorted(got.files) == sorted(served.expected[name])
-            for key, want in served.expected[name].items():
+            assert sorted(got.files) == sorted(expected)
+            for key, want in expected.items():
                 assert got[key].shape == want.shape, (name, key)
                 np.testing.assert_allclose(
                     got[key], want, rtol=0, atol=1e-5, err_msg=f"{name}/{key}"
