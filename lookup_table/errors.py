@@ -19,6 +19,8 @@
     │   ├── ProtocolError                   an unexpected reply: bug or version mismatch
     │   └── NodeUnavailableError (OSError)  refused, reset, closed: transient, retry later
     │       └── StoreTimeoutError (TimeoutError)  no answer within `store.timeout_s`
+    ├── ExportTooLargeError (MemoryError)   a SavedModel export would not fit in memory: export
+    │                                       fewer ids or on a bigger machine (nothing written)
     ├── PushRejectedError                   the optimizer service said 4xx; carries its message
     ├── ReplicaUnavailableError (OSError)   an optimizer replica refused, cut or timed out every
     │                                       retry: transient, is it running?
@@ -38,6 +40,7 @@ __all__ = [
     "CorruptValueError",
     "DataLossError",
     "DenseParamError",
+    "ExportTooLargeError",
     "KeyEncodingError",
     "LookupTableError",
     "NamespaceNotEmptyError",
@@ -132,6 +135,19 @@ class NodeUnavailableError(StoreError, OSError):
 
 class StoreTimeoutError(NodeUnavailableError, TimeoutError):
     """A node did not answer within the configured timeout."""
+
+
+class ExportTooLargeError(LookupTableError, MemoryError):
+    """An export would need more memory than is available (or than the limit given).
+
+    Raised before anything is written; `.needed_bytes` and `.limit_bytes` are the
+    estimate and the limit the message names.
+    """
+
+    def __init__(self, message: str, *, needed_bytes: int, limit_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.limit_bytes = limit_bytes
 
 
 class PushRejectedError(LookupTableError):

@@ -52,6 +52,7 @@ from numpy.typing import NDArray
 
 from lookup_table.config import TableSpec
 from lookup_table.core.keys import IdArray, as_ids
+from lookup_table.serving import export_saved_model
 
 if TYPE_CHECKING:  # at run time, `__getattr__` below (lookup_table.remote imports this module)
     from lookup_table.remote import RemoteOptimizer
@@ -62,6 +63,7 @@ __all__ = [
     "RemoteOptimizer",
     "RowSource",
     "distributed_layers",
+    "export_saved_model",
 ]
 
 _COMBINERS = (None, "sum", "mean", "sqrtn")
@@ -505,7 +507,8 @@ def _hook_model_functions() -> None:
     Wraps `keras.Model.make_train_function`, `make_test_function` and
     `make_predict_function` (once per process): a model without these layers gets
     Keras' own functions; one with them gets the cluster's, or a clear error if it was
-    not compiled with a `RemoteOptimizer`. A subclass that overrides one of them keeps
+    not compiled with a `RemoteOptimizer` (evaluate and predict of a model whose layers
+    a `trainer.Trainer` bound keep Keras' own functions: the layers read their rows). A subclass that overrides one of them keeps
     its own."""
     if getattr(keras.Model, "_lookup_table_hooked", False):
         return
@@ -516,10 +519,17 @@ def _hook_model_functions() -> None:
         def hooked(
             self: keras.Model, force: bool = False, *, _original: Any = original, _kind: str = kind
         ) -> Any:
-            if not distributed_layers(self):
+            layers = distributed_layers(self)
+            if not layers:
                 return _original(self, force)
-            from lookup_table.remote import model_function
+            from lookup_table.remote import RemoteOptimizer, model_function
 
+            if (
+                _kind != "train"
+                and not isinstance(getattr(self, "optimizer", None), RemoteOptimizer)
+                and all(layer.source is not None for layer in layers)
+            ):  # layers a Trainer bound: they look their rows up themselves
+                return _original(self, force)
             return model_function(self, _kind, force=force)
 
         hooked.__name__ = hooked.__qualname__ = name

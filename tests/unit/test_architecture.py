@@ -25,6 +25,7 @@ LAYERS = [
     ("lookup_table.keras", 5),
     ("lookup_table.session", 5),  # the cluster side of training (store, client, layers)
     ("lookup_table.remote", 5),  # RemoteOptimizer: Keras' model.fit on the session
+    ("lookup_table.serving", 5),  # keras.py re-exports its export_saved_model
     ("lookup_table", 6),  # the package itself (lazy re-exports) and ops/
     ("optimizer_service", 7),
     ("trainer", 8),

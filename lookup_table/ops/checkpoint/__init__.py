@@ -3,12 +3,14 @@
     lookup-table-checkpoint save    --config C --dir D [--no-pause]
     lookup-table-checkpoint restore --config C --dir D [--force] [--no-pause]
     lookup-table-checkpoint export  --dir D --out model.npz
+    lookup-table-checkpoint export  --dir D --format savedmodel --model model.keras --out DIR
 
 One concept per module: `format` (names, manifest, string-id packing, fit with a
 cluster file), `files` (`.npy`, sha256, fsync, the atomic rename), `verify`,
 `listing` (the namespace's keys from `lru_crawler metadump`), `pipeline`
-(batches in flight, progress), `save`, `restore`, `export` and `cli` (the
-command line, the only module that prints).
+(batches in flight, progress), `save`, `restore`, `export` (the `.npz`),
+`savedmodel` (a TF SavedModel, TensorFlow loaded only when it runs) and `cli`
+(the command line, the only module that prints).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from lookup_table.ops.checkpoint.listing import (
 from lookup_table.ops.checkpoint.pipeline import DEFAULT_BATCH_IDS
 from lookup_table.ops.checkpoint.restore import restore_checkpoint
 from lookup_table.ops.checkpoint.save import save_checkpoint
+from lookup_table.ops.checkpoint.savedmodel import checkpoint_rows, export_checkpoint_saved_model
 from lookup_table.ops.checkpoint.verify import verify_checkpoint
 from lookup_table.ops.metadump import metadump_prefix, namespace_lines
 
@@ -45,10 +48,12 @@ __all__ = [
     "MANIFEST",
     "NodeKeys",
     "check_compatible",
+    "checkpoint_rows",
     "decode_bodies",
     "decode_int_bodies",
     "dense_file_stems",
     "export_checkpoint",
+    "export_checkpoint_saved_model",
     "finalize",
     "main",
     "metadump_prefix",

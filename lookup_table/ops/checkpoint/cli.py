@@ -3,10 +3,11 @@
     lookup-table-checkpoint save    --config C --dir D [--no-pause]
     lookup-table-checkpoint restore --config C --dir D [--force] [--no-pause]
     lookup-table-checkpoint export  --dir D --out model.npz
+    lookup-table-checkpoint export  --dir D --format savedmodel --model model.keras --out DIR
 
-The command line of `save_checkpoint`, `restore_checkpoint` and
-`export_checkpoint` (their modules say what each does); the only module of the
-package that prints.
+The command line of `save_checkpoint`, `restore_checkpoint`, `export_checkpoint`
+and `export_checkpoint_saved_model` (their modules say what each does); the only
+module of the package that prints.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     save = sub.add_parser("save", help="save the namespace into a new directory")
     restore = sub.add_parser("restore", help="restore a checkpoint into the cluster file's nodes")
-    export = sub.add_parser("export", help="write ids and rows of every table into one .npz")
+    export = sub.add_parser(
+        "export",
+        help="write ids and rows of every table into one .npz, or a model as a TF SavedModel",
+    )
     for cmd in (save, restore):
         cmd.add_argument("--config", required=True, help="the cluster file (TOML)")
         cmd.add_argument("--dir", required=True, help="the checkpoint directory")
@@ -67,8 +71,70 @@ def _parser() -> argparse.ArgumentParser:
         help="delete the namespace's keys first if it already holds data",
     )
     export.add_argument("--dir", required=True, help="the checkpoint directory")
-    export.add_argument("--out", required=True, help="the .npz to write")
+    export.add_argument(
+        "--out", required=True, help="the .npz, or the SavedModel directory, to write"
+    )
+    export.add_argument(
+        "--format",
+        choices=("npz", "savedmodel"),
+        default="npz",
+        help="npz (default): every table's ids and rows; savedmodel: a TF SavedModel of "
+        "--model that serves without lookup-table (docs/serving.md)",
+    )
+    export.add_argument(
+        "--model", help="savedmodel: the Keras model file (model.save('model.keras'))"
+    )
+    export.add_argument(
+        "--dense",
+        choices=("checkpoint", "model"),
+        default="checkpoint",
+        help="savedmodel: the dense weights from the checkpoint (default) or the model file",
+    )
+    export.add_argument(
+        "--unseen",
+        choices=("initializer", "zeros"),
+        default="initializer",
+        help="savedmodel: what an id not in the checkpoint gets: its initial row (default) "
+        "or zeros",
+    )
+    export.add_argument(
+        "--memory-limit-bytes",
+        type=int,
+        default=None,
+        help="savedmodel: refuse an export needing more memory (default: the memory available)",
+    )
     return parser
+
+
+def _export_saved_model(args: argparse.Namespace) -> None:
+    import keras
+
+    from lookup_table.keras import DistributedEmbedding
+    from lookup_table.ops.checkpoint.savedmodel import export_checkpoint_saved_model
+
+    if not args.model:
+        raise ConfigError("--format savedmodel needs --model, the Keras model file to export")
+    try:
+        model = keras.saving.load_model(
+            args.model, custom_objects={"DistributedEmbedding": DistributedEmbedding}, compile=False
+        )
+    except (ValueError, TypeError, OSError) as exc:
+        raise ConfigError(f"--model {args.model}: not a Keras model file: {exc}") from exc
+    result = export_checkpoint_saved_model(
+        args.dir,
+        model,
+        args.out,
+        dense=args.dense,
+        unseen=args.unseen,
+        memory_limit_bytes=args.memory_limit_bytes,
+    )
+    print(
+        f"exported {args.dir} as a SavedModel to {result['path']} ({result['bytes']:,} bytes, "
+        f"dense weights from the {result['dense']}): "
+        + ", ".join(f"{name} {n:,} rows" for name, n in result["tables"].items())
+        + f"; serving_default takes {', '.join(result['inputs'])} and returns "
+        + ", ".join(result["outputs"])
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -133,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             elif config.optimizers and args.no_pause:
                 print("restart the optimizer replicas: they load their version at startup")
+        elif args.format == "savedmodel":
+            _export_saved_model(args)
         else:
             result = export_checkpoint(args.dir, args.out)
             print(
