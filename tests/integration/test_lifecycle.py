@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,12 +22,14 @@ from prometheus_client import CollectorRegistry
 
 from lookup_table import EmbeddingStore, initial_rows
 from lookup_table.client import OptimizerClient
-from lookup_table.config import ClusterConfig
+from lookup_table.config import ClusterConfig, parse_config
 from lookup_table.core.keys import encode_key
 from lookup_table.core.keyspace import Kind
 from lookup_table.core.optimizers import slot_width
 from lookup_table.core.sharding import node_of
 from lookup_table.errors import DataLossError
+from lookup_table.ops.checkpoint import restore_checkpoint, save_checkpoint
+from lookup_table.ops.localcluster import memcached_cluster
 from lookup_table.ops.stats import table_stats
 from lookup_table.store import TableRead
 from optimizer_service.app import make_app
@@ -305,3 +308,40 @@ async def test_counters_are_their_own_kind_for_stats_and_concurrent_lookups_admi
         report = await table_stats(config)
         kinds = report["tables"]["adm"]["kinds"]
         assert kinds["rows"]["keys"] == 1 and kinds["counters"]["keys"] == 3
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+async def test_checkpoints_skip_counters_keep_ttls_and_restore_with_the_ttl(
+    memcached_nodes: list[str], tmp_path: Path
+) -> None:
+    """A save neither saves counters nor refreshes TTLs; a restore writes the rows and
+    slots of a TTL table with its TTL (and of other tables without one)."""
+    config = make_config(
+        memcached_nodes,
+        tables=[
+            {"name": "hot", "dim": 2, "ttl_s": 100, "admit_after": 2},
+            {"name": "keep", "dim": 2},
+        ],
+    )
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        await store.lookup_many({"hot": [1, 2, 3], "keep": [1]})
+        await store.lookup("hot", [1])  # admitted: 1 has a row, 2 and 3 only counters
+        await store.set("hot", [1], np.ones((1, 5), np.float32), kind=Kind.SLOTS)  # Adam
+    for kind in (Kind.ROW, Kind.SLOTS):
+        node, key = _key(config, "hot", kind, 1)
+        assert _meta(node, b"mg " + key + b" T50\r\n") == b"HD\r\n"
+    manifest = await save_checkpoint(config, tmp_path / "ck", progress=False)
+    counts = {t["name"]: t["count"] for t in manifest["tables"]}
+    assert counts == {"hot": 1, "keep": 1}
+    for kind in (Kind.ROW, Kind.SLOTS):
+        assert 0 < (_remaining_ttl(config, "hot", kind, 1) or 0) <= 50  # not refreshed
+    with memcached_cluster(1) as servers:
+        other = parse_config({**config.to_dict(), "memcached": [servers[0].address]}, env={})
+        await restore_checkpoint(other, tmp_path / "ck", progress=False)
+        for kind in (Kind.ROW, Kind.SLOTS):
+            assert 50 < (_remaining_ttl(other, "hot", kind, 1) or 0) <= 100
+        assert _remaining_ttl(other, "keep", Kind.ROW, 1) == -1
+        assert _remaining_ttl(other, "hot", Kind.COUNTER, 2) is None
