@@ -30,7 +30,7 @@ from lookup_table.core.sharding import node_of
 from lookup_table.errors import DataLossError
 from lookup_table.ops.checkpoint import restore_checkpoint, save_checkpoint
 from lookup_table.ops.localcluster import memcached_cluster
-from lookup_table.ops.stats import table_stats
+from lookup_table.ops.stats import render_stats, table_stats
 from lookup_table.store import TableRead
 from optimizer_service.app import make_app
 from tests.conftest import make_config
@@ -345,3 +345,23 @@ async def test_checkpoints_skip_counters_keep_ttls_and_restore_with_the_ttl(
             assert 50 < (_remaining_ttl(other, "hot", kind, 1) or 0) <= 100
         assert _remaining_ttl(other, "keep", Kind.ROW, 1) == -1
         assert _remaining_ttl(other, "hot", Kind.COUNTER, 2) is None
+
+
+async def test_stats_count_live_rows_and_those_that_expire_soon(
+    memcached_nodes: list[str],
+) -> None:
+    config = make_config(
+        memcached_nodes,
+        tables=[{"name": "hot", "dim": 2, "ttl_s": 100, "optimizer": {"name": "sgd"}}],
+    )
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        await store.lookup("hot", [1, 2, 3])
+    node, key = _key(config, "hot", Kind.ROW, 2)
+    assert _meta(node, b"mg " + key + b" T10\r\n") == b"HD\r\n"  # idle for 90 of its 100 s
+    report = await table_stats(config)
+    entry = report["tables"]["hot"]
+    assert entry["ttl_s"] == 100
+    assert entry["kinds"]["rows"]["keys"] == 3 and entry["kinds"]["rows"]["expiring"] == 1
+    assert all("expired_unfetched" in n and "reclaimed" in n for n in report["nodes"].values())
+    assert "expiring" in render_stats(report)
