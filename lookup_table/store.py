@@ -361,6 +361,8 @@ class EmbeddingStore:
         created with `add` from the table's initializer when `create` is true; a
         row another writer created first is re-read. With `create=False` nothing
         is written and missing rows come back as their would-be initial value.
+        A table with `ttl_s` or `admit_after` is looked up by `lookup_many` (its
+        reads refresh TTLs and touch slots; its misses are counted, see there).
 
         Raises:
             ConfigError: unknown table.
