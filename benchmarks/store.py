@@ -62,6 +62,20 @@ unique ids, PERF-NOTES.md), read two ways in the same run, interleaved:
 lookup_many, the median of the rounds' ratios), checked first to return the
 same rows.
 
+A lifecycle section times what `ttl_s` and `admit_after` cost (docs/storage.md):
+`lookup_many` of one dim-16 Adam table, 65,536 ids, in the same run, interleaved:
+
+* `hit` / `hit_ttl`: existing rows (and slots) of a table without / with `ttl_s`:
+  the reads then carry `T<ttl>` and the slots are touched (`touch ... noreply`) in
+  the same request.
+* `mixed` / `mixed_ttl`: 10 % new ids, their rows added (with the TTL).
+* `mixed_admit_count`: 10 % new ids of an `admit_after = 2` table, first sighting:
+  `ma` on their counters instead of an `add`, nothing stored.
+* `mixed_admit_add`: the same at their second sighting (counted untimed before):
+  `ma`, then the adds of the rows that reached K, one more request per node.
+
+Ratios are rows/s of the case over rows/s of its reference (`hit_ttl/hit`, ...).
+
 A last, pure section times key encoding of the same ids:
 `keys.encode_keys` (vectorized) against a naive per-id f-string loop.
 
@@ -136,6 +150,36 @@ ACCEPT_LOOKUP_VS_CEILING = 0.7
 ACCEPT_LOOKUP_VS_PYMEMCACHE = 2.0
 ACCEPT_MIXED_VS_LOOKUP = 0.9
 NEW_FRACTION = 0.1  # of the ids of a mixed batch
+LIFE_DIM = 16
+LIFE_TTL_S = 3600
+LIFE_ADMIT_AFTER = 2
+LIFE_TABLES = {  # name -> its [[tables]] lifecycle keys (Adam, the default: slots too)
+    "life_plain": {},
+    "life_ttl": {"ttl_s": LIFE_TTL_S},
+    "life_admit": {"admit_after": LIFE_ADMIT_AFTER},
+}
+LIFE_METHODS = (
+    "hit",
+    "hit_ttl",
+    "mixed",
+    "mixed_ttl",
+    "mixed_admit_count",
+    "mixed_admit_add",
+)
+LIFE_LABELS = {
+    "hit": "existing rows, no TTL",
+    "hit_ttl": "existing rows, ttl_s (T + slot touch)",
+    "mixed": "10 % new rows (added), no TTL",
+    "mixed_ttl": "10 % new rows (added), ttl_s",
+    "mixed_admit_count": "10 % new, 1st sighting (ma only)",
+    "mixed_admit_add": "10 % new, K-th sighting (ma + add)",
+}
+LIFE_RATIOS = (
+    ("hit_ttl/hit", "hit_ttl", "hit"),
+    ("mixed_ttl/mixed", "mixed_ttl", "mixed"),
+    ("mixed_admit_count/mixed", "mixed_admit_count", "mixed"),
+    ("mixed_admit_add/mixed", "mixed_admit_add", "mixed"),
+)
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 
 _MG = np.frombuffer(b"mg ", dtype=np.uint8)
@@ -432,6 +476,57 @@ async def bench_many_tables(store: EmbeddingStore, *, rounds: int) -> Timings:
     return timings
 
 
+async def bench_lifecycle(store: EmbeddingStore, *, n_ids: int, rounds: int) -> Timings:
+    """`lookup_many` of one dim-16 table with and without `ttl_s`, with and without
+    `admit_after` (see the module docstring); every table's existing rows have slots."""
+    rng = np.random.default_rng(SEED + 2)
+    n_new = max(1, round(n_ids * NEW_FRACTION))
+    blocks = unique_id_blocks(rng, 1 + 4 * (rounds + 1), n_ids)
+    existing = blocks[0]
+    new = iter(block[:n_new] for block in blocks[1:])
+    width = 1 + 2 * LIFE_DIM  # Adam: m, v and the row's step
+    for table in LIFE_TABLES:
+        for _ in range(LIFE_ADMIT_AFTER):  # the admission table's rows need K sightings
+            await store.lookup_many({table: existing})
+        await store.set(table, existing, np.zeros((n_ids, width), np.float32), kind="s")
+
+    async def mixed(table: str, ids: NDArray[np.int64], *, seen: int = 0) -> float:
+        for _ in range(seen):  # sightings before the timed one (untimed)
+            await store.lookup_many({table: ids[-n_new:]})
+        return await timed(partial(store.lookup_many, {table: ids}))
+
+    def batch() -> NDArray[np.int64]:
+        fresh = next(new)
+        ids = np.concatenate([existing[: n_ids - n_new], fresh])  # new ids last, for `seen`
+        return ids
+
+    # warm-up (untimed): every case returns the same rows as the plain table would
+    await mixed("life_admit", batch(), seen=LIFE_ADMIT_AFTER - 1)
+    await mixed("life_ttl", batch())
+    timings = Timings()
+    for r in progress(rounds, "lifecycle"):
+        shift = r % len(LIFE_METHODS)
+        for method in LIFE_METHODS[shift:] + LIFE_METHODS[:shift]:
+            if method == "hit":
+                seconds = await timed(partial(store.lookup_many, {"life_plain": existing}))
+            elif method == "hit_ttl":
+                seconds = await timed(partial(store.lookup_many, {"life_ttl": existing}))
+            elif method == "mixed":
+                seconds = await mixed("life_plain", batch())
+            elif method == "mixed_ttl":
+                seconds = await mixed("life_ttl", batch())
+            elif method == "mixed_admit_count":
+                seconds = await mixed("life_admit", batch())
+            else:
+                seconds = await mixed("life_admit", batch(), seen=LIFE_ADMIT_AFTER - 1)
+            timings.add(method, seconds)
+    created = store.created.get("life_admit", 0)
+    expected = n_ids + (rounds + 1) * n_new  # existing + the K-th sightings' rows
+    if created != expected:
+        raise RuntimeError(f"the admission table created {created} rows, expected {expected}")
+    return timings
+
+
 def bench_keys(namespace: str, table: str, ids: NDArray[np.int64], rounds: int) -> Timings:
     prefix = key_prefix(namespace, table, "w")
     if encode_keys(namespace, table, "w", ids) != naive_keys(namespace, table, ids):
@@ -454,7 +549,11 @@ def make_config(addresses: list[str]) -> ClusterConfig:
         "namespace": "bench" + uuid.uuid4().hex[:8],
         "memcached": addresses,
         "tables": [{"name": f"emb{d}", "dim": d, "seed": d} for d in DIMS]
-        + [{"name": f"many{k}", "dim": MANY_DIM, "seed": 100 + k} for k in range(MANY_TABLES)],
+        + [{"name": f"many{k}", "dim": MANY_DIM, "seed": 100 + k} for k in range(MANY_TABLES)]
+        + [
+            {"name": name, "dim": LIFE_DIM, "seed": 200 + k, **keys}
+            for k, (name, keys) in enumerate(LIFE_TABLES.items())
+        ],
     }
     return parse_config(raw, env={})
 
@@ -486,6 +585,7 @@ async def run_cluster(config: ClusterConfig, *, n_ids: int, rounds: int) -> dict
                     rounds=rounds,
                 )
             results["many_tables"] = await bench_many_tables(store, rounds=rounds)
+            results["lifecycle"] = await bench_lifecycle(store, n_ids=n_ids, rounds=rounds)
         finally:
             await ceiling.close()
             pymc.close()
@@ -555,6 +655,21 @@ def summarize(results: dict[str, Any], n_ids: int) -> dict[str, Any]:
             "concurrent_mixed/many_mixed": mmed["concurrent_mixed"] / mmed["many_mixed"],
         },
     }
+    life: Timings = results["lifecycle"]
+    lmed = {x: life.median(x) for x in LIFE_METHODS}
+    summary["lifecycle"] = {
+        "dim": LIFE_DIM,
+        "ids_per_batch": n_ids,
+        "ttl_s": LIFE_TTL_S,
+        "admit_after": LIFE_ADMIT_AFTER,
+        "seconds_per_round": life.rounds,
+        "median_seconds": lmed,
+        "rows_per_s": {x: n_ids / lmed[x] for x in LIFE_METHODS},
+        "ratios": {name: lmed[den] / lmed[num] for name, num, den in LIFE_RATIOS},
+        "ratios_median_of_paired_rounds": {
+            name: paired_ratio(life.rounds[num], life.rounds[den]) for name, num, den in LIFE_RATIOS
+        },
+    }
     k: Timings = results["keys"]
     kmed = {m: k.median(m) for m in KEY_METHODS}
     summary["key_encoding"] = {
@@ -617,6 +732,23 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
     lines.extend(
         f"  {name:<28} {sm[name]:5.2f}x faster with lookup_many  (paired {sp[name]:.2f}x)"
         for name in ("concurrent/many", "concurrent_mixed/many_mixed")
+    )
+    lc = summary["lifecycle"]
+    lines.append("")
+    lines.append(
+        f"lifecycle: lookup_many of {n_ids:,} ids of one dim-{lc['dim']} Adam table "
+        f"(ttl_s = {lc['ttl_s']}, admit_after = {lc['admit_after']})"
+    )
+    lines.append(f"  {'method':<40} {'median ms':>10} {'rows/s':>9}")
+    lines.extend(
+        f"  {LIFE_LABELS[x]:<40} {lc['median_seconds'][x] * 1e3:>10.1f} "
+        f"{fmt_rate(lc['rows_per_s'][x]):>9}"
+        for x in LIFE_METHODS
+    )
+    lines.extend(
+        f"  {name:<28} {lc['ratios'][name]:5.2f}  "
+        f"(paired {lc['ratios_median_of_paired_rounds'][name]:.2f})"
+        for name, _, _ in LIFE_RATIOS
     )
     k = summary["key_encoding"]
     lines.append("")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeAlias, cast
 from urllib.parse import urlsplit
 
+from lookup_table.core.expiry import MAX_RELATIVE_TTL_S, MAX_TTL_S
 from lookup_table.core.hashing import stable_hash
 from lookup_table.core.initializers import InitializerSpec
 from lookup_table.core.keys import validate_name
@@ -40,6 +41,8 @@ __all__ = [
 ]
 
 TOKEN_ENV = "LOOKUP_TABLE_TOKEN"
+DEFAULT_ADMIT_TTL_S = 86_400
+"""An admission counter's life without a sighting when neither admit_ttl_s nor ttl_s is set."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,6 +105,12 @@ class TableSpec:
 
     `seed` defaults to a stable hash of the table name, so two tables never share
     initial rows unless the user gives them the same seed on purpose.
+
+    Lifecycle (docs/storage.md): `ttl_s` lets a row and its slots expire in memcached
+    when nothing read or updated them for that many seconds (None: never);
+    `admit_after` stores a row only from the K-th sighting of its id in training
+    lookups (1: at once), counted in memcached by counters that expire after
+    `admit_ttl_s` without a sighting (None: the table's `ttl_s`, else one day).
     """
 
     name: str
@@ -110,6 +119,16 @@ class TableSpec:
     id_type: Literal["int64", "string"] = "int64"
     initializer: InitializerSpec = field(default_factory=InitializerSpec)
     optimizer: OptimizerConfig = field(default_factory=AdamConfig)
+    ttl_s: int | None = None
+    admit_after: int = 1
+    admit_ttl_s: int | None = None
+
+    @property
+    def counter_ttl_s(self) -> int:
+        """How long an admission counter lives after the last sighting it counted."""
+        if self.admit_ttl_s is not None:
+            return self.admit_ttl_s
+        return self.ttl_s if self.ttl_s is not None else DEFAULT_ADMIT_TTL_S
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,6 +199,9 @@ class ClusterConfig:
                     "id_type": t.id_type,
                     "initializer": t.initializer.to_dict(),
                     "optimizer": dataclasses.asdict(t.optimizer),
+                    **({"ttl_s": t.ttl_s} if t.ttl_s is not None else {}),
+                    **({"admit_after": t.admit_after} if t.admit_after != 1 else {}),
+                    **({"admit_ttl_s": t.admit_ttl_s} if t.admit_ttl_s is not None else {}),
                 }
                 for t in self.tables
             ],
@@ -239,6 +261,23 @@ class _Section:
         if below_one and not value < 1:
             raise ConfigError(f"{self.at(key)}: expected a number in [0, 1), got {value}")
         return float(value)
+
+    def seconds(self, key: str) -> int | None:
+        """An optional whole number of seconds in [1, MAX_TTL_S] (an expiry time)."""
+        if key not in self.raw:
+            return None
+        value = self.take(key, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"{self.at(key)}: expected a positive integer number of seconds, got {value!r}"
+            )
+        if value > MAX_TTL_S:
+            raise ConfigError(
+                f"{self.at(key)}: at most {MAX_TTL_S} seconds (365 days), got {value}; "
+                f"values above {MAX_RELATIVE_TTL_S} (30 days) are sent to memcached as "
+                f"absolute unix times, which must fit in 32 bits"
+            )
+        return value
 
     def boolean(self, key: str, default: bool) -> bool:
         value = self.take(key, default)
@@ -338,7 +377,27 @@ def _parse_table(raw: object, path: str, default_optimizer: OptimizerConfig) -> 
         if opt_raw is None
         else _parse_optimizer(opt_raw, section.at("optimizer"), default_optimizer)
     )
-    section.finish(["dim", "id_type", "initializer", "name", "optimizer", "seed"])
+    ttl_s = section.seconds("ttl_s")
+    admit_after = section.integer("admit_after", 1, minimum=1)
+    admit_ttl_s = section.seconds("admit_ttl_s")
+    if admit_ttl_s is not None and admit_after == 1:
+        raise ConfigError(
+            f"{section.at('admit_ttl_s')}: only used with admit_after >= 2 (admit_after is 1: "
+            f"every id gets a row at once, nothing is counted); remove it or set admit_after"
+        )
+    section.finish(
+        [
+            "admit_after",
+            "admit_ttl_s",
+            "dim",
+            "id_type",
+            "initializer",
+            "name",
+            "optimizer",
+            "seed",
+            "ttl_s",
+        ]
+    )
     return TableSpec(
         name=name,
         dim=dim,
@@ -346,6 +405,9 @@ def _parse_table(raw: object, path: str, default_optimizer: OptimizerConfig) -> 
         id_type=cast(Literal["int64", "string"], id_type),  # checked above; str does not narrow
         initializer=initializer,
         optimizer=optimizer,
+        ttl_s=ttl_s,
+        admit_after=admit_after,
+        admit_ttl_s=admit_ttl_s,
     )
 
 
@@ -369,9 +431,7 @@ def _parse_service(raw: object) -> ServiceConfig:
     defaults = ServiceConfig()
     service = ServiceConfig(
         max_body_bytes=section.integer("max_body_bytes", defaults.max_body_bytes, minimum=1024),
-        push_record_ttl_s=section.integer(
-            "push_record_ttl_s", defaults.push_record_ttl_s, minimum=1
-        ),
+        push_record_ttl_s=section.seconds("push_record_ttl_s") or defaults.push_record_ttl_s,
         long_poll_timeout_s=section.number(
             "long_poll_timeout_s", defaults.long_poll_timeout_s, positive=True
         ),

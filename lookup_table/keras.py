@@ -508,8 +508,8 @@ def _hook_model_functions() -> None:
     `make_predict_function` (once per process): a model without these layers gets
     Keras' own functions; one with them gets the cluster's, or a clear error if it was
     not compiled with a `RemoteOptimizer` (evaluate and predict of a model whose layers
-    a `trainer.Trainer` bound keep Keras' own functions: the layers read their rows). A subclass that overrides one of them keeps
-    its own."""
+    a `trainer.Trainer` bound keep Keras' own functions: the layers read their rows).
+    A subclass that overrides one of them keeps its own."""
     if getattr(keras.Model, "_lookup_table_hooked", False):
         return
     for kind in ("train", "test", "predict"):

@@ -64,9 +64,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig
+from lookup_table.core.expiry import exptime
 from lookup_table.core.initializers import initial_rows
 from lookup_table.core.keys import IdArray, IdBodies, as_ids, id_bodies, key_prefix, prefixed_keys
 from lookup_table.core.keyspace import Kind, sentinel_key
+from lookup_table.core.optimizers import slot_width
 from lookup_table.core.rows import ROW_DTYPE, encode_rows, row_bytes
 from lookup_table.core.sharding import node_of
 from lookup_table.errors import (
@@ -158,6 +160,8 @@ class _Part:
     by_node: list[NDArray[np.intp]]
     nbytes: int = 0  # fixed-width reads: the value size
     values: NDArray[np.uint8] | Sequence[bytes] | None = None  # writes, aligned with ids
+    exptime: int = 0  # > 0: memcached's T flag, the TTL its reads and writes give (expiry.py)
+    touch: bool = False  # only reset the TTL (`touch ... noreply`): nothing read, no reply
 
     def values_at(self, index: NDArray[np.intp]) -> NDArray[np.uint8] | list[bytes]:
         if isinstance(self.values, np.ndarray):
@@ -174,6 +178,7 @@ class _Segment:
     part: int
     index: NDArray[np.intp]  # positions in the part's ids
     keys: Keys
+    exptime: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -181,6 +186,15 @@ class _Replies:
     """The quiet-read replies of the segments of one round trip; `end` is the final MN."""
 
     replies: list[protocol.MgReply]
+    end: int
+
+
+@dataclass(slots=True, eq=False)
+class _WriteReplies:
+    """The replies of a write round trip: its `ms`, then its `ma`; `end` is the final MN."""
+
+    sets: protocol.MsReply
+    counts: protocol.MaReply
     end: int
 
 
@@ -211,7 +225,7 @@ class _ReadGroup:
 
     def request(self) -> list[bytes]:
         return [
-            protocol.build_mg_quiet(s.keys, first=start, total=self.n)
+            protocol.build_mg_quiet(s.keys, first=start, total=self.n, exptime=s.exptime)
             for s, start in zip(self.segments, self.starts, strict=True)
         ]
 
@@ -293,9 +307,9 @@ class _TableLookup:
         return int(self.values.shape[1])
 
     def part(self, only: NDArray[np.bool_], **what: Any) -> _Part:
-        """A batch part over the ids of this table where `only` is true."""
+        """A batch part of this table's rows over its ids where `only` is true."""
         placed = self.rows.placed
-        return _Part(placed, self.rows.prefix, placed.only(only), **what)
+        return _Part(placed, self.rows.prefix, placed.only(only), exptime=self.rows.exptime, **what)
 
 
 class EmbeddingStore:
@@ -305,12 +319,17 @@ class EmbeddingStore:
         config: the cluster file (`load_config`); nodes, namespace, tables, timeouts.
         check_sentinels: read each node's sentinel with every batch (default).
             Only `lookup-table-admin` turns this off, to inspect a broken cluster.
+        refresh_ttl: reads of rows and slots of a table with `ttl_s` reset their
+            TTL (default: a read is a use). A checkpoint save turns this off, so
+            that saving does not keep every row alive; writes always set the TTL.
 
     Use as `async with EmbeddingStore(cfg) as store:` or call `close()`.
     Methods are safe to call concurrently from many tasks of one event loop.
     """
 
-    def __init__(self, config: ClusterConfig, *, check_sentinels: bool = True) -> None:
+    def __init__(
+        self, config: ClusterConfig, *, check_sentinels: bool = True, refresh_ttl: bool = True
+    ) -> None:
         self.config = config
         self.namespace = config.namespace
         self.nodes: tuple[str, ...] = config.node_addresses
@@ -318,6 +337,9 @@ class EmbeddingStore:
         self._check_sentinels = check_sentinels
         self._sentinel_key = sentinel_key(config.namespace)
         self.created: dict[str, int] = {}  # rows this store created, per table
+        self.refresh_ttl = refresh_ttl
+        self._ttls = {t.name: t.ttl_s for t in config.tables if t.ttl_s is not None}
+        self._slot_widths = {t.name: slot_width(t) for t in config.tables}
 
     async def __aenter__(self) -> EmbeddingStore:
         return self
@@ -339,6 +361,8 @@ class EmbeddingStore:
         created with `add` from the table's initializer when `create` is true; a
         row another writer created first is re-read. With `create=False` nothing
         is written and missing rows come back as their would-be initial value.
+        A table with `ttl_s` or `admit_after` is looked up by `lookup_many` (its
+        reads refresh TTLs and touch slots; its misses are counted, see there).
 
         Raises:
             ConfigError: unknown table.
@@ -347,6 +371,9 @@ class EmbeddingStore:
             StoreFullError, CorruptValueError, NodeUnavailableError: see errors.py.
         """
         spec = self.config.table(table)
+        if spec.ttl_s is not None or spec.admit_after > 1:
+            # the slots' TTL and the admission counters are lookup_many's
+            return (await self.lookup_many({table: ids}, create=create))[table]
         id_array = self._table_ids(table, ids)
         if id_array.shape[0] == 0:
             return np.zeros((0, spec.dim), dtype=np.float32)
@@ -383,6 +410,14 @@ class EmbeddingStore:
         re-reads of lost races one more (only if an `add` lost one). Every table
         and id is checked before anything is sent.
 
+        Lifecycle (docs/storage.md): the reads of a table with `ttl_s` reset the TTL
+        of its rows and, in the same request (`touch ... noreply`, no reply), of their
+        slots; its adds give the new rows that TTL. For a table with `admit_after`
+        K >= 2, `create=True` counts a sighting of every id without a row (`ma` on its
+        counter, in the adds' request) and adds only the rows of the ids whose count
+        reached K (one more request per node, only if one did); the others come back
+        as their initial values and nothing is stored for them but the counter.
+
         Raises:
             ConfigError: an unknown table.
             KeyEncodingError: an id that cannot be a key, or of the wrong type for
@@ -391,17 +426,28 @@ class EmbeddingStore:
             StoreFullError, CorruptValueError, NodeUnavailableError: see errors.py.
         """
         prepared: list[tuple[str, NDArray[np.intp], _Part]] = []
+        touches: list[_Part] = []
         for table, table_ids in ids.items():
             dim = self.config.table(table).dim
             uniq, inverse = _unique(self._table_ids(table, table_ids))
             placed = self._place(table, uniq)
-            rows = _Part(placed, self._prefix(placed, Kind.ROW), placed.by_node, row_bytes(dim))
+            rows = _Part(
+                placed,
+                self._prefix(placed, Kind.ROW),
+                placed.by_node,
+                row_bytes(dim),
+                exptime=self._exptime(table, write=False),
+            )
             prepared.append((table, inverse, rows))
+            if rows.exptime and self._slot_widths[table]:
+                prefix = self._prefix(placed, Kind.SLOTS)
+                touches.append(
+                    _Part(placed, prefix, placed.by_node, exptime=rows.exptime, touch=True)
+                )
+        read = await self._read([rows for _, _, rows in prepared] + touches)
         lookups = [
             _TableLookup(table, inverse, rows, values, found)
-            for (table, inverse, rows), (values, found) in zip(
-                prepared, await self._read([rows for _, _, rows in prepared]), strict=True
-            )
+            for (table, inverse, rows), (values, found) in zip(prepared, read, strict=False)
         ]
 
         new = [(t, ~t.found) for t in lookups if not t.found.all()]
@@ -411,10 +457,31 @@ class EmbeddingStore:
                 spec.initializer, seed=spec.seed, ids=t.rows.placed.ids[missing], dim=spec.dim
             )
         if create and new:
-            adds = [t.part(missing, values=encode_rows(t.values, t.dim)) for t, missing in new]
-            stored_all = await self._write(adds, add=True)
+            for t, _ in new:  # adds give the TTL: a new row is a use
+                t.rows.exptime = self._exptime(t.table, write=True)
+            now = [(t, m) for t, m in new if self.config.table(t.table).admit_after == 1]
+            counted = [(t, m) for t, m in new if self.config.table(t.table).admit_after > 1]
+            add_parts = [t.part(m, values=encode_rows(t.values, t.dim)) for t, m in now]
+            if counted:
+                stored_all, counts = await self._add_and_count(
+                    add_parts, [self._counter_part(t, m) for t, m in counted]
+                )
+            else:
+                stored_all, counts = await self._write(add_parts, add=True), []
+            adds = list(zip(now, stored_all, strict=True))
+            admitted: list[tuple[_TableLookup, NDArray[np.bool_]]] = []
+            for (t, missing), count in zip(counted, counts, strict=True):
+                ready = missing & (count >= self.config.table(t.table).admit_after)
+                if ready.any():
+                    admitted.append((t, ready))
+            if admitted:  # the ids whose sighting just reached admit_after get their row
+                stored_late = await self._write(
+                    [t.part(m, values=encode_rows(t.values, t.dim)) for t, m in admitted],
+                    add=True,
+                )
+                adds += zip(admitted, stored_late, strict=True)
             raced: list[tuple[_TableLookup, NDArray[np.bool_]]] = []
-            for (t, missing), stored in zip(new, stored_all, strict=True):
+            for (t, missing), stored in adds:
                 self.created[t.table] = self.created.get(t.table, 0) + int(stored.sum())
                 if not stored[missing].all():
                     raced.append((t, missing & ~stored))
@@ -487,7 +554,15 @@ class EmbeddingStore:
             placed, _ = groups[_group_key(read.table, read.ids)]
             width = self.config.table(read.table).dim if read.width is None else read.width
             prefix = self._prefix(placed, read.kind)
-            parts.append(_Part(placed, prefix, placed.by_node, nbytes=row_bytes(width)))
+            parts.append(
+                _Part(
+                    placed,
+                    prefix,
+                    placed.by_node,
+                    nbytes=row_bytes(width),
+                    exptime=self._exptime(read.table, write=False, kind=read.kind),
+                )
+            )
         results = await self._read(parts)
         out: list[tuple[NDArray[np.float32], NDArray[np.bool_]]] = []
         for read, (values, found) in zip(reads, results, strict=True):
@@ -576,7 +651,8 @@ class EmbeddingStore:
     ) -> NDArray[np.bool_]:
         """Write variable-length values of unique `ids`; returns which were stored.
 
-        `add` stores only absent keys; `ttl_s` > 0 lets the values expire.
+        `add` stores only absent keys; `ttl_s` > 0 lets the values expire (up to
+        `core.expiry.MAX_TTL_S`; above 30 days sent as the absolute time it ends).
         """
         id_array = as_ids(ids, table=table)
         if len(values) != id_array.shape[0]:
@@ -584,9 +660,11 @@ class EmbeddingStore:
         self._require_unique(table, id_array)
         stored = np.zeros(id_array.shape[0], dtype=bool)
 
+        expiry = [exptime(ttl_s, time.time()) if ttl_s > 0 else 0]
+
         async def one(node: Node, index: NDArray[np.intp], keys: Keys) -> None:
-            (stored[index],) = await self._ms(
-                node, [(keys, [values[i] for i in index.tolist()])], add=add, ttl_s=ttl_s
+            (stored[index],), _ = await self._ms(
+                node, [(keys, [values[i] for i in index.tolist()])], add=add, exptimes=expiry
             )
 
         await self._fan_out(table, kind, id_array, one)
@@ -638,7 +716,7 @@ class EmbeddingStore:
                     "created": time.time(),
                 }
             ).encode()
-            (stored,) = await self._ms(
+            (stored,), _ = await self._ms(
                 node, [([self._sentinel_key], [value])], add=True, check=False
             )
             return bool(stored[0])
@@ -727,8 +805,35 @@ class EmbeddingStore:
                     f"have {arr.shape[1]} floats"
                 )
             matrix = encode_rows(arr, arr.shape[1])
-            parts.append(_Part(placed, self._prefix(placed, w.kind), placed.by_node, values=matrix))
+            parts.append(
+                _Part(
+                    placed,
+                    self._prefix(placed, w.kind),
+                    placed.by_node,
+                    values=matrix,
+                    exptime=self._exptime(w.table, write=True, kind=w.kind),
+                )
+            )
         return parts
+
+    def _exptime(self, table: str, *, write: bool, kind: str = Kind.ROW) -> int:
+        """The T flag of a read or write of (table, kind): the table's TTL for its rows and
+        slots (reads only with `refresh_ttl`), 0 (no T: no change) otherwise."""
+        ttl_s = self._ttls.get(table)
+        if ttl_s is None or kind not in (Kind.ROW, Kind.SLOTS) or not (write or self.refresh_ttl):
+            return 0
+        return exptime(ttl_s, time.time())
+
+    def _counter_part(self, t: _TableLookup, missing: NDArray[np.bool_]) -> _Part:
+        """The admission counters of the ids of `t` where `missing` is true."""
+        placed = t.rows.placed
+        spec = self.config.table(t.table)
+        return _Part(
+            placed,
+            self._prefix(placed, Kind.COUNTER),
+            placed.only(missing),
+            exptime=exptime(spec.counter_ttl_s, time.time()),
+        )
 
     @staticmethod
     def _vanished(table: str, id_: object) -> StoreError:
@@ -755,7 +860,7 @@ class EmbeddingStore:
                 while start < positions.shape[0]:
                     index = positions[start : start + step - size]
                     keys = prefixed_keys(part.prefix, part.placed.bodies.bodies, index)
-                    segments.append(_Segment(p, index, keys))
+                    segments.append(_Segment(p, index, keys, part.exptime))
                     size += index.shape[0]
                     start += index.shape[0]
                     if size == step:
@@ -790,24 +895,48 @@ class EmbeddingStore:
                 np.zeros(p.placed.ids.shape[0], dtype=bool),
             )
             for p in parts
-        ]
+        ]  # a touch part's stay empty: it reads nothing
         chunks = self._chunks(parts)
         await self._run([self._mg_rows(node, parts, segs, results) for node, segs in chunks])
         return results
 
     async def _write(self, parts: Sequence[_Part], *, add: bool) -> list[NDArray[np.bool_]]:
         """`ms` (or `add`) of every part: one request per node (per max_batch_keys)."""
-        stored = [np.zeros(p.placed.ids.shape[0], dtype=bool) for p in parts]
+        stored, _ = await self._add_and_count(parts, [], add=add)
+        return stored
+
+    async def _add_and_count(
+        self, writes: Sequence[_Part], counts: Sequence[_Part], *, add: bool = True
+    ) -> tuple[list[NDArray[np.bool_]], list[NDArray[np.uint64]]]:
+        """`ms` (`add`: set-if-absent) of every write part and `ma` (one sighting) of every
+        counter part, together: one request per node (per max_batch_keys).
+
+        Returns, per write part, which values were stored, and per counter part, the
+        counts after this sighting (uint64, aligned with the part's ids; 0 where not sent).
+        """
+        if not writes and not counts:
+            return [], []
+        parts = [*writes, *counts]
+        stored = [np.zeros(p.placed.ids.shape[0], dtype=bool) for p in writes]
+        counted = [np.zeros(p.placed.ids.shape[0], dtype=np.uint64) for p in counts]
 
         async def one(node: Node, segments: list[_Segment]) -> None:
-            flags = await self._ms(
-                node, [(s.keys, parts[s.part].values_at(s.index)) for s in segments], add=add
+            sets = [s for s in segments if s.part < len(writes)]
+            mas = [s for s in segments if s.part >= len(writes)]
+            flags, values = await self._ms(
+                node,
+                [(s.keys, parts[s.part].values_at(s.index)) for s in sets],
+                add=add,
+                exptimes=[s.exptime for s in sets],
+                counts=[(s.keys, s.exptime) for s in mas],
             )
-            for s, ok in zip(segments, flags, strict=True):
+            for s, ok in zip(sets, flags, strict=True):
                 stored[s.part][s.index] = ok
+            for s, got in zip(mas, values, strict=True):
+                counted[s.part - len(writes)][s.index] = got
 
         await self._run([one(node, segments) for node, segments in self._chunks(parts)])
-        return stored
+        return stored, counted
 
     async def _fan_out(
         self,
@@ -905,8 +1034,12 @@ class EmbeddingStore:
         their hits parse as one fixed-stride block (protocol.parse_mg_quiet) whatever
         the tables and the misses (which send nothing); the `mn` marks where the
         group's replies end. The sentinel read in front is not quiet, so its miss is
-        an explicit EN.
+        an explicit EN. Touch parts (`_Part.touch`) are sent first as `touch ... noreply`,
+        which answers nothing.
         """
+        touches = [s for s in segments if parts[s.part].touch]
+        if touches:
+            segments = [s for s in segments if not parts[s.part].touch]
         groups = _ReadGroup.of(parts, segments)
 
         def parse_reply(data: bytes, pos: int) -> _Replies | None:
@@ -952,7 +1085,7 @@ class EmbeddingStore:
                     found_out[s.index] = found[start:end]
             return got
 
-        commands: list[bytes] = []
+        commands = [protocol.build_touch(s.keys, s.exptime) for s in touches]
         for k, group in enumerate(groups):
             if k:
                 commands.append(protocol.END)  # closes the group before
@@ -984,21 +1117,43 @@ class EmbeddingStore:
         *,
         add: bool,
         check: bool = True,
-        ttl_s: int = 0,
-    ) -> list[NDArray[np.bool_]]:
-        """`ms` of every (keys, values) segment in one round trip; stored flags per segment.
+        exptimes: Sequence[int] | None = None,
+        counts: Sequence[tuple[Keys, int]] = (),
+    ) -> tuple[list[NDArray[np.bool_]], list[NDArray[np.uint64]]]:
+        """`ms` of every (keys, values) segment, then `ma` (count one sighting) of every
+        (keys, exptime) of `counts`, in one round trip.
 
-        Every `ms` answers one status line whatever its value's size, so the segments
-        parse as one run of replies.
+        Returns the stored flags per segment and the counts per `counts` entry. Every
+        `ms` answers one status line whatever its value's size, so the segments parse
+        as one run of replies; the `ma` replies follow. `exptimes[k]` > 0 gives
+        segment k's items that TTL (memcached's T flag, `core.expiry.exptime`).
         """
         sizes = [_num_keys(keys) for keys, _ in segments]
         bounds = np.cumsum([0, *sizes]).tolist()
+        count_sizes = [_num_keys(keys) for keys, _ in counts]
+        count_bounds = np.cumsum([0, *count_sizes]).tolist()
 
         def key_text(i: int) -> str:
             k = int(np.searchsorted(bounds, i, side="right")) - 1
             return _key_text(segments[k][0], i - bounds[k])
 
-        def finish(data: bytes, reply: protocol.MsReply) -> list[NDArray[np.bool_]]:
+        def parse_reply(data: bytes, pos: int) -> _WriteReplies | None:
+            sets = protocol.parse_ms(data, pos, bounds[-1])
+            if sets is None:
+                return None
+            mas = protocol.parse_ma(data, sets.end, count_bounds[-1])
+            return None if mas is None else _WriteReplies(sets, mas, mas.end)
+
+        def finish(
+            data: bytes, got: _WriteReplies
+        ) -> tuple[list[NDArray[np.bool_]], list[NDArray[np.uint64]]]:
+            reply = got.sets
+            if got.counts.errors:
+                i, line = next(iter(got.counts.errors.items()))
+                k = int(np.searchsorted(count_bounds, i, side="right")) - 1
+                self._raise_reply_error(
+                    node, repr(_key_text(counts[k][0], i - count_bounds[k])), line
+                )
             if reply.errors:
                 i, line = next(iter(reply.errors.items()))
                 self._raise_reply_error(node, repr(key_text(i)), line)
@@ -1015,17 +1170,19 @@ class EmbeddingStore:
                     f"memcached node {node.address} answered an add with an unexpected status",
                     node=node.address,
                 )
-            return [ok[bounds[k] : bounds[k + 1]] for k in range(len(segments))]
+            values = got.counts.values
+            return (
+                [ok[bounds[k] : bounds[k + 1]] for k in range(len(segments))],
+                [values[count_bounds[k] : count_bounds[k + 1]] for k in range(len(counts))],
+            )
 
-        commands = [protocol.build_ms(k, v, add=add, ttl_s=ttl_s) for k, v in segments]
-        return await self._batch(
-            node,
-            commands,
-            lambda data, pos: protocol.parse_ms(data, pos, bounds[-1]),
-            finish,
-            check=check,
-            writes=True,
-        )
+        ttls = [0] * len(segments) if exptimes is None else exptimes
+        commands = [
+            protocol.build_ms(k, v, add=add, ttl_s=t)
+            for (k, v), t in zip(segments, ttls, strict=True)
+        ]
+        commands += [protocol.build_ma_count(k, t) for k, t in counts]
+        return await self._batch(node, commands, parse_reply, finish, check=check, writes=True)
 
     async def _md(self, node: Node, keys: Keys) -> NDArray[np.bool_]:
         n = _num_keys(keys)

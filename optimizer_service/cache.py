@@ -12,7 +12,9 @@ numpy arrays, probed for a whole batch at once (a loop over probe steps, never o
 ids), no deletions. Two generations bound the memory: lookups look in the young map,
 then in the old one (a hit there moves to the young map); when the young map is half
 full it becomes the old one and the old one is dropped, so what was not used for a
-generation is forgotten (an approximate LRU). Tables of string ids are not cached.
+generation is forgotten (an approximate LRU). Tables of string ids are not cached, nor
+tables with `ttl_s`: memcached expires their rows by itself, so what the replica wrote
+is not what memcached holds once the TTL passed (caching them would serve expired rows).
 """
 
 from __future__ import annotations
@@ -184,7 +186,8 @@ class RowCache:
         self.max_bytes = max_bytes
         self._dims: dict[str, int] = {}
         self._tables: dict[str, _TableCache] = {}
-        int_tables = [t for t in config.tables if t.id_type == "int64"]
+        # TTL tables are not cached: memcached may expire a row behind the cache's back
+        int_tables = [t for t in config.tables if t.id_type == "int64" and t.ttl_s is None]
         if max_bytes <= 0 or not int_tables:
             return
         share = max_bytes // len(int_tables)

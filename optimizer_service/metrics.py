@@ -25,6 +25,12 @@ class ServiceMetrics:
             ["table"],
             registry=registry,
         )
+        self.gradients_dropped = Counter(
+            "lookup_table_gradients_dropped",
+            "Gradients of ids without a row dropped (tables with admit_after: not admitted yet)",
+            ["table"],
+            registry=registry,
+        )
         self.rejected = Counter(
             "lookup_table_rejected_pushes",
             "Pushes answered 4xx, by reason",

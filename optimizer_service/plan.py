@@ -44,6 +44,11 @@ class TableUpdate:
     rows: NDArray[np.float32]
     slots: NDArray[np.float32]
     grads: NDArray[np.float32] | None = None  # the summed gradients: what is journaled
+    # Admission (`admit_after`): the gradients of ids without a row are dropped, so `ids`
+    # lacks them; `answer` is then (every unique id of the push, its row after the push:
+    # the initial value for a dropped one), and `dropped` how many were dropped.
+    answer: tuple[IdArray, NDArray[np.float32]] | None = None
+    dropped: int = 0
 
 
 @dataclass(slots=True)

@@ -27,8 +27,14 @@ __all__ = ["COUNTED", "count_answer", "error_answer", "json_error", "msgpack_res
 
 logger = logging.getLogger(__name__)
 
-COUNTED = "lookup_table.counted"
-"""Set on a response (aiohttp responses are mappings) that counted its own answer."""
+COUNTED: Any = (
+    web.ResponseKey("lookup_table.counted", bool)
+    if hasattr(web, "ResponseKey")
+    else "lookup_table.counted"
+)
+"""Set on a response (aiohttp responses are mappings) that counted its own answer. A
+typed key where aiohttp has them: a str key makes it warn (NotAppKeyWarning) at the
+first answered push of a process, which `filterwarnings = error` turns into a 500."""
 
 
 def json_error(status: int, message: str, kind: str | None = None, **extra: Any) -> web.Response:

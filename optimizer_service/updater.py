@@ -101,6 +101,7 @@ class Updater:
         replica: int = 0,
         push_record_ttl_s: int = 86_400,
         on_rows: Any = None,
+        on_dropped: Callable[[str, int], None] | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -119,6 +120,7 @@ class Updater:
         self._finishers: set[asyncio.Task[None]] = set()
         self._cleanups: set[asyncio.Task[None]] = set()
         self._on_rows = on_rows
+        self._on_dropped = on_dropped  # (table, gradients of ids without a row dropped)
         self._rounds = SyncRounds(config.workers)
         self._open = asyncio.Event()
         self._open.set()
@@ -331,9 +333,11 @@ class Updater:
             if not handed_over:
                 await self.locks.release(keys)
         self.applied += 1
-        if self._on_rows is not None:
-            for t in push.tables:
-                self._on_rows(t.table, t.ids.shape[0])
+        for u in plan.updates:
+            if self._on_rows is not None:
+                self._on_rows(u.table, u.ids.shape[0])
+            if u.dropped and self._on_dropped is not None:
+                self._on_dropped(u.table, u.dropped)
         return {
             "applied": True,
             "duplicate": False,
@@ -358,15 +362,23 @@ class Updater:
             reads = []
             for t in push.tables:
                 u = done.get(t.table)
-                if u is not None and u.ids.shape == t.ids.shape and np.array_equal(u.ids, t.ids):
-                    updated[t.table] = (t.ids, u.rows)
-                else:
-                    reads.append(t)
+                if u is not None:
+                    ids, rows = (u.ids, u.rows) if u.answer is None else u.answer
+                    if ids.shape == t.ids.shape and np.array_equal(ids, t.ids):
+                        updated[t.table] = (t.ids, rows)
+                        continue
+                reads.append(t)
             if reads:
                 got = await self.store.get_many(
                     [TableRead(t.table, t.ids) for t in reads], unique=True
                 )
-                for t, (rows, _found) in zip(reads, got, strict=True):
+                for t, (rows, found) in zip(reads, got, strict=True):
+                    if not found.all():  # no row (not admitted, or expired): initial values
+                        spec = self.config.table(t.table)
+                        missing = np.flatnonzero(~found)
+                        rows[missing] = initial_rows(
+                            spec.initializer, seed=spec.seed, ids=t.ids[missing], dim=spec.dim
+                        )
                     updated[t.table] = (t.ids, rows)
             out["updated"] = {
                 name: {"ids": encode_ids(ids), "rows": encode_array(rows)}
@@ -522,9 +534,18 @@ class Updater:
             rows[missing] = initial_rows(
                 spec.initializer, seed=spec.seed, ids=grads.ids[missing], dim=spec.dim
             )
+            if spec.ttl_s is not None:
+                # an expired row starts again with fresh slots, whatever is left of its
+                # old ones (slots may outlive their row by the second of an expiry)
+                has_slots = has_slots.copy()
+                has_slots[missing] = False
         if not has_slots.all():
             fresh = np.flatnonzero(~has_slots)
             slots[fresh] = optimizer.initial_slots(fresh.size, spec.dim)
+        if spec.admit_after > 1 and not found.all():
+            # not admitted yet (no row: lookups saw the id fewer than admit_after times):
+            # its gradients are dropped, its row stays the initial value, nothing is written
+            return await self._update_admitted(grads, rows, found, slots)
         if rows.size > _OFFLOAD_FLOATS:
             new_rows, new_slots = await asyncio.to_thread(
                 _compute, optimizer, rows, grads.grads, slots
@@ -533,6 +554,36 @@ class Updater:
             new_rows, new_slots = _compute(optimizer, rows, grads.grads, slots)
         return TableUpdate(
             table=grads.table, ids=grads.ids, rows=new_rows, slots=new_slots, grads=grads.grads
+        )
+
+    async def _update_admitted(
+        self,
+        grads: TableGrads,
+        rows: NDArray[np.float32],
+        found: NDArray[np.bool_],
+        slots: NDArray[np.float32],
+    ) -> TableUpdate:
+        """The update of the ids that have a row (`found`); the others' gradients are
+        dropped, and the push's answer gives them their initial rows (`rows` holds them)."""
+        optimizer = self.optimizers[grads.table]
+        keep = np.flatnonzero(found)
+        kept_grads = grads.grads[keep]
+        if keep.size * rows.shape[1] > _OFFLOAD_FLOATS:
+            new_rows, new_slots = await asyncio.to_thread(
+                _compute, optimizer, rows[keep], kept_grads, slots[keep]
+            )
+        else:
+            new_rows, new_slots = _compute(optimizer, rows[keep], kept_grads, slots[keep])
+        answer = rows.copy()
+        answer[keep] = new_rows
+        return TableUpdate(
+            table=grads.table,
+            ids=grads.ids[keep],
+            rows=new_rows,
+            slots=new_slots,
+            grads=kept_grads,
+            answer=(grads.ids, answer),
+            dropped=int(grads.ids.shape[0] - keep.size),
         )
 
     async def _redone(self, redo: Sequence[TableRedo]) -> list[TableUpdate]:

@@ -9,6 +9,7 @@ bookkeeping keys; the store, the service, checkpoints and `admin stats` all use 
 |----------|------|---------------------|-------|
 | a table  | `w`  | the feature id      | the row: `dim` float32 |
 | a table  | `s`  | the feature id      | the row's optimizer slots: float32 |
+| a table  | `c`  | the feature id      | admission counter: sightings of an id without row (TTL) |
 | `_meta`  | `m`  | `sentinel`          | JSON from `lookup-table-admin init`, on every node |
 | `_meta`  | `m`  | `version-r{K}`      | replica K's model version (ASCII int) |
 | `_meta`  | `p`  | `r{K}:{push_id}`    | done record of a push replica K applied (TTL) |
@@ -51,6 +52,7 @@ class Kind(enum.StrEnum):
 
     ROW = "w"
     SLOTS = "s"
+    COUNTER = "c"
     META = "m"
     PUSH_RECORD = "p"
     JOURNAL = "j"
@@ -66,6 +68,7 @@ class Kind(enum.StrEnum):
 _LABELS = {
     Kind.ROW: "rows",
     Kind.SLOTS: "slots",
+    Kind.COUNTER: "counters",
     Kind.META: "meta",
     Kind.PUSH_RECORD: "push_records",
     Kind.JOURNAL: "journal",
@@ -74,7 +77,8 @@ _LABELS = {
 }
 
 ROW_KINDS = (Kind.ROW, Kind.SLOTS)
-"""The kinds keyed by feature ids: what a checkpoint saves per table."""
+"""The kinds keyed by feature ids that a checkpoint saves per table (not `c`: counters
+are sightings of ids without a row, transient by design; a restore starts them over)."""
 
 META_TABLE = "_meta"
 """Bookkeeping of the cluster and the replicas: sentinel, versions, push records, journals."""

@@ -8,7 +8,8 @@ A batch to one node is one write::
     mg <key> v q O<i>\\r\\n x n        (read of fixed-size rows; several tables and
     [mn\\r\\n mg <key> v q O<i>\\r\\n x m]  kinds: one group per value size)   or
     mg <key> v\\r\\n   x n             (read of blobs)   or
-    ms <key> <len> [ME]\\r\\n<data>\\r\\n x n   (write)
+    ms <key> <len> [ME] [T<t>]\\r\\n<data>\\r\\n x n   (write)
+    ma <key> N<t> J1 T<t> v\\r\\n x n  (count sightings: admission counters)
     mn\\r\\n                           (end marker: memcached answers MN\\r\\n)
 
 Rows (`build_mg_quiet` / `parse_mg_quiet`) are read in quiet mode with an opaque
@@ -50,6 +51,7 @@ __all__ = [
     "END",
     "END_REPLY",
     "Keys",
+    "MaReply",
     "MgReply",
     "MsReply",
     "STATUS_ERROR",
@@ -57,12 +59,15 @@ __all__ = [
     "STATUS_NOT_FOUND",
     "STATUS_NOT_STORED",
     "STATUS_STORED",
+    "build_ma_count",
     "build_md",
     "build_mg",
     "build_mg_quiet",
     "build_ms",
+    "build_touch",
     "gather_values",
     "parse_mg",
+    "parse_ma",
     "parse_mg_quiet",
     "parse_ms",
     "token_width",
@@ -141,13 +146,17 @@ def _quiet_tail(n: int) -> NDArray[np.uint8]:
     return tail[:n]
 
 
-def build_mg_quiet(keys: Keys, *, first: int = 0, total: int | None = None) -> bytes:
-    """`mg <key> v q O<i>\\r\\n` for the key at every position i, as one buffer.
+def build_mg_quiet(
+    keys: Keys, *, first: int = 0, total: int | None = None, exptime: int = 0
+) -> bytes:
+    """`mg <key> [T<exptime>] v q O<i>\\r\\n` for the key at every position i, as one buffer.
 
     i is zero-padded to `token_width(n)` digits, so every hit of one value size
     has the same reply length (`parse_mg_quiet`). A group of `total` reads may be
     built in pieces: the keys of one piece get the tokens `first` ..
-    `first + len(keys) - 1`, padded to the digits of the whole group.
+    `first + len(keys) - 1`, padded to the digits of the whole group. `exptime` > 0
+    (`core.expiry.exptime`) also resets the TTL of every item hit; `T` returns
+    nothing, so the replies are the same.
     """
     n = _num_keys(keys)
     if n == 0:
@@ -157,17 +166,20 @@ def build_mg_quiet(keys: Keys, *, first: int = 0, total: int | None = None) -> b
     if not 0 <= first <= total - n:
         raise ValueError(f"reads {first} .. {first + n - 1} are not in a group of {total}")
     tail = _quiet_tail(total)[first : first + n]
+    flag = np.frombuffer(b" T%d" % exptime if exptime > 0 else b"", dtype=np.uint8)
     if isinstance(keys, np.ndarray):
         key_width = keys.shape[1]
-        out = np.empty((n, 3 + key_width + tail.shape[1]), dtype=np.uint8)
+        out = np.empty((n, 3 + key_width + flag.size + tail.shape[1]), dtype=np.uint8)
         out[:, :3] = np.frombuffer(b"mg ", dtype=np.uint8)
         out[:, 3 : 3 + key_width] = keys
-        out[:, 3 + key_width :] = tail
+        out[:, 3 + key_width : 3 + key_width + flag.size] = flag
+        out[:, 3 + key_width + flag.size :] = tail
         return out.tobytes()
-    # Variable-width keys: each key, then its tail " v q O<i>\r\nmg " (a numpy S array,
-    # whose tolist() gives bytes; digits are never NUL, so nothing is stripped).
-    tails = np.empty((n, tail.shape[1] + 3), dtype=np.uint8)
-    tails[:, :-3] = tail
+    # Variable-width keys: each key, then its tail "[ T<t>] v q O<i>\r\nmg " (a numpy S
+    # array, whose tolist() gives bytes; digits are never NUL, so nothing is stripped).
+    tails = np.empty((n, flag.size + tail.shape[1] + 3), dtype=np.uint8)
+    tails[:, : flag.size] = flag
+    tails[:, flag.size : -3] = tail
     tails[:, -3:] = np.frombuffer(b"mg ", dtype=np.uint8)
     parts: list[bytes] = [b""] * (2 * n)
     parts[0::2] = keys
@@ -486,6 +498,79 @@ def parse_ms(buf: bytes | bytearray, pos: int, n: int) -> MsReply | None:
             raise ProtocolError(f"unexpected meta-set reply {line[:80]!r}")
         pos = nl + 2
     return MsReply(status=status, end=pos, errors=errors)
+
+
+def build_touch(keys: Keys, exptime: int) -> bytes:
+    """`touch <key> <exptime> noreply\\r\\n` for every key: resets the TTL of the items
+    that exist, and answers nothing (a missing key is not created)."""
+    key_list = [bytes(k) for k in keys] if isinstance(keys, np.ndarray) else keys
+    if not key_list:
+        return b""
+    tail = b" %d noreply\r\n" % exptime
+    return b"touch " + (tail + b"touch ").join(key_list) + tail
+
+
+def build_ma_count(keys: Keys, exptime: int) -> bytes:
+    """`ma <key> N<exptime> J1 T<exptime> v\\r\\n` for every key: count one sighting.
+
+    A missing counter is created at 1 with that TTL (`N`, `J1`: memcached does not
+    add the delta to a new counter); an existing one goes up by 1 and gets the TTL
+    again (`T`). Every reply is `VA <len>\\r\\n<count>\\r\\n` (`parse_ma`).
+    """
+    key_list = [bytes(k) for k in keys] if isinstance(keys, np.ndarray) else keys
+    if not key_list:
+        return b""
+    tail = b" N%d J1 T%d v\r\n" % (exptime, exptime)
+    return b"ma " + (tail + b"ma ").join(key_list) + tail
+
+
+@dataclass(slots=True)
+class MaReply:
+    """The value after each `ma ... v` (uint64; 0 where `errors` has the reply's line)."""
+
+    values: NDArray[np.uint64]
+    end: int
+    errors: dict[int, bytes] = field(default_factory=dict)
+
+
+def parse_ma(buf: bytes | bytearray, pos: int, n: int) -> MaReply | None:
+    """Parse the replies of n `ma ... v` commands from `pos`; None if incomplete.
+
+    The numbers have any length, so the replies are split at their CRLFs (bytes.split,
+    in C) and converted by numpy; error lines fall back to a scan.
+
+    Raises:
+        ProtocolError: a line that is not a meta-arithmetic reply.
+    """
+    lines = bytes(buf[pos:]).split(b"\r\n", 2 * n)
+    if len(lines) > 2 * n:
+        heads = lines[0 : 2 * n : 2]
+        numbers = lines[1 : 2 * n : 2]
+        if all(h.startswith(b"VA ") for h in heads) and all(x.isdigit() for x in numbers):
+            values = np.array(numbers).astype(np.uint64) if n else np.zeros(0, np.uint64)
+            end = pos + sum(map(len, lines[: 2 * n])) + 4 * n
+            return MaReply(values=values, end=end)
+    values = np.zeros(n, dtype=np.uint64)
+    errors: dict[int, bytes] = {}
+    for i in range(n):
+        nl = buf.find(b"\r\n", pos)
+        if nl < 0:
+            return None
+        if buf.startswith(b"VA ", pos):
+            end = buf.find(b"\r\n", nl + 2)
+            if end < 0:
+                return None
+            number = bytes(buf[nl + 2 : end])
+            if not number.isdigit():
+                raise ProtocolError(f"bad meta-arithmetic value {number[:80]!r}")
+            values[i] = int(number)
+            pos = end + 2
+        elif buf.startswith(_ERROR_PREFIXES, pos):
+            errors[i] = bytes(buf[pos:nl])
+            pos = nl + 2
+        else:
+            raise ProtocolError(f"unexpected meta-arithmetic reply {bytes(buf[pos:nl])[:80]!r}")
+    return MaReply(values=values, end=pos, errors=errors)
 
 
 def build_md(keys: Keys) -> bytes:

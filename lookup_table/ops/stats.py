@@ -245,6 +245,77 @@ def summarize_metadump(
     return out
 
 
+_EXP_FIELD = b" exp="
+_EXP_DIGITS = 12
+
+
+def _expiry_times(
+    arr: NDArray[np.uint8], starts: NDArray[np.int64], ends: NDArray[np.int64], node: str
+) -> NDArray[np.int64]:
+    """The `exp=` field of each line (the server's unix time the item expires, -1: never).
+
+    memcached 1.6 writes it right after the key (`key=K exp=N la=...`), and a key has
+    no space (the dump URL-encodes it): it is read after each line's first space.
+    """
+    spaces = np.flatnonzero(arr == ord(" ")).astype(np.int64)
+    at = np.searchsorted(spaces, starts)
+    first = np.where(at < spaces.shape[0], spaces[np.minimum(at, spaces.shape[0] - 1)], ends)
+    width = len(_EXP_FIELD) + 1 + _EXP_DIGITS
+    window = _windows(arr, first, width)
+    ok = (window[:, : len(_EXP_FIELD)] == np.frombuffer(_EXP_FIELD, dtype=np.uint8)).all(axis=1)
+    ok &= first < ends
+    body = window[:, len(_EXP_FIELD) :]
+    never = (body[:, 0] == ord("-")) & (body[:, 1] == ord("1")) & (body[:, 2] == ord(" "))
+    digits = body - np.uint8(ord("0"))  # uint8: bytes below "0" wrap around to large values
+    is_digit = digits <= 9
+    length = np.argmin(np.concatenate([is_digit, np.zeros((len(body), 1), bool)], axis=1), axis=1)
+    ok &= never | ((length >= 1) & (length <= _EXP_DIGITS))
+    scale = 10 ** np.arange(_EXP_DIGITS + 1, dtype=np.int64)
+    used = np.arange(body.shape[1]) < length[:, None]
+    power = np.clip(length[:, None] - 1 - np.arange(body.shape[1]), 0, _EXP_DIGITS)
+    times: NDArray[np.int64] = np.asarray(
+        (np.where(used, digits, 0).astype(np.int64) * scale[power]).sum(axis=1), dtype=np.int64
+    )
+    times[never] = -1
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        raise StoreError(
+            f"memcached node {node} listed {arr[starts[i] : ends[i]].tobytes()[:160]!r} "
+            f"without an `exp=` field after the key in `lru_crawler metadump`",
+            node=node,
+        )
+    return times
+
+
+def count_expiring(
+    data: bytes, namespace: str, before: Mapping[str, int], *, node: str = "?"
+) -> dict[tuple[str, str], int]:
+    """Keys of the tables in `before` that expire before `before[table]` (a unix time of
+    the server), by (table, kind), from an `lru_crawler metadump` reply (vectorized).
+
+    The dump lists only items that have not expired, each with its `exp=`.
+    """
+    names = list(before)
+    arr, starts, ends = namespace_lines(data, namespace)
+    skip = len(metadump_prefix(namespace))
+    out: dict[tuple[str, str], int] = {}
+    for block in range(0, starts.shape[0], _BLOCK_LINES):
+        s, e = starts[block : block + _BLOCK_LINES], ends[block : block + _BLOCK_LINES]
+        table_code, kind_code, _ = _labels(arr, s + skip, e, names)
+        mine = (table_code >= 0) & (table_code < len(names))
+        if not mine.any():
+            continue
+        times = _expiry_times(arr, s[mine], e[mine], node)
+        limit = np.array([before[n] for n in names], dtype=np.int64)[table_code[mine]]
+        soon = (times >= 0) & (times < limit)
+        group = (table_code[mine][soon] << 32) | (kind_code[mine][soon] & 0xFFFFFFFF)
+        found, counts = np.unique(group, return_counts=True)
+        for g, count in zip(found.tolist(), counts.tolist(), strict=True):
+            label = (names[g >> 32], _kind_text(g & 0xFFFFFFFF))
+            out[label] = out.get(label, 0) + int(count)
+    return out
+
+
 # ================================================================ stats of the namespace
 
 
@@ -252,17 +323,22 @@ def _kind_name(kind: str) -> str:
     return KIND_NAMES.get(kind, f"kind_{kind}")
 
 
+_Inspected = tuple[
+    dict[str, Any], dict[tuple[str, str], tuple[int, int]], dict[tuple[str, str], int]
+]
+
+
 async def _inspect_node(
     spec: NodeSpec, config: ClusterConfig, limit: asyncio.Semaphore
-) -> tuple[dict[str, Any], dict[tuple[str, str], tuple[int, int]]]:
-    """One node's whole-node figures and the namespace's keys on it; an error is reported."""
+) -> _Inspected:
+    """One node's whole-node figures, the namespace's keys on it and, for tables with
+    `ttl_s`, their keys that expire within half the TTL; an error is reported."""
     async with limit:
         return await _inspect_node_now(spec, config)
 
 
-async def _inspect_node_now(
-    spec: NodeSpec, config: ClusterConfig
-) -> tuple[dict[str, Any], dict[tuple[str, str], tuple[int, int]]]:
+async def _inspect_node_now(spec: NodeSpec, config: ClusterConfig) -> _Inspected:
+    expiring: dict[tuple[str, str], int] = {}
     try:
         stats = await commands.stats(spec, config.store)
         slabs = await commands.stats(spec, config.store, "slabs")
@@ -274,10 +350,16 @@ async def _inspect_node_now(
             tables=[t.name for t in config.tables],
             node=spec.address,
         )
+        now = int(stats.get("time", 0))  # the server's clock: `exp=` is on it
+        before = {t.name: now + t.ttl_s // 2 for t in config.tables if t.ttl_s is not None}
+        if before:
+            expiring = await asyncio.to_thread(
+                count_expiring, dump, config.namespace, before, node=spec.address
+            )
     except LookupTableError as exc:
         logger.debug("node %s: %s", spec.address, exc)
         down = isinstance(exc, NodeUnavailableError)
-        return {"ok": False, "down": down, "error": str(exc)}, {}
+        return {"ok": False, "down": down, "error": str(exc)}, {}, {}
     line = metadump_key(sentinel_key(config.namespace)) + b" "
     used, limit = int(stats.get("bytes", 0)), int(stats.get("limit_maxbytes", 0))
     malloced = int(slabs.get("total_malloced", 0))
@@ -292,11 +374,16 @@ async def _inspect_node_now(
         "malloced_ratio": malloced / limit if limit else 0.0,
         "evictions": int(stats.get("evictions", 0)),
         "store_no_memory": int(stats.get("store_no_memory", 0)),
+        # whole node, every namespace: items that expired (never read since set; memory
+        # reused from expired items, by a write or by the LRU crawler)
+        "expired_unfetched": int(stats.get("expired_unfetched", 0)),
+        "reclaimed": int(stats.get("reclaimed", 0)),
+        "crawler_reclaimed": int(stats.get("crawler_reclaimed", 0)),
         "sentinel": dump.startswith(line) or b"\n" + line in dump,
         "namespace_keys": sum(keys for keys, _ in groups.values()),
         "namespace_bytes": sum(size for _, size in groups.values()),
     }
-    return report, groups
+    return report, groups, expiring
 
 
 async def table_stats(config: ClusterConfig) -> dict[str, Any]:
@@ -324,7 +411,7 @@ async def table_stats(config: ClusterConfig) -> dict[str, Any]:
     results = await asyncio.gather(
         *(_inspect_node(spec, config, limit) for spec in config.memcached)
     )
-    nodes = {spec.address: r for spec, (r, _) in zip(config.memcached, results, strict=True)}
+    nodes = {spec.address: r for spec, (r, _, _) in zip(config.memcached, results, strict=True)}
     answered = [spec.address for spec in config.memcached if nodes[spec.address]["ok"]]
 
     tables: dict[str, dict[str, Any]] = {}
@@ -337,21 +424,31 @@ async def table_stats(config: ClusterConfig) -> dict[str, Any]:
             "slot_width": width,
             "kinds": {},
         }
+        if spec.ttl_s is not None:
+            tables[spec.name]["ttl_s"] = spec.ttl_s
+        if spec.admit_after > 1:
+            tables[spec.name]["admit_after"] = spec.admit_after
         for kind in ("w", "s") if width else ("w",):
             tables[spec.name]["kinds"][_kind_name(kind)] = {"kind": kind}
-    for _, groups in results:
+    for _, groups, _ in results:
         for table, kind in groups:
             entry = tables.setdefault(table, {"in_config": False, "kinds": {}})
             entry["kinds"].setdefault(_kind_name(kind), {"kind": kind})
     for entry in tables.values():
         for counts in entry["kinds"].values():
             counts.update(keys=0, bytes=0, nodes={a: {"keys": 0, "bytes": 0} for a in answered})
-    for address, (_, groups) in zip(nodes, results, strict=True):
+    for address, (_, groups, _) in zip(nodes, results, strict=True):
         for (table, kind), (keys, size) in groups.items():
             counts = tables[table]["kinds"][_kind_name(kind)]
             counts["nodes"][address] = {"keys": keys, "bytes": size}
             counts["keys"] += keys
             counts["bytes"] += size
+    for spec in config.tables:
+        if spec.ttl_s is None:
+            continue
+        for name, counts in tables[spec.name]["kinds"].items():
+            if name != "counters":
+                counts["expiring"] = sum(e.get((spec.name, counts["kind"]), 0) for *_, e in results)
 
     problems = [_node_problem(a, r) for a, r in nodes.items() if not r["ok"]]
     missing = [a for a in answered if not nodes[a]["sentinel"]]
@@ -412,6 +509,7 @@ def render_stats(report: Mapping[str, Any]) -> str:
         f"nodes answered"
     ]
     rows: list[list[str]] = []
+    ttl = any("ttl_s" in entry for entry in report["tables"].values())  # an `expiring` column
     for table, entry in report["tables"].items():
         for kind_name, counts in entry["kinds"].items():
             label = [table, f"{kind_name} ({counts['kind']})"]
@@ -426,10 +524,17 @@ def render_stats(report: Mapping[str, Any]) -> str:
                         f"{keys:,}",
                         _human_bytes(size),
                         f"{size / keys:,.0f}" if keys else "-",
+                        *([f"{c['expiring']:,}" if "expiring" in c else "-"] if ttl else []),
                     ]
                 )
     if rows:
-        lines += ["", *_aligned(["table", "kind", "node", "keys", "bytes", "bytes/key"], rows, 3)]
+        header = ["table", "kind", "node", "keys", "bytes", "bytes/key"]
+        lines += ["", *_aligned([*header, "expiring"] if ttl else header, rows, 3)]
+        if ttl:
+            lines.append(
+                "expiring: keys of a table with ttl_s not read or updated for half their TTL "
+                "(they expire within ttl_s/2 unless used)"
+            )
     node_rows = []
     down = []
     for address, r in nodes.items():

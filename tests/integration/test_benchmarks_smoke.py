@@ -85,6 +85,24 @@ def test_store_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     }
     assert all(r > 0 for r in many["speedup_median_of_paired_rounds"].values())
 
+    life = report["lifecycle"]
+    for method in (
+        "hit",
+        "hit_ttl",
+        "mixed",
+        "mixed_ttl",
+        "mixed_admit_count",
+        "mixed_admit_add",
+    ):
+        assert len(life["seconds_per_round"][method]) == 3
+    assert set(life["ratios"]) == {
+        "hit_ttl/hit",
+        "mixed_ttl/mixed",
+        "mixed_admit_count/mixed",
+        "mixed_admit_add/mixed",
+    }
+    assert all(r > 0 for r in life["ratios_median_of_paired_rounds"].values())
+
     keys = report["key_encoding"]
     assert set(keys["ratios"]) == {"naive_loop/encode_keys", "naive_loop/int_key_matrix"}
     assert (tmp_path / "store.png").stat().st_size > 0

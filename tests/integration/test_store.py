@@ -158,7 +158,7 @@ async def test_wrong_length_value_is_corruption_not_a_miss(store: EmbeddingStore
     key = encode_key(store.namespace, "user", "w", 42)
     node = store.nodes[int(node_of("user", np.array([42]), store.nodes)[0])]
     with raw_client(node) as client:
-        client.set(key, b"\x00" * 10)
+        client.set(key, b"\x00" * 10, noreply=False)  # stored before the lookup reads it
         with pytest.raises(CorruptValueError, match=rf"{key.decode()}.*{node}.*10 bytes"):
             await store.lookup("user", [1, 42, 2])
         assert client.get(key) == b"\x00" * 10  # never overwritten with a fresh row

@@ -82,3 +82,34 @@ def test_many_keys_in_several_blocks_match_a_plain_loop(monkeypatch: pytest.Monk
     data = b"".join(lines) + b"END\r\n"
     monkeypatch.setattr(stats, "_BLOCK_LINES", 4096)  # many blocks, tables found per block
     assert summarize_metadump(data, "ns", tables=["user", "item"]) == expected
+
+
+def test_count_expiring_reads_exp_after_the_key() -> None:
+    """Keys of a TTL table that expire before the table's limit, by kind; `exp=-1` never
+    expires; other tables and namespaces are not counted."""
+
+    def line(key: str, exp: int) -> bytes:
+        return f"key={key} exp={exp} la=1 cas=1 fetch=no cls=1 size=80\n".encode()
+
+    data = b"".join(
+        [
+            line("ns%2Fhot%2Fw%2Fi01", 1000),  # expires before 1500: counted
+            line("ns%2Fhot%2Fw%2Fi02", 1499),  # counted
+            line("ns%2Fhot%2Fw%2Fi03", 1500),  # not before the limit
+            line("ns%2Fhot%2Fw%2Fi04", 123456789012),  # 12 digits
+            line("ns%2Fhot%2Fs%2Fi01", 900),  # slots: counted as slots
+            line("ns%2Fhot%2Fc%2Fi09", -1),  # never expires
+            line("ns%2Fcold%2Fw%2Fi01", 5),  # a table not asked about
+            line("other%2Fhot%2Fw%2Fi01", 5),  # another namespace
+            b"END\r\n",
+        ]
+    )
+    got = stats.count_expiring(data, "ns", {"hot": 1500})
+    assert got == {("hot", "w"): 2, ("hot", "s"): 1}
+    assert stats.count_expiring(data, "ns", {"hot": 10**13}) == {
+        ("hot", "w"): 4,
+        ("hot", "s"): 1,
+    }
+    bad = b"key=ns%2Fhot%2Fw%2Fi01 la=1 cas=1 size=80\nEND\r\n"
+    with pytest.raises(StoreError, match="without an `exp=` field"):
+        stats.count_expiring(bad, "ns", {"hot": 1}, node="n:1")

@@ -159,6 +159,13 @@ ROUND_TRIP_CASES: dict[str, Callable[[], dict[str, Any]]] = {
         tables=[{"name": "c.v2", "dim": 3, "initializer": {"name": "constant", "value": -1}}],
     ),
     "token": lambda: minimal(token="s3cret", workers=5, mode="async"),
+    "lifecycle": lambda: minimal(
+        tables=[
+            {"name": "a", "dim": 2, "ttl_s": 3},
+            {"name": "b", "dim": 2, "admit_after": 3},
+            {"name": "c", "dim": 2, "ttl_s": 90 * 86_400, "admit_after": 2, "admit_ttl_s": 60},
+        ]
+    ),
 }
 
 
@@ -426,6 +433,48 @@ BAD_VALUES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ),
     ("seed not an int", _set("tables[0].seed", 1.5), r"tables\[0\]\.seed: expected an integer"),
     ("table not a table", _set("tables[1]", "user"), r"tables\[1\]: expected a table"),
+    (
+        "ttl_s 0",
+        _set("tables[0].ttl_s", 0),
+        r"tables\[0\]\.ttl_s: expected a positive integer number of seconds, got 0",
+    ),
+    ("ttl_s negative", _set("tables[0].ttl_s", -5), r"tables\[0\]\.ttl_s: .*got -5"),
+    ("ttl_s float", _set("tables[0].ttl_s", 1.5), r"tables\[0\]\.ttl_s: .*got 1.5"),
+    ("ttl_s str", _set("tables[0].ttl_s", "3600"), r"tables\[0\]\.ttl_s: .*got '3600'"),
+    ("ttl_s bool", _set("tables[0].ttl_s", True), r"tables\[0\]\.ttl_s: .*got True"),
+    (
+        "ttl_s over a year",
+        _set("tables[0].ttl_s", 365 * 86_400 + 1),
+        r"tables\[0\]\.ttl_s: at most 31536000 seconds \(365 days\), got 31536001; values "
+        r"above 2592000 \(30 days\) are sent to memcached as absolute unix times",
+    ),
+    (
+        "admit_after 0",
+        _set("tables[1].admit_after", 0),
+        r"tables\[1\]\.admit_after: expected a positive integer, got 0",
+    ),
+    ("admit_after float", _set("tables[1].admit_after", 2.0), r"tables\[1\]\.admit_after: "),
+    (
+        "admit_ttl_s without admission",
+        _set("tables[1].admit_ttl_s", 600),
+        r"tables\[1\]\.admit_ttl_s: only used with admit_after >= 2",
+    ),
+    (
+        "admit_ttl_s 0",
+        _set("tables[1]", {"name": "item", "dim": 4, "admit_after": 2, "admit_ttl_s": 0}),
+        r"tables\[1\]\.admit_ttl_s: expected a positive integer number of seconds, got 0",
+    ),
+    (
+        "unknown lifecycle key",
+        _set("tables[0].ttl", 60),
+        r"tables\[0\]\.ttl: unknown key; expected one of admit_after, admit_ttl_s, dim, "
+        r"id_type, initializer, name, optimizer, seed, ttl_s",
+    ),
+    (
+        "push_record_ttl_s over a year",
+        _set("service.push_record_ttl_s", 400 * 86_400),
+        r"service\.push_record_ttl_s: at most 31536000 seconds",
+    ),
     ("tables not an array", _set("tables", {"name": "user"}), "tables: expected an array"),
     (
         "store.pool_size 0",
@@ -570,3 +619,16 @@ def test_node_spec() -> None:
     node = NodeSpec(host="10.0.0.1", port=11211)
     assert node.address == "10.0.0.1:11211"
     assert str(node) == "10.0.0.1:11211"
+
+
+def test_lifecycle_keys_and_their_defaults() -> None:
+    config = parse_config(ROUND_TRIP_CASES["lifecycle"](), env={})
+    a, b, c = config.tables
+    assert (a.ttl_s, a.admit_after, a.admit_ttl_s) == (3, 1, None)
+    assert (b.ttl_s, b.admit_after, b.counter_ttl_s) == (None, 3, 86_400)  # a day by default
+    assert (c.ttl_s, c.admit_after, c.counter_ttl_s) == (90 * 86_400, 2, 60)
+    one = {"name": "d", "dim": 1, "ttl_s": 7, "admit_after": 2}
+    with_ttl = parse_config(minimal(tables=[one]), env={})
+    assert with_ttl.tables[0].counter_ttl_s == 7  # derived: a counter lives as long as a row
+    plain = parse_config(minimal(tables=[{"name": "e", "dim": 1}]), env={})
+    assert (plain.tables[0].ttl_s, plain.tables[0].admit_after) == (None, 1)  # as before

@@ -28,6 +28,7 @@ def test_kind_tags_are_pinned() -> None:
     assert {k.name: str(k) for k in Kind} == {
         "ROW": "w",
         "SLOTS": "s",
+        "COUNTER": "c",
         "META": "m",
         "PUSH_RECORD": "p",
         "JOURNAL": "j",

@@ -21,10 +21,13 @@ from lookup_table.memcached.protocol import (
     STATUS_NOT_STORED,
     STATUS_STORED,
     MgReply,
+    build_ma_count,
     build_mg,
     build_mg_quiet,
     build_ms,
+    build_touch,
     gather_values,
+    parse_ma,
     parse_mg,
     parse_mg_quiet,
     parse_ms,
@@ -744,3 +747,47 @@ def test_a_group_built_in_pieces_is_the_group_built_at_once(sizes: list[int], ma
 def test_a_piece_must_fit_in_its_group() -> None:
     with pytest.raises(ValueError, match="reads 1 .. 2 are not in a group of 2"):
         build_mg_quiet([b"a", b"b"], first=1, total=2)
+
+
+# ------------------------------------------------------------------ lifecycle: TTL, counters
+
+
+def test_build_mg_quiet_with_a_ttl_sends_the_t_flag_before_the_token() -> None:
+    assert build_mg_quiet([b"k1", b"k22"], exptime=3) == (
+        b"mg k1 T3 v q O0\r\nmg k22 T3 v q O1\r\n"
+    )
+    matrix = np.frombuffer(b"k1k2", dtype=np.uint8).reshape(2, 2)
+    assert build_mg_quiet(matrix, first=1, total=12, exptime=90) == (
+        b"mg k1 T90 v q O01\r\nmg k2 T90 v q O02\r\n"
+    )
+    assert build_mg_quiet([b"k1"], exptime=0) == b"mg k1 v q O0\r\n"  # no TTL: as before
+
+
+def test_build_touch_and_ma_count() -> None:
+    assert build_touch([b"a", b"bb"], 5) == b"touch a 5 noreply\r\ntouch bb 5 noreply\r\n"
+    assert build_touch([], 5) == b""
+    keys = np.frombuffer(b"c1c2", dtype=np.uint8).reshape(2, 2)
+    assert build_ma_count(keys, 60) == b"ma c1 N60 J1 T60 v\r\nma c2 N60 J1 T60 v\r\n"
+    assert build_ma_count([], 60) == b""
+
+
+def test_parse_ma_counts_and_errors() -> None:
+    buf = b"xxVA 1\r\n1\r\nVA 2\r\n17\r\nVA 20\r\n18446744073709551615\r\nMN\r\n"
+    reply = parse_ma(buf, 2, 3)
+    assert reply is not None
+    assert reply.values.dtype == np.uint64
+    assert reply.values.tolist() == [1, 17, 2**64 - 1]
+    assert buf[reply.end :] == b"MN\r\n"
+    assert parse_ma(buf[:-12], 2, 3) is None  # incomplete
+    empty = parse_ma(b"MN\r\n", 0, 0)
+    assert empty is not None and (empty.values.shape, empty.end) == ((0,), 0)
+    mixed = b"VA 1\r\n3\r\nSERVER_ERROR out of memory\r\nVA 1\r\n2\r\nMN\r\n"
+    got = parse_ma(mixed, 0, 3)
+    assert got is not None
+    assert got.values.tolist() == [3, 0, 2]
+    assert got.errors == {1: b"SERVER_ERROR out of memory"}
+    assert mixed[got.end :] == b"MN\r\n"
+    with pytest.raises(ProtocolError, match="unexpected meta-arithmetic reply"):
+        parse_ma(b"HD\r\nMN\r\n", 0, 1)
+    with pytest.raises(ProtocolError, match="bad meta-arithmetic value"):
+        parse_ma(b"VA 2\r\n-1\r\nMN\r\n", 0, 1)

@@ -170,7 +170,7 @@ async def save_checkpoint(
     started = time.monotonic()
     created = datetime.datetime.now(datetime.UTC)
     try:
-        async with EmbeddingStore(config) as store:
+        async with EmbeddingStore(config, refresh_ttl=False) as store:
             await _require_intact(store)
             client = OptimizerClient(config, max_retries=2) if pause and config.optimizers else None
             if pause and client is None:
