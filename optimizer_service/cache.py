@@ -19,8 +19,8 @@ is not what memcached holds once the TTL passed (caching them would serve expire
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import cast
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -34,7 +34,7 @@ __all__ = ["RowCache"]
 
 _MAX_PROBES = 64  # at load <= 1/2 a probe sequence this long is vanishingly rare
 _MIN_CAPACITY = 1024
-_ENTRY_OVERHEAD = 9  # bytes per slot besides the values: the key (8) and `used` (1)
+_ENTRY_OVERHEAD = 14  # bytes per slot besides the values: id, table, used, valid
 
 
 def _int_ids(ids: IdArray) -> NDArray[np.int64]:
@@ -43,20 +43,27 @@ def _int_ids(ids: IdArray) -> NDArray[np.int64]:
     return cast("NDArray[np.int64]", ids)
 
 
-def _positions(ids: NDArray[np.int64], mask: int) -> NDArray[np.intp]:
-    return (mix64(ids.view(np.uint64)) & np.uint64(mask)).astype(np.intp)
+_TABLE_SALT = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _positions(ids: NDArray[np.int64], tabs: NDArray[np.int32], mask: int) -> NDArray[np.intp]:
+    with np.errstate(over="ignore"):
+        salt = tabs.astype(np.uint64) * _TABLE_SALT
+    return (mix64(ids.view(np.uint64) ^ salt) & np.uint64(mask)).astype(np.intp)
 
 
 class _IntMap:
-    """int64 id -> a float32 value of `width` floats; open addressing, no deletions."""
+    """(table number, int64 id) -> a float32 value of `width` floats; open addressing,
+    no deletions."""
 
     def __init__(self, capacity: int, width: int) -> None:
         self.mask = capacity - 1
         self.keys = np.zeros(capacity, dtype=np.int64)
+        self.tabs = np.zeros(capacity, dtype=np.int32)
         self.used = np.zeros(capacity, dtype=bool)
         self.valid = np.zeros(capacity, dtype=bool)  # False: the id's value was forgotten
         self.values = np.zeros((capacity, width), dtype=np.float32)
-        for arr in (self.keys, self.used, self.valid, self.values):
+        for arr in (self.keys, self.tabs, self.used, self.valid, self.values):
             arr.fill(0)  # touch every page now: `nbytes` is what the cache holds resident
         self.size = 0
 
@@ -64,25 +71,27 @@ class _IntMap:
     def capacity(self) -> int:
         return self.mask + 1
 
-    def find(self, ids: NDArray[np.int64]) -> NDArray[np.intp]:
+    def find(self, ids: NDArray[np.int64], tabs: NDArray[np.int32]) -> NDArray[np.intp]:
         """The slot of each id, -1 where it is absent (a slot may hold a forgotten value)."""
         out = np.full(ids.shape[0], -1, dtype=np.intp)
-        start = _positions(ids, self.mask)
+        start = _positions(ids, tabs, self.mask)
         todo = np.arange(ids.shape[0])
         for step in range(_MAX_PROBES):
             if not todo.size:
                 break
             p = (start[todo] + step) & self.mask
             used = self.used[p]
-            match = used & (self.keys[p] == ids[todo])
+            match = used & (self.keys[p] == ids[todo]) & (self.tabs[p] == tabs[todo])
             out[todo[match]] = p[match]
             todo = todo[used & ~match]  # a free slot ends the search: absent
         return out
 
-    def insert(self, ids: NDArray[np.int64], values: NDArray[np.float32]) -> NDArray[np.bool_]:
-        """Put absent, unique `ids`; False where no free slot was found within the probes."""
+    def insert(
+        self, ids: NDArray[np.int64], tabs: NDArray[np.int32], values: NDArray[np.float32]
+    ) -> NDArray[np.bool_]:
+        """Put absent, unique keys; False where no free slot was found within the probes."""
         placed = np.zeros(ids.shape[0], dtype=bool)
-        start = _positions(ids, self.mask)
+        start = _positions(ids, tabs, self.mask)
         todo = np.arange(ids.shape[0])
         for step in range(_MAX_PROBES):
             if not todo.size:
@@ -96,6 +105,7 @@ class _IntMap:
             self.used[slots] = True
             self.valid[slots] = True
             self.keys[slots] = ids[winners]
+            self.tabs[slots] = tabs[winners]
             self.values[slots] = values[winners]
             placed[winners] = True
             todo = todo[~placed[todo]]
@@ -116,8 +126,10 @@ class _TableCache:
         maps = [self.young] + ([self.old] if self.old is not None else [])
         return sum(m.capacity * (self.width * 4 + _ENTRY_OVERHEAD) for m in maps)
 
-    def get(self, ids: NDArray[np.int64]) -> tuple[NDArray[np.bool_], NDArray[np.float32]]:
-        pos = self.young.find(ids)
+    def get(
+        self, ids: NDArray[np.int64], tabs: NDArray[np.int32]
+    ) -> tuple[NDArray[np.bool_], NDArray[np.float32]]:
+        pos = self.young.find(ids, tabs)
         present = pos >= 0
         hit = present.copy()
         hit[present] = self.young.valid[pos[present]]
@@ -125,18 +137,20 @@ class _TableCache:
         values[hit] = self.young.values[pos[hit]]
         if self.old is not None and not present.all():  # in the young map: never the old one
             miss = np.flatnonzero(~present)
-            old_pos = self.old.find(ids[miss])
+            old_pos = self.old.find(ids[miss], tabs[miss])
             found = old_pos >= 0
             found[found] = self.old.valid[old_pos[found]]
             if found.any():
                 got = miss[found]
                 values[got] = self.old.values[old_pos[found]]
                 hit[got] = True
-                self.put(ids[got], values[got])  # used again: keep it in the young map
+                self.put(ids[got], tabs[got], values[got])  # used again: keep it young
         return hit, values
 
-    def put(self, ids: NDArray[np.int64], values: NDArray[np.float32]) -> None:
-        pos = self.young.find(ids)
+    def put(
+        self, ids: NDArray[np.int64], tabs: NDArray[np.int32], values: NDArray[np.float32]
+    ) -> None:
+        pos = self.young.find(ids, tabs)
         present = pos >= 0
         self.young.values[pos[present]] = values[present]
         self.young.valid[pos[present]] = True
@@ -145,17 +159,17 @@ class _TableCache:
             return
         if 2 * (self.young.size + new.size) > self.young.capacity:
             self._make_room(new.size)
-        placed = self.young.insert(ids[new], values[new])
+        placed = self.young.insert(ids[new], tabs[new], values[new])
         if not placed.all():  # a probe sequence ran out: start a fresh generation
             self._rotate()
             left = new[~placed]
-            self.young.insert(ids[left], values[left])
+            self.young.insert(ids[left], tabs[left], values[left])
 
-    def drop(self, ids: NDArray[np.int64]) -> None:
-        """Forget the values of `ids` (what is stored for them is not known any more)."""
+    def drop(self, ids: NDArray[np.int64], tabs: NDArray[np.int32]) -> None:
+        """Forget the values of these keys (what is stored for them is not known any more)."""
         for m in (self.young, self.old):
             if m is not None:
-                pos = m.find(ids)
+                pos = m.find(ids, tabs)
                 m.valid[pos[pos >= 0]] = False
 
     def _make_room(self, incoming: int) -> None:
@@ -172,7 +186,7 @@ class _TableCache:
         old = self.young
         self.young = _IntMap(capacity, self.width)
         live = np.flatnonzero(old.used & old.valid)
-        self.young.insert(old.keys[live], old.values[live])
+        self.young.insert(old.keys[live], old.tabs[live], old.values[live])
 
     def _rotate(self) -> None:
         self.old = self.young
@@ -180,58 +194,96 @@ class _TableCache:
 
 
 class RowCache:
-    """Rows and slots (concatenated: dim + slot width floats) by table and int64 id."""
+    """Rows and slots (concatenated: dim + slot width floats) by table and int64 id.
+
+    Tables of one value width share one `_TableCache` (keys: table number and id), so a
+    push of many tables costs one batch of numpy operations per width, not per table.
+    """
 
     def __init__(self, config: ClusterConfig, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._dims: dict[str, int] = {}
-        self._tables: dict[str, _TableCache] = {}
+        self._where: dict[str, tuple[int, int, int]] = {}  # table -> (number, width, dim)
+        self._groups: dict[int, _TableCache] = {}
         # TTL tables are not cached: memcached may expire a row behind the cache's back
         int_tables = [t for t in config.tables if t.id_type == "int64" and t.ttl_s is None]
         if max_bytes <= 0 or not int_tables:
             return
-        share = max_bytes // len(int_tables)
+        widths: dict[int, int] = {}
         for t in int_tables:
             width = t.dim + make_optimizer(t.optimizer).slot_width(t.dim)
+            widths[width] = widths.get(width, 0) + 1
+        for width, count in widths.items():
+            share = max_bytes * count // len(int_tables)
             per_map = share // (2 * (width * 4 + _ENTRY_OVERHEAD))  # two generations
             capacity = 1 << max(int(per_map).bit_length() - 1, 0)
-            if capacity < _MIN_CAPACITY:
-                continue
-            self._dims[t.name] = t.dim
-            self._tables[t.name] = _TableCache(width, capacity)
+            if capacity >= _MIN_CAPACITY:
+                self._groups[width] = _TableCache(width, capacity)
+        for number, t in enumerate(int_tables):
+            width = t.dim + make_optimizer(t.optimizer).slot_width(t.dim)
+            if width in self._groups:
+                self._where[t.name] = (number, width, t.dim)
 
     def caches(self, table: str) -> bool:
-        return table in self._tables
+        return table in self._where
 
-    def get(
-        self, table: str, ids: IdArray
-    ) -> tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.float32]]:
-        """(hit, rows, slots) of unique `ids`; rows and slots are garbage where not hit."""
-        cache = self._tables[table]
-        hit, values = cache.get(_int_ids(ids))
-        dim = self._dims[table]
-        return hit, values[:, :dim], values[:, dim:]
+    def get_many(
+        self, parts: Sequence[tuple[str, IdArray]]
+    ) -> list[tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.float32]]]:
+        """(hit, rows, slots) of each (table, unique ids); garbage where not hit. One
+        batch per value width."""
+        out: list[Any] = [None] * len(parts)
+        for width, members in self._by_width([t for t, _ in parts]).items():
+            ids, tabs = self._keys([parts[i] for i in members])
+            hit, values = self._groups[width].get(ids, tabs)
+            start = 0
+            for i in members:
+                n = parts[i][1].shape[0]
+                dim = self._where[parts[i][0]][2]
+                block = values[start : start + n]
+                out[i] = (hit[start : start + n], block[:, :dim], block[:, dim:])
+                start += n
+        return out
 
-    def put(
+    def put_many(
         self,
-        table: str,
-        ids: IdArray,
-        rows: NDArray[np.float32],
-        slots: NDArray[np.float32],
+        parts: Sequence[tuple[str, IdArray, NDArray[np.float32], NDArray[np.float32]]],
     ) -> None:
-        cache = self._tables.get(table)
-        if cache is not None:
-            cache.put(_int_ids(ids), np.concatenate([rows, slots], axis=1))
+        """Remember the rows and slots of each (table, ids, rows, slots) of cached tables."""
+        for width, members in self._by_width([p[0] for p in parts]).items():
+            ids, tabs = self._keys([(parts[i][0], parts[i][1]) for i in members])
+            values = np.concatenate(
+                [np.concatenate([parts[i][2], parts[i][3]], axis=1) for i in members]
+            )
+            self._groups[width].put(ids, tabs, values)
 
     def forget(self, tables: Iterable[tuple[str, IdArray]] | None = None) -> None:
         """Forget the given (table, ids), or everything."""
         if tables is None:
-            for name, cache in list(self._tables.items()):
-                self._tables[name] = _TableCache(cache.width, cache.max_capacity)
+            for width, cache in list(self._groups.items()):
+                self._groups[width] = _TableCache(cache.width, cache.max_capacity)
             return
-        for name, ids in tables:
-            if name in self._tables:
-                self._tables[name].drop(_int_ids(ids))
+        parts = list(tables)
+        for width, members in self._by_width([t for t, _ in parts]).items():
+            ids, tabs = self._keys([parts[i] for i in members])
+            self._groups[width].drop(ids, tabs)
 
     def nbytes(self) -> int:
-        return sum(c.nbytes() for c in self._tables.values())
+        return sum(c.nbytes() for c in self._groups.values())
+
+    def _by_width(self, names: Sequence[str]) -> dict[int, list[int]]:
+        """Positions of the cached tables among `names`, by their value width."""
+        groups: dict[int, list[int]] = {}
+        for i, name in enumerate(names):
+            where = self._where.get(name)
+            if where is not None:
+                groups.setdefault(where[1], []).append(i)
+        return groups
+
+    def _keys(
+        self, parts: Sequence[tuple[str, IdArray]]
+    ) -> tuple[NDArray[np.int64], NDArray[np.int32]]:
+        ids = np.concatenate([_int_ids(p[1]) for p in parts])
+        tabs = np.concatenate(
+            [np.full(p[1].shape[0], self._where[p[0]][0], dtype=np.int32) for p in parts]
+        )
+        return ids, tabs

@@ -327,8 +327,7 @@ class Updater:
                 raise
             self._clear_later(slot)
             if self._sentinels is not None:
-                for u in plan.updates:
-                    self.cache.put(u.table, u.ids, u.rows, u.slots)
+                self.cache.put_many([(u.table, u.ids, u.rows, u.slots) for u in plan.updates])
         finally:
             if not handed_over:
                 await self.locks.release(keys)
@@ -433,10 +432,13 @@ class Updater:
         """Read the rows and slots of every table of a push (one request per node; rows
         and slots of one id share a node), those not in the cache, and apply each
         table's optimizer."""
+        use = [self._sentinels is not None and self.cache.caches(g.table) for g in tables]
+        wanted = [(g.table, g.ids) for g, u in zip(tables, use, strict=True) if u]
+        from_cache = iter(self.cache.get_many(wanted))
         cached: list[tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.float32]]] = []
-        for grads in tables:
-            if self._sentinels is not None and self.cache.caches(grads.table):
-                cached.append(self.cache.get(grads.table, grads.ids))
+        for grads, cache_it in zip(tables, use, strict=True):
+            if cache_it:
+                cached.append(next(from_cache))
             else:
                 n = grads.ids.shape[0]
                 nothing = np.empty((n, 0), dtype=np.float32)
