@@ -119,7 +119,8 @@ class _TableCache:
     def __init__(self, width: int, max_capacity: int) -> None:
         self.width = width
         self.max_capacity = max_capacity
-        self.young = _IntMap(min(_MIN_CAPACITY, max_capacity), width)
+        # start at 1/16 of the bound and grow 4x: at most two rehashes on the way
+        self.young = _IntMap(max(min(_MIN_CAPACITY, max_capacity), max_capacity // 16), width)
         self.old: _IntMap | None = None
 
     def nbytes(self) -> int:
@@ -177,7 +178,7 @@ class _TableCache:
         if self.young.capacity < self.max_capacity:
             capacity = self.young.capacity
             while capacity < need and capacity < self.max_capacity:
-                capacity *= 2
+                capacity = min(4 * capacity, self.max_capacity)
             self._grow(capacity)
         if 2 * (self.young.size + incoming) > self.young.capacity:
             self._rotate()
