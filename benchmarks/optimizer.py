@@ -32,7 +32,8 @@ update equals `optimizer.update` on the rows and slots read just before, bit for
 bit. `gc.collect()` runs before each timed call. Figures are medians of the
 rounds; the ratio is http rows/s / inprocess rows/s, within one run
 (PERF-NOTES.md: absolute figures vary 15-30% between runs). The issue's target
-is a ratio >= 0.7.
+is a ratio >= 0.8. The replica's row cache is off (`--cache-mb` turns it on): every
+round pushes the same ids, which it would serve without the reads the baseline makes.
 
 The service's own `lookup_table_push_latency_seconds` histogram (time inside
 `Updater.apply`) is scraped from `/metrics` before and after each dim's rounds,
@@ -107,7 +108,7 @@ LABELS = {
     "http": "OptimizerClient.push -> service (HTTP)",
     "inprocess": "in-process get_many + Adam + set_many",
 }
-ACCEPT_HTTP_VS_INPROCESS = 0.7
+ACCEPT_HTTP_VS_INPROCESS = 0.8  # issue 14
 SERVICE_START_TIMEOUT_S = 60.0
 OTHER_CPU_WARNING = 0.10
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,12 +119,15 @@ PACKAGES = ("lookup_table", "optimizer_service")  # whose source files `code` ha
 # ---------------------------------------------------------------- the cluster file
 
 
-def cluster_file(addresses: list[str], port: int) -> dict[str, Any]:
+def cluster_file(addresses: list[str], port: int, cache_mb: int = 0) -> dict[str, Any]:
     return {
         "namespace": "bench" + uuid.uuid4().hex[:8],
         "memcached": addresses,
         "optimizers": [f"http://127.0.0.1:{port}"],
         "token": uuid.uuid4().hex,  # auth on, as in a deployment
+        # the row cache off by default: every round pushes the same ids, which a cache
+        # would serve without the reads the in-process baseline makes (--cache-mb)
+        "service": {"cache_mb": cache_mb},
         "tables": [
             {"name": f"emb{d}", "dim": d, "seed": d, "optimizer": {"name": "adam"}} for d in DIMS
         ],
@@ -582,6 +586,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where optimizer.json/png go"
     )
     parser.add_argument(
+        "--cache-mb",
+        type=int,
+        default=0,
+        help="the service's row cache (service.cache_mb; default 0: off, a fair baseline)",
+    )
+    parser.add_argument(
         "--py-spy",
         action="store_true",
         help="after the timed rounds, profile `rounds` more HTTP pushes per dim with py-spy "
@@ -614,7 +624,9 @@ def main(argv: list[str] | None = None) -> int:
     ):
         port = free_port()
         config_path = Path(tmp) / "cluster.toml"
-        config_path.write_text(to_toml(cluster_file([s.address for s in servers], port)))
+        config_path.write_text(
+            to_toml(cluster_file([s.address for s in servers], port, args.cache_mb))
+        )
         config = load_config(config_path)  # exactly what the service reads
         asyncio.run(write_sentinels(config))
         with service_process(config_path, port, Path(tmp) / "service.log") as service_pid:
@@ -654,6 +666,7 @@ def main(argv: list[str] | None = None) -> int:
             "ids_per_push": args.ids,
             "quick": args.quick,
             "py_spy": args.py_spy,
+            "cache_mb": args.cache_mb,
             "dims": list(DIMS),
             "optimizer": "adam (Keras defaults: learning_rate 0.001, beta_1 0.9, "
             "beta_2 0.999, epsilon 1e-7)",
