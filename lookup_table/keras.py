@@ -100,6 +100,22 @@ def _to_ids(values: NDArray[Any], table: str) -> IdArray:
     return as_ids(values, table=table)
 
 
+def combine_segments(
+    weighted: tf.Tensor, weights: tf.Tensor, segments: tf.Tensor, groups: Any, combiner: str
+) -> tf.Tensor:
+    """Combine the weighted rows `w_i e_i` (k, dim) of each segment (k,) into (groups, dim):
+    "sum" = sum w_i e_i, "mean" = that / sum w_i, "sqrtn" = that / sqrt(sum w_i^2) (0 where
+    the denominator is 0), as `tf.nn.safe_embedding_lookup_sparse` does."""
+    total = tf.math.unsorted_segment_sum(weighted, segments, num_segments=groups)
+    if combiner == "sum":
+        return total
+    if combiner == "mean":
+        denom = tf.math.unsorted_segment_sum(weights, segments, num_segments=groups)
+    else:
+        denom = tf.sqrt(tf.math.unsorted_segment_sum(weights * weights, segments, groups))
+    return tf.math.divide_no_nan(total, denom[:, None])
+
+
 class DistributedEmbedding(keras.layers.Layer):
     """An embedding layer backed by the distributed lookup table.
 
@@ -355,14 +371,9 @@ class DistributedEmbedding(keras.layers.Layer):
         else:
             w = tf.constant(weights)
             emb = emb * w[:, None]
-        total = tf.math.unsorted_segment_sum(emb, seg, num_segments=groups)
-        if self.combiner == "sum":
-            return total
-        if self.combiner == "mean":
-            denom = tf.math.unsorted_segment_sum(w, seg, num_segments=groups)
-        else:
-            denom = tf.sqrt(tf.math.unsorted_segment_sum(w * w, seg, num_segments=groups))
-        return tf.math.divide_no_nan(total, denom[:, None])
+        if self.combiner is None:
+            raise RuntimeError(f"layer {self.name!r}: combining without a combiner (a bug)")
+        return combine_segments(emb, w, seg, groups, self.combiner)
 
     # ------------------------------------------------------------ graph mode
 

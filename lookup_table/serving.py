@@ -590,15 +590,10 @@ def _weighted_sparse(
     segments = inputs.indices[:, 0]
     groups = inputs.dense_shape[0]
     emb = tf.gather(table, index)
+    from lookup_table.keras import combine_segments  # keras.py imports this module
+
     w = weights * tf.cast(index < num_rows, tf.float32)
-    total = tf.math.unsorted_segment_sum(emb * w[:, None], segments, num_segments=groups)
-    if layer.combiner == "sum":
-        return total
-    if layer.combiner == "mean":
-        denom = tf.math.unsorted_segment_sum(w, segments, num_segments=groups)
-    else:
-        denom = tf.sqrt(tf.math.unsorted_segment_sum(w * w, segments, num_segments=groups))
-    return tf.math.divide_no_nan(total, denom[:, None])
+    return combine_segments(emb * w[:, None], w, segments, groups, layer.combiner)
 
 
 class _NoRows:
