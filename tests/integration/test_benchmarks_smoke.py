@@ -120,7 +120,8 @@ def test_optimizer_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None
     params = report["parameters"]
     assert (params["rounds"], params["ids_per_push"], params["quick"]) == (3, 4096, True)
     assert params["dims"] == [16, 64]
-    assert report["acceptance_targets"] == {"http/inprocess": 0.7}
+    assert report["acceptance_targets"] == {"http/inprocess": 0.8}  # issue 14
+    assert params["cache_mb"] == 0  # the row cache off: the baseline makes the same reads
 
     for dim in (16, 64):
         result = report[f"dim{dim}"]
@@ -136,7 +137,7 @@ def test_optimizer_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None
         assert ratio > 0 and result["ratio_median_of_paired_rounds"] > 0
         split = result["http_split_mean_seconds"]
         assert 0 < split["inside_apply"] < split["total"]
-        assert set(result["acceptance"]) == {"http/inprocess >= 0.7"}
+        assert set(result["acceptance"]) == {"http/inprocess >= 0.8"}
     assert (tmp_path / "optimizer.png").stat().st_size > 0
 
 
