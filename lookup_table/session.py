@@ -500,6 +500,7 @@ class TrainingSession:
             for layer in self.layers:
                 if layer.source is self:
                     layer.bind(None)
+            self._run(_cancel_pending())
             self._run(self._store.close())
             self._run(self._client.close())
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -868,3 +869,14 @@ def check_layer(config: ClusterConfig, layer: DistributedEmbedding) -> None:
             f"layer {layer.name!r} expects dim={layer.dim} but table {layer.table!r} has "
             f"dim={spec.dim} in the cluster file"
         )
+
+
+async def _cancel_pending() -> None:
+    """Cancel and wait for every other task of the I/O loop (a push's retry still
+    connecting after the failure that closes the session): a task left pending when the
+    loop stops would leak its socket."""
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -152,6 +152,9 @@ async def test_stats_counts_every_row_and_slot_exactly_per_node_and_in_total(
         value = 4 * (DIMS[table] if kind == "w" else SLOT_WIDTHS[table])
         key_bytes = _key_bytes(config, table, kind, ids)
         for address, c in counts["nodes"].items():
+            if per_node[address] == 0:  # 7 words: one node may hold none (the namespace is random)
+                assert c["bytes"] == 0, (table, address)
+                continue
             payload = key_bytes[address] + per_node[address] * value
             assert payload < c["bytes"] <= payload + 100 * per_node[address], (table, address)
     assert set(tables["plain"]["kinds"]) == {"rows"}  # SGD: no slots
