@@ -196,8 +196,11 @@ def host_port(address: str) -> tuple[str, int]:
 
 
 def memcache_client(address: str) -> MemcacheClient:
-    """A pymemcache client (an independent reader: not our store, not our protocol code)."""
-    return MemcacheClient(host_port(address), connect_timeout=2, timeout=2)
+    """A pymemcache client (an independent reader: not our store, not our protocol code).
+
+    Writes and flushes wait for memcached's answer (pymemcache defaults to noreply: a
+    `flush_all` still in flight erased the sentinel a following `reinit` wrote)."""
+    return MemcacheClient(host_port(address), connect_timeout=2, timeout=2, default_noreply=False)
 
 
 def item_counts(nodes: Sequence[str]) -> dict[str, tuple[int, int]]:
