@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
+import subprocess
 import time
 import uuid
 import warnings
@@ -21,7 +23,7 @@ from hypothesis import HealthCheck, settings
 from pymemcache.client.base import Client as SyncClient
 
 from lookup_table.config import ClusterConfig, parse_config
-from lookup_table.ops.localcluster import MemcachedProcess, memcached_cluster
+from lookup_table.ops.localcluster import MemcachedProcess, memcached_cluster, wait_for_port
 from lookup_table.store import EmbeddingStore
 
 # With filterwarnings=error, a failing hypothesis test would crash the session
@@ -155,3 +157,33 @@ def node_stat(address: str, name: str) -> int:
     """One `stats` counter of a memcached node."""
     with raw_client(address) as client:
         return int(client.stats()[name.encode()])
+
+
+def memcached_settings(argv: list[str], port: int) -> dict[str, str]:
+    """Start memcached with `argv` (listening on 127.0.0.1:`port`), return its `stats
+    settings`, stop it: what a deployment's command line really configures."""
+    if os.geteuid() == 0:
+        argv = [*argv, "-u", "root"]  # deployments run as their own user; memcached refuses root
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert wait_for_port("127.0.0.1", port, timeout_s=10, proc=proc), proc.stdout and (
+            proc.stdout.read()
+        )
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"stats settings\r\n")
+            data = b""
+            deadline = time.monotonic() + 5
+            while not data.endswith(b"END\r\n") and time.monotonic() < deadline:
+                data += sock.recv(65536)
+        return dict(
+            line.split(" ", 2)[1:] for line in data.decode().splitlines() if line.startswith("STAT")
+        )
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()

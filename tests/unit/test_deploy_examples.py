@@ -15,17 +15,16 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
 import pytest
 
 from lookup_table.config import TOKEN_ENV, load_config
-from lookup_table.ops.localcluster import free_port, memcached_binary, wait_for_port
+from lookup_table.ops.localcluster import free_port, memcached_binary
+from tests.conftest import memcached_settings
 
 pytestmark = pytest.mark.unit
 
@@ -184,37 +183,13 @@ def test_memcached_accepts_the_unit_arguments_for_real() -> None:
     port = free_port()
     argv = _expand(_exec_start(path), env, str(port))
     argv[0] = memcached_binary()
-    if os.geteuid() == 0:
-        argv += ["-u", "root"]  # the unit runs as User=lookup-table; memcached refuses root
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        assert wait_for_port("127.0.0.1", port, timeout_s=10, proc=proc), proc.stdout and (
-            proc.stdout.read()
-        )
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-            sock.sendall(b"stats settings\r\n")
-            data = b""
-            deadline = time.monotonic() + 5
-            while not data.endswith(b"END\r\n") and time.monotonic() < deadline:
-                data += sock.recv(65536)
-        settings = dict(
-            line.split(" ", 2)[1:] for line in data.decode().splitlines() if line.startswith("STAT")
-        )
-        assert settings["evictions"] == "off"  # -M
-        assert settings["maxbytes"] == str(32 * 2**20)
-        assert settings["tcpport"] == str(port)
-        assert settings["udpport"] == "0"
-        assert settings["maxconns"] == env["MEMCACHED_MAX_CONNECTIONS"]
-        assert settings["num_threads"] == env["MEMCACHED_THREADS"]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+    settings = memcached_settings(argv, port)  # the unit runs as User=lookup-table
+    assert settings["evictions"] == "off"  # -M
+    assert settings["maxbytes"] == str(32 * 2**20)
+    assert settings["tcpport"] == str(port)
+    assert settings["udpport"] == "0"
+    assert settings["maxconns"] == env["MEMCACHED_MAX_CONNECTIONS"]
+    assert settings["num_threads"] == env["MEMCACHED_THREADS"]
 
 
 def test_the_example_cluster_file_loads_and_matches_the_units() -> None:

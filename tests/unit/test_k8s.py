@@ -22,11 +22,9 @@ import importlib
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
-import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,7 +36,8 @@ import pytest
 import yaml
 
 from lookup_table.config import TOKEN_ENV, ClusterConfig, load_config
-from lookup_table.ops.localcluster import free_port, memcached_binary, wait_for_port
+from lookup_table.ops.localcluster import free_port, memcached_binary
+from tests.conftest import memcached_settings
 
 pytestmark = pytest.mark.unit
 
@@ -511,36 +510,12 @@ def test_memcached_accepts_the_manifest_arguments_for_real() -> None:
     argv[argv.index("-p") + 1] = str(port)
     assert "-l" not in argv  # the pod listens on its own address
     argv += ["-l", "127.0.0.1"]
-    if os.geteuid() == 0:
-        argv += ["-u", "root"]  # the image runs as its memcache user; memcached refuses root
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        assert wait_for_port("127.0.0.1", port, timeout_s=10, proc=proc), proc.stdout and (
-            proc.stdout.read()
-        )
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-            sock.sendall(b"stats settings\r\n")
-            data = b""
-            deadline = time.monotonic() + 5
-            while not data.endswith(b"END\r\n") and time.monotonic() < deadline:
-                data += sock.recv(65536)
-        settings = dict(
-            line.split(" ", 2)[1:] for line in data.decode().splitlines() if line.startswith("STAT")
-        )
-        assert settings["evictions"] == "off"  # -M
-        assert settings["maxbytes"] == str(int(_flag(argv, "-m")) * 2**20)
-        assert settings["maxconns"] == _flag(argv, "-c")
-        assert settings["num_threads"] == _flag(argv, "-t")
-        assert settings["udpport"] == "0"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+    settings = memcached_settings(argv, port)  # the image runs as its memcache user
+    assert settings["evictions"] == "off"  # -M
+    assert settings["maxbytes"] == str(int(_flag(argv, "-m")) * 2**20)
+    assert settings["maxconns"] == _flag(argv, "-c")
+    assert settings["num_threads"] == _flag(argv, "-t")
+    assert settings["udpport"] == "0"
 
 
 # ---------------------------------------------------------------- the trainers' wait
