@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lookup_table.core.optimizers.base import Float32Array, check_update_args
+from lookup_table.core.optimizers.base import Float32Array, step
 
 if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
     from lookup_table.config import AdamConfig
@@ -159,6 +159,4 @@ class Adam:
         self, weights: Float32Array, grads: Float32Array, slots: Float32Array
     ) -> tuple[Float32Array, Float32Array]:
         """One Adam step per row, each with its own step count (see module docstring)."""
-        check_update_args(weights, grads, slots, self.slot_width)
-        new_slots = self.next_slots(grads, slots)
-        return self.finish(weights, grads, new_slots), new_slots
+        return step(self, weights, grads, slots)

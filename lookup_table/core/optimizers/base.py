@@ -104,3 +104,16 @@ def check_update_args(
             f"got {slots.shape}"
         )
     return dim
+
+
+def step(
+    optimizer: Optimizer, weights: Float32Array, grads: Float32Array, slots: Float32Array
+) -> tuple[Float32Array, Float32Array]:
+    """Every optimizer's `update`: check the arrays, then `finish(w, g, next_slots(g, s))`.
+
+    One composition for all, so a journal replay that recomputes only the rows (or
+    only the slots) with `finish` / `next_slots` computes exactly what `update` did.
+    """
+    check_update_args(weights, grads, slots, optimizer.slot_width)
+    new_slots = optimizer.next_slots(grads, slots)
+    return optimizer.finish(weights, grads, new_slots), new_slots
