@@ -58,6 +58,7 @@ from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig
 from lookup_table.core.initializers import initial_rows
+from lookup_table.core.keys import IdArray
 from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id, version_id
 from lookup_table.core.optimizers import Optimizer, make_optimizer
 from lookup_table.core.rows import value_hashes
@@ -479,7 +480,7 @@ class Updater:
         return list(await asyncio.gather(*jobs))
 
     async def _read(
-        self, tables: Sequence[TableGrads], wanted: Sequence[NDArray[np.bool_]]
+        self, tables: Sequence[TableGrads | TableRedo], wanted: Sequence[NDArray[np.bool_]]
     ) -> list[Any]:
         """Per table, ((rows, found), (slots, has)) of the ids `wanted` (one request per
         node for all tables); None for a table with none wanted."""
@@ -528,22 +529,7 @@ class Updater:
             slots, has_slots = np.zeros((n, 0), dtype=np.float32), np.ones(n, dtype=bool)
         else:
             slots, has_slots = slots_read
-        if not found.all():
-            # Never seen by `lookup` (or the trainer skipped it): its value is its initial
-            # row, exactly what a lookup would have created. A lost node is caught by the
-            # sentinel read above (DataLossError), never re-initialized here.
-            missing = np.flatnonzero(~found)
-            rows[missing] = initial_rows(
-                spec.initializer, seed=spec.seed, ids=grads.ids[missing], dim=spec.dim
-            )
-            if spec.ttl_s is not None:
-                # an expired row starts again with fresh slots, whatever is left of its
-                # old ones (slots may outlive their row by the second of an expiry)
-                has_slots = has_slots.copy()
-                has_slots[missing] = False
-        if not has_slots.all():
-            fresh = np.flatnonzero(~has_slots)
-            slots[fresh] = optimizer.initial_slots(fresh.size, spec.dim)
+        self._fill_unwritten(grads.table, grads.ids, rows, found, slots, has_slots)
         if spec.admit_after > 1 and not found.all():
             # not admitted yet (no row: lookups saw the id fewer than admit_after times):
             # its gradients are dropped, its row stays the initial value, nothing is written
@@ -588,35 +574,43 @@ class Updater:
             dropped=int(grads.ids.shape[0] - keep.size),
         )
 
+    def _fill_unwritten(
+        self,
+        table: str,
+        ids: IdArray,
+        rows: NDArray[np.float32],
+        found: NDArray[np.bool_],
+        slots: NDArray[np.float32],
+        has_slots: NDArray[np.bool_],
+    ) -> None:
+        """In place: a row never created takes its initial value, exactly what a lookup
+        would have created (a lost node is caught by the sentinel read: DataLossError,
+        never re-initialized here), and slots never written the optimizer's initial ones.
+        A TTL table's row that expired starts again with fresh slots, whatever is left of
+        its old ones (slots may outlive their row by the second of an expiry). The push
+        and the replay of its journal start from the same values so."""
+        spec = self.config.table(table)
+        fresh = ~has_slots
+        if not found.all():
+            missing = np.flatnonzero(~found)
+            rows[missing] = initial_rows(
+                spec.initializer, seed=spec.seed, ids=ids[missing], dim=spec.dim
+            )
+            if spec.ttl_s is not None:
+                fresh[missing] = True
+        if fresh.any():
+            where = np.flatnonzero(fresh)
+            slots[where] = self.optimizers[table].initial_slots(where.size, spec.dim)
+
     async def _redone(self, redo: Sequence[TableRedo]) -> list[TableUpdate]:
         """What a journal's tables still need written: the rows and slots whose stored
         hash is not the journaled one, recomputed (see `plan`); one read per node."""
-        reads: list[TableRead] = []
-        widths: list[int] = []
-        for r in redo:
-            width = self.optimizers[r.table].slot_width(self.config.table(r.table).dim)
-            reads.append(TableRead(r.table, r.ids))
-            if width:
-                reads.append(TableRead(r.table, r.ids, kind=Kind.SLOTS, width=width))
-            widths.append(width)
-        values = iter(await self.store.get_many(reads, unique=True))
+        got = await self._read(redo, [np.ones(r.ids.shape[0], dtype=bool) for r in redo])
         out: list[TableUpdate] = []
-        for r, width in zip(redo, widths, strict=True):
-            spec = self.config.table(r.table)
+        for r, ((rows, found), (slots, has_slots)) in zip(redo, got, strict=True):
             optimizer = self.optimizers[r.table]
-            rows, found = next(values)
-            if not found.all():  # never written: still its initial row
-                missing = np.flatnonzero(~found)
-                rows[missing] = initial_rows(
-                    spec.initializer, seed=spec.seed, ids=r.ids[missing], dim=spec.dim
-                )
-            if width:
-                slots, has_slots = next(values)
-                if not has_slots.all():
-                    fresh = np.flatnonzero(~has_slots)
-                    slots[fresh] = optimizer.initial_slots(fresh.size, spec.dim)
-            else:
-                slots = np.zeros((r.ids.shape[0], 0), dtype=np.float32)
+            width = slots.shape[1]
+            self._fill_unwritten(r.table, r.ids, rows, found, slots, has_slots)
             old_slots = value_hashes(slots) != r.slot_hashes
             old_rows = value_hashes(rows) != r.row_hashes
             if old_slots.any():

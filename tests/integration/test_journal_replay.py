@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from lookup_table import EmbeddingStore
+from lookup_table import EmbeddingStore, initial_rows
 from lookup_table.core.keyspace import Kind
 from lookup_table.core.optimizers import make_optimizer
 from lookup_table.core.wire import unpack
@@ -160,3 +160,51 @@ def test_a_small_journal_is_one_item_and_a_big_one_is_chunked() -> None:
     chunks, header = encode_journal(plan(big))
     assert len(chunks) == 2 and "body" not in unpack(header)
     assert decode_journal(b"".join(chunks)).redo[0].ids.shape == (big,)
+
+
+async def test_a_replay_of_an_expired_rows_push_starts_from_fresh_slots_as_the_push_did(
+    memcached_nodes: list[str], aiohttp_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A TTL table's row that expired while its slots lived on starts again with fresh
+    slots; the journal's replay must start from the same values as the push it finishes,
+    not from the slots it finds (that would be another step, and its hash would differ)."""
+    tables = [{"name": "t", "dim": 8, "seed": 5, "ttl_s": 3600}]  # Adam
+    config = make_config(memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"])
+    spec = config.table("t")
+    adam = make_optimizer(spec.optimizer)
+    ids = np.arange(4, dtype=np.int64)
+    rng = np.random.default_rng(3)
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        await store.lookup("t", ids)
+    server = await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
+    updater = server.app[UPDATER]
+    first = {"t": (ids, rng.standard_normal((4, 8), dtype=np.float32))}
+    await updater.apply(parse_push(unpack(_body("first", first)), config=config))
+    async with EmbeddingStore(config) as store:  # rows 0 and 1 expire; their slots live on
+        assert (await store.delete_blobs("t", ids[:2], kind=Kind.ROW)).all()
+
+    async def crash(*_: Any) -> None:
+        raise ConnectionResetError("simulated crash between the journal and the rows")
+
+    updater._write_updates = crash  # type: ignore[method-assign]
+    grads = rng.standard_normal((4, 8), dtype=np.float32)
+    with pytest.raises(ConnectionResetError):
+        await updater.apply(
+            parse_push(unpack(_body(uuid.uuid4().hex, {"t": (ids, grads)})), config=config)
+        )
+    for task in list(updater._finishers):
+        task.cancel()
+    await server.close()
+
+    caplog.set_level(logging.WARNING, logger="optimizer_service.updater")
+    await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
+    assert "replaying journaled push" in caplog.text
+    assert "differ from the journaled" not in caplog.text
+    fresh = initial_rows(spec.initializer, seed=spec.seed, ids=ids[:2], dim=8)
+    want_rows, want_slots = adam.update(fresh, grads[:2], adam.initial_slots(2, 8))
+    async with EmbeddingStore(config) as store:
+        (rows, found), (slots, has) = await _read(store, "t", ids[:2], adam.slot_width(8))
+    assert found.all() and has.all()
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_array_equal(slots, want_slots)
