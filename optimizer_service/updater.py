@@ -444,12 +444,11 @@ class Updater:
                 n = grads.ids.shape[0]
                 nothing = np.empty((n, 0), dtype=np.float32)
                 cached.append((np.zeros(n, dtype=bool), nothing, nothing))
+        read = self._read(tables, [~hit for hit, _, _ in cached])
         if any(hit.any() for hit, _, _ in cached):
             # cached rows are what this replica wrote, unless a node lost its data since
             # (its sentinel is gone, or new after a reinit): read together with the rest
-            sentinels, values = await asyncio.gather(
-                self.store.sentinels(), self._read(tables, [~hit for hit, _, _ in cached])
-            )
+            sentinels, values = await asyncio.gather(self.store.sentinels(), read)
             if sentinels != self._sentinels:
                 logger.warning(
                     "replica %d: a node's sentinel changed (lost data, reinit): the row "
@@ -460,7 +459,7 @@ class Updater:
                 self._sentinels = sentinels if all(sentinels.values()) else None
                 return await self._updated(tables)
         else:
-            values = await self._read(tables, [~hit for hit, _, _ in cached])
+            values = await read
         jobs = []
         for grads, (hit, rows_c, slots_c), read in zip(tables, cached, values, strict=True):
             spec = self.config.table(grads.table)
@@ -476,7 +475,7 @@ class Updater:
                 if hit.any():
                     rows[hit], slots[hit] = rows_c[hit], slots_c[hit]
                 (rows[miss], found[miss]), (slots[miss], has[miss]) = read
-            jobs.append(self._update(grads, rows, found, (slots, has) if width else None))
+            jobs.append(self._update(grads, rows, found, slots, has))
         return list(await asyncio.gather(*jobs))
 
     async def _read(
@@ -520,15 +519,12 @@ class Updater:
         grads: TableGrads,
         rows: NDArray[np.float32],
         found: NDArray[np.bool_],
-        slots_read: tuple[NDArray[np.float32], NDArray[np.bool_]] | None,
+        slots: NDArray[np.float32],
+        has_slots: NDArray[np.bool_],
     ) -> TableUpdate:
+        """One table's new rows and slots (slots (n, 0) for an optimizer without)."""
         spec = self.config.table(grads.table)
         optimizer = self.optimizers[grads.table]
-        n = grads.ids.shape[0]
-        if slots_read is None:
-            slots, has_slots = np.zeros((n, 0), dtype=np.float32), np.ones(n, dtype=bool)
-        else:
-            slots, has_slots = slots_read
         self._fill_unwritten(grads.table, grads.ids, rows, found, slots, has_slots)
         if spec.admit_after > 1 and not found.all():
             # not admitted yet (no row: lookups saw the id fewer than admit_after times):
