@@ -7,7 +7,8 @@ wrote until the replica writes them again, or the data goes away: a checkpoint r
 re-initialized (the sentinel's value changes: the updater clears the cache when it
 sees a new one). A push whose ids are all cached reads no row from memcached.
 
-One `_IntMap` per int64 table and generation: open addressing with linear probing over
+One `_IntMap` per value width (dim + slot width) and generation, shared by the tables of
+that width (keys: table number and id): open addressing with linear probing over
 numpy arrays, probed for a whole batch at once (a loop over probe steps, never over
 ids), no deletions. Two generations bound the memory: lookups look in the young map,
 then in the old one (a hit there moves to the young map); when the young map is half
@@ -19,6 +20,7 @@ is not what memcached holds once the TTL passed (caching them would serve expire
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
@@ -202,27 +204,22 @@ class RowCache:
     """
 
     def __init__(self, config: ClusterConfig, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
         self._where: dict[str, tuple[int, int, int]] = {}  # table -> (number, width, dim)
         self._groups: dict[int, _TableCache] = {}
         # TTL tables are not cached: memcached may expire a row behind the cache's back
         int_tables = [t for t in config.tables if t.id_type == "int64" and t.ttl_s is None]
         if max_bytes <= 0 or not int_tables:
             return
-        widths: dict[int, int] = {}
-        for t in int_tables:
-            width = t.dim + make_optimizer(t.optimizer).slot_width(t.dim)
-            widths[width] = widths.get(width, 0) + 1
-        for width, count in widths.items():
+        widths = {t.name: t.dim + make_optimizer(t.optimizer).slot_width(t.dim) for t in int_tables}
+        for width, count in Counter(widths.values()).items():
             share = max_bytes * count // len(int_tables)
             per_map = share // (2 * (width * 4 + _ENTRY_OVERHEAD))  # two generations
             capacity = 1 << max(int(per_map).bit_length() - 1, 0)
             if capacity >= _MIN_CAPACITY:
                 self._groups[width] = _TableCache(width, capacity)
         for number, t in enumerate(int_tables):
-            width = t.dim + make_optimizer(t.optimizer).slot_width(t.dim)
-            if width in self._groups:
-                self._where[t.name] = (number, width, t.dim)
+            if widths[t.name] in self._groups:
+                self._where[t.name] = (number, widths[t.name], t.dim)
 
     def caches(self, table: str) -> bool:
         return table in self._where
