@@ -1127,7 +1127,10 @@ class EmbeddingStore:
         `ms` answers one status line whatever its value's size, so the segments parse
         as one run of replies; the `ma` replies follow. `exptimes[k]` > 0 gives
         segment k's items that TTL (memcached's T flag, `core.expiry.exptime`).
+        Overwrites without counts are quiet: only failures answer (`parse_ms_quiet`),
+        and any failure fails the batch.
         """
+        quiet = not add and not counts
         sizes = [_num_keys(keys) for keys, _ in segments]
         bounds = np.cumsum([0, *sizes]).tolist()
         count_sizes = [_num_keys(keys) for keys, _ in counts]
@@ -1138,7 +1141,8 @@ class EmbeddingStore:
             return _key_text(segments[k][0], i - bounds[k])
 
         def parse_reply(data: bytes, pos: int) -> _WriteReplies | None:
-            sets = protocol.parse_ms(data, pos, bounds[-1])
+            parse = protocol.parse_ms_quiet if quiet else protocol.parse_ms
+            sets = parse(data, pos, bounds[-1])
             if sets is None:
                 return None
             mas = protocol.parse_ma(data, sets.end, count_bounds[-1])
@@ -1156,7 +1160,9 @@ class EmbeddingStore:
                 )
             if reply.errors:
                 i, line = next(iter(reply.errors.items()))
-                self._raise_reply_error(node, repr(key_text(i)), line)
+                # a quiet failure names no key: one of the batch's failed
+                key = f"one of {bounds[-1]} keys (the first {key_text(0)!r})" if quiet else None
+                self._raise_reply_error(node, key or repr(key_text(i)), line)
             ok: NDArray[np.bool_] = np.equal(reply.status, protocol.STATUS_STORED)
             if not add and not ok.all():
                 i = int(np.flatnonzero(~ok)[0])
@@ -1178,7 +1184,7 @@ class EmbeddingStore:
 
         ttls = [0] * len(segments) if exptimes is None else exptimes
         commands = [
-            protocol.build_ms(k, v, add=add, ttl_s=t)
+            protocol.build_ms(k, v, add=add, ttl_s=t, quiet=quiet)
             for (k, v), t in zip(segments, ttls, strict=True)
         ]
         commands += [protocol.build_ma_count(k, t) for k, t in counts]

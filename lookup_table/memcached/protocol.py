@@ -8,7 +8,7 @@ A batch to one node is one write::
     mg <key> v q O<i>\\r\\n x n        (read of fixed-size rows; several tables and
     [mn\\r\\n mg <key> v q O<i>\\r\\n x m]  kinds: one group per value size)   or
     mg <key> v\\r\\n   x n             (read of blobs)   or
-    ms <key> <len> [ME] [T<t>]\\r\\n<data>\\r\\n x n   (write)
+    ms <key> <len> [ME] [T<t>] [q]\\r\\n<data>\\r\\n x n   (write)
     ma <key> N<t> J1 T<t> v\\r\\n x n  (count sightings: admission counters)
     mn\\r\\n                           (end marker: memcached answers MN\\r\\n)
 
@@ -34,7 +34,9 @@ The sentinel and blobs are read without the quiet flag: every command then has
 exactly one reply (`EN\\r\\n` on a miss), in order, so replies map to keys by
 position, and a missing sentinel is an explicit `EN`. Writes answer `HD\\r\\n`
 (stored) / `NS\\r\\n` (add lost the race) per key, checked as one uint32
-comparison when all are `HD`.
+comparison when all are `HD`; overwrites (`set`, not `add`) are sent quiet (`q`), so a
+batch that stored everything answers only its `MN` (`parse_ms_quiet`): a quarter less
+work for memcached per write, and no reply to parse.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ __all__ = [
     "parse_ma",
     "parse_mg_quiet",
     "parse_ms",
+    "parse_ms_quiet",
     "token_width",
 ]
 
@@ -188,15 +191,25 @@ def build_mg_quiet(
 
 
 def build_ms(
-    keys: Keys, values: NDArray[np.uint8] | list[bytes], *, add: bool = False, ttl_s: int = 0
+    keys: Keys,
+    values: NDArray[np.uint8] | list[bytes],
+    *,
+    add: bool = False,
+    ttl_s: int = 0,
+    quiet: bool = False,
 ) -> bytes:
-    """`ms <key> <len> [ME] [T<ttl>]\\r\\n<value>\\r\\n` for every key.
+    """`ms <key> <len> [ME] [T<ttl>] [q]\\r\\n<value>\\r\\n` for every key.
 
     `add` (mode E) stores only if the key is absent; `ttl_s` > 0 makes the item
-    expire after that many seconds. Fixed-width keys with a fixed-width value
-    matrix (n, nbytes) are laid out with numpy; anything else is joined in Python.
+    expire after that many seconds; `quiet` (q): memcached answers only failures
+    (`parse_ms_quiet`). Fixed-width keys with a fixed-width value matrix (n, nbytes)
+    are laid out with numpy; anything else is joined in Python.
     """
-    mode = (b" ME" if add else b"") + (b" T%d" % ttl_s if ttl_s > 0 else b"")
+    mode = (
+        (b" ME" if add else b"")
+        + (b" T%d" % ttl_s if ttl_s > 0 else b"")
+        + (b" q" if quiet else b"")
+    )
     if isinstance(keys, np.ndarray) and isinstance(values, np.ndarray):
         n, width = keys.shape
         nbytes = values.shape[1]
@@ -497,6 +510,33 @@ def parse_ms(buf: bytes | bytearray, pos: int, n: int) -> MsReply | None:
         else:
             raise ProtocolError(f"unexpected meta-set reply {line[:80]!r}")
         pos = nl + 2
+    return MsReply(status=status, end=pos, errors=errors)
+
+
+def parse_ms_quiet(buf: bytes | bytearray, pos: int, n: int) -> MsReply | None:
+    """Parse the replies of n quiet `ms` (overwrites, `build_ms(quiet=True)`) from `pos`
+    up to the batch's `MN`; None while incomplete.
+
+    A stored value answers nothing, so what comes before the `MN` are failures, each an
+    error line (`SERVER_ERROR out of memory ...`) without a key or token: they are
+    `errors` at position 0 (the batch failed; which of its keys is unknown), and
+    `status` says STORED for all only when there are none.
+
+    Raises:
+        ProtocolError: a line that is neither an error nor the `MN` (an overwrite
+            never answers NS, EX or NF).
+    """
+    errors: dict[int, bytes] = {}
+    while not buf.startswith(END_REPLY, pos):
+        nl = buf.find(b"\r\n", pos)
+        if nl < 0:
+            return None
+        line = bytes(buf[pos:nl])
+        if not line.startswith((b"SERVER_ERROR", b"CLIENT_ERROR", b"ERROR")):
+            raise ProtocolError(f"unexpected quiet meta-set reply {line[:80]!r}")
+        errors.setdefault(0, line)
+        pos = nl + 2
+    status = np.full(n, STATUS_ERROR if errors else STATUS_STORED, dtype=np.uint8)
     return MsReply(status=status, end=pos, errors=errors)
 
 

@@ -527,6 +527,29 @@ async def test_full_node_raises_store_full_naming_it() -> None:
         server.stop()
 
 
+async def test_full_node_refuses_an_overwrite_batch_naming_it() -> None:
+    """Overwrites are sent quiet (only failures answer): a full node's refusal still
+    fails the batch with StoreFullError naming the node, and the values it had stay."""
+    server = start_memcached(memory_mb=2)
+    try:
+        config = make_config([server.address], tables=[{"name": "big", "dim": 200}])
+        async with EmbeddingStore(config) as s:
+            await s.write_sentinels()
+            ids = np.arange(100, dtype=np.int64)
+            first = await s.lookup_many({"big": ids})
+            rows = np.ones((5000, 200), dtype=np.float32)
+            with pytest.raises(StoreFullError, match=rf"{server.address} is out of memory") as info:
+                for start in range(1000, 200_000, 5000):
+                    block = np.arange(start, start + 5000, dtype=np.int64)
+                    await s.set_many([TableWrite("big", block, rows)])
+            assert info.value.node == server.address
+            assert "one of 5000 keys" in str(info.value)
+            again = await s.lookup_many({"big": ids}, create=False)
+            np.testing.assert_array_equal(again["big"], first["big"])
+    finally:
+        server.stop()
+
+
 async def test_stopped_node_times_out_naming_it(own_nodes: Any) -> None:
     config = make_config([s.address for s in own_nodes], store={"timeout_s": 0.5})
     user = _ids_on_every_node("user", config.node_addresses, 100)

@@ -31,6 +31,7 @@ from lookup_table.memcached.protocol import (
     parse_mg,
     parse_mg_quiet,
     parse_ms,
+    parse_ms_quiet,
     token_width,
 )
 from tests.strategies import int_id_arrays
@@ -111,6 +112,7 @@ def test_golden_requests() -> None:
     assert build_ms([b"k1"], [b"\x00\r\n"]) == b"ms k1 3\r\n\x00\r\n\r\n"
     assert build_ms([b"k1"], [b"xy"], add=True) == b"ms k1 2 ME\r\nxy\r\n"
     assert build_ms([b"k1"], [b"xy"], ttl_s=60) == b"ms k1 2 T60\r\nxy\r\n"
+    assert build_ms([b"k1"], [b"xy"], ttl_s=60, quiet=True) == b"ms k1 2 T60 q\r\nxy\r\n"
     assert END == b"mn\r\n"
     assert END_REPLY == b"MN\r\n"
     assert build_mg([]) == b""
@@ -385,6 +387,37 @@ def test_parse_ms_matches_the_replies_and_every_prefix_is_incomplete(lines: list
 def test_ms_garbage_raises_protocol_error(buf: bytes) -> None:
     with pytest.raises(ProtocolError):
         parse_ms(buf, 0, 1)
+
+
+# ------------------------------------------------------------------ parse_ms_quiet
+
+
+def test_quiet_ms_that_stored_everything_answers_only_mn() -> None:
+    reply = parse_ms_quiet(b"..." + END_REPLY, 3, 1000)
+    assert reply is not None
+    assert (reply.status == STATUS_STORED).all() and reply.status.shape == (1000,)
+    assert reply.end == 3 and reply.errors == {}
+    assert parse_ms_quiet(b"...MN\r", 3, 5) is None  # the MN not complete yet
+
+
+@given(st.lists(st.sampled_from(ERROR_LINES), min_size=1, max_size=6))
+def test_quiet_ms_failures_fail_the_batch_and_every_prefix_is_incomplete(
+    lines: list[bytes],
+) -> None:
+    buf = b"".join(line + b"\r\n" for line in lines)
+    reply = parse_ms_quiet(buf + END_REPLY, 0, 3)
+    assert reply is not None
+    assert reply.errors == {0: lines[0]}  # no key or token: the batch failed
+    assert (reply.status == STATUS_ERROR).all()
+    assert reply.end == len(buf)
+    for cut in range(len(buf) + len(END_REPLY)):
+        assert parse_ms_quiet((buf + END_REPLY)[:cut], 0, 3) is None, cut
+
+
+@pytest.mark.parametrize("buf", [b"HD\r\nMN\r\n", b"NS\r\nMN\r\n", b"VA 1\r\nx\r\n"], ids=repr)
+def test_quiet_ms_garbage_raises_protocol_error(buf: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        parse_ms_quiet(buf, 0, 1)
 
 
 # ------------------------------------------------------------------ gather_values
