@@ -100,12 +100,17 @@ class Journal:
         not carry). Returns the header for `write_header`. When one fails, the others
         are still awaited before the first error is raised: nothing of them is in
         flight afterwards (the caller may delete what they wrote)."""
+        # the writes alongside go out while the journal is encoded (in a thread when big)
+        writes: list[Awaitable[object]] = [asyncio.ensure_future(w) for w in alongside]
         size = sum(u.rows.nbytes + u.slots.nbytes for u in plan.updates)
-        if size > _OFFLOAD_JOURNAL_BYTES:  # hashing, packing and the CRC would stall the loop
-            chunks, header = await asyncio.to_thread(encode_journal, plan)
-        else:
-            chunks, header = encode_journal(plan)
-        writes: list[Awaitable[object]] = list(alongside)
+        try:
+            if size > _OFFLOAD_JOURNAL_BYTES:  # hashing, packing, CRC would stall the loop
+                chunks, header = await asyncio.to_thread(encode_journal, plan)
+            else:
+                chunks, header = encode_journal(plan)
+        except BaseException:
+            await asyncio.gather(*writes, return_exceptions=True)
+            raise
         if chunks:
             writes.append(
                 self.store.set_blobs(
