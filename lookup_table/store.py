@@ -66,11 +66,19 @@ from numpy.typing import NDArray
 from lookup_table.config import ClusterConfig
 from lookup_table.core.expiry import exptime
 from lookup_table.core.initializers import initial_rows
-from lookup_table.core.keys import IdArray, IdBodies, as_ids, id_bodies, key_prefix, prefixed_keys
+from lookup_table.core.keys import (
+    INT_ID_BYTES,
+    IdArray,
+    IdBodies,
+    as_ids,
+    id_bodies,
+    key_prefix,
+    prefixed_keys,
+)
 from lookup_table.core.keyspace import Kind, sentinel_key
 from lookup_table.core.optimizers import slot_width
 from lookup_table.core.rows import ROW_DTYPE, encode_rows, row_bytes
-from lookup_table.core.sharding import node_of
+from lookup_table.core.sharding import node_of, node_of_many
 from lookup_table.errors import (
     ClusterNotInitializedError,
     CorruptValueError,
@@ -427,10 +435,12 @@ class EmbeddingStore:
         """
         prepared: list[tuple[str, NDArray[np.intp], _Part]] = []
         touches: list[_Part] = []
-        for table, table_ids in ids.items():
+        uniques = [
+            (table, _unique(self._table_ids(table, table_ids))) for table, table_ids in ids.items()
+        ]
+        placements = self._place_many([(table, uniq) for table, (uniq, _) in uniques])
+        for (table, (_, inverse)), placed in zip(uniques, placements, strict=True):
             dim = self.config.table(table).dim
-            uniq, inverse = _unique(self._table_ids(table, table_ids))
-            placed = self._place(table, uniq)
             rows = _Part(
                 placed,
                 self._prefix(placed, Kind.ROW),
@@ -537,10 +547,10 @@ class EmbeddingStore:
             DataLossError, StoreFullError, NodeUnavailableError: see errors.py.
         """
         rows_of = {_group_key(r.table, r.ids) for r in reads if r.kind == Kind.ROW}
-        groups: dict[tuple[str, int], tuple[_Placed, NDArray[np.intp] | None]] = {}
+        todo: dict[tuple[str, int], tuple[str, IdArray, NDArray[np.intp] | None]] = {}
         for read in reads:
             key = _group_key(read.table, read.ids)
-            if key in groups:
+            if key in todo:
                 continue
             id_array = self._ids_of(read.table, read.ids, rows=key in rows_of)
             inverse = None
@@ -548,7 +558,12 @@ class EmbeddingStore:
                 uniq, inv = _unique(id_array)
                 if uniq.shape[0] != id_array.shape[0]:
                     id_array, inverse = uniq, inv
-            groups[key] = (self._place(read.table, id_array), inverse)
+            todo[key] = (read.table, id_array, inverse)
+        placements = self._place_many([(table, a) for table, a, _ in todo.values()])
+        groups = {
+            key: (placed, inverse)
+            for (key, (_, _, inverse)), placed in zip(todo.items(), placements, strict=True)
+        }
         parts: list[_Part] = []
         for read in reads:
             placed, _ = groups[_group_key(read.table, read.ids)]
@@ -766,6 +781,39 @@ class EmbeddingStore:
         by_node = [order[bounds[j] : bounds[j + 1]] for j in range(len(self._nodes))]
         return _Placed(table, ids, bodies, by_node)
 
+    def _place_many(self, items: Sequence[tuple[str, IdArray]]) -> list[_Placed]:
+        """`_place` of several (table, ids): those of int64 ids encoded and placed in one
+        pass of numpy operations (`node_of_many`), not one per table."""
+        ints = [i for i, (_, ids) in enumerate(items) if ids.dtype == np.int64]
+        out: list[_Placed | None] = [None] * len(items)
+        if len(ints) > 1:
+            tables = [items[i][0] for i in ints]
+            arrays = [cast("NDArray[np.int64]", items[i][1]) for i in ints]
+            sizes = [a.shape[0] for a in arrays]
+            starts = np.cumsum([0, *sizes]).tolist()
+            bodies = id_bodies(tables[0], np.concatenate(arrays)).bodies
+            k = len(self._nodes)
+            if k > 1:
+                placement = node_of_many(tables, arrays, self.nodes)
+                group = np.repeat(np.arange(len(ints)) * k, sizes) + placement
+                order = np.argsort(group, kind="stable")
+                bounds = np.searchsorted(group[order], np.arange(len(ints) * k + 1)).tolist()
+            for n, i in enumerate(ints):
+                a, b = starts[n], starts[n + 1]
+                if k > 1:
+                    by_node = [
+                        order[bounds[n * k + j] : bounds[n * k + j + 1]] - a for j in range(k)
+                    ]
+                else:
+                    by_node = [np.arange(b - a, dtype=np.intp)]
+                table, ids = items[i]
+                encoded = IdBodies(ids=ids, table=table, bodies=bodies[a:b], longest=INT_ID_BYTES)
+                out[i] = _Placed(table, ids, encoded, by_node)
+        for i, (table, ids) in enumerate(items):
+            if out[i] is None:
+                out[i] = self._place(table, ids)
+        return cast("list[_Placed]", out)
+
     def _prefix(self, placed: _Placed, kind: str) -> bytes:
         """The key prefix of `kind`, checked against the longest id of `placed`."""
         prefix = key_prefix(self.namespace, placed.table, kind)
@@ -776,8 +824,7 @@ class EmbeddingStore:
         """Check every write and place each table's ids once; nothing is sent yet."""
         seen: set[tuple[str, str]] = set()
         rows_of = {_group_key(w.table, w.ids) for w in writes if w.kind == Kind.ROW}
-        placed_of: dict[tuple[str, int], _Placed] = {}
-        parts: list[_Part] = []
+        todo: dict[tuple[str, int], tuple[str, IdArray]] = {}
         for w in writes:
             if (w.table, w.kind) in seen:
                 raise ValueError(
@@ -786,12 +833,15 @@ class EmbeddingStore:
                 )
             seen.add((w.table, w.kind))
             key = _group_key(w.table, w.ids)
-            placed = placed_of.get(key)
-            if placed is None:
+            if key not in todo:
                 id_array = self._ids_of(w.table, w.ids, rows=key in rows_of)
                 if not unique:
                     self._require_unique(w.table, id_array)
-                placed = placed_of[key] = self._place(w.table, id_array)
+                todo[key] = (w.table, id_array)
+        placed_of = dict(zip(todo, self._place_many(list(todo.values())), strict=True))
+        parts: list[_Part] = []
+        for w in writes:
+            placed = placed_of[_group_key(w.table, w.ids)]
             n = placed.ids.shape[0]
             arr = np.asarray(w.values)
             if arr.ndim != 2 or arr.shape[0] != n:

@@ -14,6 +14,7 @@ golden values in `tests/unit/test_hashing.py` pin them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -43,6 +44,7 @@ def mix64(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
     return z ^ (z >> _S31)
 
 
+@functools.lru_cache(maxsize=4096)
 def stable_hash(text: str) -> int:
     """A process-independent 64-bit hash of a str (node names, table names, seeds)."""
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()

@@ -26,7 +26,7 @@ from numpy.typing import NDArray
 from lookup_table.core.hashing import combine, id_hashes, mix64, stable_hash
 from lookup_table.core.keys import IdArray
 
-__all__ = ["assign", "node_of", "owner_of", "row_hashes"]
+__all__ = ["assign", "node_of", "node_of_many", "owner_of", "row_hashes"]
 
 _NODE_SEED = stable_hash("lookup-table/node")
 _REPLICA_SEED = stable_hash("lookup-table/replica")
@@ -61,6 +61,22 @@ def assign(hashes: NDArray[np.uint64], members: Sequence[str], *, seed: int) -> 
 def node_of(table: str, ids: IdArray, nodes: Sequence[str]) -> NDArray[np.intp]:
     """Index of the memcached node holding each row of `table`, intp (n,)."""
     return assign(row_hashes(table, ids), [f"node:{a}" for a in nodes], seed=_NODE_SEED)
+
+
+def node_of_many(
+    tables: Sequence[str], ids: Sequence[NDArray[np.int64]], nodes: Sequence[str]
+) -> NDArray[np.intp]:
+    """`node_of` of several tables' int64 ids at once: the placements, concatenated.
+
+    One pass of numpy operations for all of them (each id salted with its own table),
+    where one `node_of` per table costs the same dozen operations per table.
+    """
+    sizes = [a.shape[0] for a in ids]
+    salts = np.array(
+        [stable_hash("table:" + t) & 0xFFFFFFFFFFFFFFFF for t in tables], dtype=np.uint64
+    )
+    hashes = mix64(id_hashes(np.concatenate(ids)) ^ np.repeat(salts, sizes))
+    return assign(hashes, [f"node:{a}" for a in nodes], seed=_NODE_SEED)
 
 
 def owner_of(table: str, ids: IdArray, num_replicas: int) -> NDArray[np.intp]:

@@ -243,15 +243,22 @@ async def test_rows_and_slots_of_26_tables_are_one_request_per_node(
         await store.lookup_many(ids)  # create
         round_trips.clear()
 
-        # The ids of a table are placed once for its rows and slots: one node_of call each.
+        # The ids of a table are placed once for its rows and slots (all int tables in one
+        # node_of_many call).
         placements: list[str] = []
         original_node_of = store_module.node_of
+        original_node_of_many = store_module.node_of_many
 
         def counting_node_of(table: str, *args: Any) -> Any:
             placements.append(table)
             return original_node_of(table, *args)
 
+        def counting_node_of_many(tables: list[str], *args: Any) -> Any:
+            placements.extend(tables)
+            return original_node_of_many(tables, *args)
+
         monkeypatch.setattr(store_module, "node_of", counting_node_of)
+        monkeypatch.setattr(store_module, "node_of_many", counting_node_of_many)
         reads = [
             TableRead(t, table_ids, kind, ADAM_SLOTS if kind == "s" else None)
             for t, table_ids in ids.items()
@@ -573,3 +580,35 @@ async def test_stopped_node_times_out_naming_it(own_nodes: Any) -> None:
         again = await s.lookup_many({"user": user, "item": user})
         for table in rows:
             np.testing.assert_array_equal(again[table], rows[table])
+
+
+@given(
+    st.lists(st.sampled_from(["user", "item", "word"]), min_size=1, max_size=5),
+    st.integers(min_value=1, max_value=4),
+    st.data(),
+)
+def test_placing_many_tables_at_once_equals_one_at_a_time(
+    tables: list[str], n_nodes: int, data: st.DataObject
+) -> None:
+    """`_place_many` (one numpy pass for every int table) encodes and places each table's
+    ids exactly as `_place` does table by table (str tables go through `_place`)."""
+    config = make_config([f"127.0.0.1:{20000 + i}" for i in range(n_nodes)])
+    store = EmbeddingStore(config)  # nothing is sent: placement only
+    items = []
+    for table in tables:
+        if config.table(table).id_type == "string":
+            ids: Any = np.array(data.draw(st.lists(st.text(max_size=5), max_size=8)), dtype=object)
+        else:
+            ids = np.array(data.draw(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=30)))
+            ids = ids.astype(np.int64)
+        items.append((table, ids))
+    for (table, ids), many in zip(items, store._place_many(items), strict=True):
+        one = store._place(table, ids)
+        assert many.table == one.table and many.ids is ids
+        assert len(many.by_node) == len(one.by_node) == n_nodes
+        for a, b in zip(many.by_node, one.by_node, strict=True):
+            np.testing.assert_array_equal(a, b)
+        if isinstance(one.bodies.bodies, np.ndarray):
+            np.testing.assert_array_equal(many.bodies.bodies, one.bodies.bodies)
+        else:
+            assert many.bodies.bodies == one.bodies.bodies

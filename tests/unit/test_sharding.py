@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lookup_table.core.hashing import id_hashes
-from lookup_table.core.sharding import assign, node_of, owner_of, row_hashes
+from lookup_table.core.sharding import assign, node_of, node_of_many, owner_of, row_hashes
 from tests.strategies import INT64_MAX, INT64_MIN, int_id_arrays, table_names
 from tests.unit._fresh import fresh_json
 
@@ -238,3 +238,18 @@ def test_assign_seed_changes_the_family() -> None:
     members = ["a", "b", "c", "d"]
     same = assign(h, members, seed=1) == assign(h, members, seed=2)
     assert same.mean() == pytest.approx(1 / 4, abs=0.03)
+
+
+@given(
+    st.lists(st.tuples(table_names, int_id_arrays(max_size=30)), max_size=6),
+    st.integers(min_value=1, max_value=5),
+)
+def test_node_of_many_is_node_of_per_table(parts: list[tuple[str, np.ndarray]], n: int) -> None:
+    nodes = [f"10.0.0.{i}:11211" for i in range(n)]
+    tables = [t for t, _ in parts]
+    arrays = [ids for _, ids in parts]
+    expected = [node_of(t, ids, nodes) for t, ids in parts]
+    got = node_of_many(tables, arrays, nodes) if parts else np.zeros(0, dtype=np.intp)
+    np.testing.assert_array_equal(
+        got, np.concatenate(expected) if expected else np.zeros(0, dtype=np.intp)
+    )
