@@ -772,47 +772,56 @@ class EmbeddingStore:
 
     def _place(self, table: str, ids: IdArray) -> _Placed:
         """Encode `ids` once and split them by node (rendezvous placement, ignores the kind)."""
-        bodies = id_bodies(table, ids)
-        if len(self._nodes) == 1:
-            return _Placed(table, ids, bodies, [np.arange(ids.shape[0], dtype=np.intp)])
-        placement = node_of(table, ids, self.nodes)
-        order = np.argsort(placement, kind="stable")
-        bounds = np.searchsorted(placement[order], np.arange(len(self._nodes) + 1)).tolist()
-        by_node = [order[bounds[j] : bounds[j + 1]] for j in range(len(self._nodes))]
-        return _Placed(table, ids, bodies, by_node)
+        return self._place_many([(table, ids)])[0]
 
     def _place_many(self, items: Sequence[tuple[str, IdArray]]) -> list[_Placed]:
-        """`_place` of several (table, ids): those of int64 ids encoded and placed in one
-        pass of numpy operations (`node_of_many`), not one per table."""
+        """`_place` of several (table, ids). The int64 ids of every table are encoded and
+        placed in one pass of numpy operations (`node_of_many`), not one per table; str
+        ids table by table. One stable sort by (table, node) splits them all."""
+        if not items:
+            return []
+        k = len(self._nodes)
+        bodies: list[IdBodies | None] = [None] * len(items)
+        placement: list[NDArray[np.intp]] = [np.zeros(0, dtype=np.intp)] * len(items)
         ints = [i for i, (_, ids) in enumerate(items) if ids.dtype == np.int64]
-        out: list[_Placed | None] = [None] * len(items)
-        if len(ints) > 1:
-            tables = [items[i][0] for i in ints]
+        if ints:
             arrays = [cast("NDArray[np.int64]", items[i][1]) for i in ints]
-            sizes = [a.shape[0] for a in arrays]
-            starts = np.cumsum([0, *sizes]).tolist()
-            bodies = id_bodies(tables[0], np.concatenate(arrays)).bodies
-            k = len(self._nodes)
-            if k > 1:
-                placement = node_of_many(tables, arrays, self.nodes)
-                group = np.repeat(np.arange(len(ints)) * k, sizes) + placement
-                order = np.argsort(group, kind="stable")
-                bounds = np.searchsorted(group[order], np.arange(len(ints) * k + 1)).tolist()
+            starts = np.cumsum([0, *(a.shape[0] for a in arrays)]).tolist()
+            encoded = id_bodies(items[ints[0]][0], np.concatenate(arrays)).bodies
+            where = node_of_many([items[i][0] for i in ints], arrays, self.nodes) if k > 1 else None
             for n, i in enumerate(ints):
                 a, b = starts[n], starts[n + 1]
-                if k > 1:
-                    by_node = [
-                        order[bounds[n * k + j] : bounds[n * k + j + 1]] - a for j in range(k)
-                    ]
-                else:
-                    by_node = [np.arange(b - a, dtype=np.intp)]
                 table, ids = items[i]
-                encoded = IdBodies(ids=ids, table=table, bodies=bodies[a:b], longest=INT_ID_BYTES)
-                out[i] = _Placed(table, ids, encoded, by_node)
+                bodies[i] = IdBodies(
+                    ids=ids, table=table, bodies=encoded[a:b], longest=INT_ID_BYTES
+                )
+                if where is not None:
+                    placement[i] = where[a:b]
         for i, (table, ids) in enumerate(items):
-            if out[i] is None:
-                out[i] = self._place(table, ids)
-        return cast("list[_Placed]", out)
+            if bodies[i] is None:
+                bodies[i] = id_bodies(table, ids)
+                if k > 1:
+                    placement[i] = node_of(table, ids, self.nodes)
+        done = cast("list[IdBodies]", bodies)
+        if k == 1:
+            return [
+                _Placed(table, ids, done[i], [np.arange(ids.shape[0], dtype=np.intp)])
+                for i, (table, ids) in enumerate(items)
+            ]
+        sizes = [ids.shape[0] for _, ids in items]
+        firsts = np.cumsum([0, *sizes]).tolist()
+        group = np.repeat(np.arange(len(items)) * k, sizes) + np.concatenate(placement)
+        order = np.argsort(group, kind="stable")
+        bounds = np.searchsorted(group[order], np.arange(len(items) * k + 1)).tolist()
+        return [
+            _Placed(
+                table,
+                ids,
+                done[i],
+                [order[bounds[i * k + j] : bounds[i * k + j + 1]] - firsts[i] for j in range(k)],
+            )
+            for i, (table, ids) in enumerate(items)
+        ]
 
     def _prefix(self, placed: _Placed, kind: str) -> bytes:
         """The key prefix of `kind`, checked against the longest id of `placed`."""
@@ -1211,8 +1220,12 @@ class EmbeddingStore:
             if reply.errors:
                 i, line = next(iter(reply.errors.items()))
                 # a quiet failure names no key: one of the batch's failed
-                key = f"one of {bounds[-1]} keys (the first {key_text(0)!r})" if quiet else None
-                self._raise_reply_error(node, key or repr(key_text(i)), line)
+                key = (
+                    f"one of {bounds[-1]} keys (the first {key_text(0)!r})"
+                    if quiet
+                    else repr(key_text(i))
+                )
+                self._raise_reply_error(node, key, line)
             ok: NDArray[np.bool_] = np.equal(reply.status, protocol.STATUS_STORED)
             if not add and not ok.all():
                 i = int(np.flatnonzero(~ok)[0])

@@ -32,9 +32,13 @@ _NODE_SEED = stable_hash("lookup-table/node")
 _REPLICA_SEED = stable_hash("lookup-table/replica")
 
 
+def _table_salt(table: str) -> int:
+    return stable_hash("table:" + table)
+
+
 def row_hashes(table: str, ids: IdArray) -> NDArray[np.uint64]:
     """Placement hash of each row of `table`, uint64 (n,)."""
-    return combine(id_hashes(ids), stable_hash("table:" + table))
+    return combine(id_hashes(ids), _table_salt(table))
 
 
 def assign(hashes: NDArray[np.uint64], members: Sequence[str], *, seed: int) -> NDArray[np.intp]:
@@ -58,9 +62,13 @@ def assign(hashes: NDArray[np.uint64], members: Sequence[str], *, seed: int) -> 
     return winners
 
 
+def _node_members(nodes: Sequence[str]) -> list[str]:
+    return [f"node:{a}" for a in nodes]
+
+
 def node_of(table: str, ids: IdArray, nodes: Sequence[str]) -> NDArray[np.intp]:
     """Index of the memcached node holding each row of `table`, intp (n,)."""
-    return assign(row_hashes(table, ids), [f"node:{a}" for a in nodes], seed=_NODE_SEED)
+    return assign(row_hashes(table, ids), _node_members(nodes), seed=_NODE_SEED)
 
 
 def node_of_many(
@@ -72,11 +80,10 @@ def node_of_many(
     where one `node_of` per table costs the same dozen operations per table.
     """
     sizes = [a.shape[0] for a in ids]
-    salts = np.array(
-        [stable_hash("table:" + t) & 0xFFFFFFFFFFFFFFFF for t in tables], dtype=np.uint64
-    )
+    salts = np.array([_table_salt(t) for t in tables], dtype=np.uint64)
+    # `row_hashes` of each table: combine's mix64(h ^ salt), one salt per id
     hashes = mix64(id_hashes(np.concatenate(ids)) ^ np.repeat(salts, sizes))
-    return assign(hashes, [f"node:{a}" for a in nodes], seed=_NODE_SEED)
+    return assign(hashes, _node_members(nodes), seed=_NODE_SEED)
 
 
 def owner_of(table: str, ids: IdArray, num_replicas: int) -> NDArray[np.intp]:

@@ -31,6 +31,7 @@ from lookup_table import (
     initial_rows,
 )
 from lookup_table.config import ClusterConfig
+from lookup_table.core.keys import id_bodies
 from lookup_table.core.sharding import node_of
 from lookup_table.memcached.node import Node
 from lookup_table.ops.localcluster import start_memcached
@@ -591,7 +592,7 @@ def test_placing_many_tables_at_once_equals_one_at_a_time(
     tables: list[str], n_nodes: int, data: st.DataObject
 ) -> None:
     """`_place_many` (one numpy pass for every int table) encodes and places each table's
-    ids exactly as `_place` does table by table (str tables go through `_place`)."""
+    ids as `node_of` and `id_bodies` do table by table: each node's positions ascending."""
     config = make_config([f"127.0.0.1:{20000 + i}" for i in range(n_nodes)])
     store = EmbeddingStore(config)  # nothing is sent: placement only
     items = []
@@ -603,12 +604,14 @@ def test_placing_many_tables_at_once_equals_one_at_a_time(
             ids = ids.astype(np.int64)
         items.append((table, ids))
     for (table, ids), many in zip(items, store._place_many(items), strict=True):
-        one = store._place(table, ids)
-        assert many.table == one.table and many.ids is ids
-        assert len(many.by_node) == len(one.by_node) == n_nodes
-        for a, b in zip(many.by_node, one.by_node, strict=True):
+        where = node_of(table, ids, store.nodes)
+        expected = [np.flatnonzero(where == j) for j in range(n_nodes)]
+        assert many.table == table and many.ids is ids
+        assert len(many.by_node) == n_nodes
+        for a, b in zip(many.by_node, expected, strict=True):
             np.testing.assert_array_equal(a, b)
-        if isinstance(one.bodies.bodies, np.ndarray):
-            np.testing.assert_array_equal(many.bodies.bodies, one.bodies.bodies)
+        one = id_bodies(table, ids).bodies
+        if isinstance(one, np.ndarray):
+            np.testing.assert_array_equal(many.bodies.bodies, one)
         else:
-            assert many.bodies.bodies == one.bodies.bodies
+            assert many.bodies.bodies == one
