@@ -82,12 +82,15 @@ PLAN = "_plan"  # in `apply`'s result: the write plan of the push this call appl
 _OFFLOAD_FLOATS = 1 << 16  # above this many floats per table, run the math in a thread
 
 
-def _compute(
+async def _compute(
     optimizer: Optimizer,
     rows: NDArray[np.float32],
     grads: NDArray[np.float32],
     slots: NDArray[np.float32],
 ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
+    """`optimizer.update`, in a thread above _OFFLOAD_FLOATS floats (not to stall the loop)."""
+    if rows.size > _OFFLOAD_FLOATS:
+        return await asyncio.to_thread(optimizer.update, rows, grads, slots)
     return optimizer.update(rows, grads, slots)
 
 
@@ -530,12 +533,7 @@ class Updater:
             # not admitted yet (no row: lookups saw the id fewer than admit_after times):
             # its gradients are dropped, its row stays the initial value, nothing is written
             return await self._update_admitted(grads, rows, found, slots)
-        if rows.size > _OFFLOAD_FLOATS:
-            new_rows, new_slots = await asyncio.to_thread(
-                _compute, optimizer, rows, grads.grads, slots
-            )
-        else:
-            new_rows, new_slots = _compute(optimizer, rows, grads.grads, slots)
+        new_rows, new_slots = await _compute(optimizer, rows, grads.grads, slots)
         return TableUpdate(
             table=grads.table, ids=grads.ids, rows=new_rows, slots=new_slots, grads=grads.grads
         )
@@ -552,12 +550,7 @@ class Updater:
         optimizer = self.optimizers[grads.table]
         keep = np.flatnonzero(found)
         kept_grads = grads.grads[keep]
-        if keep.size * rows.shape[1] > _OFFLOAD_FLOATS:
-            new_rows, new_slots = await asyncio.to_thread(
-                _compute, optimizer, rows[keep], kept_grads, slots[keep]
-            )
-        else:
-            new_rows, new_slots = _compute(optimizer, rows[keep], kept_grads, slots[keep])
+        new_rows, new_slots = await _compute(optimizer, rows[keep], kept_grads, slots[keep])
         answer = rows.copy()
         answer[keep] = new_rows
         return TableUpdate(
