@@ -9,8 +9,8 @@ It starts 2 local memcached nodes (`-M`) and fills two cases, each in its own
 namespace (untimed, through `EmbeddingStore.set`):
 
 * `rows`: one table of dim 16 with SGD (no slots): N row keys.
-* `adam`: one table of dim 16 with Adam: N rows and N slots of 33 floats, 2N keys
-  (`--no-adam` skips it).
+* `adam`: one table of dim 16 with Adam: N rows, each stored with its 33 slot floats
+  in one item (storage format 2): N keys (`--no-adam` skips it).
 
 Per case, four methods, interleaved round by round (order rotated), `gc.collect()`
 before each, after one untimed warm-up round that checks that the ceiling and the
@@ -247,10 +247,9 @@ async def fill(config: ClusterConfig, ids: NDArray[np.int64], slot_width: int) -
         await store.write_sentinels()
         for s in range(0, ids.shape[0], 4 * CHUNK):
             part = ids[s : s + 4 * CHUNK]
-            await store.set("emb", part, rng.standard_normal((part.size, DIM), dtype=np.float32))
-            if slot_width:
-                slots = rng.standard_normal((part.size, slot_width), dtype=np.float32)
-                await store.set("emb", part, slots, kind="s")
+            rows = rng.standard_normal((part.size, DIM), dtype=np.float32)
+            slots = rng.standard_normal((part.size, slot_width), dtype=np.float32)
+            await store.set("emb", part, rows, slots=slots if slot_width else None)
 
 
 async def clear(config: ClusterConfig) -> None:
@@ -268,7 +267,7 @@ async def run_case(
 ) -> dict[str, list[float]]:
     config = case_config(addresses, case)
     width = 2 * DIM + 1 if case == "adam" else 0
-    widths = {"w": DIM, **({"s": width} if width else {})}
+    widths = {"w": DIM + width}  # a row and its slots are one item
     rng = np.random.default_rng(SEED)
     ids = np.empty(0, dtype=np.int64)
     while ids.shape[0] < n:  # n unique ids over the whole int64 range
@@ -283,27 +282,27 @@ async def run_case(
     raw = await ceiling_read(config, "emb", widths)
     table = manifest["tables"][0]
     saved_ids = np.load(base / table["files"]["ids"])
-    for kind, name in (("w", "rows"), ("s", "slots")):
-        if kind not in raw:
-            continue
-        bodies, values = raw[kind]
-        got_ids = checkpoint.decode_int_bodies([bytes(b) for b in bodies])
-        order = np.argsort(got_ids)
+    bodies, values = raw["w"]
+    got_ids = checkpoint.decode_int_bodies([bytes(b) for b in bodies])
+    order = np.argsort(got_ids)
+    parts = {"rows": values[order][:, :DIM], "slots": values[order][:, DIM:]}
+    for name in ("rows", "slots") if width else ("rows",):
         if not (
             np.array_equal(got_ids[order], saved_ids)
-            and np.array_equal(values[order], np.load(base / table["files"][name]))
+            and np.array_equal(parts[name], np.load(base / table["files"][name]))
         ):
             raise RuntimeError(f"{case}: the ceiling and the checkpoint read different {name}")
     target = fresh(config)
     await checkpoint.restore_checkpoint(target, base, progress=False)
     await clear(target)
     target = fresh(config)
-    await ceiling_write(target, "emb", saved_ids, {"w": np.load(base / table["files"]["rows"])})
+    items = np.load(base / table["files"]["rows"])
+    if width:  # each row followed by its slots, as the store keeps them
+        items = np.hstack([items, np.load(base / table["files"]["slots"])])
+    rows_values = {"w": items}
+    await ceiling_write(target, "emb", saved_ids, rows_values)
     await clear(target)
 
-    rows_values = {"w": np.load(base / table["files"]["rows"])}
-    if width:
-        rows_values["s"] = np.load(base / table["files"]["slots"])
     timings: dict[str, list[float]] = {m: [] for m in METHODS}
     for r in range(rounds):
         shift = r % len(METHODS)

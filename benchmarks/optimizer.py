@@ -21,7 +21,7 @@ measures rows/s updated by one push of random float32 gradients for those ids:
   `_OFFLOAD_FLOATS`), the journal, writing rows + slots, the done record and
   clearing the journal: the whole exactly-once path.
 * `inprocess`: the bare work in this process, on the same rows: one
-  `store.get_many` of the rows and the slots (one request per node, as the
+  `store.get` of the rows with their slots (one request per node, as the
   service reads them), `optimizer.update` (Adam, inline), one `store.set_many`
   of the rows and the slots. No HTTP, no validation, no journal, no done record.
 
@@ -80,7 +80,7 @@ from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, load_config
 from lookup_table.core.optimizers import Optimizer, make_optimizer
 from lookup_table.ops.localcluster import free_port, memcached_cluster
-from lookup_table.store import EmbeddingStore, TableRead, TableWrite
+from lookup_table.store import EmbeddingStore, TableWrite
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
@@ -303,16 +303,10 @@ async def inprocess_update(
     *,
     dim: int,
 ) -> None:
-    """Read rows + slots, one Adam step, write both back: nothing else."""
-    width = optimizer.slot_width(dim)
-    (rows, _), (slots, _) = await store.get_many(
-        [TableRead(table, ids, width=dim), TableRead(table, ids, kind="s", width=width)],
-        unique=True,
-    )
-    new_rows, new_slots = optimizer.update(rows, grads, slots)
-    await store.set_many(
-        [TableWrite(table, ids, new_rows), TableWrite(table, ids, new_slots, kind="s")]
-    )
+    """Read rows + slots (one item each), one Adam step, write both back: nothing else."""
+    items, _ = await store.get(table, ids, unique=True, slots=True)
+    new_rows, new_slots = optimizer.update(items[:, :dim], grads, items[:, dim:])
+    await store.set_many([TableWrite(table, ids, new_rows, slots=new_slots)])
 
 
 # ---------------------------------------------------------------- driver
@@ -353,18 +347,15 @@ async def check_service_update(
     dim: int,
 ) -> None:
     """One untimed push: the service must write exactly `optimizer.update` of what it read."""
-    width = optimizer.slot_width(dim)
-    rows, found = await store.get(table, ids, width=dim, unique=True)
-    slots, has_slots = await store.get(table, ids, kind="s", width=width, unique=True)
+    items, found = await store.get(table, ids, unique=True, slots=True)
     if not found.all():
         raise RuntimeError(f"dim {dim}: rows missing after store.lookup created them")
-    slots[~has_slots] = optimizer.initial_slots(int((~has_slots).sum()), dim)
-    want_rows, want_slots = optimizer.update(rows, grads, slots)
+    want_rows, want_slots = optimizer.update(items[:, :dim], grads, items[:, dim:])
     result = await client.push({table: (ids, grads)})
     if not result["applied"] or result["rows"] != ids.shape[0]:
         raise RuntimeError(f"dim {dim}: the service did not apply the warm-up push: {result}")
-    got_rows, _ = await store.get(table, ids, width=dim, unique=True)
-    got_slots, _ = await store.get(table, ids, kind="s", width=width, unique=True)
+    got, _ = await store.get(table, ids, unique=True, slots=True)
+    got_rows, got_slots = got[:, :dim], got[:, dim:]
     if not (np.array_equal(got_rows, want_rows) and np.array_equal(got_slots, want_slots)):
         raise RuntimeError(f"dim {dim}: the service's Adam update differs from optimizer.update")
 
@@ -689,8 +680,9 @@ def main(argv: list[str] | None = None) -> int:
             "notes": [
                 "http: OptimizerClient.push in this process -> the service process -> "
                 "memcached; the whole exactly-once path",
-                "inprocess: store.get rows || store.get slots, optimizer.update inline, "
-                "store.set rows || store.set slots; no HTTP, validation, journal or done record",
+                "inprocess: store.get of the rows with their slots (one item per row), "
+                "optimizer.update inline, store.set of both; no HTTP, validation, journal "
+                "or done record",
                 "methods interleaved round by round, order alternated; gc.collect() before each",
                 "an untimed warm-up push checks the service's update bit for bit against "
                 "optimizer.update",

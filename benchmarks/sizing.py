@@ -23,8 +23,8 @@ reads memcached's `stats` (`bytes`: the items' own size, header + key + value,
 and `hash_bytes`), `stats slabs` (`total_malloced`: the 1 MiB slab pages taken
 from the `-m` limit; `chunk_size` x `used_chunks`: the chunks the items occupy)
 and the server's RSS (`/proc/<pid>/status`). At the end
-`lookup_table.ops.stats.table_stats` splits the bytes into rows, slots and
-bookkeeping from the key listing.
+`lookup_table.ops.stats.table_stats` splits the bytes into rows (each item holds
+a row and its slots: storage format 2) and bookkeeping from the key listing.
 
 Per row it reports: item bytes (what `stats bytes` grows by), chunk bytes (items
 rounded up to their slab class), `-m` bytes (pages taken; the average over all
@@ -201,8 +201,8 @@ async def run_case(server: MemcachedProcess, dim: int, optimizer: str, n: int) -
     stats = await table_stats(config)
     slabs = await commands.stats(config.memcached[0], config.store, "slabs")
     kinds = stats["tables"][TABLE]["kinds"]
-    if kinds["rows"]["keys"] != n or (slot_width and kinds["slots"]["keys"] != n):
-        raise RuntimeError(f"dim {dim} {optimizer}: expected {n} rows and slots, got {kinds}")
+    if kinds["rows"]["keys"] != n or set(kinds) != {"rows"}:
+        raise RuntimeError(f"dim {dim} {optimizer}: expected {n} rows (with slots), got {kinds}")
     if full["store_no_memory"] or full["evictions"]:
         raise RuntimeError(f"dim {dim} {optimizer}: memcached ran out of memory: {full}")
     bookkeeping = {
@@ -212,12 +212,9 @@ async def run_case(server: MemcachedProcess, dim: int, optimizer: str, n: int) -
         for kind, k in t["kinds"].items()
     }
     classes = slab_classes(slabs)
-    items = {"row": kinds["rows"]["bytes"] // n}
-    if slot_width:
-        items["slots"] = kinds["slots"]["bytes"] // n
-    for kind, size in items.items():  # int ids: every key and value has the same length
-        if size * n != kinds["rows" if kind == "row" else "slots"]["bytes"]:
-            raise RuntimeError(f"dim {dim} {optimizer}: {kind} items differ in size")
+    items = {"row": kinds["rows"]["bytes"] // n}  # the row and its slots: one item
+    if items["row"] * n != kinds["rows"]["bytes"]:  # int ids: every key and value alike
+        raise RuntimeError(f"dim {dim} {optimizer}: row items differ in size")
     held_in = {kind: slab_class_of(size, classes) for kind, size in items.items()}
     grown = {name: full[name] - empty[name] for name in empty}
     second = {name: full[name] - half[name] for name in empty}
@@ -238,8 +235,8 @@ async def run_case(server: MemcachedProcess, dim: int, optimizer: str, n: int) -
         "slot_width": slot_width,
         "rows": n,
         "fill_seconds": seconds,
-        "key_bytes": {"row": prefix + 17, "slots": prefix + 17 if slot_width else 0},
-        "value_bytes": {"row": 4 * dim, "slots": 4 * slot_width},
+        "key_bytes": {"row": prefix + 17},
+        "value_bytes": {"row": 4 * (dim + slot_width)},
         "item_bytes": items,
         "slab_class": held_in,
         "per_row": per_row,
@@ -266,7 +263,7 @@ def render(results: list[dict[str, Any]], n: int) -> str:
         f"{n:,} rows per case, a fresh memcached each (-M -m {MEMORY_MB}), namespace "
         f"{NAMESPACE!r}, table {TABLE!r}: keys of {r0['key_bytes']['row']} bytes",
         "",
-        "bytes per row    item: memcached's item sizes (header + key + value), rows + slots",
+        "bytes per row    item: memcached's item size (header + key + the row and its slots)",
         "                 chunk: the slab chunks they occupy (item rounded up to its class)",
         "                 -m: what a row takes from the -m limit (1 MiB pages / chunks per page)",
         "                 measured: growth of total_malloced / rows (all, and the second half)",
@@ -377,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
                 "'marginal' is growth between half and full / the second half's rows",
                 "fixed_m_bytes: total_malloced growth minus rows x '-m' bytes: the first page "
                 "of each slab class and the journals (JOURNAL_SLOTS x the biggest push)",
-                "a longer namespace or table name adds 1 byte per character per key "
-                "(2 keys per row with slots); that can move an item to the next slab class",
+                "a longer namespace or table name adds 1 byte per character per row (one "
+                "key: the row and its slots are one item); that can move an item to the "
+                "next slab class",
             ],
         },
         "results": results,

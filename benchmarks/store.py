@@ -105,6 +105,7 @@ from numpy.typing import NDArray
 from lookup_table.config import ClusterConfig, NodeSpec, parse_config
 from lookup_table.core.initializers import initial_rows
 from lookup_table.core.keys import encode_keys, int_key_matrix, key_prefix
+from lookup_table.core.optimizers import slot_width
 from lookup_table.core.sharding import node_of
 from lookup_table.ops.localcluster import memcached_cluster
 from lookup_table.store import EmbeddingStore
@@ -194,11 +195,24 @@ _STREAM_LIMIT = 1 << 22
 # ---------------------------------------------------------------- the ceiling
 
 
+@dataclass(frozen=True, slots=True)
+class RowShape:
+    """A stored row item: the row's `dim` float32, then its optimizer's `slots` float32."""
+
+    dim: int
+    slots: int
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * (self.dim + self.slots)
+
+
 class RawCeiling:
     """The fastest honest reader: one pipelined write and one numpy parse per node.
 
-    Assumes every key hits with a `4*dim`-byte value (it raises otherwise), which
-    is what lets it skip any per-reply scan.
+    Assumes every key hits with a value of the item's size (it raises otherwise),
+    which is what lets it skip any per-reply scan; it keeps each row's `dim` floats,
+    as a lookup does.
     """
 
     def __init__(self, nodes: tuple[NodeSpec, ...]) -> None:
@@ -220,16 +234,17 @@ class RawCeiling:
             await writer.wait_closed()
 
     async def get(
-        self, namespace: str, table: str, ids: NDArray[np.int64], dim: int
+        self, namespace: str, table: str, ids: NDArray[np.int64], shape: RowShape
     ) -> NDArray[np.float32]:
         """Rows of unique `ids` in order, float32 (n, dim)."""
+        dim = shape.dim
         n = ids.shape[0]
         keys = int_key_matrix(key_prefix(namespace, table, "w"), ids)
         placement = node_of(table, ids, self.addresses)
         order = np.argsort(placement, kind="stable")
         bounds = np.searchsorted(placement[order], np.arange(len(self._conns) + 1))
         out = np.empty((n, dim), dtype=np.float32)
-        nbytes = 4 * dim
+        nbytes = shape.nbytes
         header = np.frombuffer(b"VA %d\r\n" % nbytes, dtype=np.uint8)
         stride = header.shape[0] + nbytes + 2
 
@@ -268,7 +283,7 @@ class RawCeiling:
                 (block[:, : header.shape[0]] == header).all() and (block[:, -2:] == _CRLF).all()
             ):
                 raise RuntimeError(f"ceiling: bad reply framing from node {self.addresses[j]}")
-            out[index] = block[:, header.shape[0] : header.shape[0] + nbytes].view("<f4")
+            out[index] = block[:, header.shape[0] : header.shape[0] + 4 * dim].view("<f4")
 
         await asyncio.gather(*(one(j) for j in range(len(self._conns))))
         return out
@@ -294,18 +309,19 @@ class PymemcacheReader:
             client.close()
 
     def get(
-        self, namespace: str, table: str, ids: NDArray[np.int64], dim: int
+        self, namespace: str, table: str, ids: NDArray[np.int64], shape: RowShape
     ) -> NDArray[np.float32]:
         """Rows of unique `ids` in order, float32 (n, dim); KeyError on a miss."""
         keys = encode_keys(namespace, table, "w", ids)
         placement = node_of(table, ids, self.addresses)
-        out = np.empty((ids.shape[0], dim), dtype=np.float32)
+        out = np.empty((ids.shape[0], shape.dim), dtype=np.float32)
         for j, client in enumerate(self._clients):
             index = np.flatnonzero(placement == j)
             node_keys = [keys[i] for i in index.tolist()]
             found = client.get_many(node_keys)
             joined = b"".join([found[k] for k in node_keys])
-            out[index] = np.frombuffer(joined, dtype="<f4").reshape(-1, dim)
+            items = np.frombuffer(joined, dtype="<f4").reshape(-1, shape.dim + shape.slots)
+            out[index] = items[:, : shape.dim]
         return out
 
 
@@ -382,29 +398,30 @@ async def bench_dim(
     """Time every method; `new_blocks[0]` is the evaluation's new ids (never created),
     `new_blocks[1]` the warm-up's, `new_blocks[r + 2]` round r's."""
     ns = store.namespace
+    shape = RowShape(dim, slot_width(store.config.table(table)))
     rng = np.random.default_rng(SEED + dim)
     mixed = [mixed_batch(existing, new, rng) for new in new_blocks]
     await store.lookup(table, existing)  # populate (creates every row)
 
     # Warm-up round (untimed): connections, caches, and a correctness check.
     rows = await store.lookup(table, existing)
-    raw = await ceiling.get(ns, table, existing, dim)
-    user = pymc.get(ns, table, existing, dim)
+    raw = await ceiling.get(ns, table, existing, shape)
+    user = pymc.get(ns, table, existing, shape)
     if not (np.array_equal(rows, raw) and np.array_equal(rows, user)):
         raise RuntimeError(f"dim {dim}: store, ceiling and pymemcache read different rows")
     created = await store.lookup(table, fresh_blocks[0])
-    if not np.array_equal(created, await ceiling.get(ns, table, fresh_blocks[0], dim)):
+    if not np.array_equal(created, await ceiling.get(ns, table, fresh_blocks[0], shape)):
         raise RuntimeError(f"dim {dim}: created rows do not read back through the ceiling")
     evaluated = await store.lookup(table, mixed[0], create=False)
     spec = store.config.table(table)
     is_new = np.isin(mixed[0], new_blocks[0])
     expected = np.empty_like(evaluated)
-    expected[~is_new] = await ceiling.get(ns, table, mixed[0][~is_new], dim)
+    expected[~is_new] = await ceiling.get(ns, table, mixed[0][~is_new], shape)
     expected[is_new] = initial_rows(spec.initializer, seed=spec.seed, ids=mixed[0][is_new], dim=dim)
     if not np.array_equal(evaluated, expected):
         raise RuntimeError(f"dim {dim}: create=False did not return stored and initial rows")
     if not np.array_equal(
-        await store.lookup(table, mixed[1]), await ceiling.get(ns, table, mixed[1], dim)
+        await store.lookup(table, mixed[1]), await ceiling.get(ns, table, mixed[1], shape)
     ):
         raise RuntimeError(f"dim {dim}: a mixed batch does not read back through the ceiling")
 
@@ -418,9 +435,9 @@ async def bench_dim(
                 "mixed_eval": mixed[0],
             }.get(method, existing)
             if method == "ceiling":
-                seconds = await timed(partial(ceiling.get, ns, table, ids, dim))
+                seconds = await timed(partial(ceiling.get, ns, table, ids, shape))
             elif method == "pymemcache":
-                seconds = timed_sync(partial(pymc.get, ns, table, ids, dim))
+                seconds = timed_sync(partial(pymc.get, ns, table, ids, shape))
             else:  # lookup, create and the mixed batches: the same call on other ids
                 create = method != "mixed_eval"
                 seconds = await timed(partial(store.lookup, table, ids, create=create))
@@ -488,7 +505,8 @@ async def bench_lifecycle(store: EmbeddingStore, *, n_ids: int, rounds: int) -> 
     for table in LIFE_TABLES:
         for _ in range(LIFE_ADMIT_AFTER):  # the admission table's rows need K sightings
             await store.lookup_many({table: existing})
-        await store.set(table, existing, np.zeros((n_ids, width), np.float32), kind="s")
+        rows = await store.lookup(table, existing, create=False)
+        await store.set(table, existing, rows, slots=np.zeros((n_ids, width), np.float32))
 
     async def mixed(table: str, ids: NDArray[np.int64], *, seen: int = 0) -> float:
         for _ in range(seen):  # sightings before the timed one (untimed)

@@ -16,6 +16,8 @@
     ├── StoreError                          memcached said or did something we cannot use
     │   ├── StoreFullError                  `-M` server out of memory: add nodes or memory
     │   ├── CorruptValueError               a stored value of the wrong length: never a miss
+    │   ├── StorageFormatError              the nodes hold another storage format: migrate with
+    │   │                                   a checkpoint saved by the version that wrote them
     │   ├── ProtocolError                   an unexpected reply: bug or version mismatch
     │   └── NodeUnavailableError (OSError)  refused, reset, closed: transient, retry later
     │       └── StoreTimeoutError (TimeoutError)  no answer within `store.timeout_s`
@@ -48,6 +50,7 @@ __all__ = [
     "ProtocolError",
     "PushRejectedError",
     "ReplicaUnavailableError",
+    "StorageFormatError",
     "StoreError",
     "StoreFullError",
     "StoreTimeoutError",
@@ -123,6 +126,11 @@ class StoreFullError(StoreError):
 
 class CorruptValueError(StoreError):
     """A stored value has the wrong length for its table: corruption, never a cache miss."""
+
+
+class StorageFormatError(StoreError):
+    """A node's sentinel records another storage format than this version reads
+    (`core.keyspace.STORAGE_FORMAT`): its rows would read as corrupt or missing."""
 
 
 class ProtocolError(StoreError):

@@ -22,9 +22,17 @@ sentinel read first, exactly as the single-table calls do. A training step of 26
 tables is then one request per node instead of 26, and the optimizer service
 reads the rows and slots of a whole push in one request per node and writes them
 back in another. The ids of a table are encoded and placed on nodes once per
-call: parts of one table that pass the same ids object (rows and slots of the
-same ids) share the work, and only the key prefix differs per kind (rows and
-slots of one id are on the same node: placement ignores the kind).
+call: parts of one table that pass the same ids object share the work, and only
+the key prefix differs per kind (placement ignores the kind).
+
+A row and its optimizer slots are one item (storage format 2,
+`core.keyspace.STORAGE_FORMAT`): `dim` float32, then the optimizer's `slot_width`
+(Adam: m, v and the row's step). memcached's cost is per operation, so the service
+pays one `mg` and one `ms` per id; a lookup keeps only each value's row bytes, and
+a new row is added with the optimizer's initial slots. `TableRead(slots=True)` and
+`TableWrite(slots=...)` read and write both. Every node's sentinel records the
+format; a node of another format raises `StorageFormatError` before anything of
+this version is written to it (`check_format`).
 
 Data loss: every batch also reads the node's sentinel (written by
 `lookup-table-admin init`) in the same round trip. A node whose sentinel is
@@ -36,8 +44,9 @@ missing until an operator restores or re-initializes. Its adds, which memcached
 ran all the same, may be on the node; nothing reads them, and `restore --force`
 deletes them. The same holds for any write batch sent to a lost node.) A `-M`
 node that is out of memory raises `StoreFullError`; a value of the wrong length
-`CorruptValueError` naming the table and key; timeouts and refused connections
-`NodeUnavailableError` (`StoreTimeoutError`). Ids that cannot be keys
+`CorruptValueError` naming the table and key (and what it should hold);
+timeouts and refused connections `NodeUnavailableError` (`StoreTimeoutError`);
+a node of another storage format `StorageFormatError`. Ids that cannot be keys
 (`KeyEncodingError`) and unknown tables (`ConfigError`) are raised before
 anything is sent, for every table of a multi-table call.
 
@@ -75,8 +84,8 @@ from lookup_table.core.keys import (
     key_prefix,
     prefixed_keys,
 )
-from lookup_table.core.keyspace import Kind, sentinel_key
-from lookup_table.core.optimizers import slot_width
+from lookup_table.core.keyspace import STORAGE_FORMAT, Kind, sentinel_format, sentinel_key
+from lookup_table.core.optimizers import make_optimizer
 from lookup_table.core.rows import ROW_DTYPE, encode_rows, row_bytes
 from lookup_table.core.sharding import node_of, node_of_many
 from lookup_table.errors import (
@@ -86,6 +95,7 @@ from lookup_table.errors import (
     KeyEncodingError,
     LookupTableError,
     ProtocolError,
+    StorageFormatError,
     StoreError,
     StoreFullError,
 )
@@ -114,15 +124,20 @@ class TableRead:
     Attributes:
         table: the table (its keys' `{table}` part).
         ids: int64 or str ids, anything `lookup_table.core.keys.as_ids` takes.
-        kind: "w" rows (the default), "s" slots, ...
-        width: floats per value; None: the table's dim. A stored value of another
-            length raises CorruptValueError.
+        kind: "w" rows (the default), or a bookkeeping kind with its `width`.
+        width: floats per value of a non-row kind. Rows: None or the table's dim.
+        slots: rows only: each value is the row followed by its optimizer slots,
+            (n, dim + slot_width), as stored; false: the row alone, (n, dim).
+
+    A stored row of another length than the table's dim plus its optimizer's slot width
+    (docs/storage.md) raises CorruptValueError.
     """
 
     table: str
     ids: Any
     kind: str = Kind.ROW
     width: int | None = None
+    slots: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,13 +148,16 @@ class TableWrite:
         table: the table.
         ids: unique int64 or str ids, (n,).
         values: float32 (n, width); rows ("w") must have the table's dim.
-        kind: "w" rows (the default), "s" slots, ...
+        kind: "w" rows (the default), or a bookkeeping kind.
+        slots: rows only: their optimizer slots, float32 (n, slot_width), stored with
+            them in one item; None: the optimizer's initial slots (a new row's).
     """
 
     table: str
     ids: Any
     values: NDArray[np.float32]
     kind: str = Kind.ROW
+    slots: NDArray[np.float32] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -167,9 +185,14 @@ class _Part:
     prefix: bytes  # `{namespace}/{table}/{kind}/`
     by_node: list[NDArray[np.intp]]
     nbytes: int = 0  # fixed-width reads: the value size
+    take: int = 0  # fixed-width reads: the leading bytes of each value kept (0: all)
     values: NDArray[np.uint8] | Sequence[bytes] | None = None  # writes, aligned with ids
     exptime: int = 0  # > 0: memcached's T flag, the TTL its reads and writes give (expiry.py)
-    touch: bool = False  # only reset the TTL (`touch ... noreply`): nothing read, no reply
+
+    @property
+    def kept(self) -> int:
+        """Bytes of each value a read keeps."""
+        return self.take or self.nbytes
 
     def values_at(self, index: NDArray[np.intp]) -> NDArray[np.uint8] | list[bytes]:
         if isinstance(self.values, np.ndarray):
@@ -217,18 +240,20 @@ class _ReadGroup:
     segments: list[_Segment]
     starts: list[int]
     n: int
+    take: int = 0  # the leading bytes of each value its parts keep, at most
 
     @classmethod
     def of(cls, parts: Sequence[_Part], segments: Sequence[_Segment]) -> list[_ReadGroup]:
         by_size: dict[int, _ReadGroup] = {}
         for s in segments:
-            nbytes = parts[s.part].nbytes
-            group = by_size.get(nbytes)
+            part = parts[s.part]
+            group = by_size.get(part.nbytes)
             if group is None:
-                group = by_size[nbytes] = cls(nbytes, [], [], 0)
+                group = by_size[part.nbytes] = cls(part.nbytes, [], [], 0)
             group.segments.append(s)
             group.starts.append(group.n)
             group.n += s.index.shape[0]
+            group.take = max(group.take, part.kept)
         return list(by_size.values())
 
     def request(self) -> list[bytes]:
@@ -319,6 +344,10 @@ class _TableLookup:
         placed = self.rows.placed
         return _Part(placed, self.rows.prefix, placed.only(only), exptime=self.rows.exptime, **what)
 
+    def reread(self, only: NDArray[np.bool_]) -> _Part:
+        """A read of this table's rows (without slots) over its ids where `only` is true."""
+        return self.part(only, nbytes=self.rows.nbytes, take=self.rows.take)
+
 
 class EmbeddingStore:
     """Batched, async access to the rows and slots of every table in memcached.
@@ -347,7 +376,9 @@ class EmbeddingStore:
         self.created: dict[str, int] = {}  # rows this store created, per table
         self.refresh_ttl = refresh_ttl
         self._ttls = {t.name: t.ttl_s for t in config.tables if t.ttl_s is not None}
-        self._slot_widths = {t.name: slot_width(t) for t in config.tables}
+        self._optimizers = {t.name: make_optimizer(t.optimizer) for t in config.tables}
+        self._formats_ok: set[bytes] = set()  # sentinel values whose storage format is ours
+        self._verified: set[str] = set()  # nodes whose sentinel was checked before a batch
 
     async def __aenter__(self) -> EmbeddingStore:
         return self
@@ -370,7 +401,7 @@ class EmbeddingStore:
         row another writer created first is re-read. With `create=False` nothing
         is written and missing rows come back as their would-be initial value.
         A table with `ttl_s` or `admit_after` is looked up by `lookup_many` (its
-        reads refresh TTLs and touch slots; its misses are counted, see there).
+        reads refresh TTLs; its misses are counted, see there).
 
         Raises:
             ConfigError: unknown table.
@@ -380,7 +411,7 @@ class EmbeddingStore:
         """
         spec = self.config.table(table)
         if spec.ttl_s is not None or spec.admit_after > 1:
-            # the slots' TTL and the admission counters are lookup_many's
+            # the TTLs and the admission counters are lookup_many's
             return (await self.lookup_many({table: ids}, create=create))[table]
         id_array = self._table_ids(table, ids)
         if id_array.shape[0] == 0:
@@ -418,9 +449,12 @@ class EmbeddingStore:
         re-reads of lost races one more (only if an `add` lost one). Every table
         and id is checked before anything is sent.
 
+        A new row is stored with its optimizer's initial slots (one item: docs/storage.md);
+        the reads take only the rows from the items.
+
         Lifecycle (docs/storage.md): the reads of a table with `ttl_s` reset the TTL
-        of its rows and, in the same request (`touch ... noreply`, no reply), of their
-        slots; its adds give the new rows that TTL. For a table with `admit_after`
+        of its rows (and so of their slots, in the same item); its adds give the new rows
+        that TTL. For a table with `admit_after`
         K >= 2, `create=True` counts a sighting of every id without a row (`ma` on its
         counter, in the adds' request) and adds only the rows of the ids whose count
         reached K (one more request per node, only if one did); the others come back
@@ -434,30 +468,24 @@ class EmbeddingStore:
             StoreFullError, CorruptValueError, NodeUnavailableError: see errors.py.
         """
         prepared: list[tuple[str, NDArray[np.intp], _Part]] = []
-        touches: list[_Part] = []
         uniques = [
             (table, _unique(self._table_ids(table, table_ids))) for table, table_ids in ids.items()
         ]
         placements = self._place_many([(table, uniq) for table, (uniq, _) in uniques])
         for (table, (_, inverse)), placed in zip(uniques, placements, strict=True):
-            dim = self.config.table(table).dim
             rows = _Part(
                 placed,
                 self._prefix(placed, Kind.ROW),
                 placed.by_node,
-                row_bytes(dim),
+                self._item_bytes(table),
+                take=row_bytes(self.config.table(table).dim),
                 exptime=self._exptime(table, write=False),
             )
             prepared.append((table, inverse, rows))
-            if rows.exptime and self._slot_widths[table]:
-                prefix = self._prefix(placed, Kind.SLOTS)
-                touches.append(
-                    _Part(placed, prefix, placed.by_node, exptime=rows.exptime, touch=True)
-                )
-        read = await self._read([rows for _, _, rows in prepared] + touches)
+        read = await self._read([rows for _, _, rows in prepared])
         lookups = [
             _TableLookup(table, inverse, rows, values, found)
-            for (table, inverse, rows), (values, found) in zip(prepared, read, strict=False)
+            for (table, inverse, rows), (values, found) in zip(prepared, read, strict=True)
         ]
 
         new = [(t, ~t.found) for t in lookups if not t.found.all()]
@@ -471,7 +499,7 @@ class EmbeddingStore:
                 t.rows.exptime = self._exptime(t.table, write=True)
             now = [(t, m) for t, m in new if self.config.table(t.table).admit_after == 1]
             counted = [(t, m) for t, m in new if self.config.table(t.table).admit_after > 1]
-            add_parts = [t.part(m, values=encode_rows(t.values, t.dim)) for t, m in now]
+            add_parts = [t.part(m, values=self._items(t.table, t.values, None)) for t, m in now]
             if counted:
                 stored_all, counts = await self._add_and_count(
                     add_parts, [self._counter_part(t, m) for t, m in counted]
@@ -486,7 +514,7 @@ class EmbeddingStore:
                     admitted.append((t, ready))
             if admitted:  # the ids whose sighting just reached admit_after get their row
                 stored_late = await self._write(
-                    [t.part(m, values=encode_rows(t.values, t.dim)) for t, m in admitted],
+                    [t.part(m, values=self._items(t.table, t.values, None)) for t, m in admitted],
                     add=True,
                 )
                 adds += zip(admitted, stored_late, strict=True)
@@ -496,7 +524,7 @@ class EmbeddingStore:
                 if not stored[missing].all():
                     raced.append((t, missing & ~stored))
             if raced:
-                again = await self._read([t.part(lost, nbytes=t.rows.nbytes) for t, lost in raced])
+                again = await self._read([t.reread(lost) for t, lost in raced])
                 for (t, lost), (values, found) in zip(raced, again, strict=True):
                     if not found[lost].all():
                         raise self._vanished(t.table, t.rows.placed.ids[lost & ~found][0])
@@ -513,19 +541,24 @@ class EmbeddingStore:
         kind: str = Kind.ROW,
         width: int | None = None,
         unique: bool = False,
+        slots: bool = False,
     ) -> tuple[NDArray[np.float32], NDArray[np.bool_]]:
-        """Read fixed-width float32 values (rows, slots) of `ids`.
+        """Read fixed-width float32 values (rows, bookkeeping) of `ids`.
 
         Args:
-            kind: "w" rows (width defaults to the table's dim), "s" slots, ...
-            width: floats per value; a stored value of another length raises
-                CorruptValueError.
+            kind: "w" rows (the default), or a bookkeeping kind.
+            width: floats per value of a non-row kind; a stored value of another length
+                raises CorruptValueError. Rows: None or the table's dim.
             unique: the caller guarantees ids are unique (skips a dedupe).
+            slots: rows only: each row followed by its optimizer slots, as stored
+                (n, dim + slot_width).
 
         Returns:
             (values float32 (n, width), found bool (n,)); missing values are zeros.
         """
-        (result,) = await self.get_many([TableRead(table, ids, kind, width)], unique=unique)
+        (result,) = await self.get_many(
+            [TableRead(table, ids, kind, width, slots=slots)], unique=unique
+        )
         return result
 
     async def get_many(
@@ -534,13 +567,15 @@ class EmbeddingStore:
         """`get` of many (table, kind) parts in one request per node; results in order.
 
         Each result is what `get(read.table, read.ids, kind=read.kind,
-        width=read.width)` returns: (values float32 (n, width), found bool (n,)),
-        missing values zeros. Reads of one table that pass the same `ids` object
-        (e.g. rows and slots of the same ids) are deduplicated, encoded and placed
-        once. `unique=True`: the caller guarantees every read's ids are unique.
+        width=read.width, slots=read.slots)` returns: (values float32 (n, width), found
+        bool (n,)), missing values zeros. Reads of one table that pass the same `ids`
+        object are deduplicated, encoded and placed once. `unique=True`: the caller
+        guarantees every read's ids are unique.
 
         Raises:
-            ConfigError: a read of an unknown table without a width.
+            ConfigError: a read of rows of an unknown table.
+            ValueError: a row read with a width other than the table's dim, or `slots`
+                on a non-row kind (before anything is sent).
             KeyEncodingError: ids that cannot be keys, or row ids of the wrong type
                 for their table (before anything is sent).
             CorruptValueError: a value of another length, naming its table and key.
@@ -567,14 +602,14 @@ class EmbeddingStore:
         parts: list[_Part] = []
         for read in reads:
             placed, _ = groups[_group_key(read.table, read.ids)]
-            width = self.config.table(read.table).dim if read.width is None else read.width
-            prefix = self._prefix(placed, read.kind)
+            nbytes, take = self._read_bytes(read)
             parts.append(
                 _Part(
                     placed,
-                    prefix,
+                    self._prefix(placed, read.kind),
                     placed.by_node,
-                    nbytes=row_bytes(width),
+                    nbytes=nbytes,
+                    take=take,
                     exptime=self._exptime(read.table, write=False, kind=read.kind),
                 )
             )
@@ -586,22 +621,31 @@ class EmbeddingStore:
         return out
 
     async def set(
-        self, table: str, ids: Any, values: NDArray[np.float32], *, kind: str = Kind.ROW
+        self,
+        table: str,
+        ids: Any,
+        values: NDArray[np.float32],
+        *,
+        kind: str = Kind.ROW,
+        slots: NDArray[np.float32] | None = None,
     ) -> None:
         """Write fixed-width float32 values (n, width) of unique `ids` (overwrite).
+
+        Rows are stored with their optimizer `slots` (n, slot_width) in one item; None
+        gives them the optimizer's initial slots.
 
         Raises:
             ValueError: duplicate ids or a shape mismatch.
             StoreFullError: a node is out of memory (some values may be written).
         """
-        await self.set_many([TableWrite(table, ids, values, kind)])
+        await self.set_many([TableWrite(table, ids, values, kind, slots)])
 
     async def set_many(self, writes: Sequence[TableWrite]) -> None:
         """`set` of many (table, kind) parts in one request per node (overwrite).
 
-        Writes of one table that pass the same `ids` object (e.g. rows and slots of
-        the same ids) are checked, encoded and placed once. Each (table, kind) may
-        appear once.
+        Writes of one table that pass the same `ids` object are checked, encoded and
+        placed once. Each (table, kind) may appear once. A row and its slots
+        (`TableWrite.slots`) are one item: one `ms`.
 
         Raises:
             ValueError: duplicate ids, a shape mismatch, or one (table, kind) twice
@@ -620,12 +664,16 @@ class EmbeddingStore:
         *,
         kind: str = Kind.ROW,
         unique: bool = False,
+        slots: NDArray[np.float32] | None = None,
     ) -> NDArray[np.bool_]:
         """Set-if-absent for unique `ids`; returns which values were stored, bool (n,).
 
-        `unique=True`: the caller guarantees the ids are unique (skips the check).
+        `unique=True`: the caller guarantees the ids are unique (skips the check). Rows
+        get `slots` as `set` gives them.
         """
-        (stored,) = await self.add_many([TableWrite(table, ids, values, kind)], unique=unique)
+        (stored,) = await self.add_many(
+            [TableWrite(table, ids, values, kind, slots)], unique=unique
+        )
         return stored
 
     async def add_many(
@@ -725,6 +773,7 @@ class EmbeddingStore:
         async def write(node: Node) -> bool:
             value = json.dumps(
                 {
+                    "format": STORAGE_FORMAT,
                     "namespace": self.namespace,
                     "node": node.address,
                     "cluster_id": cluster_id,
@@ -739,6 +788,28 @@ class EmbeddingStore:
         targets = [n for n in self._nodes if n.address in wanted]
         results = await _gather([write(node) for node in targets])
         return {n.address: ok for n, ok in zip(targets, results, strict=True)}
+
+    def check_format(self, address: str, sentinel: bytes) -> None:
+        """Raise StorageFormatError unless `sentinel` (node `address`'s) records this
+        version's storage format (`core.keyspace.STORAGE_FORMAT`)."""
+        try:
+            found = sentinel_format(sentinel)
+        except ValueError as exc:
+            raise StorageFormatError(
+                f"memcached node {address} holds a sentinel for namespace {self.namespace!r} "
+                f"that this version cannot read ({exc}); was it written by another program?",
+                node=address,
+            ) from exc
+        if found != STORAGE_FORMAT:
+            raise StorageFormatError(
+                f"memcached node {address} holds namespace {self.namespace!r} in storage "
+                f"format {found}, and this version reads format {STORAGE_FORMAT} (a row and "
+                f"its optimizer slots in one item; docs/storage.md): nothing is read from "
+                f"it or written to it. Migrate: save a checkpoint with the version that wrote it "
+                f"(lookup-table-checkpoint save), then restore it with this one "
+                f"(lookup-table-checkpoint restore --force)",
+                node=address,
+            )
 
     async def stats(self) -> dict[str, dict[str, str]]:
         """memcached `stats` of every node (values as text), each on its own connection."""
@@ -858,12 +929,12 @@ class EmbeddingStore:
                     f"values for table {w.table!r} must be (n, width) with n={n} "
                     f"ids; got shape {arr.shape}"
                 )
-            if w.kind == Kind.ROW and arr.shape[1] != self.config.table(w.table).dim:
-                raise ValueError(
-                    f"table {w.table!r} has dim={self.config.table(w.table).dim} but the rows "
-                    f"have {arr.shape[1]} floats"
-                )
-            matrix = encode_rows(arr, arr.shape[1])
+            if w.kind == Kind.ROW:
+                matrix = self._items(w.table, arr, w.slots)
+            elif w.slots is not None:
+                raise ValueError(f"slots are stored with rows, not with kind {str(w.kind)!r}")
+            else:
+                matrix = encode_rows(arr, arr.shape[1])
             parts.append(
                 _Part(
                     placed,
@@ -876,12 +947,65 @@ class EmbeddingStore:
         return parts
 
     def _exptime(self, table: str, *, write: bool, kind: str = Kind.ROW) -> int:
-        """The T flag of a read or write of (table, kind): the table's TTL for its rows and
-        slots (reads only with `refresh_ttl`), 0 (no T: no change) otherwise."""
+        """The T flag of a read or write of (table, kind): the table's TTL for its rows
+        (reads only with `refresh_ttl`), 0 (no T: no change) otherwise."""
         ttl_s = self._ttls.get(table)
-        if ttl_s is None or kind not in (Kind.ROW, Kind.SLOTS) or not (write or self.refresh_ttl):
+        if ttl_s is None or kind != Kind.ROW or not (write or self.refresh_ttl):
             return 0
         return exptime(ttl_s, time.time())
+
+    # ------------------------------------------------------------ internals: row items
+
+    def _item_bytes(self, table: str) -> int:
+        """Bytes of one stored row of `table`: its dim, then its optimizer's slots."""
+        spec = self.config.table(table)
+        return row_bytes(spec.dim + self._optimizers[table].slot_width(spec.dim))
+
+    def _read_bytes(self, read: TableRead) -> tuple[int, int]:
+        """(value bytes, bytes kept of each) of a fixed-width read."""
+        if read.kind != Kind.ROW:
+            if read.slots:
+                raise ValueError(f"slots are read with rows, not with kind {str(read.kind)!r}")
+            if read.width is None:
+                raise ValueError(f"a read of kind {str(read.kind)!r} needs its width")
+            return row_bytes(read.width), 0
+        dim = self.config.table(read.table).dim
+        if read.width is not None and read.width != dim:
+            raise ValueError(
+                f"table {read.table!r} has dim={dim}; a read of its rows cannot have "
+                f"width={read.width} (slots=True reads each row with its slots)"
+            )
+        return self._item_bytes(read.table), 0 if read.slots else row_bytes(dim)
+
+    def _items(
+        self, table: str, rows: NDArray[np.float32], slots: NDArray[np.float32] | None
+    ) -> NDArray[np.uint8]:
+        """The stored values of `rows` and their `slots` (None: the optimizer's initial
+        ones), uint8 (n, item bytes); ValueError on a shape that does not fit the table."""
+        spec = self.config.table(table)
+        optimizer = self._optimizers[table]
+        width = optimizer.slot_width(spec.dim)
+        n = rows.shape[0]
+        if rows.shape[1] != spec.dim:
+            raise ValueError(
+                f"table {table!r} has dim={spec.dim} but the rows have {rows.shape[1]} floats"
+            )
+        if slots is None:
+            if not width:
+                return encode_rows(rows, spec.dim)
+            slots = optimizer.initial_slots(n, spec.dim)
+        else:
+            slots = np.asarray(slots)
+            if slots.shape != (n, width):
+                raise ValueError(
+                    f"table {table!r} keeps {width} slot floats per row (optimizer "
+                    f"{spec.optimizer.name!r}, dim {spec.dim}); got slots of shape "
+                    f"{slots.shape} for {n} rows"
+                )
+        both = np.empty((n, spec.dim + width), dtype=ROW_DTYPE)
+        both[:, : spec.dim] = rows
+        both[:, spec.dim :] = slots
+        return both.view(np.uint8)
 
     def _counter_part(self, t: _TableLookup, missing: NDArray[np.bool_]) -> _Part:
         """The admission counters of the ids of `t` where `missing` is true."""
@@ -950,11 +1074,11 @@ class EmbeddingStore:
         """Fixed-width reads of every part: one request per node (per max_batch_keys)."""
         results = [
             (
-                np.zeros((p.placed.ids.shape[0], p.nbytes // ROW_DTYPE.itemsize), dtype=np.float32),
+                np.zeros((p.placed.ids.shape[0], p.kept // ROW_DTYPE.itemsize), dtype=np.float32),
                 np.zeros(p.placed.ids.shape[0], dtype=bool),
             )
             for p in parts
-        ]  # a touch part's stay empty: it reads nothing
+        ]
         chunks = self._chunks(parts)
         await self._run([self._mg_rows(node, parts, segs, results) for node, segs in chunks])
         return results
@@ -1046,7 +1170,26 @@ class EmbeddingStore:
                 f"the loss (lookup-table-admin reinit --yes)",
                 nodes=(node.address,),
             )
+        start, size = int(reply.starts[0]), int(reply.sizes[0])
+        value = bytes(data[start : start + size])
+        if value not in self._formats_ok:
+            self.check_format(node.address, value)
+            self._formats_ok.add(value)
+        self._verified.add(node.address)
         return reply.end
+
+    async def _verify_format(self, node: Node) -> None:
+        """Before the first write batch sent to `node` (unless a read checked it before):
+        read its sentinel alone and check its storage format, so that no write of this
+        version lands on another format's data. A read batch checks the sentinel it
+        reads in front (`_check_sentinel`) before it parses anything. (A missing
+        sentinel is left to the batch's own sentinel read.)"""
+        (value,) = await self._mg_blobs(node, [self._sentinel_key], check=False)
+        if value is not None:
+            if value not in self._formats_ok:
+                self.check_format(node.address, value)
+                self._formats_ok.add(value)
+            self._verified.add(node.address)
 
     async def _batch(
         self,
@@ -1066,6 +1209,8 @@ class EmbeddingStore:
         builds the result.
         """
         check = check and self._check_sentinels
+        if check and writes and node.address not in self._verified:
+            await self._verify_format(node)
         request = [self._sentinel_request(), *commands] if check else commands
 
         def parse(data: bytes) -> T | None:
@@ -1093,12 +1238,9 @@ class EmbeddingStore:
         their hits parse as one fixed-stride block (protocol.parse_mg_quiet) whatever
         the tables and the misses (which send nothing); the `mn` marks where the
         group's replies end. The sentinel read in front is not quiet, so its miss is
-        an explicit EN. Touch parts (`_Part.touch`) are sent first as `touch ... noreply`,
-        which answers nothing.
+        an explicit EN. Only the leading bytes of each value that a part keeps are
+        copied out (rows without their slots).
         """
-        touches = [s for s in segments if parts[s.part].touch]
-        if touches:
-            segments = [s for s in segments if not parts[s.part].touch]
         groups = _ReadGroup.of(parts, segments)
 
         def parse_reply(data: bytes, pos: int) -> _Replies | None:
@@ -1125,31 +1267,46 @@ class EmbeddingStore:
                 bad = np.flatnonzero(reply.found & (reply.sizes != group.nbytes))
                 if bad.size:
                     i = int(bad[0])
-                    table = parts[group.segment_at(i)[0].part].placed.table
+                    part = parts[group.segment_at(i)[0].part]
                     raise CorruptValueError(
-                        f"value of key {group.key_text(i)!r} of table {table!r} on memcached "
-                        f"node {node.address} has {int(reply.sizes[i])} bytes, expected "
-                        f"{group.nbytes} ({group.nbytes // 4} float32): the table's dim "
-                        f"changed or the value is corrupt; restore the table's dim or use a "
-                        f"new table name",
+                        f"value of key {group.key_text(i)!r} of table {part.placed.table!r} "
+                        f"on memcached node {node.address} has {int(reply.sizes[i])} bytes, "
+                        f"expected {self._layout_text(part)}: the table's dim or optimizer "
+                        f"changed or the value is corrupt; restore the table's dim and "
+                        f"optimizer or use a new table name",
                         node=node.address,
                     )
             for group, reply in zip(groups, got.replies, strict=True):
-                raw = protocol.gather_values(data, reply, group.nbytes).view(ROW_DTYPE)
+                raw = protocol.gather_values(data, reply, group.nbytes, take=group.take)
+                floats = raw.view(ROW_DTYPE)
                 found = reply.found
                 for s, start in zip(group.segments, group.starts, strict=True):
                     end = start + s.index.shape[0]
                     values_out, found_out = results[s.part]
-                    values_out[s.index] = raw[start:end]
+                    width = values_out.shape[1]
+                    block = floats[start:end]
+                    values_out[s.index] = block if width == block.shape[1] else block[:, :width]
                     found_out[s.index] = found[start:end]
             return got
 
-        commands = [protocol.build_touch(s.keys, s.exptime) for s in touches]
+        commands: list[bytes] = []
         for k, group in enumerate(groups):
             if k:
                 commands.append(protocol.END)  # closes the group before
             commands.extend(group.request())
         await self._batch(node, commands, parse_reply, finish)
+
+    def _layout_text(self, part: _Part) -> str:
+        """What a value of a fixed-width read should hold, for a CorruptValueError."""
+        table = part.placed.table
+        if part.prefix != key_prefix(self.namespace, table, Kind.ROW):
+            return f"{part.nbytes} ({part.nbytes // 4} float32)"
+        spec = self.config.table(table)
+        width = self._optimizers[table].slot_width(spec.dim)
+        return (
+            f"{part.nbytes} (its dim {spec.dim} and {width} slot floats of its "
+            f"{spec.optimizer.name!r} optimizer, float32)"
+        )
 
     async def _mg_blobs(self, node: Node, keys: Keys, *, check: bool = True) -> list[bytes | None]:
         n = _num_keys(keys)

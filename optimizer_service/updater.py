@@ -469,44 +469,37 @@ class Updater:
             width = self.optimizers[grads.table].slot_width(spec.dim)
             n = grads.ids.shape[0]
             if hit.all():
-                rows, found, slots, has = rows_c, hit, slots_c, hit
+                rows, found, slots = rows_c, hit, slots_c
             else:
                 miss = np.flatnonzero(~hit)
                 rows = np.empty((n, spec.dim), dtype=np.float32)
                 slots = np.empty((n, width), dtype=np.float32)
-                found, has = hit.copy(), hit.copy()
+                found = hit.copy()
                 if hit.any():
                     rows[hit], slots[hit] = rows_c[hit], slots_c[hit]
-                (rows[miss], found[miss]), (slots[miss], has[miss]) = read
-            jobs.append(self._update(grads, rows, found, slots, has))
+                rows[miss], slots[miss], found[miss] = read
+            jobs.append(self._update(grads, rows, found, slots))
         return list(await asyncio.gather(*jobs))
 
     async def _read(
         self, tables: Sequence[TableGrads | TableRedo], wanted: Sequence[NDArray[np.bool_]]
     ) -> list[Any]:
-        """Per table, ((rows, found), (slots, has)) of the ids `wanted` (one request per
-        node for all tables); None for a table with none wanted."""
-        reads: list[TableRead] = []
-        widths: list[int] = []
-        for grads, want in zip(tables, wanted, strict=True):
-            width = self.optimizers[grads.table].slot_width(self.config.table(grads.table).dim)
-            widths.append(width)
-            if not want.any():
-                continue
-            ids = grads.ids if want.all() else grads.ids[want]
-            reads.append(TableRead(grads.table, ids))
-            if width:
-                reads.append(TableRead(grads.table, ids, kind=Kind.SLOTS, width=width))
+        """Per table, (rows, slots, found) of the ids `wanted` (one request per node for
+        all tables: a row and its slots are one item); None for a table with none wanted."""
+        reads = [
+            TableRead(grads.table, grads.ids if want.all() else grads.ids[want], slots=True)
+            for grads, want in zip(tables, wanted, strict=True)
+            if want.any()
+        ]
         values = iter(await self.store.get_many(reads, unique=True) if reads else ())
         out: list[Any] = []
-        for want, width in zip(wanted, widths, strict=True):
+        for grads, want in zip(tables, wanted, strict=True):
             if not want.any():
                 out.append(None)
                 continue
-            rows = next(values)
-            n = rows[0].shape[0]
-            none = (np.zeros((n, 0), dtype=np.float32), np.ones(n, dtype=bool))
-            out.append((rows, next(values) if width else none))
+            items, found = next(values)
+            dim = self.config.table(grads.table).dim
+            out.append((items[:, :dim], items[:, dim:], found))
         return out
 
     async def _cache_sentinels(self) -> dict[str, bytes | None] | None:
@@ -523,12 +516,11 @@ class Updater:
         rows: NDArray[np.float32],
         found: NDArray[np.bool_],
         slots: NDArray[np.float32],
-        has_slots: NDArray[np.bool_],
     ) -> TableUpdate:
         """One table's new rows and slots (slots (n, 0) for an optimizer without)."""
         spec = self.config.table(grads.table)
         optimizer = self.optimizers[grads.table]
-        self._fill_unwritten(grads.table, grads.ids, rows, found, slots, has_slots)
+        self._fill_unwritten(grads.table, grads.ids, rows, found, slots)
         if spec.admit_after > 1 and not found.all():
             # not admitted yet (no row: lookups saw the id fewer than admit_after times):
             # its gradients are dropped, its row stays the initial value, nothing is written
@@ -570,47 +562,39 @@ class Updater:
         rows: NDArray[np.float32],
         found: NDArray[np.bool_],
         slots: NDArray[np.float32],
-        has_slots: NDArray[np.bool_],
     ) -> None:
-        """In place: a row never created takes its initial value, exactly what a lookup
-        would have created (a lost node is caught by the sentinel read: DataLossError,
-        never re-initialized here), and slots never written the optimizer's initial ones.
-        A TTL table's row that expired starts again with fresh slots, whatever is left of
-        its old ones (slots may outlive their row by the second of an expiry). The push
-        and the replay of its journal start from the same values so."""
-        spec = self.config.table(table)
-        fresh = ~has_slots
+        """In place: a row never created (or expired: TTL) takes its initial value and
+        the optimizer's initial slots, exactly what a lookup would have created (a lost
+        node is caught by the sentinel read: DataLossError, never re-initialized here).
+        The push and the replay of its journal start from the same values so."""
         if not found.all():
+            spec = self.config.table(table)
             missing = np.flatnonzero(~found)
             rows[missing] = initial_rows(
                 spec.initializer, seed=spec.seed, ids=ids[missing], dim=spec.dim
             )
-            if spec.ttl_s is not None:
-                fresh[missing] = True
-        if fresh.any():
-            where = np.flatnonzero(fresh)
-            slots[where] = self.optimizers[table].initial_slots(where.size, spec.dim)
+            slots[missing] = self.optimizers[table].initial_slots(missing.size, spec.dim)
 
     async def _redone(self, redo: Sequence[TableRedo]) -> list[TableUpdate]:
         """What a journal's tables still need written: the rows and slots whose stored
         hash is not the journaled one, recomputed (see `plan`); one read per node."""
         got = await self._read(redo, [np.ones(r.ids.shape[0], dtype=bool) for r in redo])
         out: list[TableUpdate] = []
-        for r, ((rows, found), (slots, has_slots)) in zip(redo, got, strict=True):
+        for r, (rows, slots, found) in zip(redo, got, strict=True):
             optimizer = self.optimizers[r.table]
-            width = slots.shape[1]
-            self._fill_unwritten(r.table, r.ids, rows, found, slots, has_slots)
-            old_slots = value_hashes(slots) != r.slot_hashes
-            old_rows = value_hashes(rows) != r.row_hashes
-            if old_slots.any():
-                todo = np.flatnonzero(old_slots)
+            rows, slots = rows.copy(), slots.copy()  # views of one array of items
+            self._fill_unwritten(r.table, r.ids, rows, found, slots)
+            # a row and its slots are one item: both written, or neither
+            old = (value_hashes(slots) != r.slot_hashes) | (value_hashes(rows) != r.row_hashes)
+            if old.any():
+                todo = np.flatnonzero(old)
                 slots[todo] = optimizer.next_slots(r.grads[todo], slots[todo])
-            if old_rows.any():
-                todo = np.flatnonzero(old_rows)
                 rows[todo] = optimizer.finish(rows[todo], r.grads[todo], slots[todo])
             differ = int(
-                np.count_nonzero(value_hashes(slots[old_slots]) != r.slot_hashes[old_slots])
-                + np.count_nonzero(value_hashes(rows[old_rows]) != r.row_hashes[old_rows])
+                np.count_nonzero(
+                    (value_hashes(slots[old]) != r.slot_hashes[old])
+                    | (value_hashes(rows[old]) != r.row_hashes[old])
+                )
             )
             if differ:  # another C library's powf, say: the push is still finished once
                 logger.warning(
@@ -619,24 +603,14 @@ class Updater:
                     r.table,
                     differ,
                 )
-            if old_rows.any():
-                out.append(
-                    TableUpdate(r.table, r.ids[old_rows], rows[old_rows], slots[old_rows][:, :0])
-                )
-            if width and old_slots.any():
-                out.append(
-                    TableUpdate(r.table, r.ids[old_slots], rows[old_slots][:, :0], slots[old_slots])
-                )
+            if old.any():
+                out.append(TableUpdate(r.table, r.ids[old], rows[old], slots[old]))
         return out
 
     async def _write_updates(self, updates: Iterable[TableUpdate]) -> None:
-        """Write the rows and slots of every table in one request per node."""
-        writes: list[TableWrite] = []
-        for u in updates:
-            if u.rows.shape[1]:
-                writes.append(TableWrite(u.table, u.ids, u.rows))
-            if u.slots.shape[1]:
-                writes.append(TableWrite(u.table, u.ids, u.slots, kind=Kind.SLOTS))
+        """Write the rows and slots of every table in one request per node (a row and
+        its slots are one item: one `ms`)."""
+        writes = [TableWrite(u.table, u.ids, u.rows, slots=u.slots) for u in updates]
         if writes:
             await self.store.set_many(writes)
 

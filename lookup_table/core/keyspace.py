@@ -1,14 +1,13 @@
 """Every key the system writes: the kinds, the bookkeeping tables and their ids (pure).
 
 A key is `{namespace}/{table}/{kind}/{encoded id}` (`keys.py` encodes the id;
-version 1 of the stored data depends on all of this, see docs/wire-format.md).
+`STORAGE_FORMAT` of the stored data depends on all of this, see docs/wire-format.md).
 This module is the one place that names the kinds and builds or parses the ids of
 bookkeeping keys; the store, the service, checkpoints and `admin stats` all use it.
 
 | table    | kind | id                  | value |
 |----------|------|---------------------|-------|
-| a table  | `w`  | the feature id      | the row: `dim` float32 |
-| a table  | `s`  | the feature id      | the row's optimizer slots: float32 |
+| a table  | `w`  | the feature id      | the row, then its optimizer slots: float32 |
 | a table  | `c`  | the feature id      | admission counter: sightings of an id without row (TTL) |
 | `_meta`  | `m`  | `sentinel`          | JSON from `lookup-table-admin init`, on every node |
 | `_meta`  | `m`  | `version-r{K}`      | replica K's model version (ASCII int) |
@@ -20,11 +19,17 @@ bookkeeping keys; the store, the service, checkpoints and `admin stats` all use 
 | `_dense` | `ds` | `{gen}/{param}/{i}` | chunk i of its optimizer slots |
 
 All bookkeeping ids are strings (key body `s...`); feature ids are int64 or str.
+
+Storage format 2 keeps a row and its optimizer slots in one item (`dim` + `slot_width`
+float32: one memcached operation per id where format 1 needed two, `w` and `s`). The
+sentinel records the format; a store refuses a node whose sentinel names another one
+(`sentinel_format`), because it would read format 1's rows as corrupt or missing.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import re
 
 from lookup_table.core.keys import encode_key
@@ -36,11 +41,13 @@ __all__ = [
     "META_TABLE",
     "ROW_KINDS",
     "SENTINEL_ID",
+    "STORAGE_FORMAT",
     "Kind",
     "dense_chunk_id",
     "is_journal_header",
     "journal_id",
     "push_record_id",
+    "sentinel_format",
     "sentinel_key",
     "version_id",
     "version_replica",
@@ -50,8 +57,7 @@ __all__ = [
 class Kind(enum.StrEnum):
     """The kind tag of a key: what its value holds."""
 
-    ROW = "w"
-    SLOTS = "s"
+    ROW = "w"  # the row and its slots (format 1 kept slots apart, under "s")
     COUNTER = "c"
     META = "m"
     PUSH_RECORD = "p"
@@ -67,7 +73,6 @@ class Kind(enum.StrEnum):
 
 _LABELS = {
     Kind.ROW: "rows",
-    Kind.SLOTS: "slots",
     Kind.COUNTER: "counters",
     Kind.META: "meta",
     Kind.PUSH_RECORD: "push_records",
@@ -76,7 +81,7 @@ _LABELS = {
     Kind.DENSE_SLOTS: "dense_slots",
 }
 
-ROW_KINDS = (Kind.ROW, Kind.SLOTS)
+ROW_KINDS = (Kind.ROW,)
 """The kinds keyed by feature ids that a checkpoint saves per table (not `c`: counters
 are sightings of ids without a row, transient by design; a restore starts them over)."""
 
@@ -87,6 +92,9 @@ DENSE_TABLE = "_dense"
 BOOKKEEPING_TABLES = (META_TABLE, DENSE_TABLE)
 
 SENTINEL_ID = "sentinel"
+STORAGE_FORMAT = 2
+"""The layout of the stored data this version reads and writes, recorded in every sentinel
+(1, the sentinels before the field existed: rows and slots as separate items)."""
 DENSE_CURRENT_ID = "current"
 
 _VERSION_RE = re.compile(r"version-r(\d+)\Z")
@@ -128,3 +136,21 @@ def dense_chunk_id(generation: str, param: str, chunk: int) -> str:
 def sentinel_key(namespace: str) -> bytes:
     """The key of the sentinel every node of `namespace` holds (`_meta/m/ssentinel`)."""
     return encode_key(namespace, META_TABLE, Kind.META, SENTINEL_ID)
+
+
+def sentinel_format(value: bytes) -> int:
+    """The storage format a sentinel's JSON value records (1 when it has no `format`).
+
+    Raises:
+        ValueError: the value is not a sentinel's JSON object.
+    """
+    try:
+        decoded = json.loads(value)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"a sentinel is a JSON object, got {value[:60]!r}") from exc
+    if not isinstance(decoded, dict):
+        raise ValueError(f"a sentinel is a JSON object, got {value[:60]!r}")
+    found = decoded.get("format", 1)
+    if not isinstance(found, int) or isinstance(found, bool):
+        raise ValueError(f"a sentinel's format is an integer, got {found!r}")
+    return found

@@ -66,7 +66,6 @@ __all__ = [
     "build_mg",
     "build_mg_quiet",
     "build_ms",
-    "build_touch",
     "gather_values",
     "parse_mg",
     "parse_ma",
@@ -540,16 +539,6 @@ def parse_ms_quiet(buf: bytes | bytearray, pos: int, n: int) -> MsReply | None:
     return MsReply(status=status, end=pos, errors=errors)
 
 
-def build_touch(keys: Keys, exptime: int) -> bytes:
-    """`touch <key> <exptime> noreply\\r\\n` for every key: resets the TTL of the items
-    that exist, and answers nothing (a missing key is not created)."""
-    key_list = [bytes(k) for k in keys] if isinstance(keys, np.ndarray) else keys
-    if not key_list:
-        return b""
-    tail = b" %d noreply\r\n" % exptime
-    return b"touch " + (tail + b"touch ").join(key_list) + tail
-
-
 def build_ma_count(keys: Keys, exptime: int) -> bytes:
     """`ma <key> N<exptime> J1 T<exptime> v\\r\\n` for every key: count one sighting.
 
@@ -621,26 +610,38 @@ def build_md(keys: Keys) -> bytes:
     return b"md " + b"\r\nmd ".join(key_list) + b"\r\n"
 
 
-def gather_values(buf: bytes | bytearray, reply: MgReply, nbytes: int) -> NDArray[np.uint8]:
-    """The hit values of an mg reply as a uint8 matrix (n, nbytes); misses are zeros.
+def gather_values(
+    buf: bytes | bytearray, reply: MgReply, nbytes: int, *, take: int | None = None
+) -> NDArray[np.uint8]:
+    """The hit values of an mg reply as a uint8 matrix (n, take); misses are zeros.
 
-    The caller has checked that every hit has exactly `nbytes` bytes.
+    `take` (default `nbytes`): only the first `take` bytes of each value (a row without
+    the slots stored behind it). The caller has checked that every hit has exactly
+    `nbytes` bytes.
     """
+    width = nbytes if take is None else take
+    if not 0 <= width <= nbytes:
+        raise ValueError(f"take={take} is not within a value of {nbytes} bytes")
     n = reply.starts.shape[0]
     data = np.frombuffer(buf, dtype=np.uint8)
     hits = np.flatnonzero(reply.found)
     if reply.stride and hits.size:
         block = np.lib.stride_tricks.as_strided(
             data[reply.starts[hits[0]] :],
-            shape=(hits.size, nbytes),
+            shape=(hits.size, width),
             strides=(reply.stride, 1),
             writeable=False,
         )
         if hits.size == n:
             return block.copy()
-        out = np.zeros((n, nbytes), dtype=np.uint8)
+        out = np.zeros((n, width), dtype=np.uint8)
         out[hits] = block
         return out
+    out = np.zeros((n, width), dtype=np.uint8)
+    if hits.size:
+        index = reply.starts[hits][:, None] + np.arange(width, dtype=np.int64)[None, :]
+        out[hits] = data[index]
+    return out
     out = np.zeros((n, nbytes), dtype=np.uint8)
     if hits.size:
         index = reply.starts[hits][:, None] + np.arange(nbytes, dtype=np.int64)[None, :]

@@ -43,6 +43,7 @@ async def init_cluster(config: ClusterConfig) -> dict[str, str]:
 
     Raises:
         DataLossError: some nodes have a sentinel and others lost theirs.
+        StorageFormatError: the namespace holds another storage format's data.
     """
     async with EmbeddingStore(config, check_sentinels=False) as store:
         present = await store.sentinels()
@@ -55,6 +56,9 @@ async def init_cluster(config: ClusterConfig) -> dict[str, str]:
                 f"`lookup-table-admin reinit --yes`",
                 nodes=tuple(missing),
             )
+        for node, value in present.items():
+            if value is not None:  # an older version's namespace: say so, write nothing
+                store.check_format(node, value)
         written = await store.write_sentinels(missing) if missing else {}
     return {
         node: ("initialized" if written.get(node) else "already initialized") for node in present

@@ -1,8 +1,8 @@
 """`lookup-table-admin stats`: keys and bytes per table and kind, per node and in total.
 
 The namespace's keys on every node come from memcached's `lru_crawler metadump
-hash` (as a checkpoint lists them), summed per table and kind (rows `w`, slots
-`s`; for the bookkeeping tables `_dense` and `_meta` their own kinds). The
+hash` (as a checkpoint lists them), summed per table and kind (rows `w`, each
+with its slots; for the bookkeeping tables `_dense` and `_meta` their own kinds). The
 bytes are memcached's own item sizes (`size=` of the dump: header, key, value),
 so they add up to the node's `stats bytes`. Keys of other namespaces on the same
 nodes are not counted, but the per-node figures (items, bytes, memory limit,
@@ -401,8 +401,8 @@ async def table_stats(config: ClusterConfig) -> dict[str, Any]:
                             "kinds": {name: {"kind": tag, "keys", "bytes",
                                              "nodes": {address: {"keys", "bytes"}}}}}}}
 
-    Every table of the cluster file has `rows` (and `slots` when its optimizer
-    has any), zero when empty; the bookkeeping tables and tables not in the
+    Every table of the cluster file has `rows` (each with its optimizer slots:
+    `slot_width` floats), zero when empty; the bookkeeping tables and tables not in the
     cluster file appear when they hold keys. Per-kind totals and `nodes` cover
     the nodes that answered; `complete` is false when one did not. `problems`
     lists what needs the operator: a node down, missing sentinels.
@@ -428,8 +428,7 @@ async def table_stats(config: ClusterConfig) -> dict[str, Any]:
             tables[spec.name]["ttl_s"] = spec.ttl_s
         if spec.admit_after > 1:
             tables[spec.name]["admit_after"] = spec.admit_after
-        for kind in ("w", "s") if width else ("w",):
-            tables[spec.name]["kinds"][_kind_name(kind)] = {"kind": kind}
+        tables[spec.name]["kinds"][_kind_name(Kind.ROW)] = {"kind": str(Kind.ROW)}
     for _, groups, _ in results:
         for table, kind in groups:
             entry = tables.setdefault(table, {"in_config": False, "kinds": {}})

@@ -120,7 +120,7 @@ async def filled(
 
 
 @pytest.mark.timeout(120)
-async def test_stats_counts_every_row_and_slot_exactly_per_node_and_in_total(
+async def test_stats_counts_every_row_with_its_slots_exactly_per_node_and_in_total(
     filled: tuple[Path, ClusterConfig, ClusterConfig],
 ) -> None:
     _, config, other = filled
@@ -130,34 +130,27 @@ async def test_stats_counts_every_row_and_slot_exactly_per_node_and_in_total(
     tables = report["tables"]
     assert list(tables)[:3] == ["user", "word", "plain"]  # the cluster file's order first
 
-    expected = {
-        ("user", "rows"): USERS,
-        ("user", "slots"): PUSHED["user"],
-        ("word", "rows"): WORDS,
-        ("word", "slots"): PUSHED["word"],
-        ("plain", "rows"): PLAIN,
-    }
-    for (table, kind_name), ids in expected.items():
+    expected = {"user": USERS, "word": WORDS, "plain": PLAIN}
+    for table, ids in expected.items():
         entry = tables[table]
         assert entry["in_config"] and entry["dim"] == DIMS[table]
         assert entry["slot_width"] == SLOT_WIDTHS[table]
-        counts = entry["kinds"][kind_name]
-        kind = {"rows": "w", "slots": "s"}[kind_name]
-        assert counts["kind"] == kind
-        assert counts["keys"] == len(ids), (table, kind_name)
+        assert set(entry["kinds"]) == {"rows"}  # a row and its slots are one item
+        counts = entry["kinds"]["rows"]
+        assert counts["kind"] == "w"
+        assert counts["keys"] == len(ids), table
         per_node = _per_node(config, table, ids)
         assert {a: c["keys"] for a, c in counts["nodes"].items()} == per_node
         assert counts["bytes"] == sum(c["bytes"] for c in counts["nodes"].values())
-        # plausible: memcached's item = its header (~50-60 bytes) + key + value
-        value = 4 * (DIMS[table] if kind == "w" else SLOT_WIDTHS[table])
-        key_bytes = _key_bytes(config, table, kind, ids)
+        # plausible: memcached's item = its header (~50-60 bytes) + key + the row and slots
+        value = 4 * (DIMS[table] + SLOT_WIDTHS[table])
+        key_bytes = _key_bytes(config, table, "w", ids)
         for address, c in counts["nodes"].items():
             if per_node[address] == 0:  # 7 words: one node may hold none (the namespace is random)
                 assert c["bytes"] == 0, (table, address)
                 continue
             payload = key_bytes[address] + per_node[address] * value
             assert payload < c["bytes"] <= payload + 100 * per_node[address], (table, address)
-    assert set(tables["plain"]["kinds"]) == {"rows"}  # SGD: no slots
     assert tables["user"]["kinds"]["rows"]["keys"] == 300  # not 377: the other namespace's
     assert tables["_dense"]["in_config"] is False
     assert tables["_dense"]["kinds"]["dense"]["keys"] >= 1
@@ -209,7 +202,7 @@ async def test_stats_cli_prints_an_aligned_table_and_json(
     assert out.err == ""
     report = json.loads(out.out)
     assert report["tables"]["user"]["kinds"]["rows"]["keys"] == 300
-    assert report["tables"]["word"]["kinds"]["slots"]["keys"] == 7
+    assert report["tables"]["word"]["kinds"]["rows"]["keys"] == len(WORDS)
     assert {n: report["tables"]["user"]["kinds"]["rows"]["nodes"][n]["keys"] for n in (a, b)} == (
         users
     )
@@ -229,8 +222,8 @@ async def test_stats_cli_prints_an_aligned_table_and_json(
     rows = [line.split() for line in keys_block[1:]]
     user_rows = {r[3]: r[4] for r in rows if r[:3] == ["user", "rows", "(w)"]}
     assert user_rows == {a: str(users[a]), b: str(users[b]), "total": "300"}
-    word_slots = {r[3]: r[4] for r in rows if r[:3] == ["word", "slots", "(s)"]}
-    assert word_slots["total"] == "7"
+    word_rows = {r[3]: r[4] for r in rows if r[:3] == ["word", "rows", "(w)"]}
+    assert word_rows["total"] == str(len(WORDS))
     assert any(r[:2] == ["_meta", "meta"] for r in rows)
     assert any(r[:2] == ["_dense", "dense"] for r in rows)
     assert nodes_block[0].split()[:3] == ["node", "items", "bytes"]
@@ -239,7 +232,7 @@ async def test_stats_cli_prints_an_aligned_table_and_json(
 
     assert await _cli(["stats", "--config", str(path), "--table", "word"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.split("\n\n")[1].splitlines()[1:]]
-    assert {r[0] for r in rows} == {"word"} and len(rows) == 2 * 3  # rows, slots x (2 + total)
+    assert {r[0] for r in rows} == {"word"} and len(rows) == 3  # rows x (2 nodes + total)
 
     assert await _cli(["stats", "--config", str(path), "--json", "--table", "_meta"]) == 0
     assert list(json.loads(capsys.readouterr().out)["tables"]) == ["_meta"]

@@ -22,7 +22,7 @@ from lookup_table import EmbeddingStore, initial_rows
 from lookup_table.core.keyspace import Kind
 from lookup_table.core.optimizers import make_optimizer
 from lookup_table.core.wire import unpack
-from lookup_table.store import TableRead, TableWrite
+from lookup_table.store import TableWrite
 from optimizer_service.app import UPDATER, make_app
 from optimizer_service.journal import JOURNAL_CHUNK_BYTES, Journal, decode_journal
 from optimizer_service.plan import TableUpdate
@@ -39,22 +39,20 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
     "nesterov": {"name": "sgd", "learning_rate": 0.1, "momentum": 0.9, "nesterov": True},
     "adagrad": {"name": "adagrad", "learning_rate": 0.1},
 }
-# per id of the push: (row written, slots written) when the write stopped
-MIX = [(True, True), (False, True), (True, False), (False, False)]
+# per id of the push: whether its item (the row and its slots) was written when the
+# write stopped
+MIX = [True, False, False, True]
 
 
-async def _read(store: EmbeddingStore, table: str, ids: Any, width: int) -> tuple[Any, Any]:
-    reads = [TableRead(table, ids)]
-    if width:
-        reads.append(TableRead(table, ids, kind=Kind.SLOTS, width=width))
-    got = await store.get_many(reads, unique=True)
-    rows, found = got[0]
-    slots, has = got[1] if width else (np.zeros((len(ids), 0), np.float32), found)
-    return (rows, found), (slots, has)
+async def _read(store: EmbeddingStore, table: str, ids: Any) -> tuple[Any, Any, Any]:
+    """(rows, slots, found) of `ids`: a row and its slots are one item."""
+    items, found = await store.get(table, ids, unique=True, slots=True)
+    dim = store.config.table(table).dim
+    return items[:, :dim], items[:, dim:], found
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-async def test_a_replay_finishes_every_mix_of_written_rows_and_slots_exactly_once(
+async def test_a_replay_finishes_a_push_whose_items_were_written_in_part_exactly_once(
     memcached_nodes: list[str], aiohttp_server: Any, caplog: pytest.LogCaptureFixture, name: str
 ) -> None:
     tables = [
@@ -63,8 +61,7 @@ async def test_a_replay_finishes_every_mix_of_written_rows_and_slots_exactly_onc
     ]
     config = make_config(memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"])
     opt = make_optimizer(config.table("t").optimizer)
-    width = opt.slot_width(8)
-    # ids 0..7 exist (0..3 with slots from an earlier push), 8..11 were never looked up
+    # ids 0..7 exist (0..3 updated by an earlier push), 8..11 were never looked up
     ids = np.arange(12, dtype=np.int64)
     words = [f"w{i}" for i in range(8)]
     rng = np.random.default_rng(7)
@@ -80,22 +77,16 @@ async def test_a_replay_finishes_every_mix_of_written_rows_and_slots_exactly_onc
     grads = rng.standard_normal((12, 8), dtype=np.float32)
     wgrads = rng.standard_normal((8, 4), dtype=np.float32)
     async with EmbeddingStore(config) as store:
-        (rows, found), (slots, has) = await _read(store, "t", ids, width)
+        rows, slots, found = await _read(store, "t", ids)
     rows[~found] = np.stack([r for r in (await _initial(config, ids[~found]))])
-    slots[~has] = opt.initial_slots(int((~has).sum()), 8)
+    slots[~found] = opt.initial_slots(int((~found).sum()), 8)
     want_rows, want_slots = opt.update(rows, grads, slots)
 
     async def stop_part_way(updates: list[TableUpdate]) -> None:
         writes = []
         for u in updates:
-            n = u.ids.shape[0]
-            row_done = np.array([MIX[i % 4][0] for i in range(n)])
-            slot_done = np.array([MIX[i % 4][1] for i in range(n)])
-            writes.append(TableWrite(u.table, u.ids[row_done], u.rows[row_done]))
-            if u.slots.shape[1]:
-                writes.append(
-                    TableWrite(u.table, u.ids[slot_done], u.slots[slot_done], kind=Kind.SLOTS)
-                )
+            done = np.array([MIX[i % 4] for i in range(u.ids.shape[0])])
+            writes.append(TableWrite(u.table, u.ids[done], u.rows[done], slots=u.slots[done]))
         await updater.store.set_many(writes)
         raise ConnectionResetError("simulated crash in the middle of the rows")
 
@@ -115,8 +106,8 @@ async def test_a_replay_finishes_every_mix_of_written_rows_and_slots_exactly_onc
         plan = plans[0]
         assert not plan.updates and [r.table for r in plan.redo] == ["t", "s"]
         np.testing.assert_array_equal(plan.redo[0].grads, grads)  # journaled: the gradients
-        (mid_rows, _), (mid_slots, _) = await _read(store, "t", ids, width)
-    # the crash left every mix: some rows and slots new, others old
+        mid_rows, _, _ = await _read(store, "t", ids)
+    # the crash left some items new, others old
     assert (mid_rows == want_rows).all(axis=1).tolist() != [True] * 12
 
     caplog.set_level(logging.WARNING, logger="optimizer_service.updater")
@@ -124,8 +115,8 @@ async def test_a_replay_finishes_every_mix_of_written_rows_and_slots_exactly_onc
     assert "replaying journaled push" in caplog.text
     assert "differ from the journaled" not in caplog.text  # every recomputation matched
     async with EmbeddingStore(config) as store:
-        (got_rows, found), (got_slots, has) = await _read(store, "t", ids, width)
-        assert found.all() and has.all()
+        got_rows, got_slots, found = await _read(store, "t", ids)
+        assert found.all()
         journal = Journal(store, replica=0)
         np.testing.assert_array_equal(got_rows, want_rows)
         np.testing.assert_array_equal(got_slots, want_slots)
@@ -165,9 +156,9 @@ def test_a_small_journal_is_one_item_and_a_big_one_is_chunked() -> None:
 async def test_a_replay_of_an_expired_rows_push_starts_from_fresh_slots_as_the_push_did(
     memcached_nodes: list[str], aiohttp_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A TTL table's row that expired while its slots lived on starts again with fresh
-    slots; the journal's replay must start from the same values as the push it finishes,
-    not from the slots it finds (that would be another step, and its hash would differ)."""
+    """A TTL table's row that expired (its item, the row and its slots) starts again from
+    its initial value and fresh slots; the journal's replay must start from the same values
+    as the push it finishes."""
     tables = [{"name": "t", "dim": 8, "seed": 5, "ttl_s": 3600}]  # Adam
     config = make_config(memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"])
     spec = config.table("t")
@@ -181,7 +172,7 @@ async def test_a_replay_of_an_expired_rows_push_starts_from_fresh_slots_as_the_p
     updater = server.app[UPDATER]
     first = {"t": (ids, rng.standard_normal((4, 8), dtype=np.float32))}
     await updater.apply(parse_push(unpack(_body("first", first)), config=config))
-    async with EmbeddingStore(config) as store:  # rows 0 and 1 expire; their slots live on
+    async with EmbeddingStore(config) as store:  # rows 0 and 1 expire, with their slots
         assert (await store.delete_blobs("t", ids[:2], kind=Kind.ROW)).all()
 
     async def crash(*_: Any) -> None:
@@ -204,7 +195,7 @@ async def test_a_replay_of_an_expired_rows_push_starts_from_fresh_slots_as_the_p
     fresh = initial_rows(spec.initializer, seed=spec.seed, ids=ids[:2], dim=8)
     want_rows, want_slots = adam.update(fresh, grads[:2], adam.initial_slots(2, 8))
     async with EmbeddingStore(config) as store:
-        (rows, found), (slots, has) = await _read(store, "t", ids[:2], adam.slot_width(8))
-    assert found.all() and has.all()
+        rows, slots, found = await _read(store, "t", ids[:2])
+    assert found.all()
     np.testing.assert_array_equal(rows, want_rows)
     np.testing.assert_array_equal(slots, want_slots)

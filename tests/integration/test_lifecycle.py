@@ -88,9 +88,10 @@ def _initial(config: ClusterConfig, table: str, ids: list[int]) -> np.ndarray:
 async def test_rows_read_every_second_live_while_the_others_expire(
     memcached_nodes: list[str],
 ) -> None:
-    """ttl_s = 3: rows (and their slots) read every second by lookups, lookup_many and
-    get_many outlive the TTL; the others expire, and one seen again starts from its
-    initial value with no slots, without a DataLossError (the sentinel has no TTL)."""
+    """ttl_s = 3: rows (and their slots, in the same item) read every second by lookups,
+    lookup_many and get_many outlive the TTL; the others expire, and one seen again starts
+    from its initial value and fresh slots, without a DataLossError (the sentinel has no
+    TTL)."""
     config = make_config(memcached_nodes, tables=[{"name": "hot", "dim": 4, "ttl_s": TTL_S}])
     width = slot_width(config.table("hot"))  # Adam: slots too
     looked, read, left = [1, 2, 3], [10, 11], [20, 21, 22]
@@ -99,11 +100,10 @@ async def test_rows_read_every_second_live_while_the_others_expire(
     async with EmbeddingStore(config) as store:
         await store.write_sentinels()
         await store.lookup("hot", every)
-        await store.set("hot", every, trained)
-        await store.set("hot", every, np.ones((len(every), width), np.float32), kind=Kind.SLOTS)
+        ones = np.ones((len(every), width), np.float32)
+        await store.set("hot", every, trained, slots=ones)
         for id_ in every:
             assert 0 < (_remaining_ttl(config, "hot", Kind.ROW, id_) or 0) <= TTL_S
-            assert 0 < (_remaining_ttl(config, "hot", Kind.SLOTS, id_) or 0) <= TTL_S
         for second in range(5):
             await asyncio.sleep(1.0)
             if second % 2:
@@ -114,10 +114,10 @@ async def test_rows_read_every_second_live_while_the_others_expire(
         # 5 s after the last write: `left` is gone (TTL 3 s, +-1 s), the others live
         for id_ in left:
             assert _remaining_ttl(config, "hot", Kind.ROW, id_) is None
-            assert _remaining_ttl(config, "hot", Kind.SLOTS, id_) is None
         for id_ in looked:
             assert _remaining_ttl(config, "hot", Kind.ROW, id_) is not None
-            assert _remaining_ttl(config, "hot", Kind.SLOTS, id_) is not None  # touched too
+        items, _ = await store.get("hot", looked + read, slots=True)
+        np.testing.assert_array_equal(items[:, 4:], 1)  # the slots lived with their rows
         for id_ in read:
             assert _remaining_ttl(config, "hot", Kind.ROW, id_) is not None
         np.testing.assert_array_equal(
@@ -128,9 +128,10 @@ async def test_rows_read_every_second_live_while_the_others_expire(
         except DataLossError as exc:  # pragma: no cover - the failure this test is about
             pytest.fail(f"an expired row was taken for a lost node: {exc}")
         np.testing.assert_array_equal(again, _initial(config, "hot", left))
-        for id_ in left:  # created again, with the TTL, and without slots (fresh)
+        for id_ in left:  # created again, with the TTL
             assert 0 < (_remaining_ttl(config, "hot", Kind.ROW, id_) or 0) <= TTL_S
-            assert _remaining_ttl(config, "hot", Kind.SLOTS, id_) is None
+        items, _ = await store.get("hot", left, slots=True)
+        np.testing.assert_array_equal(items[:, 4:], 0)  # and fresh slots (Adam's: zeros)
 
 
 async def test_reads_without_refresh_and_tables_without_ttl_leave_the_ttl_alone(
@@ -180,17 +181,15 @@ async def ttl_service(
 async def test_the_service_writes_rows_and_slots_with_the_ttl_and_an_expired_row_starts_again(
     ttl_service: ClusterConfig,
 ) -> None:
-    """A push writes rows and slots with the table's TTL. A row that expired (its slots
-    left for the second of an expiry) is trained again from its initial value with
-    fresh slots: the replica's row cache does not hold TTL tables, and old slots of an
-    expired row are not used."""
+    """A push writes rows and their slots (one item) with the table's TTL. A row that
+    expired is trained again from its initial value with fresh slots: the replica's row
+    cache does not hold TTL tables."""
     config = ttl_service
     grads = np.full((1, 4), 0.25, np.float32)
     async with OptimizerClient(config) as client:
         first = await client.push({"hot": ([5], grads)}, answer=("rows",))
         assert first["applied"]
-        for kind in (Kind.ROW, Kind.SLOTS):
-            assert 0 < (_remaining_ttl(config, "hot", kind, 5) or 0) <= 30
+        assert 0 < (_remaining_ttl(config, "hot", Kind.ROW, 5) or 0) <= 30
         async with EmbeddingStore(config) as store:
             row, _ = await store.get("hot", [5])
         np.testing.assert_array_equal(first["updated"]["hot"][1], row)
@@ -243,8 +242,7 @@ async def test_an_id_gets_a_row_from_its_third_sighting_and_its_gradients_before
             np.testing.assert_array_equal(both["adm"][:1], init)
             assert _remaining_ttl(config, "now", Kind.ROW, 7) == -1  # admit_after 1: at once
             assert _counter(config, "adm", 7) == sighting
-            for kind in (Kind.ROW, Kind.SLOTS):
-                assert _remaining_ttl(config, "adm", kind, 7) is None
+            assert _remaining_ttl(config, "adm", Kind.ROW, 7) is None
         assert 0 < (_remaining_ttl(config, "adm", Kind.COUNTER, 7) or 0) <= 86_400  # it expires
         await store.lookup("adm", [7, 7], create=False)  # evaluation never counts
         await store.lookup_many({"adm": [7]}, create=False)
@@ -259,8 +257,7 @@ async def test_an_id_gets_a_row_from_its_third_sighting_and_its_gradients_before
         ids, rows = pushed["updated"]["adm"]
         assert ids.tolist() == [7, 9]
         np.testing.assert_array_equal(rows[:1], init)  # read your writes: still its initial
-        for kind in (Kind.ROW, Kind.SLOTS):
-            assert _remaining_ttl(config, "adm", kind, 7) is None  # nothing stored for 7
+        assert _remaining_ttl(config, "adm", Kind.ROW, 7) is None  # nothing stored for 7
         stored9, _ = await store.get("adm", [9])
         np.testing.assert_array_equal(rows[1:], stored9)  # 9 was trained
         assert not np.array_equal(stored9, _initial(config, "adm", [9]))
@@ -273,9 +270,9 @@ async def test_an_id_gets_a_row_from_its_third_sighting_and_its_gradients_before
         np.testing.assert_array_equal(third, init)
         assert _remaining_ttl(config, "adm", Kind.ROW, 7) == -1
         trained = await client.push({"adm": ([7], grads)}, answer=("rows",))
-        assert _remaining_ttl(config, "adm", Kind.SLOTS, 7) == -1
-        row7, found = await store.get("adm", [7])
-        assert found.all()
+        item7, found = await store.get("adm", [7], slots=True)
+        assert found.all() and item7[:, 4:].any()  # its slots were written with it
+        row7 = item7[:, :4]
         np.testing.assert_array_equal(trained["updated"]["adm"][1], row7)
         assert not np.array_equal(row7, init)
         np.testing.assert_array_equal(await store.lookup("adm", [7]), row7)
@@ -316,8 +313,8 @@ async def test_counters_are_their_own_kind_for_stats_and_concurrent_lookups_admi
 async def test_checkpoints_skip_counters_keep_ttls_and_restore_with_the_ttl(
     memcached_nodes: list[str], tmp_path: Path
 ) -> None:
-    """A save neither saves counters nor refreshes TTLs; a restore writes the rows and
-    slots of a TTL table with its TTL (and of other tables without one)."""
+    """A save neither saves counters nor refreshes TTLs; a restore writes the rows (with
+    their slots) of a TTL table with its TTL (and of other tables without one)."""
     config = make_config(
         memcached_nodes,
         tables=[
@@ -329,20 +326,21 @@ async def test_checkpoints_skip_counters_keep_ttls_and_restore_with_the_ttl(
         await store.write_sentinels()
         await store.lookup_many({"hot": [1, 2, 3], "keep": [1]})
         await store.lookup("hot", [1])  # admitted: 1 has a row, 2 and 3 only counters
-        await store.set("hot", [1], np.ones((1, 5), np.float32), kind=Kind.SLOTS)  # Adam
-    for kind in (Kind.ROW, Kind.SLOTS):
-        node, key = _key(config, "hot", kind, 1)
-        assert _meta(node, b"mg " + key + b" T50\r\n") == b"HD\r\n"
+        row, _ = await store.get("hot", [1])
+        await store.set("hot", [1], row, slots=np.ones((1, 5), np.float32))  # Adam
+    node, key = _key(config, "hot", Kind.ROW, 1)
+    assert _meta(node, b"mg " + key + b" T50\r\n") == b"HD\r\n"
     manifest = await save_checkpoint(config, tmp_path / "ck", progress=False)
     counts = {t["name"]: t["count"] for t in manifest["tables"]}
     assert counts == {"hot": 1, "keep": 1}
-    for kind in (Kind.ROW, Kind.SLOTS):
-        assert 0 < (_remaining_ttl(config, "hot", kind, 1) or 0) <= 50  # not refreshed
+    assert 0 < (_remaining_ttl(config, "hot", Kind.ROW, 1) or 0) <= 50  # not refreshed
     with memcached_cluster(1) as servers:
         other = parse_config({**config.to_dict(), "memcached": [servers[0].address]}, env={})
         await restore_checkpoint(other, tmp_path / "ck", progress=False)
-        for kind in (Kind.ROW, Kind.SLOTS):
-            assert 50 < (_remaining_ttl(other, "hot", kind, 1) or 0) <= 100
+        assert 50 < (_remaining_ttl(other, "hot", Kind.ROW, 1) or 0) <= 100
+        async with EmbeddingStore(other) as restored:
+            item, _ = await restored.get("hot", [1], slots=True)
+        np.testing.assert_array_equal(item[:, 2:], 1)  # the slots came back with the row
         assert _remaining_ttl(other, "keep", Kind.ROW, 1) == -1
         assert _remaining_ttl(other, "hot", Kind.COUNTER, 2) is None
 

@@ -175,11 +175,13 @@ async def test_a_push_reads_and_writes_every_table_in_one_request_per_node(
         requests = [r for address, r in sent if address == node]
         # after the sentinel read: the quiet reads of every table, then the writes
         assert [r.split(b"\r\n", 1)[1][:3] for r in requests] == [b"mg ", b"ms "], node
-    assert sum(r.count(b" v q O") for _, r in sent) == 60 + 40 + 2 * 80  # SGD has no slots
+    # one mg per id: a row and its slots are one item
+    assert sum(r.count(b" v q O") for _, r in sent) == 60 + 40 + 80
     monkeypatch.undo()
     async with EmbeddingStore(config) as store:
-        _, has_slots = await store.get("ads", ids["ads"], kind="s", width=33)
-    assert has_slots.all()
+        items, found = await store.get("ads", ids["ads"], slots=True)
+    assert found.all() and items.shape == (80, 16 + 33)
+    assert (items[:, 16:] != 0).any(axis=1).all()  # Adam's slots of every row were updated
 
 
 async def test_bad_pushes_are_4xx_and_write_nothing(served, http) -> None:

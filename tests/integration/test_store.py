@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import signal
 import time
@@ -19,12 +20,15 @@ from lookup_table import (
     EmbeddingStore,
     KeyEncodingError,
     NodeUnavailableError,
+    StorageFormatError,
     StoreFullError,
     StoreTimeoutError,
     encode_key,
     initial_rows,
 )
+from lookup_table.core.keyspace import sentinel_key
 from lookup_table.core.sharding import node_of
+from lookup_table.ops.admin import init_cluster
 from lookup_table.ops.localcluster import free_port, start_memcached
 from tests.conftest import make_config, node_stat, raw_client, sigstop
 
@@ -39,12 +43,13 @@ async def test_lookup_creates_initial_rows_in_order(store: EmbeddingStore) -> No
     expected = initial_rows(spec.initializer, seed=spec.seed, ids=ids, dim=16)
     np.testing.assert_array_equal(rows, expected)
     np.testing.assert_array_equal(rows[0], rows[3])
-    # The rows are really stored, as exactly dim little-endian float32.
+    # The rows are really stored, as dim little-endian float32 followed by the optimizer's
+    # initial slots in the same item (Adam: m, v and the step, zeros).
     key = encode_key(store.namespace, "user", "w", -3)
     node = store.nodes[int(node_of("user", np.array([-3]), store.nodes)[0])]
     with raw_client(node) as client:
         raw = client.get(key)
-    assert raw == expected[1].astype("<f4").tobytes()
+    assert raw == expected[1].astype("<f4").tobytes() + bytes(4 * (2 * 16 + 1))
 
 
 async def test_each_unique_id_is_fetched_once(store: EmbeddingStore) -> None:
@@ -136,12 +141,24 @@ async def test_bad_ids_and_tables(store: EmbeddingStore) -> None:
 
 async def test_slots_and_blobs(store: EmbeddingStore) -> None:
     ids = np.array([4, 5, 6], dtype=np.int64)
+    rows = -np.arange(3 * 16, dtype=np.float32).reshape(3, 16)
     slots = np.arange(3 * 33, dtype=np.float32).reshape(3, 33)
-    await store.set("user", ids, slots, kind="s")
-    values, found = await store.get("user", [6, 4, 99], kind="s", width=33)
+    await store.set("user", ids, rows, slots=slots)
+    values, found = await store.get("user", [6, 4, 99], slots=True)
+    assert values.shape == (3, 16 + 33)
     assert found.tolist() == [True, True, False]
-    np.testing.assert_array_equal(values[:2], slots[[2, 0]])
+    np.testing.assert_array_equal(values[:2, :16], rows[[2, 0]])
+    np.testing.assert_array_equal(values[:2, 16:], slots[[2, 0]])
     np.testing.assert_array_equal(values[2], 0)
+    only_rows, _ = await store.get("user", [6, 4])
+    np.testing.assert_array_equal(only_rows, rows[[2, 0]])
+    # a row and its slots are one item: there is nothing to write or read of slots alone
+    with pytest.raises(ValueError, match="33 slot floats"):
+        await store.set("user", ids, rows, slots=slots[:, :16])
+    with pytest.raises(ValueError, match="slots are stored with rows"):
+        await store.set("_dense", ["a"], rows[:1], kind="d", slots=slots[:1])
+    with pytest.raises(ValueError, match="width=33"):
+        await store.get("user", ids, width=33)
 
     blobs = [b"", b"x" * 100_000, bytes(range(256))]
     await store.set_blobs("_dense", ["a", "b", "c"], blobs, kind="d")
@@ -164,9 +181,15 @@ async def test_wrong_length_value_is_corruption_not_a_miss(store: EmbeddingStore
         assert client.get(key) == b"\x00" * 10  # never overwritten with a fresh row
     _, found = await store.get("user", [1, 2])
     assert not found.any()  # the failed batch created none of its rows
-    await store.lookup("user", [1])
-    with pytest.raises(CorruptValueError, match="64 bytes, expected 32"):
-        await store.get("user", [1], width=8)  # a dim-16 row read as dim 8
+    # a row without its slots (as storage format 1 kept it), or a table whose optimizer
+    # changed: the message says what the value should hold
+    key = encode_key(store.namespace, "user", "w", 7)
+    node = store.nodes[int(node_of("user", np.array([7]), store.nodes)[0])]
+    with raw_client(node) as client:
+        client.set(key, b"\x00" * 64, noreply=False)
+    expected = r"64 bytes, expected 196 \(its dim 16 and 33 slot floats of its 'adam' optimizer"
+    with pytest.raises(CorruptValueError, match=expected):
+        await store.get("user", [7])
 
 
 async def test_small_batches_give_the_same_rows(config, store: EmbeddingStore) -> None:
@@ -182,6 +205,40 @@ async def test_not_initialized(config) -> None:
         with pytest.raises(ClusterNotInitializedError, match="lookup-table-admin init"):
             await s.lookup("user", [1, 2, 3])
         assert all(v is None for v in (await s.sentinels()).values())
+
+
+async def test_a_namespace_of_storage_format_1_is_refused_before_anything_is_sent(
+    config,
+) -> None:
+    """Format 1 (rows and slots as separate items) is read by no batch of this version:
+    its rows would be corrupt (no slots) or missing (re-created). The sentinel says which."""
+    old = json.dumps({"namespace": config.namespace, "node": "x", "created": 1.0}).encode()
+    for node in config.node_addresses:
+        with raw_client(node) as client:
+            client.set(sentinel_key(config.namespace), old, noreply=False)
+    async with EmbeddingStore(config) as s:
+        for call in (
+            s.lookup("user", [1, 2, 3]),
+            s.lookup("user", [1], create=False),
+            s.set("user", [4], np.zeros((1, 16), np.float32)),
+            s.get_blobs("_meta", ["x"], kind="m"),
+        ):
+            with pytest.raises(StorageFormatError, match="storage format 1") as info:
+                await call
+            assert "lookup-table-checkpoint restore --force" in str(info.value)
+        with pytest.raises(StorageFormatError, match="storage format 1"):
+            await init_cluster(config)
+    for node in config.node_addresses:
+        with raw_client(node) as client:
+            for id_ in (1, 2, 3, 4):
+                assert client.get(encode_key(config.namespace, "user", "w", id_)) is None
+            assert client.get(sentinel_key(config.namespace)) == old  # left as it was
+    for node in config.node_addresses:
+        with raw_client(node) as client:
+            client.set(sentinel_key(config.namespace), b"not json", noreply=False)
+    async with EmbeddingStore(config) as s:
+        with pytest.raises(StorageFormatError, match="cannot read"):
+            await s.lookup("user", [1])
 
 
 async def test_restarted_node_raises_data_loss_and_creates_nothing(own_nodes) -> None:

@@ -90,11 +90,11 @@ async def _populate(store: EmbeddingStore, seed: int) -> None:
     user = np.flatnonzero(rng.random(60) < 0.5).astype(np.int64)
     item = np.flatnonzero(rng.random(60) < 0.5).astype(np.int64)
     words = [f"w{i}" for i in np.flatnonzero(rng.random(60) < 0.5).tolist()]
-    await store.lookup("user", user)
+    rows = await store.lookup("user", user)
     await store.lookup("item", item)
     await store.lookup("word", words)
     slots = rng.standard_normal((user.shape[0], ADAM_SLOTS)).astype(np.float32)
-    await store.set("user", user, slots, kind="s")
+    await store.set("user", user, rows, slots=slots)
 
 
 table_ids = {
@@ -146,7 +146,7 @@ def test_lookup_many_equals_lookup_per_table(
 reads_st = st.lists(
     st.tuples(
         st.sampled_from(["user", "item", "word"]),
-        st.sampled_from(["w", "s"]),
+        st.booleans(),  # each row with its slots
         st.lists(st.integers(0, 80), max_size=30),
         st.booleans(),  # share the ids object with the read before it (same table only)
     ),
@@ -157,7 +157,7 @@ reads_st = st.lists(
 @given(reads=reads_st, unique=st.booleans(), seed=st.integers(0, 3))
 def test_get_many_equals_get_per_read(
     memcached_nodes: list[str],
-    reads: list[tuple[str, str, list[int], bool]],
+    reads: list[tuple[str, bool, list[int], bool]],
     unique: bool,
     seed: int,
 ) -> None:
@@ -166,19 +166,18 @@ def test_get_many_equals_get_per_read(
             await store.write_sentinels()
             await _populate(store, seed)
             requests: list[TableRead] = []
-            for table, kind, raw, share in reads:
+            for table, with_slots, raw, share in reads:
                 ids: Any = [f"w{i}" for i in raw] if table == "word" else np.array(raw, np.int64)
                 if unique:
                     ids = list(dict.fromkeys(ids)) if table == "word" else np.unique(ids)
                 if share and requests and requests[-1].table == table:
-                    ids = requests[-1].ids  # rows and slots of the same ids object
-                width = ADAM_SLOTS if kind == "s" else None
-                requests.append(TableRead(table, ids, kind, width))
+                    ids = requests[-1].ids  # the same ids object
+                requests.append(TableRead(table, ids, slots=with_slots))
             results = await store.get_many(requests, unique=unique)
             assert len(results) == len(requests)
             for r, (values, found) in zip(requests, results, strict=True):
                 want_values, want_found = await store.get(
-                    r.table, r.ids, kind=r.kind, width=r.width, unique=unique
+                    r.table, r.ids, unique=unique, slots=r.slots
                 )
                 assert values.dtype == np.float32 and values.shape == want_values.shape
                 np.testing.assert_array_equal(values, want_values)
@@ -195,22 +194,19 @@ async def test_set_many_writes_what_set_writes(store: EmbeddingStore) -> None:
     slots = rng.standard_normal((300, ADAM_SLOTS)).astype(np.float32)
     word_rows = rng.standard_normal((50, 8)).astype(np.float32)
     await store.set_many(
-        [
-            TableWrite("user", user, rows),
-            TableWrite("user", user, slots, kind="s"),
-            TableWrite("word", words, word_rows),
-        ]
+        [TableWrite("user", user, rows, slots=slots), TableWrite("word", words, word_rows)]
     )
     got = await store.get_many(
         [
             TableRead("user", user[::-1]),
-            TableRead("user", user, kind="s", width=ADAM_SLOTS),
-            TableRead("word", words),
+            TableRead("user", user, slots=True),
+            TableRead("word", words, slots=True),
         ]
     )
     np.testing.assert_array_equal(got[0][0], rows[::-1])
-    np.testing.assert_array_equal(got[1][0], slots)
-    np.testing.assert_array_equal(got[2][0], word_rows)
+    np.testing.assert_array_equal(got[1][0], np.hstack([rows, slots]))
+    np.testing.assert_array_equal(got[2][0][:, :8], word_rows)
+    np.testing.assert_array_equal(got[2][0][:, 8:], 0)  # Adam's initial slots
     assert all(found.all() for _, found in got)
     assert await store.set_many([]) is None
     assert await store.get_many([]) == []
@@ -244,8 +240,8 @@ async def test_rows_and_slots_of_26_tables_are_one_request_per_node(
         await store.lookup_many(ids)  # create
         round_trips.clear()
 
-        # The ids of a table are placed once for its rows and slots (all int tables in one
-        # node_of_many call).
+        # The ids of a table are placed once (all int tables in one node_of_many call), and
+        # a row and its slots are one item: one mg.
         placements: list[str] = []
         original_node_of = store_module.node_of
         original_node_of_many = store_module.node_of_many
@@ -260,28 +256,25 @@ async def test_rows_and_slots_of_26_tables_are_one_request_per_node(
 
         monkeypatch.setattr(store_module, "node_of", counting_node_of)
         monkeypatch.setattr(store_module, "node_of_many", counting_node_of_many)
-        reads = [
-            TableRead(t, table_ids, kind, ADAM_SLOTS if kind == "s" else None)
-            for t, table_ids in ids.items()
-            for kind in ("w", "s")
-        ]
+        reads = [TableRead(t, table_ids, slots=True) for t, table_ids in ids.items()]
         gets_before = sum(node_stat(n, "cmd_get") for n in store.nodes)
         results = await store.get_many(reads)
         gets_after = sum(node_stat(n, "cmd_get") for n in store.nodes)
         assert sorted(placements) == sorted(ids)
         assert round_trips.per_node() == dict.fromkeys(store.nodes, 1)
-        keys = sum(np.unique(v).shape[0] for v in ids.values()) * 2
+        keys = sum(np.unique(v).shape[0] for v in ids.values())
         assert gets_after - gets_before == keys + len(store.nodes)  # + one sentinel per node
         for sent in round_trips.requests.values():
             assert sent[0].count(store._sentinel_key) == 1
             assert sent[0].startswith(b"mg " + store._sentinel_key + b" v\r\n")
-        assert all(found.all() for _, found in results[0::2])  # every row exists
-        assert not any(found.any() for _, found in results[1::2])  # no slots yet
+        assert all(found.all() for _, found in results)  # every row exists
+        assert not any(values[:, 16:].any() for values, _ in results)  # initial slots: zeros
 
         round_trips.clear()
         uniq = {t: np.unique(v) for t, v in ids.items()}  # writes need unique ids
         slots = {t: np.full((len(v), ADAM_SLOTS), 0.5, np.float32) for t, v in uniq.items()}
-        await store.set_many([TableWrite(t, uniq[t], slots[t], kind="s") for t in ids])
+        rows_of = {t: np.zeros((len(v), 16), np.float32) for t, v in uniq.items()}
+        await store.set_many([TableWrite(t, uniq[t], rows_of[t], slots=slots[t]) for t in ids])
         assert round_trips.per_node() == dict.fromkeys(store.nodes, 1)
 
         round_trips.clear()
@@ -419,8 +412,16 @@ async def test_bad_ids_and_tables_are_refused_before_anything_is_sent(
          lambda: store.get_many([TableRead("item", [1]), TableRead("user", ["a"])])),
         (KeyEncodingError, "too long",
          lambda: store.get_many(
-             [TableRead("item", [1]), TableRead("word", ["y" * 240], kind="s", width=2)]
+             [TableRead("item", [1]), TableRead("word", ["y" * 240], slots=True)]
          )),
+        (ValueError, "slots are read with rows",
+         lambda: store.get_many(
+             [TableRead("item", [1]), TableRead("_meta", ["a"], kind="m", width=2, slots=True)]
+         )),
+        (ValueError, "33 slot floats",
+         lambda: store.set_many([TableWrite("item", [1], zeros((1, 64), np.float32)),
+                                 TableWrite("user", [1], zeros((1, 16), np.float32),
+                                            slots=zeros((1, 32), np.float32))])),
         (ValueError, "dim=16",
          lambda: store.set_many([TableWrite("item", [1], zeros((1, 64), np.float32)),
                                  TableWrite("user", [1], zeros((1, 8), np.float32))])),
@@ -461,11 +462,12 @@ async def test_wrong_length_value_is_corruption_naming_table_and_key(store: Embe
         )
     ]
     assert not any(f.any() for f in found)  # the failed batch created nothing, on any table
-    await store.set("user", [5], np.zeros((1, 33), np.float32), kind="s")
-    with pytest.raises(CorruptValueError, match="of table 'user'.*132 bytes, expected 64"):
-        await store.get_many(
-            [TableRead("item", [42 + 1]), TableRead("user", [5], kind="s", width=16)]
-        )
+    key = encode_key(store.namespace, "user", "w", 5)
+    node = store.nodes[int(node_of("user", np.array([5]), store.nodes)[0])]
+    with raw_client(node) as client:
+        client.set(key, b"\x00" * 132)  # its 33 Adam slots alone: not a row
+    with pytest.raises(CorruptValueError, match="of table 'user'.*132 bytes, expected 196"):
+        await store.get_many([TableRead("item", [42 + 1]), TableRead("user", [5], slots=True)])
 
 
 async def test_corruption_in_a_later_table_of_one_value_size_names_that_table(
@@ -504,9 +506,7 @@ async def test_lost_node_raises_data_loss_and_nothing_is_created_anywhere(own_no
         assert node_stat(kept.address, "curr_items") == items_kept  # nor on the kept node
         for call in (
             lambda: s.lookup_many({"user": user}, create=False),
-            lambda: s.get_many(
-                [TableRead("user", user), TableRead("user", user, kind="s", width=3)]
-            ),
+            lambda: s.get_many([TableRead("user", user), TableRead("user", user, slots=True)]),
             lambda: s.set_many([TableWrite("user", user, before["user"])]),
         ):
             with pytest.raises(DataLossError, match=lost.address):

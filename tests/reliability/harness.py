@@ -25,7 +25,6 @@ from pymemcache.client.base import Client as MemcacheClient
 
 from lookup_table import EmbeddingStore
 from lookup_table.config import ClusterConfig
-from lookup_table.core.optimizers import slot_width
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -275,14 +274,10 @@ async def fingerprint(
     out: dict[str, tuple[str, bool]] = {}
     async with EmbeddingStore(config) as store:
         for table, ids in created.items():
-            spec = config.table(table)
-            widths = {"w": spec.dim, "s": slot_width(spec)}
-            for kind, width in widths.items():
-                if width == 0:
-                    continue
-                values, found = await store.get(table, ids, kind=kind, width=width)
-                digest = hashlib.blake2b(values.tobytes() + found.tobytes()).hexdigest()
-                out[f"{table}/{kind}"] = (digest, bool(found.all()))
+            # a row and its slots are one item: read both
+            values, found = await store.get(table, ids, slots=True)
+            digest = hashlib.blake2b(values.tobytes() + found.tobytes()).hexdigest()
+            out[table] = (digest, bool(found.all()))
     return out
 
 

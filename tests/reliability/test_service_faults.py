@@ -760,7 +760,7 @@ async def test_fuzzed_bodies_never_5xx_and_leave_the_store_unchanged(
 
     before = await fingerprint(config, created)
     assert all(found for _, found in before.values()), before
-    assert set(before) == {"user/w", "word/w", "ads/w", "ads/s"}
+    assert set(before) == {"user", "word", "ads"}  # each row with its slots
     counts_before = item_counts(nodes)
 
     cases = _Corpus(seed=20241122).build(n_random=500)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -11,11 +13,13 @@ from lookup_table.core.keyspace import (
     DENSE_TABLE,
     META_TABLE,
     ROW_KINDS,
+    STORAGE_FORMAT,
     Kind,
     dense_chunk_id,
     is_journal_header,
     journal_id,
     push_record_id,
+    sentinel_format,
     sentinel_key,
     version_id,
     version_replica,
@@ -27,7 +31,6 @@ pytestmark = pytest.mark.unit
 def test_kind_tags_are_pinned() -> None:
     assert {k.name: str(k) for k in Kind} == {
         "ROW": "w",
-        "SLOTS": "s",
         "COUNTER": "c",
         "META": "m",
         "PUSH_RECORD": "p",
@@ -35,7 +38,7 @@ def test_kind_tags_are_pinned() -> None:
         "DENSE": "d",
         "DENSE_SLOTS": "ds",
     }
-    assert ROW_KINDS == ("w", "s")
+    assert ROW_KINDS == ("w",)  # a row and its slots are one item (storage format 2)
     assert len({k.label for k in Kind}) == len(Kind)
 
 
@@ -44,7 +47,7 @@ def test_golden_keys() -> None:
     assert encode_keys(ns, "user", Kind.ROW, np.array([7], np.int64)) == [
         b"demo/user/w/i0000000000000007"
     ]
-    assert encode_key(ns, "user", Kind.SLOTS, "a b") == b"demo/user/s/sa%20b"
+    assert encode_key(ns, "user", Kind.ROW, "a b") == b"demo/user/w/sa%20b"
     assert sentinel_key(ns) == b"demo/_meta/m/ssentinel"
     assert encode_key(ns, META_TABLE, Kind.META, version_id(3)) == b"demo/_meta/m/sversion-r3"
     assert (
@@ -70,3 +73,12 @@ def test_parsers_invert_the_builders() -> None:
     assert not is_journal_header(push_record_id(0, "x"))
     decoded = decode_key(encode_key("n", META_TABLE, Kind.JOURNAL, journal_id(4, 1)))
     assert (decoded.table, decoded.kind, decoded.id) == ("_meta", "j", "r4-j1")
+
+
+def test_sentinel_format_reads_the_format_field_and_format_1_had_none() -> None:
+    assert STORAGE_FORMAT == 2
+    assert sentinel_format(json.dumps({"format": 2, "namespace": "demo"}).encode()) == 2
+    assert sentinel_format(json.dumps({"namespace": "demo", "node": "a:1"}).encode()) == 1
+    for bad in (b"", b"\xff", b"[1]", b"not json", b'{"format": "2"}', b'{"format": true}'):
+        with pytest.raises(ValueError, match="sentinel"):
+            sentinel_format(bad)

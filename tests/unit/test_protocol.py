@@ -25,7 +25,6 @@ from lookup_table.memcached.protocol import (
     build_mg,
     build_mg_quiet,
     build_ms,
-    build_touch,
     gather_values,
     parse_ma,
     parse_mg,
@@ -439,6 +438,29 @@ def test_gather_values_matches_a_naive_slice(replies: list[Reply], lead: int) ->
     assert got.tobytes() == naive_values(replies, 6).tobytes()
 
 
+@given(
+    st.lists(st.one_of(st.binary(min_size=6, max_size=6), st.none()), max_size=20),
+    st.integers(0, 6),
+)
+def test_gather_values_can_take_the_leading_bytes_of_each_value(
+    replies: list[Reply], take: int
+) -> None:
+    """A row read from an item that also holds its slots: only the row's bytes."""
+    buf = mg_reply(replies)
+    reply = parse_mg(buf, 0, len(replies), nbytes=6)
+    assert reply is not None
+    got = gather_values(buf, reply, 6, take=take)
+    assert got.shape == (len(replies), take)
+    assert got.tobytes() == naive_values(replies, 6)[:, :take].tobytes()
+
+
+def test_gather_values_refuses_to_take_more_than_a_value() -> None:
+    reply = parse_mg(mg_reply([b"abcd"]), 0, 1, nbytes=4)
+    assert reply is not None
+    with pytest.raises(ValueError, match="take=5"):
+        gather_values(mg_reply([b"abcd"]), reply, 4, take=5)
+
+
 def test_gather_values_returns_an_owned_copy() -> None:
     buf = bytearray(mg_reply([b"abcd", b"efgh"]))
     reply = parse_mg(buf, 0, 2, nbytes=4)
@@ -796,9 +818,7 @@ def test_build_mg_quiet_with_a_ttl_sends_the_t_flag_before_the_token() -> None:
     assert build_mg_quiet([b"k1"], exptime=0) == b"mg k1 v q O0\r\n"  # no TTL: as before
 
 
-def test_build_touch_and_ma_count() -> None:
-    assert build_touch([b"a", b"bb"], 5) == b"touch a 5 noreply\r\ntouch bb 5 noreply\r\n"
-    assert build_touch([], 5) == b""
+def test_build_ma_count() -> None:
     keys = np.frombuffer(b"c1c2", dtype=np.uint8).reshape(2, 2)
     assert build_ma_count(keys, 60) == b"ma c1 N60 J1 T60 v\r\nma c2 N60 J1 T60 v\r\n"
     assert build_ma_count([], 60) == b""

@@ -10,7 +10,10 @@ Format, version 1 (numpy `.npy` files, never pickled)::
                                                       sorted by code point)
     tables/<table>/rows.npy          float32 (n, dim)
     tables/<table>/slots.npy         float32 (n, slot_width)         (slot_width > 0)
-    tables/<table>/has_slots.npy     bool (n,): False for rows never updated (no slots)
+    tables/<table>/has_slots.npy     bool (n,): all True when saved from storage format 2
+                                     (a row and its slots are one item); from format 1,
+                                     False for a row never updated (no slots): a restore
+                                     gives it the optimizer's initial slots
     dense/<file>.npy                 float32, the parameter's shape  (names in the manifest)
     dense_slots/<file>.npy           float32 (1, slot_width(size))
 

@@ -257,20 +257,25 @@ async def _restore_table(
     slots = load_array(root, t["files"]["slots"]) if width else None
     has_slots = np.asarray(load_array(root, t["files"]["has_slots"])) if width else None
 
+    spec = store.config.table(name)
+    optimizer = make_optimizer(spec.optimizer)
+
     def batch(start: int) -> Callable[[], Awaitable[None]]:
         async def write() -> None:
             stop = min(start + batch_ids, n)
-            jobs = [store.set(name, ids[start:stop], np.asarray(rows[start:stop]))]
+            these = None
             if slots is not None and has_slots is not None:
-                pick = np.flatnonzero(has_slots[start:stop]) + start
-                if pick.size:
-                    jobs.append(
-                        store.set(name, ids[pick], np.asarray(slots[pick]), kind=Kind.SLOTS)
-                    )
-            await asyncio.gather(*jobs)
+                # a row and its slots are one item; a row saved without slots (by the
+                # format-1 store, before its first update) gets the initial ones, which
+                # the service gave it then
+                these = np.array(slots[start:stop], dtype=np.float32)
+                fresh = np.flatnonzero(~np.asarray(has_slots[start:stop]))
+                if fresh.size:
+                    these[fresh] = optimizer.initial_slots(fresh.size, spec.dim)
+            await store.set(name, ids[start:stop], np.asarray(rows[start:stop]), slots=these)
             bar.update(stop - start)
 
         return write
 
     await run_bounded((batch(s) for s in range(0, n, batch_ids)), WINDOW)
-    return int(np.count_nonzero(has_slots)) if has_slots is not None else 0
+    return n if slots is not None else 0

@@ -288,37 +288,22 @@ async def _read_namespace(
     total = 0
     for spec in config.tables:
         keys = by_table[spec.name]
-        w_ids, s_ids = keys.ids(Kind.ROW, spec.id_type), keys.ids(Kind.SLOTS, spec.id_type)
-        width = slot_width(spec)
-        if not width and s_ids.shape[0]:
-            logger.warning(
-                "table %r: %d slot values are not saved: its optimizer %r keeps no slots",
-                spec.name,
-                s_ids.shape[0],
-                spec.optimizer.name,
-            )
+        w_ids = keys.ids(Kind.ROW, spec.id_type)
         if spec.id_type == "int64":
-            merged = np.sort(np.concatenate([w_ids, s_ids]) if width else w_ids)
-            if merged.shape[0] > 1:  # np.unique hashes: 50x slower than this here
-                merged = merged[np.concatenate([[True], merged[1:] != merged[:-1]])]
+            merged = np.sort(w_ids)  # each node's ids are disjoint: sorted, they are unique
             table_ids: IdArray = cast("NDArray[np.int64]", merged)
-            enumerated_s = np.isin(table_ids, s_ids, assume_unique=True)
         else:
-            strs = sorted(set(w_ids.tolist()) | set(s_ids.tolist()) if width else w_ids.tolist())
+            strs = sorted(w_ids.tolist())
             str_ids = np.empty(len(strs), dtype=object)
             str_ids[:] = strs
             table_ids = str_ids
-            s_set = set(s_ids.tolist())
-            enumerated_s = np.fromiter((x in s_set for x in strs), dtype=bool, count=len(strs))
-        plans.append((spec, table_ids, width, enumerated_s))
+        plans.append((spec, table_ids, slot_width(spec)))
         total += table_ids.shape[0]
 
     tables: list[dict[str, Any]] = []
     with progress_bar(total, "save", progress) as bar:
-        for spec, ids, width, enumerated_s in plans:
-            tables.append(
-                await _save_table(store, tmp, spec, ids, width, enumerated_s, batch_ids, bar)
-            )
+        for spec, ids, width in plans:
+            tables.append(await _save_table(store, tmp, spec, ids, width, batch_ids, bar))
     dense = await _save_dense(store, tmp)
     versions = await _read_versions(store, meta.get("m", []))
     unfinished = await _unfinished_journals(store, meta.get("j", []))
@@ -357,7 +342,6 @@ async def _save_table(
     spec: TableSpec,
     ids: IdArray,
     width: int,
-    enumerated_s: NDArray[np.bool_],
     batch_ids: int,
     bar: Any,
 ) -> dict[str, Any]:
@@ -373,28 +357,19 @@ async def _save_table(
     # slower here, and a table whose rows do not fit in memory does not fit metadump either
     rows = np.empty((n, spec.dim), dtype="<f4")
     slots = np.zeros((n, width), dtype="<f4") if width else None
-    has_slots = np.zeros(n, dtype=bool)
 
     def batch(start: int) -> Callable[[], Awaitable[None]]:
         async def read() -> None:
             stop = min(start + batch_ids, n)
             part = ids[start:stop]
-            if slots is not None:
-                (values, found), (slot_values, hit) = await asyncio.gather(
-                    store.get(spec.name, part, width=spec.dim, unique=True),
-                    store.get(spec.name, part, kind=Kind.SLOTS, width=width, unique=True),
-                )
-                lost = np.flatnonzero(enumerated_s[start:stop] & ~hit)
-                if lost.size:
-                    _vanished(spec, "slots", part[int(lost[0])], lost.size)
-                slots[start:stop] = slot_values
-                has_slots[start:stop] = hit
-            else:
-                values, found = await store.get(spec.name, part, width=spec.dim, unique=True)
+            # a row and its slots are one item (docs/storage.md): one read of both
+            values, found = await store.get(spec.name, part, unique=True, slots=True)
             if not found.all():
                 lost = np.flatnonzero(~found)
                 _vanished(spec, "row", part[int(lost[0])], lost.size)
-            rows[start:stop] = values
+            rows[start:stop] = values[:, : spec.dim]
+            if slots is not None:
+                slots[start:stop] = values[:, spec.dim :]
             bar.update(stop - start)
 
         return read
@@ -403,7 +378,7 @@ async def _save_table(
     await asyncio.to_thread(save_array, tmp / files["rows"], rows)
     if slots is not None:
         await asyncio.to_thread(save_array, tmp / files["slots"], slots)
-        save_array(tmp / files["has_slots"], has_slots)
+        save_array(tmp / files["has_slots"], np.ones(n, dtype=bool))
     return {
         "name": spec.name,
         "dim": spec.dim,
@@ -411,7 +386,7 @@ async def _save_table(
         "optimizer": spec.optimizer.name,
         "slot_width": width,
         "count": n,
-        "with_slots": int(np.count_nonzero(has_slots)) if width else 0,
+        "with_slots": n if width else 0,
         "files": files,
     }
 
