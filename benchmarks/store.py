@@ -169,7 +169,7 @@ LIFE_METHODS = (
 )
 LIFE_LABELS = {
     "hit": "existing rows, no TTL",
-    "hit_ttl": "existing rows, ttl_s (T + slot touch)",
+    "hit_ttl": "existing rows, ttl_s (T flag on the reads)",
     "mixed": "10 % new rows (added), no TTL",
     "mixed_ttl": "10 % new rows (added), ttl_s",
     "mixed_admit_count": "10 % new, 1st sighting (ma only)",

@@ -1339,14 +1339,14 @@ class EmbeddingStore:
         """`ms` of every (keys, values) segment, then `ma` (count one sighting) of every
         (keys, exptime) of `counts`, in one round trip.
 
-        Returns the stored flags per segment and the counts per `counts` entry. Every
-        `ms` answers one status line whatever its value's size, so the segments parse
-        as one run of replies; the `ma` replies follow. `exptimes[k]` > 0 gives
-        segment k's items that TTL (memcached's T flag, `core.expiry.exptime`).
-        Overwrites without counts are quiet: only failures answer (`parse_ms_quiet`),
-        and any failure fails the batch.
+        Returns the stored flags per segment and the counts per `counts` entry. The
+        `ms` are quiet: memcached answers only failures, and an add whose key exists
+        (`NS` with its position's token: `parse_ms_quiet_add`), so a batch of stored
+        values costs no reply lines (each line is a wake-up of this loop as they
+        trickle in); an `mn` closes them, then the `ma` replies follow. A failure
+        line names no key: any fails the batch. `exptimes[k]` > 0 gives segment k's
+        items that TTL (memcached's T flag, `core.expiry.exptime`).
         """
-        quiet = not add and not counts
         sizes = [_num_keys(keys) for keys, _ in segments]
         bounds = np.cumsum([0, *sizes]).tolist()
         count_sizes = [_num_keys(keys) for keys, _ in counts]
@@ -1357,11 +1357,12 @@ class EmbeddingStore:
             return _key_text(segments[k][0], i - bounds[k])
 
         def parse_reply(data: bytes, pos: int) -> _WriteReplies | None:
-            parse = protocol.parse_ms_quiet if quiet else protocol.parse_ms
+            parse = protocol.parse_ms_quiet_add if add else protocol.parse_ms_quiet
             sets = parse(data, pos, bounds[-1])
             if sets is None:
                 return None
-            mas = protocol.parse_ma(data, sets.end, count_bounds[-1])
+            after = sets.end + (len(protocol.END_REPLY) if counts else 0)  # the sets' mn
+            mas = protocol.parse_ma(data, after, count_bounds[-1])
             return None if mas is None else _WriteReplies(sets, mas, mas.end)
 
         def finish(
@@ -1376,12 +1377,9 @@ class EmbeddingStore:
                 )
             if reply.errors:
                 i, line = next(iter(reply.errors.items()))
-                # a quiet failure names no key: one of the batch's failed
-                key = (
-                    f"one of {bounds[-1]} keys (the first {key_text(0)!r})"
-                    if quiet
-                    else repr(key_text(i))
-                )
+                # a quiet failure names no key: one of the batch's failed (an add's: this
+                # one or a later one)
+                key = f"one of {bounds[-1] - i} keys (the first {key_text(i)!r})"
                 self._raise_reply_error(node, key, line)
             ok: NDArray[np.bool_] = np.equal(reply.status, protocol.STATUS_STORED)
             if not add and not ok.all():
@@ -1404,10 +1402,12 @@ class EmbeddingStore:
 
         ttls = [0] * len(segments) if exptimes is None else exptimes
         commands = [
-            protocol.build_ms(k, v, add=add, ttl_s=t, quiet=quiet)
-            for (k, v), t in zip(segments, ttls, strict=True)
+            protocol.build_ms(k, v, add=add, ttl_s=t, quiet=True, first=b, total=bounds[-1])
+            for (k, v), t, b in zip(segments, ttls, bounds, strict=False)
         ]
-        commands += [protocol.build_ma_count(k, t) for k, t in counts]
+        if counts:  # the quiet sets end at this mn; the counts' replies follow it
+            commands.append(protocol.END)
+            commands += [protocol.build_ma_count(k, t) for k, t in counts]
         return await self._batch(node, commands, parse_reply, finish, check=check, writes=True)
 
     async def _md(self, node: Node, keys: Keys) -> NDArray[np.bool_]:

@@ -72,6 +72,7 @@ __all__ = [
     "parse_mg_quiet",
     "parse_ms",
     "parse_ms_quiet",
+    "parse_ms_quiet_add",
     "token_width",
 ]
 
@@ -196,30 +197,50 @@ def build_ms(
     add: bool = False,
     ttl_s: int = 0,
     quiet: bool = False,
+    first: int = 0,
+    total: int | None = None,
 ) -> bytes:
-    """`ms <key> <len> [ME] [T<ttl>] [q]\\r\\n<value>\\r\\n` for every key.
+    """`ms <key> <len> [ME] [T<ttl>] [q [O<i>]]\r\n<value>\r\n` for every key.
 
     `add` (mode E) stores only if the key is absent; `ttl_s` > 0 makes the item
-    expire after that many seconds; `quiet` (q): memcached answers only failures
-    (`parse_ms_quiet`). Fixed-width keys with a fixed-width value matrix (n, nbytes)
-    are laid out with numpy; anything else is joined in Python.
+    expire after that many seconds; `quiet` (q): memcached answers only failures. A
+    quiet overwrite's failure is an error line (`parse_ms_quiet`); a quiet add also
+    answers `NS O<i>` when the key exists, so each add carries the opaque token of its
+    position i, zero-padded to `token_width(total)` digits as quiet reads do (the keys
+    of one piece of a batch of `total` get `first` .. `first + len(keys) - 1`;
+    `parse_ms_quiet_add`). Fixed-width keys with a fixed-width value matrix (n,
+    nbytes) are laid out with numpy; anything else is joined in Python.
     """
+    n = _num_keys(keys)
+    tokens = quiet and add
     mode = (
         (b" ME" if add else b"")
         + (b" T%d" % ttl_s if ttl_s > 0 else b"")
-        + (b" q" if quiet else b"")
+        + (b" q" if quiet and not add else b"")
     )
+    tail: NDArray[np.uint8] | None = None  # each line's end: " q O<i>\r\n" for quiet adds
+    if tokens and n:
+        total = n if total is None else total
+        if not 0 <= first <= total - n:
+            raise ValueError(f"adds {first} .. {first + n - 1} are not in a batch of {total}")
+        tail = _quiet_tail(total)[first : first + n, 2:]  # " v q O<i>\r\n" without " v"
+    if tail is None:
+        mode += b"\r\n"
     if isinstance(keys, np.ndarray) and isinstance(values, np.ndarray):
-        n, width = keys.shape
+        width = keys.shape[1]
         nbytes = values.shape[1]
-        head = b" %d%s\r\n" % (nbytes, mode)
-        stride = 3 + width + len(head) + nbytes + 2
+        head = b" %d%s" % (nbytes, mode)
+        ends = 0 if tail is None else tail.shape[1]
+        stride = 3 + width + len(head) + ends + nbytes + 2
         out = np.empty((n, stride), dtype=np.uint8)
         out[:, :3] = np.frombuffer(b"ms ", dtype=np.uint8)
         out[:, 3 : 3 + width] = keys
         col = 3 + width
         out[:, col : col + len(head)] = np.frombuffer(head, dtype=np.uint8)
         col += len(head)
+        if tail is not None:
+            out[:, col : col + ends] = tail
+            col += ends
         out[:, col : col + nbytes] = values
         out[:, col + nbytes :] = _CRLF
         return out.tobytes()
@@ -227,9 +248,10 @@ def build_ms(
     value_list = [v.tobytes() for v in values] if isinstance(values, np.ndarray) else values
     if len(key_list) != len(value_list):
         raise ValueError(f"{len(key_list)} keys but {len(value_list)} values")
+    ends = [b""] * len(key_list) if tail is None else [bytes(row) for row in tail]
     parts: list[bytes] = []
-    for key, value in zip(key_list, value_list, strict=True):
-        parts.append(b"ms %s %d%s\r\n" % (key, len(value), mode))
+    for key, value, end in zip(key_list, value_list, ends, strict=True):
+        parts.append(b"ms %s %d%s%s" % (key, len(value), mode, end))
         parts.append(value)
         parts.append(b"\r\n")
     return b"".join(parts)
@@ -536,6 +558,51 @@ def parse_ms_quiet(buf: bytes | bytearray, pos: int, n: int) -> MsReply | None:
         errors.setdefault(0, line)
         pos = nl + 2
     status = np.full(n, STATUS_ERROR if errors else STATUS_STORED, dtype=np.uint8)
+    return MsReply(status=status, end=pos, errors=errors)
+
+
+def parse_ms_quiet_add(buf: bytes | bytearray, pos: int, n: int) -> MsReply | None:
+    """Parse the replies of n quiet adds (`build_ms(add=True, quiet=True)`) from `pos` up
+    to the `MN` that closes them; None while incomplete.
+
+    A stored value answers nothing; a key that exists answers `NS O<i>` with the
+    token of its add (`status[i]` NOT_STORED); a failure answers an error line
+    without a token, recorded in `errors` at the lowest position it can belong to.
+
+    Raises:
+        ProtocolError: a line that is neither `NS O<i>`, an error nor the `MN`; a token
+            that is malformed, repeated, out of order or out of range.
+    """
+    width = token_width(n)
+    status = np.full(n, STATUS_STORED, dtype=np.uint8)
+    errors: dict[int, bytes] = {}
+    low = 0
+    while not buf.startswith(END_REPLY, pos):
+        nl = buf.find(b"\r\n", pos)
+        if nl < 0:
+            return None
+        line = bytes(buf[pos:nl])
+        if line.startswith(b"NS O"):
+            token = line[4:]
+            if not (token.isdigit() and len(token) == width):
+                raise ProtocolError(f"bad quiet meta-set reply {line[:80]!r}")
+            i = int(token)
+            if not low <= i < n:
+                raise ProtocolError(
+                    f"quiet meta-set reply for add {i} after replies up to add {low - 1} of "
+                    f"{n}: a repeated, out-of-order or foreign reply"
+                )
+            status[i] = STATUS_NOT_STORED
+            low = i + 1
+        elif line.startswith((b"SERVER_ERROR", b"CLIENT_ERROR", b"ERROR")):
+            if low >= n:
+                raise ProtocolError(f"more meta-set replies than the {n} adds")
+            errors.setdefault(low, line)
+            status[low] = STATUS_ERROR
+            low += 1
+        else:
+            raise ProtocolError(f"unexpected quiet meta-set reply {line[:80]!r}")
+        pos = nl + 2
     return MsReply(status=status, end=pos, errors=errors)
 
 

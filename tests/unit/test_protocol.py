@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from lookup_table.memcached.protocol import (
     parse_mg_quiet,
     parse_ms,
     parse_ms_quiet,
+    parse_ms_quiet_add,
     token_width,
 )
 from tests.strategies import int_id_arrays
@@ -132,21 +134,46 @@ def test_build_mg_matrix_equals_list_path(ids: np.ndarray) -> None:
     nbytes=st.integers(0, 40),
     add=st.booleans(),
     ttl_s=st.sampled_from([0, 60, 86_400]),
+    quiet=st.booleans(),
+    first=st.integers(0, 200),
 )
 def test_build_ms_matrix_equals_list_path(
-    data: st.DataObject, ids: np.ndarray, nbytes: int, add: bool, ttl_s: int
+    data: st.DataObject,
+    ids: np.ndarray,
+    nbytes: int,
+    add: bool,
+    ttl_s: int,
+    quiet: bool,
+    first: int,
 ) -> None:
     n = ids.shape[0]
     values = data.draw(arrays(np.uint8, (n, nbytes)))
     matrix = key_matrix(ids)
     keys = [bytes(row) for row in matrix]
     value_list = [bytes(row) for row in values]
-    expected = build_ms(keys, value_list, add=add, ttl_s=ttl_s)
-    assert build_ms(matrix, values, add=add, ttl_s=ttl_s) == expected
-    assert build_ms(matrix, value_list, add=add, ttl_s=ttl_s) == expected  # mixed: Python join
-    assert build_ms(keys, values, add=add, ttl_s=ttl_s) == expected
+    how: dict[str, Any] = {"add": add, "ttl_s": ttl_s, "quiet": quiet, "first": first}
+    how["total"] = first + n + 7
+    expected = build_ms(keys, value_list, **how)
+    assert build_ms(matrix, values, **how) == expected
+    assert build_ms(matrix, value_list, **how) == expected  # mixed: Python join
+    assert build_ms(keys, values, **how) == expected
     assert expected.count(b" ME") == (n if add else 0)
-    assert expected.count(b" T%d\r\n" % ttl_s) == (n if ttl_s else 0)
+    assert expected.count(b" T%d" % ttl_s) == (n if ttl_s else 0)
+    assert expected.count(b" q") == (n if quiet else 0)
+    if quiet and add:  # each add carries its position, padded for the whole batch
+        width = token_width(first + n + 7)
+        tokens = [line.rsplit(b" O", 1)[1] for line in expected.split(b"\r\n")[0:-1:2]]
+        assert tokens == [b"%0*d" % (width, first + i) for i in range(n)]
+
+
+def test_build_ms_golden_quiet_adds_and_overwrites() -> None:
+    assert build_ms([b"a", b"bb"], [b"x", b"yy"], add=True, quiet=True, first=9, total=12) == (
+        b"ms a 1 ME q O09\r\nx\r\nms bb 2 ME q O10\r\nyy\r\n"
+    )
+    assert build_ms([b"a"], [b"x"], quiet=True, ttl_s=5) == b"ms a 1 T5 q\r\nx\r\n"
+    assert build_ms([b"a"], [b"x"], add=True) == b"ms a 1 ME\r\nx\r\n"
+    with pytest.raises(ValueError, match="not in a batch of 2"):
+        build_ms([b"a", b"b"], [b"x", b"y"], add=True, quiet=True, first=1, total=2)
 
 
 def test_build_ms_refuses_mismatched_lengths() -> None:
@@ -417,6 +444,55 @@ def test_quiet_ms_failures_fail_the_batch_and_every_prefix_is_incomplete(
 def test_quiet_ms_garbage_raises_protocol_error(buf: bytes) -> None:
     with pytest.raises(ProtocolError):
         parse_ms_quiet(buf, 0, 1)
+
+
+# ------------------------------------------------------------------ parse_ms_quiet_add
+
+
+@given(
+    n=st.integers(1, 150),
+    data=st.data(),
+)
+def test_quiet_adds_answer_only_the_keys_that_exist_and_every_prefix_is_incomplete(
+    n: int, data: st.DataObject
+) -> None:
+    lost = sorted(data.draw(st.sets(st.integers(0, n - 1), max_size=n)))
+    width = token_width(n)
+    buf = b"".join(b"NS O%0*d\r\n" % (width, i) for i in lost) + END_REPLY
+    reply = parse_ms_quiet_add(b"xy" + buf, 2, n)
+    assert reply is not None and reply.errors == {}
+    assert np.flatnonzero(reply.status == STATUS_NOT_STORED).tolist() == lost
+    assert (np.delete(reply.status, lost) == STATUS_STORED).all()
+    assert reply.end == 2 + len(buf) - len(END_REPLY)
+    for cut in range(len(buf)):
+        assert parse_ms_quiet_add(buf[:cut], 0, n) is None, cut
+
+
+def test_quiet_add_failures_are_errors_at_the_lowest_position_they_can_be() -> None:
+    buf = b"NS O03\r\nSERVER_ERROR out of memory storing object\r\nMN\r\n"
+    reply = parse_ms_quiet_add(buf, 0, 12)
+    assert reply is not None
+    assert reply.errors == {4: b"SERVER_ERROR out of memory storing object"}
+    assert reply.status[3] == STATUS_NOT_STORED and reply.status[4] == STATUS_ERROR
+
+
+@pytest.mark.parametrize(
+    "buf",
+    [
+        b"HD\r\nMN\r\n",  # a stored add answers nothing
+        b"NS\r\nMN\r\n",  # no token
+        b"NS O1\r\nMN\r\n",  # a token of the wrong width (12 adds: 2 digits)
+        b"NS O12\r\nMN\r\n",  # out of range
+        b"NS O05\r\nNS O05\r\nMN\r\n",  # repeated
+        b"NS O05\r\nNS O02\r\nMN\r\n",  # out of order
+        b"NS Oab\r\nMN\r\n",
+        b"VA 1\r\nx\r\n",
+    ],
+    ids=repr,
+)
+def test_quiet_add_garbage_raises_protocol_error(buf: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        parse_ms_quiet_add(buf, 0, 12)
 
 
 # ------------------------------------------------------------------ gather_values
