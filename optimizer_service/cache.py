@@ -69,6 +69,14 @@ class _IntMap:
             arr.fill(0)  # touch every page now: `nbytes` is what the cache holds resident
         self.size = 0
 
+    def clear(self) -> None:
+        """Empty the map, keeping its memory: only `used` says what a slot holds, so the
+        keys and values need no zeroing (a rotation would otherwise allocate and touch a
+        whole new map)."""
+        self.used.fill(False)
+        self.valid.fill(False)
+        self.size = 0
+
     @property
     def capacity(self) -> int:
         return self.mask + 1
@@ -134,11 +142,12 @@ class _TableCache:
     ) -> tuple[NDArray[np.bool_], NDArray[np.float32]]:
         pos = self.young.find(ids, tabs)
         present = pos >= 0
-        hit = present.copy()
-        hit[present] = self.young.valid[pos[present]]
-        values = np.empty((ids.shape[0], self.width), dtype=np.float32)
-        values[hit] = self.young.values[pos[hit]]
-        if self.old is not None and not present.all():  # in the young map: never the old one
+        # one gather of every id's slot, no masks (an absent id reads slot 0: garbage,
+        # which a miss may hold)
+        at = np.maximum(pos, 0)
+        hit = present & self.young.valid[at]
+        values = np.take(self.young.values, at, axis=0)
+        if self.old is not None and not present.all():  # in the young map: never the old
             miss = np.flatnonzero(~present)
             old_pos = self.old.find(ids[miss], tabs[miss])
             found = old_pos >= 0
@@ -155,11 +164,13 @@ class _TableCache:
     ) -> None:
         pos = self.young.find(ids, tabs)
         present = pos >= 0
+        if present.all():  # the usual case of a warm cache: one scatter, no masks
+            self.young.values[pos] = values
+            self.young.valid[pos] = True
+            return
         self.young.values[pos[present]] = values[present]
         self.young.valid[pos[present]] = True
         new = np.flatnonzero(~present)
-        if not new.size:
-            return
         if 2 * (self.young.size + new.size) > self.young.capacity:
             self._make_room(new.size)
         placed = self.young.insert(ids[new], tabs[new], values[new])
@@ -192,8 +203,13 @@ class _TableCache:
         self.young.insert(old.keys[live], old.tabs[live], old.values[live])
 
     def _rotate(self) -> None:
+        dropped = self.old
         self.old = self.young
-        self.young = _IntMap(self.old.capacity, self.width)
+        if dropped is not None and dropped.capacity == self.old.capacity:
+            dropped.clear()  # its memory becomes the young map
+            self.young = dropped
+        else:
+            self.young = _IntMap(self.old.capacity, self.width)
 
 
 class RowCache:
@@ -249,9 +265,14 @@ class RowCache:
         """Remember the rows and slots of each (table, ids, rows, slots) of cached tables."""
         for width, members in self._by_width([p[0] for p in parts]).items():
             ids, tabs = self._keys([(parts[i][0], parts[i][1]) for i in members])
-            values = np.concatenate(
-                [np.concatenate([parts[i][2], parts[i][3]], axis=1) for i in members]
-            )
+            values = np.empty((ids.shape[0], width), dtype=np.float32)
+            start = 0
+            for i in members:  # each table's rows, then its slots: one copy
+                _, _, rows, slots = parts[i]
+                stop = start + rows.shape[0]
+                values[start:stop, : rows.shape[1]] = rows
+                values[start:stop, rows.shape[1] :] = slots
+                start = stop
             self._groups[width].put(ids, tabs, values)
 
     def forget(self, tables: Iterable[tuple[str, IdArray]] | None = None) -> None:

@@ -154,3 +154,23 @@ def test_one_id_in_two_tables_is_two_keys_even_on_one_probe_chain() -> None:
     m.insert(x, np.ones(1, np.int32), np.array([[6.0]], np.float32))
     assert m.values[m.find(x, _tabs(1))[0], 0] == 5.0
     assert m.values[m.find(x, np.ones(1, np.int32))[0], 0] == 6.0
+
+
+def test_a_rotation_reuses_the_dropped_generations_memory_and_forgets_its_entries() -> None:
+    """A new generation takes the memory of the one dropped (no allocation and page
+    touching per rotation), and nothing of what that one held is found again."""
+    cache = _TableCache(width=2, max_capacity=1024)
+    tabs = np.zeros(400, dtype=np.int32)
+    batches = [np.arange(k * 400, (k + 1) * 400, dtype=np.int64) for k in range(8)]
+    maps = set()
+    for k, ids in enumerate(batches):
+        cache.put(ids, tabs, np.full((400, 2), k, dtype=np.float32))
+        maps.add(id(cache.young))
+    assert cache.young.capacity == 1024 and len(maps) <= 4  # grown once, then recycled
+    for k, ids in enumerate(batches):
+        hit, values = cache.get(ids, tabs)
+        assert (values[hit] == k).all()  # whatever is found is the last value put
+        if k < 6:
+            assert not hit.any(), k  # dropped with their generation, not resurrected
+        else:
+            assert hit.all(), k  # the young and the old generation
