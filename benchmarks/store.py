@@ -65,9 +65,8 @@ same rows.
 A lifecycle section times what `ttl_s` and `admit_after` cost (docs/storage.md):
 `lookup_many` of one dim-16 Adam table, 65,536 ids, in the same run, interleaved:
 
-* `hit` / `hit_ttl`: existing rows (and slots) of a table without / with `ttl_s`:
-  the reads then carry `T<ttl>` and the slots are touched (`touch ... noreply`) in
-  the same request.
+* `hit` / `hit_ttl`: existing rows (each with its slots, one item) of a table
+  without / with `ttl_s`: the reads then carry `T<ttl>`.
 * `mixed` / `mixed_ttl`: 10 % new ids, their rows added (with the TTL).
 * `mixed_admit_count`: 10 % new ids of an `admit_after = 2` table, first sighting:
   `ma` on their counters instead of an `add`, nothing stored.
@@ -169,7 +168,7 @@ LIFE_METHODS = (
 )
 LIFE_LABELS = {
     "hit": "existing rows, no TTL",
-    "hit_ttl": "existing rows, ttl_s (T flag on the reads)",
+    "hit_ttl": "existing rows, ttl_s (T on the reads)",
     "mixed": "10 % new rows (added), no TTL",
     "mixed_ttl": "10 % new rows (added), ttl_s",
     "mixed_admit_count": "10 % new, 1st sighting (ma only)",
