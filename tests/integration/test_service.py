@@ -14,15 +14,16 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
-from lookup_table import EmbeddingStore, PushRejectedError, initial_rows
+from lookup_table import EmbeddingStore, PushRejectedError, StorageFormatError, initial_rows
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
+from lookup_table.core.keyspace import sentinel_key
 from lookup_table.core.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
 from lookup_table.memcached.node import Node
 from optimizer_service.app import UPDATER, make_app
 from optimizer_service.errors import NotOwnerError
 from optimizer_service.push import parse_push
-from tests.conftest import SERVICE_TABLES, make_config
+from tests.conftest import SERVICE_TABLES, make_config, raw_client
 
 pytestmark = pytest.mark.integration
 
@@ -547,3 +548,16 @@ async def test_pause_holds_new_pushes_until_resume(served) -> None:
         assert not push.done()
         await client.resume()
         assert (await push)["applied"]
+
+
+async def test_a_replica_refuses_to_start_on_a_namespace_of_storage_format_1(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    """It would read format 1's rows as corrupt or missing: it says so and serves nothing."""
+    config = make_config(memcached_nodes, tables=SERVICE_TABLES)
+    old = b'{"namespace": "%s", "node": "x", "created": 1.0}' % config.namespace.encode()
+    for node in config.node_addresses:
+        with raw_client(node) as client:
+            client.set(sentinel_key(config.namespace), old, noreply=False)
+    with pytest.raises(StorageFormatError, match="storage format 1.*restore --force"):
+        await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
