@@ -709,8 +709,3 @@ def gather_values(
         index = reply.starts[hits][:, None] + np.arange(width, dtype=np.int64)[None, :]
         out[hits] = data[index]
     return out
-    out = np.zeros((n, nbytes), dtype=np.uint8)
-    if hits.size:
-        index = reply.starts[hits][:, None] + np.arange(nbytes, dtype=np.int64)[None, :]
-        out[hits] = data[index]
-    return out
