@@ -410,6 +410,29 @@ def _fixed_quiet_prefix(
     return index, stride
 
 
+def _token_index(
+    token: bytes, line: bytes, width: int, low: int, n: int, *, command: str, item: str
+) -> int:
+    """The position the opaque token of a quiet `command` reply `line` names (`item`:
+    what the batch's positions are, "read" or "add").
+
+    Raises:
+        ProtocolError: the token is not `width` digits, or names a position below `low`
+            or past the batch's n (replies come in order: a repeated, out-of-order or
+            foreign reply).
+    """
+    if not (token.isdigit() and len(token) == width):
+        what = "header" if line.startswith(b"VA ") else "reply"
+        raise ProtocolError(f"bad quiet {command} {what} {line[:80]!r}")
+    i = int(token)
+    if not low <= i < n:
+        raise ProtocolError(
+            f"quiet {command} reply for {item} {i} after replies up to {item} "
+            f"{low - 1} of {n}: a repeated, out-of-order or foreign reply"
+        )
+    return i
+
+
 def _scan_quiet(
     buf: bytes | bytearray,
     pos: int,
@@ -429,16 +452,12 @@ def _scan_quiet(
         if nl < 0:
             return None
         if buf.startswith(b"VA ", pos):
-            fields = bytes(buf[pos + 3 : nl]).split(b" ")
+            header = bytes(buf[pos:nl])
+            fields = header[3:].split(b" ")
             token = fields[1][1:] if len(fields) == 2 and fields[1][:1] == b"O" else b""
-            if not (fields[0].isdigit() and token.isdigit() and len(token) == width):
-                raise ProtocolError(f"bad quiet meta-get header {bytes(buf[pos:nl])[:80]!r}")
-            i = int(token)
-            if not low <= i < n:
-                raise ProtocolError(
-                    f"quiet meta-get reply for read {i} after replies up to read {low - 1} of "
-                    f"{n}: a repeated, out-of-order or foreign reply"
-                )
+            if not fields[0].isdigit():
+                raise ProtocolError(f"bad quiet meta-get header {header[:80]!r}")
+            i = _token_index(token, header, width, low, n, command="meta-get", item="read")
             size = int(fields[0])
             end = _value_end(buf, nl, size, f"read {i}")
             if end is None:
@@ -526,7 +545,7 @@ def parse_ms(buf: bytes | bytearray, pos: int, n: int) -> MsReply | None:
         code = _MS_STATUS.get(line[:2]) if len(line) == 2 or line[2:3] == b" " else None
         if code is not None:
             status[i] = code
-        elif line.startswith((b"SERVER_ERROR", b"CLIENT_ERROR", b"ERROR")):
+        elif line.startswith(_ERROR_PREFIXES):
             errors[i] = line
         else:
             raise ProtocolError(f"unexpected meta-set reply {line[:80]!r}")
@@ -553,7 +572,7 @@ def parse_ms_quiet(buf: bytes | bytearray, pos: int, n: int) -> MsReply | None:
         if nl < 0:
             return None
         line = bytes(buf[pos:nl])
-        if not line.startswith((b"SERVER_ERROR", b"CLIENT_ERROR", b"ERROR")):
+        if not line.startswith(_ERROR_PREFIXES):
             raise ProtocolError(f"unexpected quiet meta-set reply {line[:80]!r}")
         errors.setdefault(0, line)
         pos = nl + 2
@@ -583,18 +602,10 @@ def parse_ms_quiet_add(buf: bytes | bytearray, pos: int, n: int) -> MsReply | No
             return None
         line = bytes(buf[pos:nl])
         if line.startswith(b"NS O"):
-            token = line[4:]
-            if not (token.isdigit() and len(token) == width):
-                raise ProtocolError(f"bad quiet meta-set reply {line[:80]!r}")
-            i = int(token)
-            if not low <= i < n:
-                raise ProtocolError(
-                    f"quiet meta-set reply for add {i} after replies up to add {low - 1} of "
-                    f"{n}: a repeated, out-of-order or foreign reply"
-                )
+            i = _token_index(line[4:], line, width, low, n, command="meta-set", item="add")
             status[i] = STATUS_NOT_STORED
             low = i + 1
-        elif line.startswith((b"SERVER_ERROR", b"CLIENT_ERROR", b"ERROR")):
+        elif line.startswith(_ERROR_PREFIXES):
             if low >= n:
                 raise ProtocolError(f"more meta-set replies than the {n} adds")
             errors.setdefault(low, line)
