@@ -6,12 +6,14 @@ absolute, not deltas, so writing one plan twice is harmless.
 
 The journal does not carry those values: it carries each table's summed gradients and
 a hash of every new row and of its new slots (`TableRedo`), about a third of the bytes
-with Adam. A replay reads the rows and slots, keeps those whose hash says they are
-already written, and recomputes the others: slots from the gradients and the old
-slots (`Optimizer.next_slots`, which never looks at the row), rows from the old row,
-the gradients and the new slots (`Optimizer.finish`). Every mix of written and
-unwritten rows and slots a failed write can leave is so finished exactly once; no
-other push touches those rows before the journal is cleared (they stay locked).
+with Adam. A replay reads the rows and slots, keeps the items whose row and slot hashes say they
+are already written, and recomputes the others from their old row and slots: the
+slots from the gradients and the old slots (`Optimizer.next_slots`), the row from the
+old row, the gradients and the new slots (`Optimizer.finish`), the composition every
+optimizer's `update` is. A row and its slots are one item (storage format 2), written
+together or not at all, so every mix of written and unwritten items a failed write can
+leave is so finished exactly once; no other push touches those rows before the journal
+is cleared (they stay locked).
 
 The dense update is journaled as a switch of the `current` pointer (`DenseSwitch`), not
 as values: the new generation's chunks (`WritePlan.dense_generation`) are written before

@@ -433,9 +433,9 @@ class Updater:
         return plan
 
     async def _updated(self, tables: Sequence[TableGrads]) -> list[TableUpdate]:
-        """Read the rows and slots of every table of a push (one request per node; rows
-        and slots of one id share a node), those not in the cache, and apply each
-        table's optimizer."""
+        """Read the rows and slots of every table of a push (one request per node; a row
+        and its slots are one item), those not in the cache, and apply each table's
+        optimizer."""
         use = [self._sentinels is not None and self.cache.caches(g.table) for g in tables]
         wanted = [(g.table, g.ids) for g, u in zip(tables, use, strict=True) if u]
         from_cache = iter(self.cache.get_many(wanted))

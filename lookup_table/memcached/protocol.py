@@ -8,7 +8,7 @@ A batch to one node is one write::
     mg <key> v q O<i>\\r\\n x n        (read of fixed-size rows; several tables and
     [mn\\r\\n mg <key> v q O<i>\\r\\n x m]  kinds: one group per value size)   or
     mg <key> v\\r\\n   x n             (read of blobs)   or
-    ms <key> <len> [ME] [T<t>] [q]\\r\\n<data>\\r\\n x n   (write)
+    ms <key> <len> [ME] [T<t>] q [O<i>]\\r\\n<data>\\r\\n x n   (write)
     ma <key> N<t> J1 T<t> v\\r\\n x n  (count sightings: admission counters)
     mn\\r\\n                           (end marker: memcached answers MN\\r\\n)
 
@@ -24,7 +24,7 @@ to a per-reply scan (as do values of another size), which knows only the lowest
 position an error line can belong to.
 
 A batch of several tables and kinds (the store's `get_many`) reads the keys of
-each value size (rows of dim 16, Adam slots of 33 floats, ...) as one group,
+each value size (dim-16 Adam rows with their 33 slot floats, ...) as one group,
 numbered across its tables (`build_mg_quiet(..., first=, total=)`), and closes
 each group but the last with `mn`: a group's hits then stay one fixed-stride
 block, and its `MN` says where its replies end (`parse_mg_quiet` parses up to
@@ -32,11 +32,12 @@ the first `MN` at a reply boundary, wherever it is in the buffer).
 
 The sentinel and blobs are read without the quiet flag: every command then has
 exactly one reply (`EN\\r\\n` on a miss), in order, so replies map to keys by
-position, and a missing sentinel is an explicit `EN`. Writes answer `HD\\r\\n`
-(stored) / `NS\\r\\n` (add lost the race) per key, checked as one uint32
-comparison when all are `HD`; overwrites (`set`, not `add`) are sent quiet (`q`), so a
-batch that stored everything answers only its `MN` (`parse_ms_quiet`): a quarter less
-work for memcached per write, and no reply to parse.
+position, and a missing sentinel is an explicit `EN`. Writes are sent quiet (`q`),
+so a batch that stored everything answers only its `MN`: a quarter less work for
+memcached per write, and no reply lines to wake up for. An overwrite answers only
+failures (`parse_ms_quiet`); an add carries its position as the opaque token and also
+answers `NS O<i>` when its key exists (`parse_ms_quiet_add`). Deletes answer one line
+per key (`parse_ms`), checked as one uint32 comparison when all are `HD`.
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def build_ms(
     first: int = 0,
     total: int | None = None,
 ) -> bytes:
-    """`ms <key> <len> [ME] [T<ttl>] [q [O<i>]]\r\n<value>\r\n` for every key.
+    """`ms <key> <len> [ME] [T<ttl>] [q [O<i>]]\\r\\n<value>\\r\\n` for every key.
 
     `add` (mode E) stores only if the key is absent; `ttl_s` > 0 makes the item
     expire after that many seconds; `quiet` (q): memcached answers only failures. A

@@ -111,8 +111,8 @@ def step(
 ) -> tuple[Float32Array, Float32Array]:
     """Every optimizer's `update`: check the arrays, then `finish(w, g, next_slots(g, s))`.
 
-    One composition for all, so a journal replay that recomputes only the rows (or
-    only the slots) with `finish` / `next_slots` computes exactly what `update` did.
+    One composition for all, so a journal replay that recomputes an item with
+    `next_slots` and `finish` computes exactly what `update` did.
     """
     check_update_args(weights, grads, slots, optimizer.slot_width)
     new_slots = optimizer.next_slots(grads, slots)
