@@ -1171,12 +1171,16 @@ class EmbeddingStore:
                 nodes=(node.address,),
             )
         start, size = int(reply.starts[0]), int(reply.sizes[0])
-        value = bytes(data[start : start + size])
-        if value not in self._formats_ok:
-            self.check_format(node.address, value)
-            self._formats_ok.add(value)
-        self._verified.add(node.address)
+        self._accept_sentinel(node.address, bytes(data[start : start + size]))
         return reply.end
+
+    def _accept_sentinel(self, address: str, value: bytes) -> None:
+        """`check_format` of a node's sentinel (once per sentinel value); the node is then
+        verified for the writes that follow (`_verify_format`)."""
+        if value not in self._formats_ok:
+            self.check_format(address, value)
+            self._formats_ok.add(value)
+        self._verified.add(address)
 
     async def _verify_format(self, node: Node) -> None:
         """Before the first write batch sent to `node` (unless a read checked it before):
@@ -1186,10 +1190,7 @@ class EmbeddingStore:
         sentinel is left to the batch's own sentinel read.)"""
         (value,) = await self._mg_blobs(node, [self._sentinel_key], check=False)
         if value is not None:
-            if value not in self._formats_ok:
-                self.check_format(node.address, value)
-                self._formats_ok.add(value)
-            self._verified.add(node.address)
+            self._accept_sentinel(node.address, value)
 
     async def _batch(
         self,
@@ -1283,9 +1284,7 @@ class EmbeddingStore:
                 for s, start in zip(group.segments, group.starts, strict=True):
                     end = start + s.index.shape[0]
                     values_out, found_out = results[s.part]
-                    width = values_out.shape[1]
-                    block = floats[start:end]
-                    values_out[s.index] = block if width == block.shape[1] else block[:, :width]
+                    values_out[s.index] = floats[start:end, : values_out.shape[1]]
                     found_out[s.index] = found[start:end]
             return got
 
