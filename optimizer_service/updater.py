@@ -582,7 +582,6 @@ class Updater:
         out: list[TableUpdate] = []
         for r, (rows, slots, found) in zip(redo, got, strict=True):
             optimizer = self.optimizers[r.table]
-            rows, slots = rows.copy(), slots.copy()  # views of one array of items
             self._fill_unwritten(r.table, r.ids, rows, found, slots)
             # a row and its slots are one item: both written, or neither
             old = (value_hashes(slots) != r.slot_hashes) | (value_hashes(rows) != r.row_hashes)
