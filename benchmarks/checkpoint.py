@@ -249,7 +249,7 @@ async def fill(config: ClusterConfig, ids: NDArray[np.int64], slot_width: int) -
             part = ids[s : s + 4 * CHUNK]
             rows = rng.standard_normal((part.size, DIM), dtype=np.float32)
             slots = rng.standard_normal((part.size, slot_width), dtype=np.float32)
-            await store.set("emb", part, rows, slots=slots if slot_width else None)
+            await store.set("emb", part, rows, slots=slots)  # (n, 0) without slots
 
 
 async def clear(config: ClusterConfig) -> None:
