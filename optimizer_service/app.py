@@ -44,7 +44,7 @@ from optimizer_service.handlers import (
     post_dense_init,
     post_gradients,
 )
-from optimizer_service.malloc import MMAP_THRESHOLD_BYTES, pin_mmap_threshold
+from optimizer_service.malloc import MMAP_THRESHOLD_BYTES, trimming, tune_malloc
 from optimizer_service.metrics import ServiceMetrics
 from optimizer_service.responses import COUNTED, count_answer, error_answer
 from optimizer_service.updater import Updater
@@ -165,8 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if pin_mmap_threshold():
-        logger.debug("glibc mmap threshold pinned at %d bytes", MMAP_THRESHOLD_BYTES)
+    tuned = tune_malloc()
+    if tuned:
+        logger.debug("glibc mmap threshold fixed at %d bytes", MMAP_THRESHOLD_BYTES)
     try:
         config = load_config(args.config)
         url = (
@@ -177,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         host = args.host or (url.hostname if url else "127.0.0.1")
         port = args.port or (url.port if url and url.port else 8470)
         app = make_app(config, replica=args.replica)
+        if tuned:
+            app.cleanup_ctx.append(trimming)
     except LookupTableError as exc:
         logger.error("lookup-table-optimizer: %s", exc)
         return 1

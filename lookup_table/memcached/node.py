@@ -88,8 +88,8 @@ class Node:
         """Send one pipelined request ending in `mn` and parse the whole reply.
 
         `request` may come in parts (sentinel read, commands): they are joined with
-        the `mn` once, as one write. A batch of many tables is megabytes, and every
-        copy of it costs fresh pages (the service pins malloc's mmap threshold).
+        the `mn` once, as one write. A batch of many tables is megabytes: one copy,
+        not one per part.
 
         `parse(data)` returns None while the reply is incomplete. The reply is
         complete only after `MN\\r\\n`; data ending in those bytes by chance

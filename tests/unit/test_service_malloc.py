@@ -1,17 +1,18 @@
-"""The service pins glibc's mmap threshold, so its heap does not fragment over a long run.
+"""The service's malloc policy: large blocks reused from the heap, its free pages trimmed.
 
-Each case runs in a fresh interpreter (the threshold is process-wide) and watches glibc's
-own accounting (mallinfo2): after a large block was freed, do 256 KiB blocks (asyncio's
-socket reads) still get their own mmap (which goes back to the OS when freed), or does
-the heap grow for them (arena, the bytes the heap took from the OS)?
+Each case that tunes glibc runs in a fresh interpreter (the thresholds are process-wide)
+and watches glibc's own accounting (mallinfo2: `hblks`, the blocks mmapped on their own)
+and the process's resident memory (/proc/self/statm).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
 
+from optimizer_service import malloc
 from tests.unit._fresh import fresh_json
 
 
@@ -24,14 +25,12 @@ def _glibc_with_mallinfo2() -> bool:
     return version.startswith("glibc ") and (int(major), int(minor)) >= (2, 33)
 
 
-pytestmark = [
-    pytest.mark.unit,
-    pytest.mark.skipif(not _glibc_with_mallinfo2(), reason="needs glibc >= 2.33 (mallinfo2)"),
-]
+glibc = pytest.mark.skipif(not _glibc_with_mallinfo2(), reason="needs glibc >= 2.33 (mallinfo2)")
+pytestmark = pytest.mark.unit
 
 _PROBE = """
-import ctypes, json
-from optimizer_service.malloc import pin_mmap_threshold
+import ctypes, json, os
+from optimizer_service.malloc import tune_malloc, trim
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -40,32 +39,105 @@ class MallInfo2(ctypes.Structure):
 
 libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = MallInfo2
-pinned = pin_mmap_threshold() if PIN else None
-big = bytearray(8 << 20)   # mmapped; freeing it makes glibc raise its threshold to 8 MiB
-del big
-before = libc.mallinfo2().arena
-reads = [bytearray(256 << 10) for _ in range(8)]
-print(json.dumps({"pinned": pinned, "heap_growth": libc.mallinfo2().arena - before}))
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+def mmapped(size):
+    before = libc.mallinfo2().hblks
+    block = bytearray(size)
+    return libc.mallinfo2().hblks - before, block
 """
 
 
-def test_large_blocks_stay_mmapped_after_a_big_free() -> None:
-    result = fresh_json("PIN = True\n" + _PROBE)
-    assert result["pinned"] is True
-    assert result["heap_growth"] == 0, result  # they were mmapped (or fit in free heap)
+@glibc
+def test_blocks_up_to_32_mib_come_from_the_heap_and_stay_mapped_when_freed() -> None:
+    result = fresh_json(
+        _PROBE
+        + """
+tuned = tune_malloc()
+out = {"tuned": tuned}
+for name, size in (("read", 256 << 10), ("array", 3 << 20), ("body", 16 << 20)):
+    n, block = mmapped(size)
+    del block
+    again, block = mmapped(size)  # the freed pages are reused, not faulted in again
+    out[name] = [n, again]
+out["huge"], _ = mmapped(64 << 20)
+print(json.dumps(out))
+"""
+    )
+    assert result == {
+        "tuned": True,
+        "read": [0, 0],
+        "array": [0, 0],
+        "body": [0, 0],
+        "huge": 1,  # above the threshold: its own mapping, given back when freed
+    }
 
 
-def test_without_the_pin_glibc_moves_them_to_the_heap() -> None:
-    """The control: what the service did before (the blocks land in the heap)."""
-    result = fresh_json("PIN = False\n" + _PROBE)
-    assert result["heap_growth"] >= 4 * (256 << 10), result
+@glibc
+def test_glibcs_initial_threshold_mmaps_each_block_anew() -> None:
+    """The control: untuned, a fresh process mmaps a 3 MiB array, and again after it
+    was freed (glibc only raises its threshold once such a block is freed: then the
+    next one comes from the heap, whose holes the tuned service trims)."""
+    result = fresh_json(
+        _PROBE
+        + """
+first, block = mmapped(3 << 20)
+del block
+second, block = mmapped(3 << 20)
+print(json.dumps([first, second]))
+"""
+    )
+    assert result == [1, 0]
 
 
-def test_a_threshold_the_user_chose_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    from optimizer_service.malloc import pin_mmap_threshold
+@glibc
+def test_trim_gives_back_the_free_pages_inside_the_heap() -> None:
+    """Holes between blocks still in use: the heap's top cannot shrink over them, and
+    the 64 MiB trim threshold keeps them mapped; `trim` gives their pages back."""
+    result = fresh_json(
+        _PROBE
+        + """
+assert tune_malloc()
+blocks = [bytearray(1 << 20) for _ in range(64)]  # bytearray zeroes: every page touched
+for i in range(0, 64, 2):
+    blocks[i] = None  # 32 holes of 1 MiB between live blocks
+held = rss()
+trimmed = trim()
+print(json.dumps({"trimmed": trimmed, "given_back": held - rss()}))
+"""
+    )
+    assert result["trimmed"] is True
+    assert result["given_back"] >= 28 << 20, result  # of the 32 MiB of holes
 
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")
-    assert pin_mmap_threshold() is False
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536")
-    assert pin_mmap_threshold() is False
+
+def test_thresholds_the_user_chose_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in (
+        ("MALLOC_MMAP_THRESHOLD_", "1048576"),
+        ("MALLOC_TRIM_THRESHOLD_", "1048576"),
+        ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536"),
+        ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=65536"),
+    ):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            assert malloc.tune_malloc() is False, name
+
+
+async def test_the_trimming_context_trims_while_the_app_runs_and_stops_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[float] = []
+    monkeypatch.setattr(malloc, "TRIM_INTERVAL_S", 0.01)
+    monkeypatch.setattr(malloc, "trim", lambda: calls.append(asyncio.get_running_loop().time()))
+    context = malloc.trimming(object())
+    await anext(context)
+    await asyncio.sleep(0.2)
+    running = len(calls)
+    with pytest.raises(StopAsyncIteration):
+        await anext(context)
+    await asyncio.sleep(0.05)
+    assert running >= 5
+    assert len(calls) == running  # no trim after the app stopped
