@@ -1,8 +1,8 @@
 """The journal of one replica: a push's write plan, stored before its rows are written.
 
 A replica has `JOURNAL_SLOTS` slots (`_meta/j/rK-jS`). A slot holds one `WritePlan`,
-packed with msgpack: each table as its summed gradients and the hashes of its new rows
-and slots (`plan.TableRedo`), not the new values. A body that fits in one item
+packed with msgpack: each table as its ids, summed gradients and the hash of each id's
+item before the push (`plan.TableStep`), not the new values. A body that fits in one item
 (`JOURNAL_CHUNK_BYTES`, under memcached's default 1 MiB limit) is written inside its
 header, one `set`; a bigger one is cut into chunks, written first, then the header with
 the body's size and CRC-32, so a header is only ever present over a complete journal. A
@@ -37,7 +37,7 @@ from lookup_table.errors import DataLossError, StoreError
 from lookup_table.store import EmbeddingStore
 from optimizer_service.errors import UnavailableError
 from optimizer_service.locks import RowLocks
-from optimizer_service.plan import DenseSwitch, TableRedo, TableUpdate, WritePlan
+from optimizer_service.plan import DenseSwitch, TableRedo, TableStep, TableUpdate, WritePlan
 
 __all__ = ["JOURNAL_CHUNK_BYTES", "JOURNAL_SLOTS", "Journal", "decode_journal", "encode_journal"]
 
@@ -102,7 +102,9 @@ class Journal:
         flight afterwards (the caller may delete what they wrote)."""
         # the writes alongside go out while the journal is encoded (in a thread when big)
         writes: list[Awaitable[object]] = [asyncio.ensure_future(w) for w in alongside]
-        size = sum(u.rows.nbytes + u.slots.nbytes for u in plan.updates)
+        size = sum(s.rows.nbytes + s.slots.nbytes for s in plan.steps) + sum(
+            u.rows.nbytes + u.slots.nbytes for u in plan.updates
+        )
         try:
             if size > _OFFLOAD_JOURNAL_BYTES:  # hashing, packing, CRC would stall the loop
                 chunks, header = await asyncio.to_thread(encode_journal, plan)
@@ -218,6 +220,15 @@ def _held_by_failed_write(push_id: str, error: Exception | None) -> BaseExceptio
     return UnavailableError(message)
 
 
+def _encode_step(s: TableStep) -> dict[str, Any]:
+    return {
+        "table": s.table,
+        "ids": encode_ids(s.ids),
+        "grads": encode_array(s.grads),
+        "old_hashes": encode_array(value_hashes(s.rows, s.slots).view(np.int64)),
+    }
+
+
 def _encode_update(u: TableUpdate) -> dict[str, Any]:
     if u.grads is None:  # absolute values (journals of an older service; tests)
         return {
@@ -238,13 +249,11 @@ def _encode_update(u: TableUpdate) -> dict[str, Any]:
 def encode_journal(plan: WritePlan) -> tuple[list[bytes], bytes]:
     """A plan as journal chunks (<= JOURNAL_CHUNK_BYTES) and its header (pure, thread-safe).
 
-    A body that fits in one item travels inside the header: no chunks.
+    A body that fits in one item travels inside the header: no chunks. The tables are
+    the plan's `steps` when it has them (a push's), else its updates (see `WritePlan`).
     """
-    doc: dict[str, Any] = {
-        "push_id": plan.push_id,
-        "version": plan.version,
-        "tables": [_encode_update(u) for u in plan.updates],
-    }
+    tables = [_encode_step(s) for s in plan.steps] or [_encode_update(u) for u in plan.updates]
+    doc: dict[str, Any] = {"push_id": plan.push_id, "version": plan.version, "tables": tables}
     if plan.dense_switch is not None:
         doc["dense_switch"] = {
             "current": plan.dense_switch.current,
@@ -278,10 +287,14 @@ def _decode_table(t: dict[str, Any]) -> TableUpdate | TableRedo:
             rows=decode_array(t["rows"], field="journal.rows").copy(),
             slots=decode_array(t["slots"], field="journal.slots").copy(),
         )
-    return TableRedo(
+    grads = decode_array(t["grads"], field="journal.grads").copy()
+    if "old_hashes" in t:
+        old = decode_array(t["old_hashes"], field="journal.old_hashes").view(np.uint64)
+        return TableRedo(table=t["table"], ids=ids, grads=grads, old_hashes=old)
+    return TableRedo(  # a journal of an older service: the new values' hashes
         table=t["table"],
         ids=ids,
-        grads=decode_array(t["grads"], field="journal.grads").copy(),
+        grads=grads,
         row_hashes=decode_array(t["row_hashes"], field="journal.row_hashes").view(np.uint64),
         slot_hashes=decode_array(t["slot_hashes"], field="journal.slot_hashes").view(np.uint64),
     )

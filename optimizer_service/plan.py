@@ -4,16 +4,18 @@ A `WritePlan` holds the new rows and slots of every table of a push, and where i
 them the replica's new version and the dense parameters' update. Its values are
 absolute, not deltas, so writing one plan twice is harmless.
 
-The journal does not carry those values: it carries each table's summed gradients and
-a hash of every new row and of its new slots (`TableRedo`), about a third of the bytes
-with Adam. A replay reads the rows and slots, keeps the items whose row and slot hashes say they
-are already written, and recomputes the others from their old row and slots: the
-slots from the gradients and the old slots (`Optimizer.next_slots`), the row from the
-old row, the gradients and the new slots (`Optimizer.finish`), the composition every
-optimizer's `update` is. A row and its slots are one item (storage format 2), written
-together or not at all, so every mix of written and unwritten items a failed write can
-leave is so finished exactly once; no other push touches those rows before the journal
-is cleared (they stay locked).
+The journal does not carry those values: it carries each table's ids, summed gradients
+and a hash of every id's item *before* the push (`TableStep`: its row and slots as read,
+or the initial values of a row never created). All of it is known once the rows are
+read, so the journal is written while the optimizer computes. A replay reads the items
+and recomputes exactly those whose hash is still the journaled one: an item the push
+wrote has another hash, and no other push touches those rows before the journal is
+cleared (they stay locked). A row and its slots are one item (storage format 2),
+written together or not at all, so every mix of written and unwritten items a failed
+write can leave is so finished exactly once. An update that leaves an item unchanged
+is recomputed from that same item, which gives it again. Journals of an older service
+carry the hashes of the new rows and slots instead (`TableRedo.row_hashes`): a replay
+then recomputes the items whose hashes are not those.
 
 The dense update is journaled as a switch of the `current` pointer (`DenseSwitch`), not
 as values: the new generation's chunks (`WritePlan.dense_generation`) are written before
@@ -31,7 +33,7 @@ from numpy.typing import NDArray
 from lookup_table.core.keys import IdArray
 from lookup_table.dense import DenseGeneration
 
-__all__ = ["DenseSwitch", "DenseWrite", "TableRedo", "TableUpdate", "WritePlan"]
+__all__ = ["DenseSwitch", "DenseWrite", "TableRedo", "TableStep", "TableUpdate", "WritePlan"]
 
 DenseWrite = tuple[dict[str, NDArray[np.float32]], dict[str, NDArray[np.float32]]]
 """The new dense parameters and their optimizer slots, by parameter name."""
@@ -54,15 +56,32 @@ class TableUpdate:
 
 
 @dataclass(slots=True)
-class TableRedo:
-    """A journaled table update: the unique ids (n,), their summed gradients (n, dim),
-    and the `value_hashes` of their new rows and new slots (n,) uint64."""
+class TableStep:
+    """What the journal keeps of one table of a push, known before the optimizer runs:
+    the unique ids (n,) it updates, their summed gradients (n, dim), and their rows
+    (n, dim) and slots (n, slot width) before the push, of which it keeps a hash per id
+    (`value_hashes(rows, slots)`: the item's). The arrays are not written afterwards."""
 
     table: str
     ids: IdArray
     grads: NDArray[np.float32]
-    row_hashes: NDArray[np.uint64]
-    slot_hashes: NDArray[np.uint64]
+    rows: NDArray[np.float32]
+    slots: NDArray[np.float32]
+
+
+@dataclass(slots=True)
+class TableRedo:
+    """A journaled table update: the unique ids (n,), their summed gradients (n, dim),
+    and the `value_hashes` of each id's item before the push (`old_hashes`, (n,) uint64);
+    a journal of an older service has the hashes of the new rows and of the new slots
+    instead (`row_hashes`, `slot_hashes`)."""
+
+    table: str
+    ids: IdArray
+    grads: NDArray[np.float32]
+    old_hashes: NDArray[np.uint64] | None = None
+    row_hashes: NDArray[np.uint64] | None = None
+    slot_hashes: NDArray[np.uint64] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +97,9 @@ class DenseSwitch:
 class WritePlan:
     """Everything one push writes: absolute values, so writing it twice is harmless.
 
+    Of the tables, the journal carries `steps` (the rows before the push: written while
+    `updates` are computed); a plan without steps journals its updates' new values'
+    hashes (as an older service did), or their values when they have no gradients.
     Of the dense update only `dense_switch` is journaled. `dense` (the new values, for
     the in-memory copy) and `dense_generation` (its chunks) live in the replica that
     computed the plan; a journal of an older service carries `dense` and no switch.
@@ -85,6 +107,7 @@ class WritePlan:
 
     push_id: str
     updates: list[TableUpdate]
+    steps: list[TableStep] = field(default_factory=list)  # what is journaled of the tables
     redo: list[TableRedo] = field(default_factory=list)  # a journal's: values to recompute
     version: int | None = None  # the replica's new version (sync mode, or dense updates)
     dense: DenseWrite | None = None

@@ -51,6 +51,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -70,7 +71,7 @@ from optimizer_service.cache import RowCache
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.journal import Journal
 from optimizer_service.locks import DENSE_KEY, RowLocks
-from optimizer_service.plan import DenseSwitch, TableRedo, TableUpdate, WritePlan
+from optimizer_service.plan import DenseSwitch, TableRedo, TableStep, TableUpdate, WritePlan
 from optimizer_service.push import Push, TableGrads
 from optimizer_service.sync import SyncRounds
 
@@ -92,6 +93,19 @@ async def _compute(
     if rows.size > _OFFLOAD_FLOATS:
         return await asyncio.to_thread(optimizer.update, rows, grads, slots)
     return optimizer.update(rows, grads, slots)
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """One table of a push, read: its optimizer step (`step`: the ids it updates and the
+    rows and slots they start from). Admission (`admit_after`) keeps only the ids that
+    have a row: `keep` are their positions among the push's, and `all_rows` every id's
+    row (the initial value for a dropped one), for the push's answer."""
+
+    grads: TableGrads
+    step: TableStep
+    keep: NDArray[np.intp] | None = None
+    all_rows: NDArray[np.float32] | None = None
 
 
 class Updater:
@@ -299,18 +313,28 @@ class Updater:
                 return {"applied": False, "duplicate": True, "rows": 0, "version": self.version}
             if isinstance(planned, BaseException):
                 raise planned
-            plan = planned
-            if on_plan is not None:
-                on_plan(plan)
+            plan, prepared = planned
             generation = plan.dense_generation
             slot = await self.journal.take()
             header_sent = journaled = False
             try:
-                header = await self.journal.write_chunks(
-                    slot,
-                    plan,
-                    alongside=[self.dense.write_chunks(generation)] if generation else [],
+                # the journal needs only the rows as read: it is written while the
+                # optimizer computes the new ones
+                chunks = asyncio.ensure_future(
+                    self.journal.write_chunks(
+                        slot,
+                        plan,
+                        alongside=[self.dense.write_chunks(generation)] if generation else [],
+                    )
                 )
+                try:
+                    plan.updates = list(await asyncio.gather(*map(self._computed, prepared)))
+                    if on_plan is not None:
+                        on_plan(plan)
+                finally:
+                    if not chunks.done():  # nothing of the journal in flight after a failure
+                        await asyncio.wait([chunks])
+                header = await chunks
                 header_sent = True
                 await self.journal.write_header(slot, header)
                 journaled = True
@@ -400,14 +424,20 @@ class Updater:
             out["params"] = {n: encode_array(v) for n, v in params.items()}
         return out
 
-    async def _plan(self, push: Push, version: int | None) -> WritePlan:
-        rows = self._updated(push.tables)
+    async def _plan(self, push: Push, version: int | None) -> tuple[WritePlan, list[_Prepared]]:
+        """Read what the push updates; compute the dense update. The plan's `steps` (what
+        is journaled) are set, its `updates` are `_computed` from the tables returned."""
+        rows = self._prepared(push.tables)
         if not (push.dense or (version is not None and self.replica == 0)):
-            return WritePlan(push_id=push.push_id, updates=list(await rows), version=version)
+            prepared = await rows
+            plan = WritePlan(push_id=push.push_id, updates=[], version=version)
+            plan.steps = [p.step for p in prepared]
+            return plan, prepared
         # the dense `current` pointer is read with the rows: the in-memory copy is used
         # when it still names it (one small get instead of the whole generation)
-        updates, current = await asyncio.gather(rows, self.dense.meta())
-        plan = WritePlan(push_id=push.push_id, updates=list(updates), version=version)
+        prepared, current = await asyncio.gather(rows, self.dense.meta())
+        plan = WritePlan(push_id=push.push_id, updates=[], version=version)
+        plan.steps = [p.step for p in prepared]
         state = None if current is None else await self.dense.read(current=current)
         if state is None:
             if push.dense:
@@ -416,7 +446,7 @@ class Updater:
                     "first (trainer.Trainer does)",
                     reason="dense_uninitialized",
                 )
-            return plan
+            return plan, prepared
         self.dense.check_grads(state, push.dense)
         if plan.version is None:
             plan.version = state.version + 1
@@ -430,12 +460,12 @@ class Updater:
         plan.dense_switch = DenseSwitch(current=generation.meta, previous=dict(state.meta))
         if generation.param_ids or generation.slot_ids:
             plan.dense_generation = generation
-        return plan
+        return plan, prepared
 
-    async def _updated(self, tables: Sequence[TableGrads]) -> list[TableUpdate]:
+    async def _prepared(self, tables: Sequence[TableGrads]) -> list[_Prepared]:
         """Read the rows and slots of every table of a push (one request per node; a row
-        and its slots are one item), those not in the cache, and apply each table's
-        optimizer."""
+        and its slots are one item), those not in the cache: what each table's optimizer
+        step starts from."""
         use = [self._sentinels is not None and self.cache.caches(g.table) for g in tables]
         wanted = [(g.table, g.ids) for g, u in zip(tables, use, strict=True) if u]
         from_cache = iter(self.cache.get_many(wanted))
@@ -460,10 +490,10 @@ class Updater:
                 )
                 self.cache.forget()
                 self._sentinels = sentinels if all(sentinels.values()) else None
-                return await self._updated(tables)
+                return await self._prepared(tables)
         else:
             values = await read
-        jobs = []
+        out: list[_Prepared] = []
         for grads, (hit, rows_c, slots_c), read in zip(tables, cached, values, strict=True):
             spec = self.config.table(grads.table)
             width = self.optimizers[grads.table].slot_width(spec.dim)
@@ -478,8 +508,8 @@ class Updater:
                 if hit.any():
                     rows[hit], slots[hit] = rows_c[hit], slots_c[hit]
                 rows[miss], slots[miss], found[miss] = read
-            jobs.append(self._update(grads, rows, found, slots))
-        return list(await asyncio.gather(*jobs))
+            out.append(self._prepare(grads, rows, found, slots))
+        return out
 
     async def _read(
         self, tables: Sequence[TableGrads | TableRedo], wanted: Sequence[NDArray[np.bool_]]
@@ -510,49 +540,45 @@ class Updater:
         sentinels = await self.store.sentinels()
         return sentinels if all(sentinels.values()) else None
 
-    async def _update(
+    def _prepare(
         self,
         grads: TableGrads,
         rows: NDArray[np.float32],
         found: NDArray[np.bool_],
         slots: NDArray[np.float32],
-    ) -> TableUpdate:
-        """One table's new rows and slots (slots (n, 0) for an optimizer without)."""
+    ) -> _Prepared:
+        """One table's step: the rows and slots it starts from (slots (n, 0) for an
+        optimizer without)."""
         spec = self.config.table(grads.table)
-        optimizer = self.optimizers[grads.table]
         self._fill_unwritten(grads.table, grads.ids, rows, found, slots)
         if spec.admit_after > 1 and not found.all():
             # not admitted yet (no row: lookups saw the id fewer than admit_after times):
             # its gradients are dropped, its row stays the initial value, nothing is written
-            return await self._update_admitted(grads, rows, found, slots)
-        new_rows, new_slots = await _compute(optimizer, rows, grads.grads, slots)
-        return TableUpdate(
-            table=grads.table, ids=grads.ids, rows=new_rows, slots=new_slots, grads=grads.grads
-        )
+            keep = np.flatnonzero(found)
+            step = TableStep(
+                grads.table, grads.ids[keep], grads.grads[keep], rows[keep], slots[keep]
+            )
+            return _Prepared(grads, step, keep=keep, all_rows=rows)
+        return _Prepared(grads, TableStep(grads.table, grads.ids, grads.grads, rows, slots))
 
-    async def _update_admitted(
-        self,
-        grads: TableGrads,
-        rows: NDArray[np.float32],
-        found: NDArray[np.bool_],
-        slots: NDArray[np.float32],
-    ) -> TableUpdate:
-        """The update of the ids that have a row (`found`); the others' gradients are
-        dropped, and the push's answer gives them their initial rows (`rows` holds them)."""
-        optimizer = self.optimizers[grads.table]
-        keep = np.flatnonzero(found)
-        kept_grads = grads.grads[keep]
-        new_rows, new_slots = await _compute(optimizer, rows[keep], kept_grads, slots[keep])
-        answer = rows.copy()
-        answer[keep] = new_rows
+    async def _computed(self, p: _Prepared) -> TableUpdate:
+        """One table's new rows and slots (its optimizer's step from `p`)."""
+        step = p.step
+        optimizer = self.optimizers[step.table]
+        new_rows, new_slots = await _compute(optimizer, step.rows, step.grads, step.slots)
+        if p.keep is None or p.all_rows is None:
+            return TableUpdate(step.table, step.ids, new_rows, new_slots, grads=step.grads)
+        # the push's answer gives the dropped ids their initial rows (`all_rows` holds them)
+        answer = p.all_rows.copy()
+        answer[p.keep] = new_rows
         return TableUpdate(
-            table=grads.table,
-            ids=grads.ids[keep],
+            table=step.table,
+            ids=step.ids,
             rows=new_rows,
             slots=new_slots,
-            grads=kept_grads,
-            answer=(grads.ids, answer),
-            dropped=int(grads.ids.shape[0] - keep.size),
+            grads=step.grads,
+            answer=(p.grads.ids, answer),
+            dropped=int(p.grads.ids.shape[0] - p.keep.size),
         )
 
     def _fill_unwritten(
@@ -576,34 +602,29 @@ class Updater:
             slots[missing] = self.optimizers[table].initial_slots(missing.size, spec.dim)
 
     async def _redone(self, redo: Sequence[TableRedo]) -> list[TableUpdate]:
-        """What a journal's tables still need written: the rows and slots whose stored
-        hash is not the journaled one, recomputed (see `plan`); one read per node."""
+        """What a journal's tables still need written: the items the push did not write,
+        recomputed (see `plan`); one read per node.
+
+        An item still has the hash journaled before the push (`old_hashes`) until the
+        push writes it; a journal of an older service has the new values' hashes, and
+        the items that do not have them yet are recomputed.
+        """
         got = await self._read(redo, [np.ones(r.ids.shape[0], dtype=bool) for r in redo])
         out: list[TableUpdate] = []
         for r, (rows, slots, found) in zip(redo, got, strict=True):
             optimizer = self.optimizers[r.table]
             self._fill_unwritten(r.table, r.ids, rows, found, slots)
             # a row and its slots are one item: both written, or neither
-            old = (value_hashes(slots) != r.slot_hashes) | (value_hashes(rows) != r.row_hashes)
-            if old.any():
-                todo = np.flatnonzero(old)
-                slots[todo] = optimizer.next_slots(r.grads[todo], slots[todo])
-                rows[todo] = optimizer.finish(rows[todo], r.grads[todo], slots[todo])
-            differ = int(
-                np.count_nonzero(
-                    (value_hashes(slots[old]) != r.slot_hashes[old])
-                    | (value_hashes(rows[old]) != r.row_hashes[old])
-                )
-            )
-            if differ:  # another C library's powf, say: the push is still finished once
-                logger.warning(
-                    "replica %d: table %s: %d recomputed values differ from the journaled ones",
-                    self.replica,
-                    r.table,
-                    differ,
-                )
-            if old.any():
-                out.append(TableUpdate(r.table, r.ids[old], rows[old], slots[old]))
+            if r.old_hashes is not None:
+                todo = np.flatnonzero(value_hashes(rows, slots) == r.old_hashes)
+            elif r.row_hashes is not None and r.slot_hashes is not None:
+                new = (value_hashes(rows) == r.row_hashes) & (value_hashes(slots) == r.slot_hashes)
+                todo = np.flatnonzero(~new)
+            else:
+                raise RuntimeError(f"a journaled update of table {r.table!r} has no hashes")
+            if todo.size:
+                new_rows, new_slots = optimizer.update(rows[todo], r.grads[todo], slots[todo])
+                out.append(TableUpdate(r.table, r.ids[todo], new_rows, new_slots))
         return out
 
     async def _write_updates(self, updates: Iterable[TableUpdate]) -> None:

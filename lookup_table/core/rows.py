@@ -1,7 +1,7 @@
 """The row codec (pure): a row is exactly `width` little-endian float32, nothing else.
 
-Row format, version 1: the value of a `w` key is `dim` x `<f4` (4*dim bytes); the
-value of an `s` key is the optimizer's slot width x `<f4`. No header, no padding.
+Storage format 2: the value of a `w` key is the row's `dim` x `<f4`, then its
+optimizer's slot width x `<f4` (none for plain SGD). No header, no padding.
 A value of any other length is corruption: `CorruptValueError`, never a reshape,
 a pad, or a cache miss (a miss would make us create a fresh row over it).
 """
@@ -60,8 +60,10 @@ def decode_row(
     return np.frombuffer(value, dtype=ROW_DTYPE).astype(np.float32)
 
 
-def value_hashes(values: NDArray[np.float32]) -> NDArray[np.uint64]:
-    """A 64-bit hash of each stored value (row or slots), (n, width) float32 -> (n,) uint64.
+def value_hashes(values: NDArray[np.float32], *more: NDArray[np.float32]) -> NDArray[np.uint64]:
+    """A 64-bit hash of each stored value (an item: a row and its slots), (n, width)
+    float32 -> (n,) uint64. Blocks of columns given apart (`value_hashes(rows, slots)`)
+    hash as their concatenation, without making it.
 
     Tells whether a stored value is the one a journal expects (`optimizer_service`): it
     hashes the stored bytes, so -0.0 and 0.0, or two NaNs of other payloads, differ. A
@@ -69,14 +71,19 @@ def value_hashes(values: NDArray[np.float32]) -> NDArray[np.uint64]:
     that differ in any word collide with probability about 2**-64 when they differ in low
     bits (as an optimizer step's do), never when they differ in one word only.
     """
-    arr = np.ascontiguousarray(values, dtype=ROW_DTYPE)
-    if arr.ndim != 2:
-        raise ValueError(f"expected values of shape (n, width), got {arr.shape}")
-    width = arr.shape[1]
+    blocks = [np.asarray(block, dtype=ROW_DTYPE) for block in (values, *more)]
+    if any(b.ndim != 2 or b.shape[0] != blocks[0].shape[0] for b in blocks):
+        shapes = ", ".join(str(b.shape) for b in blocks)
+        raise ValueError(f"expected values of shape (n, width), n alike, got {shapes}")
+    width = sum(b.shape[1] for b in blocks)
     if width > _HASH_KEYS.size:
         raise ValueError(f"values of {width} floats: at most {_HASH_KEYS.size} are hashed")
-    words = arr.view(np.uint32).astype(np.uint64)
-    words *= _HASH_KEYS[:width]  # wraps modulo 2**64, as intended
-    total = words.sum(axis=1, dtype=np.uint64)
+    total = np.zeros(blocks[0].shape[0], dtype=np.uint64)
+    offset = 0
+    for block in blocks:
+        words = block.view(np.uint32).astype(np.uint64)  # any strides: the same item size
+        words *= _HASH_KEYS[offset : offset + block.shape[1]]  # wraps modulo 2**64
+        total += words.sum(axis=1, dtype=np.uint64)
+        offset += block.shape[1]
     total ^= np.uint64(width)
     return mix64(total)

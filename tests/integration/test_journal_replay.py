@@ -1,11 +1,11 @@
 """A journaled push whose write stopped anywhere is finished exactly once by a replay.
 
-The journal carries a push's summed gradients and the hashes of its new rows and
-slots, not the values (optimizer_service/plan.py). A write that fails part-way can
-leave any id with its row and its slots each written or not (slots and rows are
-separate items, on one node; a full `-M` node may refuse either one): every one of
-the four mixes, plus rows never created, must end with the values the push computed,
-bit for bit, and nothing applied twice. Real memcached, the real service app.
+The journal carries a push's summed gradients and the hash of each id's item (its row
+and slots) before the push, not the new values (optimizer_service/plan.py). A write that
+fails part-way can leave any id's item written or not: every mix, plus rows never
+created, must end with the values the push computed, bit for bit, and nothing applied
+twice. Journals of an older service (the new values' hashes) still replay. Real
+memcached, the real service app.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from lookup_table import EmbeddingStore, initial_rows
-from lookup_table.core.keyspace import Kind
+from lookup_table.core.keyspace import META_TABLE, Kind, journal_id
 from lookup_table.core.optimizers import make_optimizer
+from lookup_table.core.rows import value_hashes
 from lookup_table.core.wire import unpack
 from lookup_table.store import TableWrite
 from optimizer_service.app import UPDATER, make_app
 from optimizer_service.journal import JOURNAL_CHUNK_BYTES, Journal, decode_journal
-from optimizer_service.plan import TableUpdate
+from optimizer_service.plan import TableUpdate, WritePlan
 from optimizer_service.push import parse_push
 from tests.conftest import make_config
 from tests.integration.test_service import _body
@@ -106,6 +107,8 @@ async def test_a_replay_finishes_a_push_whose_items_were_written_in_part_exactly
         plan = plans[0]
         assert not plan.updates and [r.table for r in plan.redo] == ["t", "s"]
         np.testing.assert_array_equal(plan.redo[0].grads, grads)  # journaled: the gradients
+        # and the hash of each item as the push read it (initial values where none)
+        np.testing.assert_array_equal(plan.redo[0].old_hashes, value_hashes(rows, slots))
         mid_rows, _, _ = await _read(store, "t", ids)
     # the crash left some items new, others old
     assert (mid_rows == want_rows).all(axis=1).tolist() != [True] * 12
@@ -199,3 +202,33 @@ async def test_a_replay_of_an_expired_rows_push_starts_from_fresh_slots_as_the_p
     assert found.all()
     np.testing.assert_array_equal(rows, want_rows)
     np.testing.assert_array_equal(slots, want_slots)
+
+
+async def test_a_journal_of_an_older_service_with_the_new_values_hashes_still_replays(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    """Before, a journal carried the hashes of the new rows and slots: a replica of this
+    version finishes such a push, recomputing only the items that do not have them."""
+    tables = [{"name": "t", "dim": 8, "seed": 5}]  # Adam
+    config = make_config(memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"])
+    adam = make_optimizer(config.table("t").optimizer)
+    ids = np.arange(8, dtype=np.int64)
+    grads = np.random.default_rng(11).standard_normal((8, 8), dtype=np.float32)
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        await store.lookup("t", ids)
+        rows, slots, _ = await _read(store, "t", ids)
+        want_rows, want_slots = adam.update(rows, grads, slots)
+        done = np.array([MIX[i % 4] for i in range(8)])
+        await store.set_many([TableWrite("t", ids[done], want_rows[done], slots=want_slots[done])])
+        update = TableUpdate("t", ids, want_rows, want_slots, grads=grads)
+        await Journal(store, replica=0).write(2, WritePlan(push_id="older", updates=[update]))
+        (raw,) = await store.get_blobs(META_TABLE, [journal_id(0, 2)], kind=Kind.JOURNAL)
+    assert raw is not None and b"row_hashes" in raw and b"old_hashes" not in raw
+
+    await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
+    async with EmbeddingStore(config) as store:
+        got_rows, got_slots, found = await _read(store, "t", ids)
+    assert found.all()
+    np.testing.assert_array_equal(got_rows, want_rows)
+    np.testing.assert_array_equal(got_slots, want_slots)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 
-from lookup_table.core.rows import ROW_DTYPE, decode_row, encode_rows, row_bytes
+from lookup_table.core.rows import ROW_DTYPE, decode_row, encode_rows, row_bytes, value_hashes
 from lookup_table.errors import CorruptValueError, StoreError
 from tests.strategies import float32_rows
 
@@ -101,3 +102,41 @@ def test_corruption_message_without_node() -> None:
 def test_wrong_shape_raises_value_error(shape: tuple[int, ...]) -> None:
     with pytest.raises(ValueError, match=r"\(n, 4\)"):
         encode_rows(np.zeros(shape, dtype=np.float32), 4)
+
+
+def test_golden_value_hashes() -> None:
+    """Journals hold these hashes: they must not change between versions of the service."""
+    values = np.arange(12, dtype=np.float32).reshape(3, 4) - 5.5
+    assert [hex(int(h)) for h in value_hashes(values)] == [
+        "0x9f7ac6c8c3a09965",
+        "0x43a45cc7f0e42277",
+        "0x3ff0c8a95b0a4dbe",
+    ]
+
+
+@given(float32_rows(), st.data())
+def test_value_hashes_of_blocks_are_those_of_their_concatenation(
+    rows: np.ndarray, data: st.DataObject
+) -> None:
+    cut = data.draw(st.integers(0, rows.shape[1]))
+    left, right = rows[:, :cut], rows[:, cut:]  # strided views, one may be empty
+    want = value_hashes(np.ascontiguousarray(rows))
+    np.testing.assert_array_equal(value_hashes(left, right), want)
+    np.testing.assert_array_equal(value_hashes(rows.astype(">f4")), want)  # the bytes stored
+
+
+def test_value_hashes_tell_every_changed_word_and_the_width() -> None:
+    item = np.zeros((1, 9), dtype=np.float32)
+    seen = {int(value_hashes(item)[0])}
+    for j in range(9):
+        for value in (-0.0, 1e-45, 1.0):
+            changed = item.copy()
+            changed[0, j] = value
+            seen.add(int(value_hashes(changed)[0]))
+    seen.add(int(value_hashes(np.zeros((1, 8), dtype=np.float32))[0]))  # a shorter item
+    assert len(seen) == 1 + 9 * 3 + 1
+
+
+def test_value_hashes_refuse_blocks_of_other_lengths() -> None:
+    with pytest.raises(ValueError, match="n alike"):
+        value_hashes(np.zeros((3, 2), np.float32), np.zeros((2, 2), np.float32))
