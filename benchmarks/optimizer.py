@@ -24,6 +24,8 @@ measures rows/s updated by one push of random float32 gradients for those ids:
   `store.get` of the rows with their slots (one request per node, as the
   service reads them), `optimizer.update` (Adam, inline), one `store.set_many`
   of the rows and the slots. No HTTP, no validation, no journal, no done record.
+  This process takes the service's malloc policy (`tune_malloc`), so neither side
+  pays page faults the other does not.
 
 Every round pushes fresh gradients (generated before timing). The two methods
 run on the same process, cluster, ids and rows, interleaved round by round (the
@@ -81,6 +83,7 @@ from lookup_table.config import ClusterConfig, load_config
 from lookup_table.core.optimizers import Optimizer, make_optimizer
 from lookup_table.ops.localcluster import free_port, memcached_cluster
 from lookup_table.store import EmbeddingStore, TableWrite
+from optimizer_service.malloc import tune_malloc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
@@ -603,6 +606,11 @@ def main(argv: list[str] | None = None) -> int:
     import aiohttp
     import msgpack
 
+    # the in-process baseline gets the service's malloc policy too (not its periodic
+    # trim): with glibc's own, its blocks are faulted in again whenever free() gives the
+    # heap's top back, which would flatter the service
+    baseline_malloc = "service policy (tune_malloc)" if tune_malloc() else "glibc default"
+
     machine = machine_info(
         {"aiohttp": aiohttp.__version__, "msgpack": ".".join(map(str, msgpack.version))}
     )
@@ -677,6 +685,10 @@ def main(argv: list[str] | None = None) -> int:
                 "auth": "bearer token",
             },
             "event_loop": "asyncio default (both processes)",
+            "malloc": {
+                "service": "tune_malloc + trim every 2 s (optimizer_service/malloc.py)",
+                "this process (client and in-process baseline)": baseline_malloc,
+            },
             "notes": [
                 "http: OptimizerClient.push in this process -> the service process -> "
                 "memcached; the whole exactly-once path",
