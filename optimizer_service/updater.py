@@ -500,6 +500,8 @@ class Updater:
             n = grads.ids.shape[0]
             if hit.all():
                 rows, found, slots = rows_c, hit, slots_c
+            elif not hit.any():  # all read: the read's own arrays, no copy
+                rows, slots, found = read
             else:
                 miss = np.flatnonzero(~hit)
                 rows = np.empty((n, spec.dim), dtype=np.float32)
