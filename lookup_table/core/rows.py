@@ -24,6 +24,9 @@ _HASH_KEYS = np.random.default_rng(0x6A6F75726E616C).integers(
 ) * np.uint64(2) + np.uint64(1)
 
 
+_HASH_SLICE_BYTES = 2 * 1024 * 1024
+
+
 def row_bytes(width: int) -> int:
     """Bytes of one stored value of `width` floats."""
     return width * ROW_DTYPE.itemsize
@@ -78,12 +81,16 @@ def value_hashes(values: NDArray[np.float32], *more: NDArray[np.float32]) -> NDA
     width = sum(b.shape[1] for b in blocks)
     if width > _HASH_KEYS.size:
         raise ValueError(f"values of {width} floats: at most {_HASH_KEYS.size} are hashed")
-    total = np.zeros(blocks[0].shape[0], dtype=np.uint64)
-    offset = 0
-    for block in blocks:
-        words = block.view(np.uint32).astype(np.uint64)  # any strides: the same item size
-        words *= _HASH_KEYS[offset : offset + block.shape[1]]  # wraps modulo 2**64
-        total += words.sum(axis=1, dtype=np.uint64)
-        offset += block.shape[1]
+    n = blocks[0].shape[0]
+    total = np.zeros(n, dtype=np.uint64)
+    # a slice of rows at a time: the uint64 words stay in the CPU's cache (~2 MiB)
+    step = max(1024, _HASH_SLICE_BYTES // (8 * max(width, 1)))
+    for start in range(0, n, step):
+        offset = 0
+        for block in blocks:
+            words = block[start : start + step].view(np.uint32).astype(np.uint64)  # any strides
+            words *= _HASH_KEYS[offset : offset + block.shape[1]]  # wraps modulo 2**64
+            total[start : start + step] += words.sum(axis=1, dtype=np.uint64)
+            offset += block.shape[1]
     total ^= np.uint64(width)
     return mix64(total)

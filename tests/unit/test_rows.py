@@ -140,3 +140,14 @@ def test_value_hashes_tell_every_changed_word_and_the_width() -> None:
 def test_value_hashes_refuse_blocks_of_other_lengths() -> None:
     with pytest.raises(ValueError, match="n alike"):
         value_hashes(np.zeros((3, 2), np.float32), np.zeros((2, 2), np.float32))
+
+
+def test_value_hashes_are_per_row_however_many_rows_are_hashed_at_once() -> None:
+    """Big inputs are hashed a slice of rows at a time: each row's hash is its own."""
+    rng = np.random.default_rng(5)
+    items = rng.standard_normal((5000, 300), dtype=np.float32)
+    whole = value_hashes(items[:, :100], items[:, 100:])
+    one_by_one = np.concatenate([value_hashes(items[i : i + 1]) for i in range(0, 5000, 997)])
+    np.testing.assert_array_equal(whole[::997], one_by_one)
+    pieces = np.concatenate([value_hashes(items[i : i + 333]) for i in range(0, 5000, 333)])
+    np.testing.assert_array_equal(whole, pieces)
