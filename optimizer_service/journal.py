@@ -39,7 +39,14 @@ from optimizer_service.errors import UnavailableError
 from optimizer_service.locks import RowLocks
 from optimizer_service.plan import DenseSwitch, TableRedo, TableStep, TableUpdate, WritePlan
 
-__all__ = ["JOURNAL_CHUNK_BYTES", "JOURNAL_SLOTS", "Journal", "decode_journal", "encode_journal"]
+__all__ = [
+    "JOURNAL_CHUNK_BYTES",
+    "JOURNAL_SLOTS",
+    "IncompleteJournalError",
+    "Journal",
+    "decode_journal",
+    "encode_journal",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -137,22 +144,26 @@ class Journal:
         await self.store.set_blobs(META_TABLE, [self._id(slot)], [b""], kind=Kind.JOURNAL)
 
     async def read(self, slot: int) -> WritePlan | None:
-        """The plan journaled in `slot`, or None when the slot is clear."""
+        """The plan journaled in `slot`, or None when the slot is clear.
+
+        Raises:
+            IncompleteJournalError: the header's body is not all there (a chunk is
+                missing, or the checksum fails): its chunks were overwritten since.
+        """
         (raw,) = await self.store.get_blobs(META_TABLE, [self._id(slot)], kind=Kind.JOURNAL)
         if not raw:
             return None
         header = unpack(raw)
         body = header.get("body")
+        where = f"journal slot {slot} of replica {self.replica} (push {header['push_id']})"
         if body is None:
             ids = [self._id(slot, i) for i in range(int(header["chunks"]))]
             chunks = await self.store.get_blobs(META_TABLE, ids, kind=Kind.JOURNAL)
             if any(c is None for c in chunks):
-                raise RuntimeError(
-                    f"journal slot {slot} of replica {self.replica} is missing chunks"
-                )
+                raise IncompleteJournalError(f"{where} is missing chunks", header["push_id"])
             body = b"".join(c for c in chunks if c is not None)
         if len(body) != header["bytes"] or zlib.crc32(body) != header["crc32"]:
-            raise RuntimeError(f"journal slot {slot} of replica {self.replica} fails its checksum")
+            raise IncompleteJournalError(f"{where} fails its checksum", header["push_id"])
         return decode_journal(body)
 
     def finish_later(
@@ -204,6 +215,21 @@ class Journal:
                 await locks.release(keys)
 
         return asyncio.get_running_loop().create_task(finish())
+
+
+class IncompleteJournalError(RuntimeError):
+    """A journal header whose body is not all there any more.
+
+    A header is written only over complete chunks, and a slot is reused only once its
+    push is finished. So its push is done, and a later push in the same slot overwrote
+    chunks after this header's clear had failed (then it has a done record), or the
+    chunks were lost (they have no TTL; a flushed or restarted node is reported as data
+    loss before this).
+    """
+
+    def __init__(self, message: str, push_id: str) -> None:
+        super().__init__(message)
+        self.push_id = push_id
 
 
 def _held_by_failed_write(push_id: str, error: Exception | None) -> BaseException:

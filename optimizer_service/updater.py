@@ -69,7 +69,7 @@ from lookup_table.dense import DenseGeneration, DenseParams
 from lookup_table.store import EmbeddingStore, TableRead, TableWrite
 from optimizer_service.cache import RowCache
 from optimizer_service.errors import BadRequestError, NotOwnerError
-from optimizer_service.journal import Journal
+from optimizer_service.journal import IncompleteJournalError, Journal
 from optimizer_service.locks import DENSE_KEY, RowLocks
 from optimizer_service.plan import DenseSwitch, TableRedo, TableStep, TableUpdate, WritePlan
 from optimizer_service.push import Push, TableGrads
@@ -733,7 +733,19 @@ class Updater:
         """
         finished = 0
         for slot in range(self.journal.slots):
-            plan = await self.journal.read(slot)
+            try:
+                plan = await self.journal.read(slot)
+            except IncompleteJournalError as exc:
+                if not await self.is_done(exc.push_id):
+                    raise RuntimeError(
+                        f"replica {self.replica}: {exc}, and its push has no done record: "
+                        f"it may be written in part; restore a checkpoint "
+                        f"(lookup-table-checkpoint restore)"
+                    ) from exc
+                # a finished push's header, whose clear failed, over a later push's chunks
+                logger.warning("replica %d: %s; its push is done: cleared", self.replica, exc)
+                await self.journal.clear(slot)
+                continue
             if plan is None:
                 continue
             if not await self.is_done(plan.push_id):

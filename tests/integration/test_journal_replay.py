@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from lookup_table import EmbeddingStore, initial_rows
-from lookup_table.core.keyspace import META_TABLE, Kind, journal_id
+from lookup_table.core.keyspace import META_TABLE, Kind, journal_id, push_record_id
 from lookup_table.core.optimizers import make_optimizer
 from lookup_table.core.rows import value_hashes
 from lookup_table.core.wire import unpack
@@ -232,3 +232,50 @@ async def test_a_journal_of_an_older_service_with_the_new_values_hashes_still_re
     assert found.all()
     np.testing.assert_array_equal(got_rows, want_rows)
     np.testing.assert_array_equal(got_slots, want_slots)
+
+
+async def _torn_journal(config: Any, push_id: str, *, done: bool) -> None:
+    """A chunked journal of `push_id` in slot 1 whose first chunk a later push's chunk
+    overwrote (its header's clear had failed); `done`: the push has its done record."""
+    n = JOURNAL_CHUNK_BYTES // (8 + 64 + 16) + 1000  # two chunks
+    rows = np.ones((n, 16), np.float32)
+    update = TableUpdate("t", np.arange(n, dtype=np.int64), rows, rows, grads=rows)
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        await Journal(store, replica=0).write(1, WritePlan(push_id=push_id, updates=[update]))
+        await store.set_blobs(
+            META_TABLE, [journal_id(0, 1, 0)], [b"a later push"], kind=Kind.JOURNAL
+        )
+        if done:
+            await store.set_blobs(
+                META_TABLE, [push_record_id(0, push_id)], [b"1"], kind=Kind.PUSH_RECORD
+            )
+
+
+async def test_a_done_pushs_header_over_a_later_pushs_chunks_is_cleared_at_start(
+    memcached_nodes: list[str], aiohttp_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = make_config(
+        memcached_nodes,
+        tables=[{"name": "t", "dim": 16, "seed": 5}],
+        optimizers=["http://127.0.0.1:1"],
+    )
+    await _torn_journal(config, "finished", done=True)
+    caplog.set_level(logging.WARNING, logger="optimizer_service.updater")
+    await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
+    assert "fails its checksum; its push is done: cleared" in caplog.text
+    async with EmbeddingStore(config) as store:
+        assert await Journal(store, replica=0).read(1) is None
+
+
+async def test_a_torn_journal_of_a_push_not_done_stops_the_start_and_says_why(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    config = make_config(
+        memcached_nodes,
+        tables=[{"name": "t", "dim": 16, "seed": 5}],
+        optimizers=["http://127.0.0.1:1"],
+    )
+    await _torn_journal(config, "unfinished", done=False)
+    with pytest.raises(RuntimeError, match="push unfinished.*no done record.*restore"):
+        await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
