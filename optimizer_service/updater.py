@@ -331,9 +331,11 @@ class Updater:
                     plan.updates = list(await asyncio.gather(*map(self._computed, prepared)))
                     if on_plan is not None:
                         on_plan(plan)
-                finally:
-                    if not chunks.done():  # nothing of the journal in flight after a failure
-                        await asyncio.wait([chunks])
+                except BaseException:
+                    await asyncio.wait([chunks])  # nothing of the journal in flight after
+                    if not chunks.cancelled():
+                        chunks.exception()  # retrieved: the computation's error is raised
+                    raise
                 header = await chunks
                 header_sent = True
                 await self.journal.write_header(slot, header)

@@ -279,3 +279,41 @@ async def test_a_torn_journal_of_a_push_not_done_stops_the_start_and_says_why(
     await _torn_journal(config, "unfinished", done=False)
     with pytest.raises(RuntimeError, match="push unfinished.*no done record.*restore"):
         await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
+
+
+async def test_a_push_whose_optimizer_step_fails_writes_no_journal_header_and_no_row(
+    memcached_nodes: list[str], aiohttp_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The journal's chunks go out while the optimizer computes; when the computation
+    fails, they are waited for, the slot is given back, and nothing names them."""
+    config = make_config(
+        memcached_nodes,
+        tables=[{"name": "t", "dim": 8, "seed": 5}],
+        optimizers=["http://127.0.0.1:1"],
+    )
+    ids = np.arange(30_000, dtype=np.int64)  # 1.4 MB of journal: chunks
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        await store.lookup("t", ids)
+        before, _, _ = await _read(store, "t", ids)
+    server = await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
+    updater = server.app[UPDATER]
+
+    async def fails(*_: Any) -> None:
+        raise FloatingPointError("simulated: the optimizer's step failed")
+
+    updater._computed = fails  # type: ignore[method-assign]
+    grads = np.ones((30_000, 8), dtype=np.float32)
+    caplog.set_level(logging.WARNING)
+    with pytest.raises(FloatingPointError):
+        await updater.apply(parse_push(unpack(_body("p", {"t": (ids, grads)})), config=config))
+    assert updater.journal._free.qsize() == updater.journal.slots  # every slot given back
+    async with EmbeddingStore(config) as store:
+        journal = Journal(store, replica=0)
+        assert [await journal.read(s) for s in range(journal.slots)] == [None] * journal.slots
+        chunk = await store.get_blobs(META_TABLE, [journal_id(0, 0, 0)], kind=Kind.JOURNAL)
+        assert chunk[0] is not None  # the chunks were written: only no header names them
+        after, _, _ = await _read(store, "t", ids)
+    np.testing.assert_array_equal(after, before)
+    await server.close()
+    assert "never retrieved" not in caplog.text
