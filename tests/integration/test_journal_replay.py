@@ -234,9 +234,15 @@ async def test_a_journal_of_an_older_service_with_the_new_values_hashes_still_re
     np.testing.assert_array_equal(got_slots, want_slots)
 
 
-async def _torn_journal(config: Any, push_id: str, *, done: bool) -> None:
-    """A chunked journal of `push_id` in slot 1 whose first chunk a later push's chunk
-    overwrote (its header's clear had failed); `done`: the push has its done record."""
+async def _torn_journal(memcached_nodes: list[str], push_id: str, *, done: bool) -> Any:
+    """A cluster with a chunked journal of `push_id` in slot 1 whose first chunk a later
+    push's chunk overwrote (its header's clear had failed); `done`: the push has its
+    done record. Returns the cluster's config."""
+    config = make_config(
+        memcached_nodes,
+        tables=[{"name": "t", "dim": 16, "seed": 5}],
+        optimizers=["http://127.0.0.1:1"],
+    )
     n = JOURNAL_CHUNK_BYTES // (8 + 64 + 16) + 1000  # two chunks
     rows = np.ones((n, 16), np.float32)
     update = TableUpdate("t", np.arange(n, dtype=np.int64), rows, rows, grads=rows)
@@ -250,17 +256,13 @@ async def _torn_journal(config: Any, push_id: str, *, done: bool) -> None:
             await store.set_blobs(
                 META_TABLE, [push_record_id(0, push_id)], [b"1"], kind=Kind.PUSH_RECORD
             )
+    return config
 
 
 async def test_a_done_pushs_header_over_a_later_pushs_chunks_is_cleared_at_start(
     memcached_nodes: list[str], aiohttp_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = make_config(
-        memcached_nodes,
-        tables=[{"name": "t", "dim": 16, "seed": 5}],
-        optimizers=["http://127.0.0.1:1"],
-    )
-    await _torn_journal(config, "finished", done=True)
+    config = await _torn_journal(memcached_nodes, "finished", done=True)
     caplog.set_level(logging.WARNING, logger="optimizer_service.updater")
     await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
     assert "fails its checksum; its push is done: cleared" in caplog.text
@@ -271,12 +273,7 @@ async def test_a_done_pushs_header_over_a_later_pushs_chunks_is_cleared_at_start
 async def test_a_torn_journal_of_a_push_not_done_stops_the_start_and_says_why(
     memcached_nodes: list[str], aiohttp_server: Any
 ) -> None:
-    config = make_config(
-        memcached_nodes,
-        tables=[{"name": "t", "dim": 16, "seed": 5}],
-        optimizers=["http://127.0.0.1:1"],
-    )
-    await _torn_journal(config, "unfinished", done=False)
+    config = await _torn_journal(memcached_nodes, "unfinished", done=False)
     with pytest.raises(RuntimeError, match="push unfinished.*no done record.*restore"):
         await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
 
