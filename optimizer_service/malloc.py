@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -54,8 +55,9 @@ _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 _USER_TUNABLES = ("mmap_threshold", "trim_threshold")
 
 
+@functools.cache
 def _glibc() -> Any | None:
-    """The C library this process runs on, when it is glibc."""
+    """The C library this process runs on, when it is glibc (looked up once)."""
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION"):
             return None
@@ -94,7 +96,7 @@ def trim() -> bool:
 
 async def trimming(_app: object) -> AsyncIterator[None]:
     """An aiohttp cleanup context: `trim` every `TRIM_INTERVAL_S` seconds while the app
-    runs (a trim takes well under a millisecond; the loop is not held up)."""
+    runs (a trim takes about a millisecond)."""
 
     async def loop() -> None:
         while True:

@@ -47,7 +47,9 @@ class TableUpdate:
     ids: IdArray
     rows: NDArray[np.float32]
     slots: NDArray[np.float32]
-    grads: NDArray[np.float32] | None = None  # the summed gradients: what is journaled
+    # the summed gradients: journaled with the new values' hashes when the plan has no
+    # `steps` (how an older service journaled a push; tests write such journals)
+    grads: NDArray[np.float32] | None = None
     # Admission (`admit_after`): the gradients of ids without a row are dropped, so `ids`
     # lacks them; `answer` is then (every unique id of the push, its row after the push:
     # the initial value for a dropped one), and `dropped` how many were dropped.

@@ -430,16 +430,17 @@ class Updater:
         """Read what the push updates; compute the dense update. The plan's `steps` (what
         is journaled) are set, its `updates` are `_computed` from the tables returned."""
         rows = self._prepared(push.tables)
-        if not (push.dense or (version is not None and self.replica == 0)):
-            prepared = await rows
-            plan = WritePlan(push_id=push.push_id, updates=[], version=version)
-            plan.steps = [p.step for p in prepared]
-            return plan, prepared
+        dense = push.dense or (version is not None and self.replica == 0)
         # the dense `current` pointer is read with the rows: the in-memory copy is used
         # when it still names it (one small get instead of the whole generation)
-        prepared, current = await asyncio.gather(rows, self.dense.meta())
-        plan = WritePlan(push_id=push.push_id, updates=[], version=version)
-        plan.steps = [p.step for p in prepared]
+        prepared, current = (
+            await asyncio.gather(rows, self.dense.meta()) if dense else (await rows, None)
+        )
+        plan = WritePlan(
+            push_id=push.push_id, updates=[], steps=[p.step for p in prepared], version=version
+        )
+        if not dense:
+            return plan, prepared
         state = None if current is None else await self.dense.read(current=current)
         if state is None:
             if push.dense:
@@ -509,8 +510,7 @@ class Updater:
                 rows = np.empty((n, spec.dim), dtype=np.float32)
                 slots = np.empty((n, width), dtype=np.float32)
                 found = hit.copy()
-                if hit.any():
-                    rows[hit], slots[hit] = rows_c[hit], slots_c[hit]
+                rows[hit], slots[hit] = rows_c[hit], slots_c[hit]
                 rows[miss], slots[miss], found[miss] = read
             out.append(self._prepare(grads, rows, found, slots))
         return out
@@ -571,7 +571,7 @@ class Updater:
         optimizer = self.optimizers[step.table]
         new_rows, new_slots = await _compute(optimizer, step.rows, step.grads, step.slots)
         if p.keep is None or p.all_rows is None:
-            return TableUpdate(step.table, step.ids, new_rows, new_slots, grads=step.grads)
+            return TableUpdate(step.table, step.ids, new_rows, new_slots)
         # the push's answer gives the dropped ids their initial rows (`all_rows` holds them)
         answer = p.all_rows.copy()
         answer[p.keep] = new_rows
@@ -580,7 +580,6 @@ class Updater:
             ids=step.ids,
             rows=new_rows,
             slots=new_slots,
-            grads=step.grads,
             answer=(p.grads.ids, answer),
             dropped=int(p.grads.ids.shape[0] - p.keep.size),
         )
