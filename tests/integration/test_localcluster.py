@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lookup_table.ops.localcluster import free_port
+from lookup_table.ops.localcluster import REQUESTS_PER_EVENT, MemcachedProcess, free_port
+from tests.conftest import memcached_settings
 
 pytestmark = pytest.mark.integration
 
@@ -68,3 +69,13 @@ def test_up_twice_status_down_leaves_no_process(tmp_path: Path) -> None:
     assert not any(_alive(p) for p in pids)
     after = _cli("status", *args, cwd=tmp_path)
     assert after.returncode == 1 and "DOWN" in after.stdout
+
+
+@pytest.mark.timeout(30)
+def test_local_nodes_run_without_eviction_and_serve_whole_pipelines() -> None:
+    """The command line a local node really runs with (memcached's own `stats settings`)."""
+    node = MemcachedProcess(host="127.0.0.1", port=free_port(), memory_mb=16)
+    settings = memcached_settings(node.command(), node.port)
+    assert settings["evictions"] == "off"  # -M
+    assert settings["reqs_per_event"] == str(REQUESTS_PER_EVENT)
+    assert settings["udpport"] == "0"

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from lookup_table.config import TOKEN_ENV, load_config
-from lookup_table.ops.localcluster import free_port, memcached_binary
+from lookup_table.ops.localcluster import REQUESTS_PER_EVENT, free_port, memcached_binary
 from tests.conftest import memcached_settings
 
 pytestmark = pytest.mark.unit
@@ -164,6 +164,7 @@ def test_memcached_unit_passes_the_no_eviction_flag_and_its_settings() -> None:
     assert pairs["-m"] == "${MEMCACHED_MEMORY_MB}"
     assert pairs["-l"] == "${MEMCACHED_LISTEN}"
     assert pairs["-c"] == "${MEMCACHED_MAX_CONNECTIONS}"
+    assert pairs["-R"] == "${MEMCACHED_REQUESTS_PER_EVENT}"
     env = _env_file(SYSTEMD / "memcached.env")
     assert int(env["MEMCACHED_MEMORY_MB"]) > 0
     assert int(env["MEMCACHED_MAX_CONNECTIONS"]) > 0
@@ -190,6 +191,8 @@ def test_memcached_accepts_the_unit_arguments_for_real() -> None:
     assert settings["udpport"] == "0"
     assert settings["maxconns"] == env["MEMCACHED_MAX_CONNECTIONS"]
     assert settings["num_threads"] == env["MEMCACHED_THREADS"]
+    assert settings["reqs_per_event"] == env["MEMCACHED_REQUESTS_PER_EVENT"]
+    assert env["MEMCACHED_REQUESTS_PER_EVENT"] == str(REQUESTS_PER_EVENT)
 
 
 def test_the_example_cluster_file_loads_and_matches_the_units() -> None:

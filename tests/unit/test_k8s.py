@@ -36,7 +36,7 @@ import pytest
 import yaml
 
 from lookup_table.config import TOKEN_ENV, ClusterConfig, load_config
-from lookup_table.ops.localcluster import free_port, memcached_binary
+from lookup_table.ops.localcluster import REQUESTS_PER_EVENT, free_port, memcached_binary
 from tests.conftest import memcached_settings
 
 pytestmark = pytest.mark.unit
@@ -515,6 +515,7 @@ def test_memcached_accepts_the_manifest_arguments_for_real() -> None:
     assert settings["maxbytes"] == str(int(_flag(argv, "-m")) * 2**20)
     assert settings["maxconns"] == _flag(argv, "-c")
     assert settings["num_threads"] == _flag(argv, "-t")
+    assert settings["reqs_per_event"] == _flag(argv, "-R") == str(REQUESTS_PER_EVENT)
     assert settings["udpport"] == "0"
 
 
