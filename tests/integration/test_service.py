@@ -18,8 +18,10 @@ from lookup_table import EmbeddingStore, PushRejectedError, StorageFormatError, 
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
 from lookup_table.core.keyspace import sentinel_key
+from lookup_table.core.optimizers import make_optimizer
 from lookup_table.core.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
 from lookup_table.memcached.node import Node
+from optimizer_service import updater as updater_module
 from optimizer_service.app import UPDATER, make_app
 from optimizer_service.errors import NotOwnerError
 from optimizer_service.push import parse_push
@@ -183,6 +185,75 @@ async def test_a_push_reads_and_writes_every_table_in_one_request_per_node(
         items, found = await store.get("ads", ids["ads"], slots=True)
     assert found.all() and items.shape == (80, 16 + 33)
     assert (items[:, 16:] != 0).any(axis=1).all()  # Adam's slots of every row were updated
+
+
+async def test_tables_with_equal_optimizers_are_stepped_together_bit_for_bit(
+    memcached_nodes, aiohttp_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tables of one optimizer (same settings) and dim are one batch of numpy calls; each
+    row and its slots come out bit for bit as a step of its table alone."""
+    adam = {"name": "adam", "learning_rate": 0.01}
+    tables = [
+        {"name": "a", "dim": 8, "seed": 1, "optimizer": adam},
+        {"name": "b", "dim": 8, "seed": 2, "optimizer": adam},  # batched with a
+        {"name": "c", "dim": 8, "seed": 3, "optimizer": {**adam, "learning_rate": 0.02}},
+        {"name": "d", "dim": 4, "seed": 4, "optimizer": adam},
+        {"name": "e", "dim": 8, "seed": 5, "optimizer": {"name": "sgd", "learning_rate": 0.1}},
+        {"name": "f", "dim": 8, "seed": 6, "optimizer": adam},  # batched with a and b
+    ]
+    config = make_config(memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"])
+    server = await _serve(config, aiohttp_server)
+    updater = server.app[UPDATER]
+    rng = np.random.default_rng(11)
+    ids = {
+        t["name"]: rng.choice(10_000, size=50 + 10 * i, replace=False) for i, t in enumerate(tables)
+    }
+    async with EmbeddingStore(config) as store:  # rows with some history: steps differ
+        await store.lookup_many({n: v[::2] for n, v in ids.items()})
+    first = {
+        n: (v[::2], rng.standard_normal((v[::2].size, config.table(n).dim))) for n, v in ids.items()
+    }
+    await updater.apply(
+        parse_push(
+            unpack(_body("warm", {n: (i, g.astype(np.float32)) for n, (i, g) in first.items()})),
+            config=config,
+        )
+    )
+    async with EmbeddingStore(config) as store:
+        before = {n: await store.get(n, v, slots=True) for n, v in ids.items()}
+    grads = {
+        n: rng.standard_normal((v.size, config.table(n).dim)).astype(np.float32)
+        for n, v in ids.items()
+    }
+    calls = []
+    compute = updater_module._compute
+
+    async def counted(optimizer: Any, rows: Any, g: Any, slots: Any) -> Any:
+        calls.append(rows.shape)
+        return await compute(optimizer, rows, g, slots)
+
+    monkeypatch.setattr(updater_module, "_compute", counted)
+    await updater.apply(
+        parse_push(unpack(_body("p", {n: (ids[n], grads[n]) for n in ids})), config=config)
+    )
+    assert sorted(calls) == sorted([(50 + 60 + 100, 8), (70, 8), (80, 4), (90, 8)])
+    async with EmbeddingStore(config) as store:
+        for n, v in ids.items():
+            spec = config.table(n)
+            items, found = before[n]
+            rows, slots = items[:, : spec.dim].copy(), items[:, spec.dim :].copy()
+            optimizer = make_optimizer(spec.optimizer)
+            if not found.all():
+                missing = np.flatnonzero(~found)
+                rows[missing] = initial_rows(
+                    spec.initializer, seed=spec.seed, ids=v[missing], dim=spec.dim
+                )
+                slots[missing] = optimizer.initial_slots(missing.size, spec.dim)
+            want_rows, want_slots = optimizer.update(rows, grads[n], slots)
+            got, found = await store.get(n, v, slots=True)
+            assert found.all()
+            assert got[:, : spec.dim].tobytes() == want_rows.tobytes(), n
+            assert got[:, spec.dim :].tobytes() == want_slots.tobytes(), n
 
 
 async def test_bad_pushes_are_4xx_and_write_nothing(served, http) -> None:
