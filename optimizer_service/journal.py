@@ -25,10 +25,11 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from lookup_table.core.keyspace import META_TABLE, Kind, journal_id
 from lookup_table.core.rows import value_hashes
@@ -250,13 +251,37 @@ def _held_by_failed_write(push_id: str, error: Exception | None) -> BaseExceptio
     return UnavailableError(message)
 
 
-def _encode_step(s: TableStep) -> dict[str, Any]:
+def _encode_step(s: TableStep, old_hashes: NDArray[np.uint64]) -> dict[str, Any]:
     return {
         "table": s.table,
         "ids": encode_ids(s.ids),
         "grads": encode_array(s.grads),
-        "old_hashes": encode_array(value_hashes(s.rows, s.slots).view(np.int64)),
+        "old_hashes": encode_array(old_hashes.view(np.int64)),
     }
+
+
+def _old_hashes(steps: Sequence[TableStep]) -> list[NDArray[np.uint64]]:
+    """`value_hashes(rows, slots)` of each step; steps of one row and slot width are
+    hashed as one batch (a hash is row by row: the same values), so a push of many
+    small tables costs one pass of numpy calls, not one per table."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, s in enumerate(steps):
+        groups.setdefault((s.rows.shape[1], s.slots.shape[1]), []).append(i)
+    out: list[NDArray[np.uint64]] = [np.empty(0, dtype=np.uint64)] * len(steps)
+    for members in groups.values():
+        if len(members) == 1:
+            out[members[0]] = value_hashes(steps[members[0]].rows, steps[members[0]].slots)
+            continue
+        hashes = value_hashes(
+            np.concatenate([steps[i].rows for i in members]),
+            np.concatenate([steps[i].slots for i in members]),
+        )
+        start = 0
+        for i in members:
+            stop = start + steps[i].ids.shape[0]
+            out[i] = hashes[start:stop]
+            start = stop
+    return out
 
 
 def _encode_update(u: TableUpdate) -> dict[str, Any]:
@@ -282,7 +307,9 @@ def encode_journal(plan: WritePlan) -> tuple[list[bytes], bytes]:
     A body that fits in one item travels inside the header: no chunks. The tables are
     the plan's `steps` when it has them (a push's), else its updates (see `WritePlan`).
     """
-    tables = [_encode_step(s) for s in plan.steps] or [_encode_update(u) for u in plan.updates]
+    tables = [
+        _encode_step(s, h) for s, h in zip(plan.steps, _old_hashes(plan.steps), strict=True)
+    ] or [_encode_update(u) for u in plan.updates]
     doc: dict[str, Any] = {"push_id": plan.push_id, "version": plan.version, "tables": tables}
     if plan.dense_switch is not None:
         doc["dense_switch"] = {

@@ -156,6 +156,41 @@ def test_a_small_journal_is_one_item_and_a_big_one_is_chunked() -> None:
     assert decode_journal(b"".join(chunks)).redo[0].ids.shape == (big,)
 
 
+def test_a_journal_holds_each_tables_own_old_hashes_when_tables_are_hashed_together() -> None:
+    """Steps of one row and slot width are hashed as one batch: each table's journaled
+    hashes are still `value_hashes` of its own rows and slots."""
+    from optimizer_service.journal import encode_journal
+    from optimizer_service.plan import TableStep
+
+    rng = np.random.default_rng(4)
+    shapes = {
+        "a": (30, 8, 17),
+        "b": (50, 8, 17),
+        "c": (20, 8, 8),
+        "d": (40, 4, 9),
+        "e": (10, 8, 17),
+    }
+    steps = [
+        TableStep(
+            name,
+            rng.choice(1000, size=n, replace=False).astype(np.int64),
+            rng.standard_normal((n, dim)).astype(np.float32),
+            rng.standard_normal((n, dim)).astype(np.float32),
+            rng.standard_normal((n, width)).astype(np.float32),
+        )
+        for name, (n, dim, width) in shapes.items()
+    ]
+    chunks, header = encode_journal(WritePlan(push_id="p", updates=[], steps=steps))
+    body = b"".join(chunks) if chunks else unpack(header)["body"]
+    redo = decode_journal(body).redo
+    assert [r.table for r in redo] == list(shapes)
+    for step, r in zip(steps, redo, strict=True):
+        assert r.ids.tolist() == step.ids.tolist()
+        assert r.grads.tobytes() == step.grads.tobytes()
+        assert r.old_hashes is not None
+        assert r.old_hashes.tolist() == value_hashes(step.rows, step.slots).tolist(), r.table
+
+
 async def test_a_replay_of_an_expired_rows_push_starts_from_fresh_slots_as_the_push_did(
     memcached_nodes: list[str], aiohttp_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

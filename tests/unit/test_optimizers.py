@@ -512,6 +512,27 @@ def test_segment_sum_without_duplicates_sorts_rows() -> None:
     assert not np.shares_memory(summed, grads)
 
 
+@pytest.mark.parametrize(
+    ("ids", "want"),
+    [
+        ([-4, 7, 30], [-4, 7, 30]),  # ascending and distinct: taken as they are
+        ([-4, 7, 7, 30], [-4, 7, 30]),  # ascending with a duplicate: summed
+        ([5], [5]),
+        ([30, 7, -4], [-4, 7, 30]),
+    ],
+)
+def test_segment_sum_of_sorted_or_unsorted_ids_equals_the_dict_loop(
+    ids: list[int], want: list[int]
+) -> None:
+    arr = np.array(ids, dtype=np.int64)
+    grads = np.arange(2 * len(ids), dtype=np.float32).reshape(-1, 2) + 0.5
+    uniq, summed = segment_sum(arr, grads)
+    assert uniq.tolist() == want
+    naive = naive_segment_sum(ids, grads)
+    assert dict(zip(uniq.tolist(), summed.tolist(), strict=True)) == naive
+    assert not np.shares_memory(summed, grads) and not np.shares_memory(uniq, arr)
+
+
 def test_segment_sum_small_example() -> None:
     ids = _object_ids(["banana", "apple", "banana", "banana"])
     grads = np.array([[1.0], [2.0], [0.5], [0.25]], dtype=np.float32)
