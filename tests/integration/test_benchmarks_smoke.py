@@ -1,7 +1,8 @@
 """The benchmarks must keep running: `benchmarks/store.py --quick`,
 `benchmarks/optimizer.py --quick`, `benchmarks/train.py --quick`,
 `benchmarks/checkpoint.py --quick`, `benchmarks/sizing.py --quick` and
-`benchmarks/scaling.py --quick` end to end.
+`benchmarks/scaling.py --quick` end to end (and `benchmarks/write_coalescing.py --quick`,
+which needs no server).
 
 The figures of a quick run mean nothing (3 rounds of 8,192 or 4,096 ids, or 10
 or 12 training steps); this only checks that each script starts its cluster (and
@@ -315,3 +316,18 @@ def test_scaling_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     assert all(v["predicted"] > 0 and v["measured"] > 0 for v in val["cores"].values())
     assert val["examples_per_s_total"]["predicted"] > 0
     assert (tmp_path / "scaling.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(150)
+def test_write_coalescing_benchmark_quick_run_counts_every_interval(tmp_path: Path) -> None:
+    """`benchmarks/write_coalescing.py --quick`: no servers, the demo's data replayed."""
+    report = _run_quick("write_coalescing", tmp_path, timeout_s=120, expect="of write-through")
+    assert report["benchmark"] == "write_coalescing"
+    assert report["parameters"] == {"batches": 60, "batch_size": 1024, "tables": 26}
+    per_push = report["unique_ids_per_push"]
+    assert 0 < report["in_previous_push"] <= report["in_any_earlier_push"] <= per_push
+    rows = report["intervals"]
+    assert [r["every_pushes"] for r in rows] == [1, 2, 5, 10, 20]  # those within 30 batches
+    assert rows[0]["ratio"] == pytest.approx(1.0)
+    ratios = [r["ratio"] for r in rows]
+    assert ratios == sorted(ratios, reverse=True) and ratios[-1] < 1.0

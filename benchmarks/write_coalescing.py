@@ -1,0 +1,108 @@
+"""How many row writes a replica would save by writing rows behind (docs/write-behind.md).
+
+Run from the repository root::
+
+    python benchmarks/write_coalescing.py           # 400 batches of the demo's data
+    python benchmarks/write_coalescing.py --quick   # smoke run: 60 batches
+
+No servers: it replays the demo's training data (`SyntheticSource`, the 26 categorical
+columns, batch 1024) and counts, per push, the unique ids a write-through replica writes
+(all of them, every push) against a replica that writes the distinct ids of K pushes once
+per K (`items written per push / write-through`). It also counts how many of a step's
+ids were in the previous step's push (read-your-writes serves them from the answer) and
+in any earlier one (an owner replica keeping its rows could serve them from memory).
+The first half of the batches warms up (a Zipf vocabulary fills); figures are over the
+second half. Results go to `<out-dir>/write_coalescing.json` (default
+`benchmarks/results/`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import machine_info, report_head, write_json
+
+from lookup_table.core.hashing import mix64
+from trainer.data.criteo import CATEGORICAL_NAMES
+from trainer.data.synthetic import SyntheticSource
+
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+INTERVALS = (1, 2, 5, 10, 20, 50, 100)
+
+
+def step_keys(batch_features: dict[str, object]) -> np.ndarray:
+    """The unique keys of one batch's rows: (table number, id) mixed into one uint64
+    (`mix64`: a collision among a few million keys is vanishingly rare)."""
+    parts = []
+    for number, name in enumerate(CATEGORICAL_NAMES):
+        ids = np.asarray(batch_features[name]).astype(np.int64).view(np.uint64)
+        parts.append(mix64(ids ^ np.uint64(number * 0x9E3779B97F4A7C15 % 2**64)))
+    return np.unique(np.concatenate(parts))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, default=None, help="default 400")
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 60 batches")
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    args = parser.parse_args()
+    batches = args.batches or (60 if args.quick else 400)
+    started = time.time()
+    source = SyntheticSource(max(1_000_000, batches * args.batch_size))
+    steps = []
+    for i, batch in enumerate(source.batches(args.batch_size)):
+        if i >= batches:
+            break
+        steps.append(step_keys(batch.features))
+    if len(steps) < batches:
+        raise SystemExit(f"the source gave {len(steps)} batches, {batches} asked")
+    half = batches // 2
+    per_push = float(np.mean([s.shape[0] for s in steps[half:]]))
+    in_previous, in_any = [], []
+    seen: np.ndarray = np.empty(0, dtype=np.uint64)
+    for i, keys in enumerate(steps):
+        if i >= half:
+            in_previous.append(int(np.isin(keys, steps[i - 1]).sum()))
+            in_any.append(int(np.isin(keys, seen).sum()))
+        seen = np.union1d(seen, keys)
+    rows = []
+    print(
+        f"demo data, batch {args.batch_size}, 26 tables: {per_push:,.0f} unique ids a push "
+        f"(batches {half}-{batches}); of them {np.mean(in_previous):,.0f} in the previous "
+        f"push, {np.mean(in_any):,.0f} in any earlier one"
+    )
+    print("  write rows every   items written per push   of write-through")
+    for k in INTERVALS:
+        if k > batches - half:
+            continue
+        windows = [
+            np.unique(np.concatenate(steps[i : i + k])).shape[0]
+            for i in range(half, batches - k + 1, k)
+        ]
+        written = float(np.mean(windows)) / k
+        rows.append({"every_pushes": k, "items_per_push": written, "ratio": written / per_push})
+        print(f"  {k:4d} pushes        {written:12,.0f}             {written / per_push:6.2f}")
+    report = {
+        **report_head("write_coalescing", started, machine_info(memcached=False)),
+        "parameters": {"batches": batches, "batch_size": args.batch_size, "tables": 26},
+        "unique_ids_per_push": per_push,
+        "in_previous_push": float(np.mean(in_previous)),
+        "in_any_earlier_push": float(np.mean(in_any)),
+        "intervals": rows,
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / "write_coalescing.json"
+    write_json(path, report)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
