@@ -80,7 +80,7 @@ __all__ = ["PLAN", "Updater"]
 logger = logging.getLogger(__name__)
 
 PLAN = "_plan"  # in `apply`'s result: the write plan of the push this call applied
-_OFFLOAD_FLOATS = 1 << 16  # above this many floats per table, run the math in a thread
+_OFFLOAD_FLOATS = 1 << 16  # above this many floats per batch (`_computed`), math in a thread
 
 
 async def _compute(
