@@ -38,7 +38,15 @@ from lookup_table.errors import DataLossError, StoreError
 from lookup_table.store import EmbeddingStore
 from optimizer_service.errors import UnavailableError
 from optimizer_service.locks import RowLocks
-from optimizer_service.plan import DenseSwitch, TableRedo, TableStep, TableUpdate, WritePlan
+from optimizer_service.plan import (
+    DenseSwitch,
+    TableRedo,
+    TableStep,
+    TableUpdate,
+    WritePlan,
+    shares,
+    stacked,
+)
 
 __all__ = [
     "JOURNAL_CHUNK_BYTES",
@@ -269,18 +277,10 @@ def _old_hashes(steps: Sequence[TableStep]) -> list[NDArray[np.uint64]]:
         groups.setdefault((s.rows.shape[1], s.slots.shape[1]), []).append(i)
     out: list[NDArray[np.uint64]] = [np.empty(0, dtype=np.uint64)] * len(steps)
     for members in groups.values():
-        if len(members) == 1:
-            out[members[0]] = value_hashes(steps[members[0]].rows, steps[members[0]].slots)
-            continue
-        hashes = value_hashes(
-            np.concatenate([steps[i].rows for i in members]),
-            np.concatenate([steps[i].slots for i in members]),
-        )
-        start = 0
-        for i in members:
-            stop = start + steps[i].ids.shape[0]
-            out[i] = hashes[start:stop]
-            start = stop
+        batch = [steps[i] for i in members]
+        hashes = value_hashes(stacked([s.rows for s in batch]), stacked([s.slots for s in batch]))
+        for i, share in zip(members, shares(hashes, batch), strict=True):
+            out[i] = share
     return out
 
 

@@ -24,6 +24,7 @@ the journal header, so a replay needs only the pointer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,16 @@ from numpy.typing import NDArray
 from lookup_table.core.keys import IdArray
 from lookup_table.dense import DenseGeneration
 
-__all__ = ["DenseSwitch", "DenseWrite", "TableRedo", "TableStep", "TableUpdate", "WritePlan"]
+__all__ = [
+    "DenseSwitch",
+    "DenseWrite",
+    "TableRedo",
+    "TableStep",
+    "TableUpdate",
+    "WritePlan",
+    "shares",
+    "stacked",
+]
 
 DenseWrite = tuple[dict[str, NDArray[np.float32]], dict[str, NDArray[np.float32]]]
 """The new dense parameters and their optimizer slots, by parameter name."""
@@ -69,6 +79,18 @@ class TableStep:
     grads: NDArray[np.float32]
     rows: NDArray[np.float32]
     slots: NDArray[np.float32]
+
+
+def stacked(arrays: Sequence[NDArray[Any]]) -> NDArray[Any]:
+    """The arrays' rows one after another: the tables of a push that are worked as one
+    batch (the array itself when there is one: no copy)."""
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def shares(values: NDArray[Any], steps: Sequence[TableStep]) -> list[NDArray[Any]]:
+    """`values`, a row per id of `steps` stacked, cut back into each step's rows (views)."""
+    bounds = np.cumsum([s.ids.shape[0] for s in steps[:-1]], dtype=np.intp)
+    return np.split(values, bounds)
 
 
 @dataclass(slots=True)

@@ -71,7 +71,15 @@ from optimizer_service.cache import RowCache
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.journal import IncompleteJournalError, Journal
 from optimizer_service.locks import DENSE_KEY, RowLocks
-from optimizer_service.plan import DenseSwitch, TableRedo, TableStep, TableUpdate, WritePlan
+from optimizer_service.plan import (
+    DenseSwitch,
+    TableRedo,
+    TableStep,
+    TableUpdate,
+    WritePlan,
+    shares,
+    stacked,
+)
 from optimizer_service.push import Push, TableGrads
 from optimizer_service.sync import SyncRounds
 
@@ -581,18 +589,16 @@ class Updater:
         stepped: dict[int, tuple[NDArray[np.float32], NDArray[np.float32]]] = {}
 
         async def batch(optimizer: Optimizer, steps: list[TableStep]) -> None:
-            if len(steps) == 1:
-                rows, grads, slots = steps[0].rows, steps[0].grads, steps[0].slots
-            else:
-                rows = np.concatenate([s.rows for s in steps])
-                grads = np.concatenate([s.grads for s in steps])
-                slots = np.concatenate([s.slots for s in steps])
-            new_rows, new_slots = await _compute(optimizer, rows, grads, slots)
-            start = 0
-            for s in steps:  # each table's share: views, no copy
-                stop = start + s.ids.shape[0]
-                stepped[id(s)] = (new_rows[start:stop], new_slots[start:stop])
-                start = stop
+            new_rows, new_slots = await _compute(
+                optimizer,
+                stacked([s.rows for s in steps]),
+                stacked([s.grads for s in steps]),
+                stacked([s.slots for s in steps]),
+            )
+            for s, rows, slots in zip(
+                steps, shares(new_rows, steps), shares(new_slots, steps), strict=True
+            ):
+                stepped[id(s)] = (rows, slots)
 
         await asyncio.gather(*(batch(key[0], steps) for key, steps in groups.items()))
         return [self._update(p, *stepped[id(p.step)]) for p in prepared]
