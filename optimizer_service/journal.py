@@ -37,7 +37,7 @@ from lookup_table.core.wire import decode_array, decode_ids, encode_array, encod
 from lookup_table.errors import DataLossError, StoreError
 from lookup_table.store import EmbeddingStore
 from optimizer_service.errors import UnavailableError
-from optimizer_service.locks import RowLocks
+from optimizer_service.locks import LockSet, RowLocks
 from optimizer_service.plan import (
     DenseSwitch,
     TableRedo,
@@ -186,7 +186,7 @@ class Journal:
         *,
         write: Callable[[WritePlan], Awaitable[None]],
         locks: RowLocks,
-        keys: set[int],
+        keys: LockSet,
     ) -> asyncio.Task[None]:
         """Replay a journaled push with `write` until it sticks; owns (and finally
         releases) `slot` and its row locks `keys`.

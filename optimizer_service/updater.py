@@ -34,7 +34,7 @@ together with the rows), its new generation is written together with the journal
 chunks, and the journal records only the switch of `current` (`plan.DenseSwitch`).
 Writing the plan switches `current`, updates the in-memory copy and deletes the
 previous generation. Updates of the dense parameters (and of the version) are
-serialized by one more row lock, `locks.DENSE_KEY`: a failed dense write keeps it
+serialized by one more row lock (`locks.LockSet.dense`): a failed dense write keeps it
 with its replay, so the next dense push never computes from a state the replay will
 overwrite; while the replay keeps failing, that push fails fast with its error, as
 pushes on its rows do. A replay switches `current` only if it still names the state
@@ -70,7 +70,7 @@ from lookup_table.store import EmbeddingStore, TableRead, TableWrite
 from optimizer_service.cache import RowCache
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.journal import IncompleteJournalError, Journal
-from optimizer_service.locks import DENSE_KEY, RowLocks
+from optimizer_service.locks import LockSet, RowLocks
 from optimizer_service.plan import (
     DenseSwitch,
     TableRedo,
@@ -303,11 +303,12 @@ class Updater:
         version: int | None,
         on_plan: Callable[[WritePlan], None] | None = None,
     ) -> dict[str, Any]:
-        keys: set[int] = set()
-        for t in push.tables:
-            keys.update(row_hashes(t.table, t.ids).tolist())
-        if push.dense or version is not None:
-            keys.add(DENSE_KEY)  # one dense (and version) update at a time
+        keys = LockSet(
+            np.concatenate([row_hashes(t.table, t.ids) for t in push.tables])
+            if push.tables
+            else np.empty(0, dtype=np.uint64),
+            dense=bool(push.dense) or version is not None,  # one dense (and version) update
+        )
         await self.locks.acquire(keys)
         handed_over = False
         try:
@@ -718,7 +719,7 @@ class Updater:
         if plan.version is not None:
             await self._set_version(plan.version)
 
-    def _finish_later(self, slot: int, plan: WritePlan, keys: set[int]) -> None:
+    def _finish_later(self, slot: int, plan: WritePlan, keys: LockSet) -> None:
         """Replay a journaled push in the background until it sticks (`Journal.finish_later`);
         the replay owns (and finally releases) its journal slot and row locks."""
         task = self.journal.finish_later(
