@@ -3,7 +3,8 @@
 Each runs on a fresh connection of its own (`exchange`), so a long `lru_crawler
 metadump` never holds one of the store's pooled connections, and one node that is
 down fails only its own call. Connections are opened and their errors mapped by
-`node.open_connection`, exactly as on the store's hot path.
+`node.open_connection`, as on the store's hot path (which then speaks through its own
+buffered protocol, `node._Conn`, instead of asyncio's streams).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 No async client pipelines a whole batch, so this is the one place where we speak
 the protocol ourselves (memcached >= 1.6, `doc/protocol.txt`, "Meta Commands").
-A batch to one node is one write::
+A batch to one node is one request (sent in writes of about a megabyte, `node`)::
 
     mg <sentinel key> v\\r\\n          (optional: the node's data-loss sentinel)
     mg <key> v q O<i>\\r\\n x n        (read of fixed-size rows; several tables and
