@@ -152,7 +152,7 @@ class _Conn(asyncio.BufferedProtocol):
             transport.write(piece)
 
     async def reply(self) -> bytes | None:
-        """The bytes of the reply so far, once more came and they end in `MN\r\n`
+        """The bytes of the reply so far, once more came and they end in `MN\\r\\n`
         (possibly by chance inside a value: the caller parses and, finding the reply
         incomplete, asks again); None when the connection ended (see `received`)."""
         while not self._complete():
@@ -181,6 +181,11 @@ class _Conn(asyncio.BufferedProtocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _slices(parts: Sequence[bytes]) -> Iterator[bytes | memoryview]:
@@ -311,12 +316,11 @@ class Node:
                 reusable = True
                 return result
             finally:
-                if not sending.done():
-                    sending.cancel()
-                    with contextlib.suppress(BaseException):
-                        await sending
-                elif not sending.cancelled():
-                    sending.exception()  # retrieved: the reply's error is what is raised
+                # on an error (the connection is then closed) the send may still run: it is
+                # cancelled, not awaited (a cancellation of this call must not be lost),
+                # and its own error is retrieved: the reply's is what is raised
+                sending.cancel()
+                sending.add_done_callback(_retrieve)
         except (ConnectionError, OSError) as exc:
             if isinstance(exc, StoreError):
                 raise
