@@ -98,7 +98,7 @@ class _Conn(asyncio.BufferedProtocol):
         self._writable = asyncio.Event()
         self._writable.set()
         self.closed = False  # EOF or connection lost: no more bytes will come
-        self.error: BaseException | None = None
+        self._error: BaseException | None = None  # the socket's error, if it ended in one
 
     # ------------------------------------------------------------ asyncio's callbacks
 
@@ -135,7 +135,7 @@ class _Conn(asyncio.BufferedProtocol):
 
     def _end(self, exc: BaseException | None) -> None:
         self.closed = True
-        self.error = self.error or exc
+        self._error = self._error or exc
         self._ended.set()
         self._writable.set()
 
@@ -148,15 +148,19 @@ class _Conn(asyncio.BufferedProtocol):
         for piece in _slices(parts):
             await self._writable.wait()
             if self.closed or transport is None:
-                raise ConnectionResetError("the connection closed while sending")
+                raise self._error or ConnectionResetError("the connection closed while sending")
             transport.write(piece)
 
     async def reply(self) -> bytes | None:
         """The bytes of the reply so far, once more came and they end in `MN\\r\\n`
         (possibly by chance inside a value: the caller parses and, finding the reply
-        incomplete, asks again); None when the connection ended (see `received`)."""
+        incomplete, asks again); None when the node closed the connection (see
+        `received`). A connection that ended in a socket error raises it (an OSError,
+        as a stream's read did)."""
         while not self._complete():
             if self.closed:
+                if self._error is not None:
+                    raise self._error
                 return None
             self._ended.clear()
             await self._ended.wait()

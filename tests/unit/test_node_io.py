@@ -6,6 +6,8 @@ not; tests/integration run the same code against real nodes)."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -135,6 +137,23 @@ async def test_a_peer_closing_mid_reply_is_node_unavailable(peer) -> None:
 
     node = await peer(script)
     with pytest.raises(NodeUnavailableError, match="closed the connection mid-reply"):
+        await node.roundtrip([b"mg k v\r\n"], _until_end)
+
+
+async def test_a_connection_reset_mid_reply_names_the_socket_error(peer) -> None:
+    """A reset (not a clean close) mid-reply: the socket's error is in the message."""
+
+    async def script(reader, writer, n) -> None:
+        await _read_request(reader)
+        writer.write(b"VA 100\r\n" + b"y" * 40)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # close with linger 0: the peer sees a reset
+
+    node = await peer(script)
+    with pytest.raises(NodeUnavailableError, match="failed mid-request: .*reset"):
         await node.roundtrip([b"mg k v\r\n"], _until_end)
 
 
