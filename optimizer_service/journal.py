@@ -1,22 +1,30 @@
 """The journal of one replica: a push's write plan, stored before its rows are written.
 
-A replica has `JOURNAL_SLOTS` slots (`_meta/j/rK-jS`). A slot holds one `WritePlan`,
-packed with msgpack: each table as its ids, summed gradients and the hash of each id's
-item before the push (`plan.TableStep`), not the new values. A body that fits in one item
-(`JOURNAL_CHUNK_BYTES`, under memcached's default 1 MiB limit) is written inside its
-header, one `set`; a bigger one is cut into chunks, written first, then the header with
-the body's size and CRC-32, so a header is only ever present over a complete journal. A
-cleared slot is an empty header.
+A replica has `JOURNAL_SLOTS` slots (`_meta/j/rK-jS`). A slot holds one push, packed with
+msgpack in two parts, one body:
+
+1. the *start* (`write_start`): each table's ids and summed gradients, written as soon as
+   the push is parsed, while its rows are read; cut into chunks of at most
+   `JOURNAL_CHUNK_BYTES` (under memcached's default 1 MiB item limit), or carried to the
+   header when small;
+2. the *end* (`write_end`), once the optimizer has computed the new values: each table's
+   change witnesses (`plan.TableUpdate.witness`), the version and the dense switch, then
+   the header with the body's size, CRC-32 and where the end starts (`split`), carrying
+   the body's last part (`tail`) when it fits.
+
+A header is only ever written over a complete journal: every chunk first. A cleared slot
+is an empty header. Journals of older services (one body: the tables with `old_hashes`,
+or the new values' hashes, or the values; inside the header as `body` when it fits) are
+still read, and `write` still writes them (for the tests of their replay).
 
 A plan whose write failed after it was journaled is replayed from here: in the
 background while the replica lives (`Journal.finish_later`), or by the next replica
 before it serves (`Updater.recover`).
 
 A dense update is journaled as its `DenseSwitch` (the new `current` pointer and the one
-it replaces), not as values: `write` writes the new generation's chunks together with the
-journal's chunks, before the header, so a replay finds them. A journal written by an
-older service carries the dense values inline (`dense`): it still decodes, and its
-replay writes them as a new generation.
+it replaces), not as values: its new generation's chunks are written before the journal
+header, so a replay finds them. A journal written by an older service carries the dense
+values inline (`dense`): it still decodes, and its replay writes them as a new generation.
 """
 
 from __future__ import annotations
@@ -26,11 +34,13 @@ import logging
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from lookup_table.core.keys import IdArray
 from lookup_table.core.keyspace import META_TABLE, Kind, journal_id
 from lookup_table.core.rows import value_hashes
 from lookup_table.core.wire import decode_array, decode_ids, encode_array, encode_ids, pack, unpack
@@ -53,8 +63,12 @@ __all__ = [
     "JOURNAL_SLOTS",
     "IncompleteJournalError",
     "Journal",
+    "JournalStart",
     "decode_journal",
+    "decode_parts",
+    "encode_end",
     "encode_journal",
+    "encode_start",
 ]
 
 logger = logging.getLogger(__name__)
@@ -67,6 +81,26 @@ JOURNAL_CHUNK_BYTES = 1024 * 1024 - 8 * 1024
 # Below, a thread's handoff and GIL contention cost more than they free: at the demo's
 # 1.3 MB a push, encoding inline took 3 ms less replica CPU a step (3 of 3 runs).
 _OFFLOAD_JOURNAL_BYTES = 2 << 20
+# A start smaller than this is not written by itself: it goes with the end, in the header
+# (one `set` for a small push, as before), when the two fit in one item.
+_START_ALONE_BYTES = 64 << 10
+_HEADER_ROOM = 1024  # the header's own fields, besides the tail it carries
+
+GradTable = tuple[str, IdArray, NDArray[np.float32]]
+"""(table, unique ids (n,), summed gradients (n, dim)): what a journal's start holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class JournalStart:
+    """What `write_start` wrote of a journal body: its first `chunks` chunks, `written`
+    bytes with CRC-32 `crc32`, and the start's bytes not written yet (`rest`: all of it
+    when small), which go with the end. `size`: the start's length in the body."""
+
+    chunks: int
+    written: int
+    crc32: int
+    rest: bytes
+    size: int
 
 
 class Journal:
@@ -104,11 +138,61 @@ class Journal:
     def give_back(self, slot: int) -> None:
         self._free.put_nowait(slot)
 
+    async def write_start(self, slot: int, tables: Sequence[GradTable]) -> JournalStart:
+        """The first part of a push's journal: its tables' ids and summed gradients
+        (chunks, unless small). Call as soon as the push is parsed; `write_end` finishes
+        the journal. Until then no header names the chunks: a crash leaves nothing to
+        replay. Every chunk write of a slot must be over before the slot is given back
+        (a late one would tear the next journal in the slot)."""
+        size = sum(ids.nbytes + grads.nbytes for _, ids, grads in tables)
+        if size > _OFFLOAD_JOURNAL_BYTES:  # packing and the CRC would stall the loop
+            body = await asyncio.to_thread(encode_start, tables)
+        else:
+            body = encode_start(tables)
+        if len(body) <= _START_ALONE_BYTES:
+            return JournalStart(chunks=0, written=0, crc32=0, rest=body, size=len(body))
+        chunks = _cut(body)
+        if size > _OFFLOAD_JOURNAL_BYTES:
+            crc = await asyncio.to_thread(zlib.crc32, body)
+        else:
+            crc = zlib.crc32(body)
+        await self._write_chunks(slot, 0, chunks)
+        return JournalStart(
+            chunks=len(chunks), written=len(body), crc32=crc, rest=b"", size=len(body)
+        )
+
+    async def write_end(self, slot: int, start: JournalStart, plan: WritePlan) -> None:
+        """The second part: the witnesses of `plan`'s updates (their tables in the order
+        of `write_start`'s), its version and dense switch, then the header. From the
+        header's write on the plan is journaled (a failure of that write may have stored
+        it all the same)."""
+        tail = start.rest + encode_end(plan)
+        header: dict[str, Any] = {
+            "push_id": plan.push_id,
+            "bytes": start.written + len(tail),
+            "crc32": zlib.crc32(tail, start.crc32),
+            "split": start.size,
+            "time": time.time(),
+        }
+        if len(tail) <= JOURNAL_CHUNK_BYTES - _HEADER_ROOM:
+            header.update(chunks=start.chunks, tail=tail)
+        else:
+            more = _cut(tail)
+            await self._write_chunks(slot, start.chunks, more)
+            header["chunks"] = start.chunks + len(more)
+        await self.write_header(slot, pack(header))
+
+    async def _write_chunks(self, slot: int, first: int, chunks: Sequence[bytes]) -> None:
+        if chunks:
+            ids = [self._id(slot, first + i) for i in range(len(chunks))]
+            await self.store.set_blobs(META_TABLE, ids, chunks, kind=Kind.JOURNAL)
+
     async def write(
         self, slot: int, plan: WritePlan, *, alongside: Iterable[Awaitable[object]] = ()
     ) -> None:
-        """Chunks first, then the header (with a CRC-32 of the body): a header is only
-        ever present over a complete journal. See `write_chunks` for `alongside`."""
+        """A plan in the one-body format of older services (for the tests of its
+        replay): chunks first, then the header (with a CRC-32 of the body). See
+        `write_chunks` for `alongside`."""
         header = await self.write_chunks(slot, plan, alongside=alongside)
         await self.write_header(slot, header)
 
@@ -167,16 +251,20 @@ class Journal:
         if not raw:
             return None
         header = unpack(raw)
+        push_id = header["push_id"]
+        where = f"journal slot {slot} of replica {self.replica} (push {push_id})"
         body = header.get("body")
-        where = f"journal slot {slot} of replica {self.replica} (push {header['push_id']})"
         if body is None:
             ids = [self._id(slot, i) for i in range(int(header["chunks"]))]
             chunks = await self.store.get_blobs(META_TABLE, ids, kind=Kind.JOURNAL)
             if any(c is None for c in chunks):
-                raise IncompleteJournalError(f"{where} is missing chunks", header["push_id"])
-            body = b"".join(c for c in chunks if c is not None)
+                raise IncompleteJournalError(f"{where} is missing chunks", push_id)
+            body = b"".join(c for c in chunks if c is not None) + header.get("tail", b"")
         if len(body) != header["bytes"] or zlib.crc32(body) != header["crc32"]:
-            raise IncompleteJournalError(f"{where} fails its checksum", header["push_id"])
+            raise IncompleteJournalError(f"{where} fails its checksum", push_id)
+        if "split" in header:  # a start and an end
+            split = int(header["split"])
+            return decode_parts(body[:split], body[split:], where=where)
         return decode_journal(body)
 
     def finish_later(
@@ -301,28 +389,71 @@ def _encode_update(u: TableUpdate) -> dict[str, Any]:
     }
 
 
+def _cut(body: bytes) -> list[bytes]:
+    return [body[i : i + JOURNAL_CHUNK_BYTES] for i in range(0, len(body), JOURNAL_CHUNK_BYTES)]
+
+
+def encode_start(tables: Sequence[GradTable]) -> bytes:
+    """A journal's start (pure, thread-safe): msgpack `{tables: [{table, ids, grads}]}`."""
+    return pack(
+        {
+            "tables": [
+                {"table": name, "ids": encode_ids(ids), "grads": encode_array(grads)}
+                for name, ids, grads in tables
+            ]
+        }
+    )
+
+
+def encode_end(plan: WritePlan) -> bytes:
+    """A journal's end (pure): msgpack `{push_id, version, tables: [{table, witness}],
+    dense_switch}`, the tables those of the start, in its order.
+
+    Raises:
+        ValueError: an update without its witness (a bug: the updater computes them).
+    """
+    tables = []
+    for u in plan.updates:
+        if u.witness is None:
+            raise ValueError(f"the update of table {u.table!r} has no change witness")
+        tables.append({"table": u.table, "witness": encode_array(u.witness)})
+    return pack(
+        {"push_id": plan.push_id, "version": plan.version, "tables": tables, **_dense_doc(plan)}
+    )
+
+
+def _dense_doc(plan: WritePlan) -> dict[str, Any]:
+    if plan.dense_switch is not None:
+        return {
+            "dense_switch": {
+                "current": plan.dense_switch.current,
+                "previous": plan.dense_switch.previous,
+            }
+        }
+    if plan.dense is not None:  # no generation written for it: carry the values
+        params, slots = plan.dense
+        return {
+            "dense": {
+                "params": {n: encode_array(v) for n, v in params.items()},
+                "slots": {n: encode_array(v) for n, v in slots.items()},
+            }
+        }
+    return {}
+
+
 def encode_journal(plan: WritePlan) -> tuple[list[bytes], bytes]:
-    """A plan as journal chunks (<= JOURNAL_CHUNK_BYTES) and its header (pure, thread-safe).
+    """A plan in the one-body format of older services, as journal chunks
+    (<= JOURNAL_CHUNK_BYTES) and its header (pure, thread-safe; `Journal.write`).
 
     A body that fits in one item travels inside the header: no chunks. The tables are
-    the plan's `steps` when it has them (a push's), else its updates (see `WritePlan`).
+    the plan's `steps` when it has them (with the hashes of the items before the push:
+    sessions 8-10), else its updates (their new values' hashes; before that).
     """
     tables = [
         _encode_step(s, h) for s, h in zip(plan.steps, _old_hashes(plan.steps), strict=True)
     ] or [_encode_update(u) for u in plan.updates]
     doc: dict[str, Any] = {"push_id": plan.push_id, "version": plan.version, "tables": tables}
-    if plan.dense_switch is not None:
-        doc["dense_switch"] = {
-            "current": plan.dense_switch.current,
-            "previous": plan.dense_switch.previous,
-        }
-    elif plan.dense is not None:  # no generation written for it: carry the values
-        params, slots = plan.dense
-        doc["dense"] = {
-            "params": {n: encode_array(v) for n, v in params.items()},
-            "slots": {n: encode_array(v) for n, v in slots.items()},
-        }
-    body = pack(doc)
+    body = pack({**doc, **_dense_doc(plan)})
     header: dict[str, Any] = {
         "push_id": plan.push_id,
         "bytes": len(body),
@@ -331,7 +462,7 @@ def encode_journal(plan: WritePlan) -> tuple[list[bytes], bytes]:
     }
     if len(body) <= JOURNAL_CHUNK_BYTES:
         return [], pack({**header, "chunks": 0, "body": body})
-    chunks = [body[i : i + JOURNAL_CHUNK_BYTES] for i in range(0, len(body), JOURNAL_CHUNK_BYTES)]
+    chunks = _cut(body)
     return chunks, pack({**header, "chunks": len(chunks)})
 
 
@@ -358,9 +489,53 @@ def _decode_table(t: dict[str, Any]) -> TableUpdate | TableRedo:
 
 
 def decode_journal(body: bytes) -> WritePlan:
-    """The plan of a journal body whose size and checksum were checked (pure)."""
+    """The plan of a one-body journal (older services) whose size and checksum were
+    checked (pure)."""
     doc = unpack(body)
     tables = [_decode_table(t) for t in doc["tables"]]
+    return _plan_of(
+        doc,
+        updates=[t for t in tables if isinstance(t, TableUpdate)],
+        redo=[t for t in tables if isinstance(t, TableRedo)],
+    )
+
+
+def decode_parts(start: bytes, end: bytes, *, where: str = "a journal") -> WritePlan:
+    """The plan of a journal's start and end whose size and checksum were checked (pure).
+
+    Raises:
+        ValueError: the end's tables are not the start's, or a witness count is not the
+            table's id count (a bug, not a torn journal: the checksum held).
+    """
+    first, last = unpack(start), unpack(end)
+    redo = []
+    names = [t["table"] for t in first["tables"]]
+    if [t["table"] for t in last["tables"]] != names:
+        raise ValueError(
+            f"{where}: its end has tables {[t['table'] for t in last['tables']]}, its start {names}"
+        )
+    for t, w in zip(first["tables"], last["tables"], strict=True):
+        ids = decode_ids(t["ids"], field="journal.ids")
+        witness = decode_array(w["witness"], field="journal.witness", dtype="<i8")
+        if witness.shape != ids.shape[:1]:
+            raise ValueError(
+                f"{where}: table {t['table']!r} has {ids.shape[0]} ids and {witness.shape[0]} "
+                f"witnesses"
+            )
+        redo.append(
+            TableRedo(
+                table=t["table"],
+                ids=ids,
+                grads=decode_array(t["grads"], field="journal.grads").copy(),
+                witness=witness.copy(),
+            )
+        )
+    return _plan_of(last, updates=[], redo=redo)
+
+
+def _plan_of(
+    doc: dict[str, Any], *, updates: list[TableUpdate], redo: list[TableRedo]
+) -> WritePlan:
     switch = None
     if doc.get("dense_switch") is not None:
         switch = DenseSwitch(
@@ -383,8 +558,8 @@ def decode_journal(body: bytes) -> WritePlan:
         )
     return WritePlan(
         push_id=str(doc["push_id"]),
-        updates=[t for t in tables if isinstance(t, TableUpdate)],
-        redo=[t for t in tables if isinstance(t, TableRedo)],
+        updates=updates,
+        redo=redo,
         version=doc.get("version"),
         dense=dense,
         dense_switch=switch,

@@ -4,18 +4,20 @@ A `WritePlan` holds the new rows and slots of every table of a push, and where i
 them the replica's new version and the dense parameters' update. Its values are
 absolute, not deltas, so writing one plan twice is harmless.
 
-The journal does not carry those values: it carries each table's ids, summed gradients
-and a hash of every id's item *before* the push (`TableStep`: its row and slots as read,
-or the initial values of a row never created). All of it is known once the rows are
-read, so the journal is written while the optimizer computes. A replay reads the items
-and recomputes exactly those whose hash is still the journaled one: an item the push
-wrote has another hash, and no other push touches those rows before the journal is
-cleared (they stay locked). A row and its slots are one item (storage format 2),
-written together or not at all, so every mix of written and unwritten items a failed
-write can leave is so finished exactly once. An update that leaves an item unchanged
-is recomputed from that same item, which gives it again. Journals of an older service
-carry the hashes of the new rows and slots instead (`TableRedo.row_hashes`): a replay
-then recomputes the items whose hashes are not those.
+The journal does not carry those values: it carries each table's ids and summed gradients,
+written as soon as the push is parsed (while its rows are read), and, once the new values
+are computed, one *change witness* per id (`TableUpdate.witness`): the position of a
+32-bit word that the update changes in the id's item, and that word's bits before the
+push (or `UNCHANGED`, or `NOT_UPDATED` for a gradient admission dropped). A replay reads
+the items and recomputes exactly those whose witness word still has its old bits
+(`rows.still_old`): an item the push wrote differs there, and no other push touches those
+rows before the journal is cleared (they stay locked). A row and its slots are one item
+(storage format 2), written together or not at all, so every mix of written and
+unwritten items a failed write can leave is so finished exactly once, with no hash and
+no chance of a collision. An update that leaves an item unchanged is recomputed from that
+same item, which gives it again. Journals of older services carry a hash of each item
+before the push (`TableRedo.old_hashes`: recompute the items that still have it) or the
+hashes of the new rows and slots (`TableRedo.row_hashes`: recompute those without them).
 
 The dense update is journaled as a switch of the `current` pointer (`DenseSwitch`), not
 as values: the new generation's chunks (`WritePlan.dense_generation`) are written before
@@ -65,14 +67,19 @@ class TableUpdate:
     # the initial value for a dropped one), and `dropped` how many were dropped.
     answer: tuple[IdArray, NDArray[np.float32]] | None = None
     dropped: int = 0
+    # what the journal keeps to tell the item written from the item not yet written:
+    # `rows.change_witnesses` of each unique id of the push's table (also of ids admission
+    # dropped: `NOT_UPDATED`), in the order of `answer`'s ids when it has them, else `ids`
+    witness: NDArray[np.int64] | None = None
 
 
 @dataclass(slots=True)
 class TableStep:
-    """What the journal keeps of one table of a push, known before the optimizer runs:
-    the unique ids (n,) it updates, their summed gradients (n, dim), and their rows
-    (n, dim) and slots (n, slot width) before the push, of which it keeps a hash per id
-    (`value_hashes(rows, slots)`: the item's). The arrays are not written afterwards."""
+    """One table's optimizer step, known before the optimizer runs: the unique ids (n,)
+    it updates, their summed gradients (n, dim), and their rows (n, dim) and slots
+    (n, slot width) before the push. The arrays are not written afterwards. (Journals
+    of the service of sessions 8-10 kept a hash of each id's item from here:
+    `journal.encode_journal` still writes that format, for the tests of its replay.)"""
 
     table: str
     ids: IdArray
@@ -96,13 +103,15 @@ def shares(values: NDArray[Any], steps: Sequence[TableStep]) -> list[NDArray[Any
 @dataclass(slots=True)
 class TableRedo:
     """A journaled table update: the unique ids (n,), their summed gradients (n, dim),
-    and the `value_hashes` of each id's item before the push (`old_hashes`, (n,) uint64);
-    a journal of an older service has the hashes of the new rows and of the new slots
-    instead (`row_hashes`, `slot_hashes`)."""
+    and per id its item's change witness (`witness`, (n,) int64: `rows.change_witnesses`).
+    Journals of older services have instead the `value_hashes` of each item before the
+    push (`old_hashes`, (n,) uint64), or the hashes of the new rows and of the new slots
+    (`row_hashes`, `slot_hashes`)."""
 
     table: str
     ids: IdArray
     grads: NDArray[np.float32]
+    witness: NDArray[np.int64] | None = None
     old_hashes: NDArray[np.uint64] | None = None
     row_hashes: NDArray[np.uint64] | None = None
     slot_hashes: NDArray[np.uint64] | None = None
@@ -121,9 +130,11 @@ class DenseSwitch:
 class WritePlan:
     """Everything one push writes: absolute values, so writing it twice is harmless.
 
-    Of the tables, the journal carries `steps` (the rows before the push: written while
-    `updates` are computed); a plan without steps journals its updates' new values'
-    hashes (as an older service did), or their values when they have no gradients.
+    Of the tables, a push's journal carries the push's gradients (written first, by
+    `Journal.write_start`) and its updates' `witness`es (`Journal.write_end`).
+    `Journal.write` writes the formats of older services, for the tests of their
+    replay: `steps` with the hashes of the rows before the push, else the updates' new
+    values' hashes, or their values when they have no gradients.
     Of the dense update only `dense_switch` is journaled. `dense` (the new values, for
     the in-memory copy) and `dense_generation` (its chunks) live in the replica that
     computed the plan; a journal of an older service carries `dense` and no switch.
@@ -131,7 +142,7 @@ class WritePlan:
 
     push_id: str
     updates: list[TableUpdate]
-    steps: list[TableStep] = field(default_factory=list)  # what is journaled of the tables
+    steps: list[TableStep] = field(default_factory=list)  # `Journal.write`'s older format
     redo: list[TableRedo] = field(default_factory=list)  # a journal's: values to recompute
     version: int | None = None  # the replica's new version (sync mode, or dense updates)
     dense: DenseWrite | None = None

@@ -9,9 +9,11 @@ Exactly-once, per replica K (the replica owns its rows; nobody else writes them)
 2. The rows of the push are locked (in-process; no two pushes read-modify-write
    one row at once; pushes on disjoint rows run concurrently): `locks.RowLocks`.
 3. Rows and slots are read, the optimizer computes the new ones: a `plan.WritePlan`.
-4. The plan is written to a *journal slot* (`_meta/j/rK-jS`): the push's summed
-   gradients and the hashes of the new rows and slots, one item when it fits, else
-   chunks and a header written last with a checksum: `journal.Journal`.
+   Meanwhile the push's summed gradients go to a *journal slot* (`_meta/j/rK-jS`,
+   `journal.Journal.write_start`; chunks, unless small).
+4. The journal is finished (`write_end`): a change witness per item (a word the push
+   changes, with its old bits: `rows.change_witnesses`), then the header, written last
+   with the body's checksum.
 5. Rows and slots are written, then the done record; the push is answered and its
    rows unlocked, and the journal header is cleared in the background (a journal whose
    push has a done record is never replayed).
@@ -19,11 +21,11 @@ Exactly-once, per replica K (the replica owns its rows; nobody else writes them)
 A crash before 4 completes leaves the rows untouched: the retry recomputes. A
 crash after 4 leaves a journal: a restarting replica replays every journal whose
 push has no done record *before it serves* (`recover`), so the retry finds the
-done record. A replay reads the rows and slots and recomputes only those whose hash is
-not the journaled one (`plan`): any mix a write stopped part-way leaves ends exactly
-as the push computed it. If writing fails after 4 in a live replica, the push's rows stay
-locked and a background task replays the journal until it succeeds, so no other
-push can read a half-written row. While that replay keeps failing (a full `-M`
+done record. A replay reads the rows and slots and recomputes only the items whose
+witness word still has its old bits (`plan`): any mix a write stopped part-way leaves
+ends exactly as the push computed it. If writing fails after 4 in a live replica, the
+push's rows stay locked and a background task replays the journal until it succeeds, so
+no other push can read a half-written row. While that replay keeps failing (a full `-M`
 node, a lost or stopped one), a push that needs those rows, or a journal slot when
 every slot is held so, fails at once with the replay's last error (the same store
 error, naming the node) instead of waiting for rows that may never be released.
@@ -62,7 +64,7 @@ from lookup_table.core.initializers import initial_rows
 from lookup_table.core.keys import IdArray
 from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id, version_id
 from lookup_table.core.optimizers import Optimizer, make_optimizer
-from lookup_table.core.rows import value_hashes
+from lookup_table.core.rows import NOT_UPDATED, change_witnesses, still_old, value_hashes
 from lookup_table.core.sharding import row_hashes
 from lookup_table.core.wire import encode_array, encode_ids
 from lookup_table.dense import DenseGeneration, DenseParams
@@ -91,16 +93,31 @@ PLAN = "_plan"  # in `apply`'s result: the write plan of the push this call appl
 _OFFLOAD_FLOATS = 1 << 16  # above this many floats per batch (`_computed`), math in a thread
 
 
-async def _compute(
+Stepped = tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.int64]]
+"""New rows (n, dim), new slots (n, slot width), and each item's change witness (n,)."""
+
+
+def _step_sync(
     optimizer: Optimizer,
     rows: NDArray[np.float32],
     grads: NDArray[np.float32],
     slots: NDArray[np.float32],
-) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
-    """`optimizer.update`, in a thread above _OFFLOAD_FLOATS floats (not to stall the loop)."""
+) -> Stepped:
+    """`optimizer.update`, and what the journal keeps of it: `change_witnesses`."""
+    new_rows, new_slots = optimizer.update(rows, grads, slots)
+    return new_rows, new_slots, change_witnesses((rows, slots), (new_rows, new_slots))
+
+
+async def _step(
+    optimizer: Optimizer,
+    rows: NDArray[np.float32],
+    grads: NDArray[np.float32],
+    slots: NDArray[np.float32],
+) -> Stepped:
+    """`_step_sync`, in a thread above _OFFLOAD_FLOATS floats (not to stall the loop)."""
     if rows.size > _OFFLOAD_FLOATS:
-        return await asyncio.to_thread(optimizer.update, rows, grads, slots)
-    return optimizer.update(rows, grads, slots)
+        return await asyncio.to_thread(_step_sync, optimizer, rows, grads, slots)
+    return _step_sync(optimizer, rows, grads, slots)
 
 
 @dataclass(slots=True)
@@ -312,47 +329,57 @@ class Updater:
         await self.locks.acquire(keys)
         handed_over = False
         try:
-            # the done record is read together with the rows (one round trip, not two)
-            done, planned = await asyncio.gather(
+            slot = await self.journal.take()
+            # the done record is read together with the rows (one round trip, not two),
+            # and the journal's start (the gradients) is written meanwhile: encoded once
+            # the reads went out
+            reading = asyncio.gather(
                 self.is_done(push.push_id), self._plan(push, version), return_exceptions=True
             )
-            if isinstance(done, BaseException):
-                raise done
-            if done:
-                return {"applied": False, "duplicate": True, "rows": 0, "version": self.version}
-            if isinstance(planned, BaseException):
-                raise planned
-            plan, prepared = planned
-            generation = plan.dense_generation
-            slot = await self.journal.take()
+            started = asyncio.ensure_future(
+                self.journal.write_start(slot, [(t.table, t.ids, t.grads) for t in push.tables])
+            )
+            writes: list[asyncio.Future[Any]] = [started]
+            plan: WritePlan | None = None
+            generation: DenseGeneration | None = None
             header_sent = journaled = False
+
+            async def settled() -> None:  # no write of the slot in flight any more
+                await asyncio.wait(writes)
+                for w in writes:
+                    if not w.cancelled():
+                        w.exception()  # retrieved: the error that stopped the push is raised
+
             try:
-                # the journal needs only the rows as read: it is written while the
-                # optimizer computes the new ones
-                chunks = asyncio.ensure_future(
-                    self.journal.write_chunks(
-                        slot,
-                        plan,
-                        alongside=[self.dense.write_chunks(generation)] if generation else [],
-                    )
-                )
-                try:
-                    plan.updates = await self._computed(prepared)
-                    if on_plan is not None:
-                        on_plan(plan)
-                except BaseException:
-                    await asyncio.wait([chunks])  # nothing of the journal in flight after
-                    if not chunks.cancelled():
-                        chunks.exception()  # retrieved: the computation's error is raised
-                    raise
-                header = await chunks
+                done, planned = await reading
+                if isinstance(done, BaseException):
+                    raise done
+                if done:
+                    await settled()
+                    self.journal.give_back(slot)
+                    return {"applied": False, "duplicate": True, "rows": 0, "version": self.version}
+                if isinstance(planned, BaseException):
+                    raise planned
+                plan, prepared = planned
+                generation = plan.dense_generation
+                if generation is not None:  # written while the optimizer computes
+                    writes.append(asyncio.ensure_future(self.dense.write_chunks(generation)))
+                plan.updates = await self._computed(prepared)
+                if on_plan is not None:
+                    on_plan(plan)
+                results = await asyncio.gather(*writes, return_exceptions=True)
+                for result in results:
+                    if isinstance(result, BaseException):
+                        raise result
                 header_sent = True
-                await self.journal.write_header(slot, header)
+                await self.journal.write_end(slot, started.result(), plan)
                 journaled = True
                 await self._write_plan(plan)
             except BaseException:
-                self.cache.forget((u.table, u.ids) for u in plan.updates)  # half written?
-                if journaled:
+                await settled()
+                if plan is not None:
+                    self.cache.forget((u.table, u.ids) for u in plan.updates)  # half written?
+                if journaled and plan is not None:
                     # Half-written rows must not be seen: the rows stay locked and the
                     # journal slot taken until a background replay finishes the push.
                     self._finish_later(slot, plan, keys)
@@ -445,9 +472,7 @@ class Updater:
         prepared, current = (
             await asyncio.gather(rows, self.dense.meta()) if dense else (await rows, None)
         )
-        plan = WritePlan(
-            push_id=push.push_id, updates=[], steps=[p.step for p in prepared], version=version
-        )
+        plan = WritePlan(push_id=push.push_id, updates=[], version=version)
         if not dense:
             return plan, prepared
         state = None if current is None else await self.dense.read(current=current)
@@ -587,33 +612,42 @@ class Updater:
         for p in prepared:
             key = (self.optimizers[p.step.table], p.step.rows.shape[1])
             groups.setdefault(key, []).append(p.step)
-        stepped: dict[int, tuple[NDArray[np.float32], NDArray[np.float32]]] = {}
+        stepped: dict[int, Stepped] = {}
 
         async def batch(optimizer: Optimizer, steps: list[TableStep]) -> None:
-            new_rows, new_slots = await _compute(
+            new_rows, new_slots, witness = await _step(
                 optimizer,
                 stacked([s.rows for s in steps]),
                 stacked([s.grads for s in steps]),
                 stacked([s.slots for s in steps]),
             )
-            for s, rows, slots in zip(
-                steps, shares(new_rows, steps), shares(new_slots, steps), strict=True
+            for s, rows, slots, w in zip(
+                steps,
+                shares(new_rows, steps),
+                shares(new_slots, steps),
+                shares(witness, steps),
+                strict=True,
             ):
-                stepped[id(s)] = (rows, slots)
+                stepped[id(s)] = (rows, slots, w)
 
         await asyncio.gather(*(batch(key[0], steps) for key, steps in groups.items()))
         return [self._update(p, *stepped[id(p.step)]) for p in prepared]
 
     @staticmethod
     def _update(
-        p: _Prepared, new_rows: NDArray[np.float32], new_slots: NDArray[np.float32]
+        p: _Prepared,
+        new_rows: NDArray[np.float32],
+        new_slots: NDArray[np.float32],
+        witness: NDArray[np.int64],
     ) -> TableUpdate:
         step = p.step
         if p.keep is None or p.all_rows is None:
-            return TableUpdate(step.table, step.ids, new_rows, new_slots)
+            return TableUpdate(step.table, step.ids, new_rows, new_slots, witness=witness)
         # the push's answer gives the dropped ids their initial rows (`all_rows` holds them)
         answer = p.all_rows.copy()
         answer[p.keep] = new_rows
+        every = np.full(p.grads.ids.shape[0], NOT_UPDATED, dtype=np.int64)
+        every[p.keep] = witness  # the journal's ids are the push's: a replay skips the rest
         return TableUpdate(
             table=step.table,
             ids=step.ids,
@@ -621,6 +655,7 @@ class Updater:
             slots=new_slots,
             answer=(p.grads.ids, answer),
             dropped=int(p.grads.ids.shape[0] - p.keep.size),
+            witness=every,
         )
 
     def _fill_unwritten(
@@ -647,9 +682,10 @@ class Updater:
         """What a journal's tables still need written: the items the push did not write,
         recomputed (see `plan`); one read per node.
 
-        An item still has the hash journaled before the push (`old_hashes`) until the
-        push writes it; a journal of an older service has the new values' hashes, and
-        the items that do not have them yet are recomputed.
+        An item's witness word keeps its old bits until the push writes the item
+        (`rows.still_old`). Journals of older services have the hash of each item before
+        the push (`old_hashes`: recompute the items that still have it) or the new
+        values' hashes (recompute the items that do not have them yet).
         """
         got = await self._read(redo, [np.ones(r.ids.shape[0], dtype=bool) for r in redo])
         out: list[TableUpdate] = []
@@ -657,7 +693,9 @@ class Updater:
             optimizer = self.optimizers[r.table]
             self._fill_unwritten(r.table, r.ids, rows, found, slots)
             # a row and its slots are one item: both written, or neither
-            if r.old_hashes is not None:
+            if r.witness is not None:
+                todo = np.flatnonzero(still_old(r.witness, rows, slots))
+            elif r.old_hashes is not None:
                 todo = np.flatnonzero(value_hashes(rows, slots) == r.old_hashes)
             elif r.row_hashes is not None and r.slot_hashes is not None:
                 new = (value_hashes(rows) == r.row_hashes) & (value_hashes(slots) == r.slot_hashes)

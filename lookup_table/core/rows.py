@@ -14,7 +14,17 @@ from numpy.typing import NDArray
 from lookup_table.core.hashing import mix64
 from lookup_table.errors import CorruptValueError
 
-__all__ = ["ROW_DTYPE", "decode_row", "encode_rows", "row_bytes", "value_hashes"]
+__all__ = [
+    "NOT_UPDATED",
+    "ROW_DTYPE",
+    "UNCHANGED",
+    "change_witnesses",
+    "decode_row",
+    "encode_rows",
+    "row_bytes",
+    "still_old",
+    "value_hashes",
+]
 
 ROW_DTYPE = np.dtype("<f4")
 
@@ -94,3 +104,91 @@ def value_hashes(values: NDArray[np.float32], *more: NDArray[np.float32]) -> NDA
             offset += block.shape[1]
     total ^= np.uint64(width)
     return mix64(total)
+
+
+# A change witness (`change_witnesses`) packs a word's position into the high 32 bits and
+# the word's old bits into the low 32; these two have no word:
+UNCHANGED = np.int64(-1 << 32)
+"""The update leaves the item as it was, bit for bit: recomputing it gives it again."""
+NOT_UPDATED = np.int64(-2 << 32)
+"""The push does not update the id (admission dropped its gradient): never recomputed."""
+
+
+def change_witnesses(
+    old: tuple[NDArray[np.float32], ...], new: tuple[NDArray[np.float32], ...]
+) -> NDArray[np.int64]:
+    """Per item (row i of the blocks, side by side: a row, then its slots), one word that
+    an update changes: its position among the item's 32-bit words in the high 32 bits,
+    its bits *before* the update in the low 32; `UNCHANGED` where the update leaves every
+    word as it was. (n,) int64.
+
+    Tells exactly, without a hash, whether a stored item is the old value or the new one
+    (`still_old`): an item is written whole or not at all, and the witness word differs
+    between the two. The first changed word is taken (a row's first float, as a rule).
+
+    Raises:
+        ValueError: old and new blocks of other shapes, or not (n, width) alike in n.
+    """
+    if [np.shape(b) for b in old] != [np.shape(b) for b in new]:
+        shapes = [np.shape(b) for b in (*old, *new)]
+        raise ValueError(f"expected old and new blocks of equal shapes, got {shapes}")
+    n = np.shape(old[0])[0] if old else 0
+    if any(np.ndim(b) != 2 or np.shape(b)[0] != n for b in (*old, *new)):
+        shapes = [np.shape(b) for b in (*old, *new)]
+        raise ValueError(f"expected blocks of shape (n, width), n alike, got {shapes}")
+    out = np.full(n, UNCHANGED, dtype=np.int64)
+    todo = np.arange(n)  # items without a changed word found yet
+    offset = 0
+    for o, w in zip(old, new, strict=True):
+        width = np.shape(o)[1]
+        if width == 0 or not todo.size:
+            offset += width
+            continue
+        before = np.asarray(o, dtype=ROW_DTYPE).view(np.uint32)  # same itemsize: any strides
+        after = np.asarray(w, dtype=ROW_DTYPE).view(np.uint32)
+        # the block's first word tells most items (an update moves every float of a row);
+        # only the others are compared whole
+        first = before[todo, 0] != after[todo, 0]
+        done = todo[first]
+        out[done] = (np.int64(offset) << 32) | before[done, 0].astype(np.int64)
+        todo = todo[~first]
+        if todo.size and width > 1:
+            changed = before[todo] != after[todo]
+            at = changed.argmax(axis=1)
+            found = changed[np.arange(todo.size), at]
+            done, at = todo[found], at[found]
+            out[done] = ((offset + at).astype(np.int64) << 32) | before[done, at].astype(np.int64)
+            todo = todo[~found]
+        offset += width
+    return out
+
+
+def still_old(witnesses: NDArray[np.int64], *stored: NDArray[np.float32]) -> NDArray[np.bool_]:
+    """Which stored items an update with these `change_witnesses` did not write yet: those
+    whose witness word still has its old bits, and those it leaves `UNCHANGED`
+    (recomputing them gives the same item); never those `NOT_UPDATED`. `stored`: the
+    items as read now, as blocks (a row, then its slots), (n,) bool.
+
+    Raises:
+        ValueError: blocks not (n, width) with n the number of witnesses, or a witness
+            pointing past the item's width (a journal of another table layout).
+    """
+    n = witnesses.shape[0]
+    if any(np.ndim(b) != 2 or np.shape(b)[0] != n for b in stored):
+        shapes = [np.shape(b) for b in stored]
+        raise ValueError(f"expected {n} stored items as blocks (n, width), got {shapes}")
+    words = (
+        np.concatenate([np.asarray(b, dtype=ROW_DTYPE).view(np.uint32) for b in stored], axis=1)
+        if stored
+        else np.empty((n, 0), dtype=np.uint32)
+    )
+    at = witnesses >> 32
+    has = at >= 0
+    if has.any() and int(at[has].max()) >= words.shape[1]:
+        raise ValueError(
+            f"a witness names word {int(at[has].max())} of items of {words.shape[1]} words"
+        )
+    bits = (witnesses & 0xFFFFFFFF).astype(np.uint32)
+    now = words[np.arange(n), np.where(has, at, 0)] if words.shape[1] else bits
+    old: NDArray[np.bool_] = (witnesses == UNCHANGED) | (has & (now == bits))
+    return old

@@ -1,11 +1,12 @@
 """A journaled push whose write stopped anywhere is finished exactly once by a replay.
 
-The journal carries a push's summed gradients and the hash of each id's item (its row
-and slots) before the push, not the new values (optimizer_service/plan.py). A write that
-fails part-way can leave any id's item written or not: every mix, plus rows never
-created, must end with the values the push computed, bit for bit, and nothing applied
-twice. Journals of an older service (the new values' hashes) still replay. Real
-memcached, the real service app.
+The journal carries a push's summed gradients and a change witness per id (one word of
+its item, the row and slots, that the push changes, with its bits before the push), not
+the new values (optimizer_service/plan.py). A write that fails part-way can leave any
+id's item written or not: every mix, plus rows never created, must end with the values
+the push computed, bit for bit, and nothing applied twice. Journals of older services
+(each item's hash before the push; the new values' hashes) still replay. Real memcached,
+the real service app.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from lookup_table import EmbeddingStore, initial_rows
 from lookup_table.core.keyspace import META_TABLE, Kind, journal_id, push_record_id
 from lookup_table.core.optimizers import make_optimizer
-from lookup_table.core.rows import value_hashes
+from lookup_table.core.rows import change_witnesses, value_hashes
 from lookup_table.core.wire import unpack
 from lookup_table.store import TableWrite
 from optimizer_service.app import UPDATER, make_app
@@ -107,8 +108,12 @@ async def test_a_replay_finishes_a_push_whose_items_were_written_in_part_exactly
         plan = plans[0]
         assert not plan.updates and [r.table for r in plan.redo] == ["t", "s"]
         np.testing.assert_array_equal(plan.redo[0].grads, grads)  # journaled: the gradients
-        # and the hash of each item as the push read it (initial values where none)
-        np.testing.assert_array_equal(plan.redo[0].old_hashes, value_hashes(rows, slots))
+        # and one word per item that the push changes, with its bits as the push read it
+        # (initial values where none)
+        assert plan.redo[0].old_hashes is None and plan.redo[0].witness is not None
+        np.testing.assert_array_equal(
+            plan.redo[0].witness, change_witnesses((rows, slots), (want_rows, want_slots))
+        )
         mid_rows, _, _ = await _read(store, "t", ids)
     # the crash left some items new, others old
     assert (mid_rows == want_rows).all(axis=1).tolist() != [True] * 12
@@ -267,6 +272,129 @@ async def test_a_journal_of_an_older_service_with_the_new_values_hashes_still_re
     assert found.all()
     np.testing.assert_array_equal(got_rows, want_rows)
     np.testing.assert_array_equal(got_slots, want_slots)
+
+
+async def test_a_journal_of_an_older_service_with_the_old_items_hashes_still_replays(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    """Sessions 8-10 journaled the hash of each item before the push (one body): a
+    replica of this version finishes such a push, recomputing the items that still have
+    that hash, and only those."""
+    from optimizer_service.plan import TableStep
+
+    tables = [{"name": "t", "dim": 8, "seed": 5}]  # Adam
+    config = make_config(memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"])
+    adam = make_optimizer(config.table("t").optimizer)
+    ids = np.arange(8, dtype=np.int64)
+    grads = np.random.default_rng(12).standard_normal((8, 8), dtype=np.float32)
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        await store.lookup("t", ids)
+        rows, slots, _ = await _read(store, "t", ids)
+        want_rows, want_slots = adam.update(rows, grads, slots)
+        done = np.array([MIX[i % 4] for i in range(8)])
+        await store.set_many([TableWrite("t", ids[done], want_rows[done], slots=want_slots[done])])
+        step = TableStep("t", ids, grads, rows, slots)
+        plan = WritePlan(push_id="sessions-8-10", updates=[], steps=[step])
+        await Journal(store, replica=0).write(5, plan)
+        (raw,) = await store.get_blobs(META_TABLE, [journal_id(0, 5)], kind=Kind.JOURNAL)
+    assert raw is not None and b"old_hashes" in raw and b"split" not in raw
+
+    await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
+    async with EmbeddingStore(config) as store:
+        got_rows, got_slots, found = await _read(store, "t", ids)
+    assert found.all()
+    np.testing.assert_array_equal(got_rows, want_rows)  # the written ones not stepped twice
+    np.testing.assert_array_equal(got_slots, want_slots)
+
+
+async def test_a_replay_never_steps_an_id_whose_gradient_admission_dropped(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    """`admit_after`: a push drops the gradient of an id without a row. When a trainer
+    creates that row before the push's journal is replayed, the replay still leaves it
+    alone (its witness is NOT_UPDATED) and finishes the other ids once."""
+    tables = [{"name": "t", "dim": 4, "seed": 5, "admit_after": 2}]  # Adam
+    config = make_config(memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"])
+    spec = config.table("t")
+    adam = make_optimizer(spec.optimizer)
+    ids = np.arange(8, dtype=np.int64)
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        for _ in range(2):  # ids 0..3 are admitted: they have rows
+            await store.lookup("t", ids[:4])
+        rows, slots, found = await _read(store, "t", ids[:4])
+    assert found.all()
+    grads = np.random.default_rng(13).standard_normal((8, 4), dtype=np.float32)
+    want_rows, want_slots = adam.update(rows, grads[:4], slots)
+    server = await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
+    updater = server.app[UPDATER]
+
+    async def stop_part_way(updates: list[TableUpdate]) -> None:
+        (u,) = updates
+        done = np.array([MIX[i % 4] for i in range(u.ids.shape[0])])
+        await updater.store.set_many(
+            [TableWrite(u.table, u.ids[done], u.rows[done], slots=u.slots[done])]
+        )
+        raise ConnectionResetError("simulated crash in the middle of the rows")
+
+    updater._write_updates = stop_part_way  # type: ignore[method-assign]
+    with pytest.raises(ConnectionResetError):
+        await updater.apply(parse_push(unpack(_body("p", {"t": (ids, grads)})), config=config))
+    for task in list(updater._finishers):
+        task.cancel()
+    await server.close()
+    async with EmbeddingStore(config) as store:
+        for _ in range(2):  # meanwhile a trainer sees ids 4..7 twice: they get rows
+            await store.lookup("t", ids[4:])
+
+    await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
+    async with EmbeddingStore(config) as store:
+        got_rows, got_slots, found = await _read(store, "t", ids)
+    assert found.all()
+    np.testing.assert_array_equal(got_rows[:4], want_rows)
+    np.testing.assert_array_equal(got_slots[:4], want_slots)
+    fresh = initial_rows(spec.initializer, seed=spec.seed, ids=ids[4:], dim=4)
+    np.testing.assert_array_equal(got_rows[4:], fresh)  # never stepped
+    np.testing.assert_array_equal(got_slots[4:], adam.initial_slots(4, 4))
+
+
+@pytest.mark.parametrize(
+    ("n", "dim", "start_chunks", "end_chunks"),
+    [(100, 4, 0, 0), (20_000, 16, 2, 0), (140_000, 1, 2, 2)],
+    ids=["all-in-the-header", "start-in-chunks", "end-in-chunks-too"],
+)
+async def test_a_journal_is_read_back_whatever_parts_went_to_chunks(
+    memcached_nodes: list[str], n: int, dim: int, start_chunks: int, end_chunks: int
+) -> None:
+    """A small push's journal is one `set` (the header carries it all); a bigger one's
+    gradients go to chunks first; a push of more ids than 1 MiB of witnesses holds
+    (~130k) has its end in chunks too. Each reads back to the same plan."""
+    config = make_config(memcached_nodes, tables=[{"name": "t", "dim": dim}])
+    rng = np.random.default_rng(n)
+    ids = np.sort(rng.choice(10 * n, size=n, replace=False)).astype(np.int64)
+    grads = rng.standard_normal((n, dim), dtype=np.float32)
+    witness = rng.integers(-(2**63), 2**63 - 1, size=n, dtype=np.int64)
+    update = TableUpdate("t", ids, grads, grads, witness=witness)
+    plan = WritePlan(push_id="big", updates=[update], version=7)
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        journal = Journal(store, replica=0)
+        start = await journal.write_start(3, [("t", ids, grads)])
+        assert start.chunks == start_chunks
+        await journal.write_end(3, start, plan)
+        (raw,) = await store.get_blobs(META_TABLE, [journal_id(0, 3)], kind=Kind.JOURNAL)
+        assert raw is not None
+        header = unpack(raw)
+        assert header["chunks"] == start_chunks + end_chunks
+        assert ("tail" in header) == (end_chunks == 0)
+        back = await journal.read(3)
+    assert back is not None and back.push_id == "big" and back.version == 7
+    (redo,) = back.redo
+    assert redo.table == "t" and redo.old_hashes is None and redo.witness is not None
+    np.testing.assert_array_equal(redo.ids, ids)
+    np.testing.assert_array_equal(redo.grads, grads)
+    np.testing.assert_array_equal(redo.witness, witness)
 
 
 async def _torn_journal(memcached_nodes: list[str], push_id: str, *, done: bool) -> Any:

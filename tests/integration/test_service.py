@@ -226,13 +226,13 @@ async def test_tables_with_equal_optimizers_are_stepped_together_bit_for_bit(
         for n, v in ids.items()
     }
     calls = []
-    compute = updater_module._compute
+    compute = updater_module._step
 
     async def counted(optimizer: Any, rows: Any, g: Any, slots: Any) -> Any:
         calls.append(rows.shape)
         return await compute(optimizer, rows, g, slots)
 
-    monkeypatch.setattr(updater_module, "_compute", counted)
+    monkeypatch.setattr(updater_module, "_step", counted)
     await updater.apply(
         parse_push(unpack(_body("p", {n: (ids[n], grads[n]) for n in ids})), config=config)
     )

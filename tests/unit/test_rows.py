@@ -7,7 +7,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lookup_table.core.rows import ROW_DTYPE, decode_row, encode_rows, row_bytes, value_hashes
+from lookup_table.core.rows import (
+    NOT_UPDATED,
+    ROW_DTYPE,
+    UNCHANGED,
+    change_witnesses,
+    decode_row,
+    encode_rows,
+    row_bytes,
+    still_old,
+    value_hashes,
+)
 from lookup_table.errors import CorruptValueError, StoreError
 from tests.strategies import float32_rows
 
@@ -151,3 +161,83 @@ def test_value_hashes_are_per_row_however_many_rows_are_hashed_at_once() -> None
     np.testing.assert_array_equal(whole[::997], one_by_one)
     pieces = np.concatenate([value_hashes(items[i : i + 333]) for i in range(0, 5000, 333)])
     np.testing.assert_array_equal(whole, pieces)
+
+
+@given(float32_rows(), st.data())
+def test_a_witness_tells_the_old_item_from_the_new_one_exactly(
+    old: np.ndarray, data: st.DataObject
+) -> None:
+    """Whatever the update changed (any words, any bits: -0.0, NaN payloads) or left as
+    it was, `still_old` is True for the old item and for an unchanged one, False for a
+    changed item's new value: exact, no hash."""
+    n, width = old.shape
+    flips = data.draw(
+        st.lists(
+            st.tuples(
+                st.integers(0, max(n - 1, 0)), st.integers(0, max(width - 1, 0)), st.integers(0, 31)
+            ),
+            max_size=3 * n,
+        )
+    )
+    bits = old.view(np.uint32).copy()
+    for i, j, b in flips:
+        if n and width:
+            bits[i, j] ^= np.uint32(1 << b)
+    new = bits.view(np.float32)
+    cut = data.draw(st.integers(0, width))  # a row and its slots: two blocks, either empty
+    witness = change_witnesses((old[:, :cut], old[:, cut:]), (new[:, :cut], new[:, cut:]))
+    unchanged = (old.view(np.uint32) == new.view(np.uint32)).all(axis=1)
+    assert (witness == UNCHANGED).tolist() == unchanged.tolist()
+    assert still_old(witness, old[:, :cut], old[:, cut:]).all()
+    assert still_old(witness, new[:, :cut], new[:, cut:]).tolist() == unchanged.tolist()
+    assert still_old(witness, old).tolist() == [True] * n  # the blocks are one item
+
+
+def test_a_witness_is_the_first_changed_word_and_its_old_bits() -> None:
+    old_rows = np.array([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0], [0.0, 0.0]], np.float32)
+    old_slots = np.array([[5.0], [5.0], [5.0], [7.0]], np.float32)
+    new_rows = np.array([[9.0, 9.0], [1.0, -2.0], [1.0, 2.0], [-0.0, 0.0]], np.float32)
+    new_slots = np.array([[6.0], [6.0], [5.0], [7.0]], np.float32)
+    witness = change_witnesses((old_rows, old_slots), (new_rows, new_slots))
+    assert (witness >> 32).tolist() == [0, 1, -1, 0]  # row 2 unchanged; -0.0 is a change
+    low = (witness & 0xFFFFFFFF).astype(np.uint32)
+    assert low[:2].view(np.float32).tolist() == [1.0, 2.0]
+    assert low[3] == 0  # +0.0's bits
+    rows_later = np.array([[1.0, 9.0], [1.0, 2.0], [1.0, 2.0], [0.0, 0.0]], np.float32)
+    slots_later = np.array([[5.0], [6.0], [5.0], [7.0]], np.float32)
+    # only the witness word is looked at: each item's still has its old bits
+    assert still_old(witness, rows_later, slots_later).tolist() == [True, True, True, True]
+
+
+def test_an_id_the_push_does_not_update_is_never_still_old() -> None:
+    rows = np.zeros((2, 3), np.float32)
+    witness = np.array([NOT_UPDATED, UNCHANGED], dtype=np.int64)
+    assert still_old(witness, rows).tolist() == [False, True]
+
+
+def test_witnesses_refuse_blocks_that_do_not_match() -> None:
+    with pytest.raises(ValueError, match="equal shapes"):
+        change_witnesses((np.zeros((2, 3), np.float32),), (np.zeros((2, 4), np.float32),))
+    with pytest.raises(ValueError, match="n alike"):
+        change_witnesses(
+            (np.zeros((2, 3), np.float32), np.zeros((3, 1), np.float32)),
+            (np.zeros((2, 3), np.float32), np.zeros((3, 1), np.float32)),
+        )
+    witness = np.array([(5 << 32) | 1], dtype=np.int64)
+    with pytest.raises(ValueError, match="word 5 of items of 4 words"):
+        still_old(witness, np.zeros((1, 4), np.float32))
+    with pytest.raises(ValueError, match="1 stored items"):
+        still_old(witness, np.zeros((2, 4), np.float32))
+
+
+def test_witnesses_of_big_batches_match_those_of_each_item() -> None:
+    rng = np.random.default_rng(8)
+    old = rng.standard_normal((5000, 40), dtype=np.float32)
+    new = old.copy()
+    new[::2, 0] += 1  # first word
+    new[1::4, 17] += 1  # a later word of the row block
+    new[3::8, 33] += 1  # only in the slots
+    whole = change_witnesses((old[:, :20], old[:, 20:]), (new[:, :20], new[:, 20:]))
+    one = [change_witnesses((old[i : i + 1],), (new[i : i + 1],))[0] for i in range(0, 5000, 7)]
+    assert whole[::7].tolist() == [int(w) for w in one]
+    assert set((whole >> 32).tolist()) == {0, 17, 33, -1}
