@@ -33,7 +33,7 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,15 +48,7 @@ from lookup_table.errors import DataLossError, StoreError
 from lookup_table.store import EmbeddingStore
 from optimizer_service.errors import UnavailableError
 from optimizer_service.locks import LockSet, RowLocks
-from optimizer_service.plan import (
-    DenseSwitch,
-    TableRedo,
-    TableStep,
-    TableUpdate,
-    WritePlan,
-    shares,
-    stacked,
-)
+from optimizer_service.plan import DenseSwitch, TableRedo, TableStep, TableUpdate, WritePlan
 
 __all__ = [
     "JOURNAL_CHUNK_BYTES",
@@ -76,10 +68,11 @@ logger = logging.getLogger(__name__)
 JOURNAL_SLOTS = 8
 # memcached's default item limit (-I) is 1 MiB, key and item header included
 JOURNAL_CHUNK_BYTES = 1024 * 1024 - 8 * 1024
-# Above this many bytes of rows and slots, the journal is encoded in a thread: its
-# hashing, packing and CRC then take a few ms, which the loop spends on other work.
-# Below, a thread's handoff and GIL contention cost more than they free: at the demo's
-# 1.3 MB a push, encoding inline took 3 ms less replica CPU a step (3 of 3 runs).
+# Above this many bytes of ids and gradients, a journal's start is encoded in a thread:
+# its packing and CRC then take a few ms, which the loop spends on other work. Below, a
+# thread's handoff and GIL contention cost more than they free (measured in session 9 on
+# the journal of that time, which also hashed the rows: at the demo's 1.3 MB a push,
+# encoding inline took 3 ms less replica CPU a step, 3 of 3 runs).
 _OFFLOAD_JOURNAL_BYTES = 2 << 20
 # A start smaller than this is not written by itself: it goes with the end, in the header
 # (one `set` for a small push, as before), when the two fit in one item.
@@ -92,15 +85,18 @@ GradTable = tuple[str, IdArray, NDArray[np.float32]]
 
 @dataclass(frozen=True, slots=True)
 class JournalStart:
-    """What `write_start` wrote of a journal body: its first `chunks` chunks, `written`
-    bytes with CRC-32 `crc32`, and the start's bytes not written yet (`rest`: all of it
-    when small), which go with the end. `size`: the start's length in the body."""
+    """What `write_start` wrote of a journal body: its first `chunks` chunks, with CRC-32
+    `crc32`, and the start's bytes not written yet (`rest`: all of it when small), which
+    go with the end. `size`: the start's length in the body."""
 
     chunks: int
-    written: int
     crc32: int
     rest: bytes
     size: int
+
+    @property
+    def written(self) -> int:
+        return self.size - len(self.rest)
 
 
 class Journal:
@@ -146,20 +142,14 @@ class Journal:
         (a late one would tear the next journal in the slot)."""
         size = sum(ids.nbytes + grads.nbytes for _, ids, grads in tables)
         if size > _OFFLOAD_JOURNAL_BYTES:  # packing and the CRC would stall the loop
-            body = await asyncio.to_thread(encode_start, tables)
+            body, crc = await asyncio.to_thread(_encoded_start, tables)
         else:
-            body = encode_start(tables)
+            body, crc = _encoded_start(tables)
         if len(body) <= _START_ALONE_BYTES:
-            return JournalStart(chunks=0, written=0, crc32=0, rest=body, size=len(body))
+            return JournalStart(chunks=0, crc32=0, rest=body, size=len(body))
         chunks = _cut(body)
-        if size > _OFFLOAD_JOURNAL_BYTES:
-            crc = await asyncio.to_thread(zlib.crc32, body)
-        else:
-            crc = zlib.crc32(body)
         await self._write_chunks(slot, 0, chunks)
-        return JournalStart(
-            chunks=len(chunks), written=len(body), crc32=crc, rest=b"", size=len(body)
-        )
+        return JournalStart(chunks=len(chunks), crc32=crc, rest=b"", size=len(body))
 
     async def write_end(self, slot: int, start: JournalStart, plan: WritePlan) -> None:
         """The second part: the witnesses of `plan`'s updates (their tables in the order
@@ -187,53 +177,15 @@ class Journal:
             ids = [self._id(slot, first + i) for i in range(len(chunks))]
             await self.store.set_blobs(META_TABLE, ids, chunks, kind=Kind.JOURNAL)
 
-    async def write(
-        self, slot: int, plan: WritePlan, *, alongside: Iterable[Awaitable[object]] = ()
-    ) -> None:
+    async def write(self, slot: int, plan: WritePlan) -> None:
         """A plan in the one-body format of older services (for the tests of its
-        replay): chunks first, then the header (with a CRC-32 of the body). See
-        `write_chunks` for `alongside`."""
-        header = await self.write_chunks(slot, plan, alongside=alongside)
+        replay): chunks first, then the header (with a CRC-32 of the body)."""
+        chunks, header = encode_journal(plan)
+        await self._write_chunks(slot, 0, chunks)
         await self.write_header(slot, header)
 
-    async def write_chunks(
-        self, slot: int, plan: WritePlan, *, alongside: Iterable[Awaitable[object]] = ()
-    ) -> bytes:
-        """The first half of `write`: the journal's chunks, together with the writes
-        `alongside` (the new dense generation's chunks, which the journal names but does
-        not carry). Returns the header for `write_header`. When one fails, the others
-        are still awaited before the first error is raised: nothing of them is in
-        flight afterwards (the caller may delete what they wrote)."""
-        # the writes alongside go out while the journal is encoded (in a thread when big)
-        writes: list[Awaitable[object]] = [asyncio.ensure_future(w) for w in alongside]
-        size = sum(s.rows.nbytes + s.slots.nbytes for s in plan.steps) + sum(
-            u.rows.nbytes + u.slots.nbytes for u in plan.updates
-        )
-        try:
-            if size > _OFFLOAD_JOURNAL_BYTES:  # hashing, packing, CRC would stall the loop
-                chunks, header = await asyncio.to_thread(encode_journal, plan)
-            else:
-                chunks, header = encode_journal(plan)
-        except BaseException:
-            await asyncio.gather(*writes, return_exceptions=True)
-            raise
-        if chunks:
-            writes.append(
-                self.store.set_blobs(
-                    META_TABLE,
-                    [self._id(slot, i) for i in range(len(chunks))],
-                    chunks,
-                    kind=Kind.JOURNAL,
-                )
-            )
-        results = await asyncio.gather(*writes, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return header
-
     async def write_header(self, slot: int, header: bytes) -> None:
-        """The second half of `write`: from here on the plan is journaled (a failure of
+        """The last write of a journal: from here on the plan is journaled (a failure of
         this write may have stored it all the same)."""
         await self.store.set_blobs(META_TABLE, [self._id(slot)], [header], kind=Kind.JOURNAL)
 
@@ -347,29 +299,13 @@ def _held_by_failed_write(push_id: str, error: Exception | None) -> BaseExceptio
     return UnavailableError(message)
 
 
-def _encode_step(s: TableStep, old_hashes: NDArray[np.uint64]) -> dict[str, Any]:
+def _encode_step(s: TableStep) -> dict[str, Any]:
     return {
         "table": s.table,
         "ids": encode_ids(s.ids),
         "grads": encode_array(s.grads),
-        "old_hashes": encode_array(old_hashes.view(np.int64)),
+        "old_hashes": encode_array(value_hashes(s.rows, s.slots).view(np.int64)),
     }
-
-
-def _old_hashes(steps: Sequence[TableStep]) -> list[NDArray[np.uint64]]:
-    """`value_hashes(rows, slots)` of each step; steps of one row and slot width are
-    hashed as one batch (a hash is row by row: the same values), so a push of many
-    small tables costs one pass of numpy calls, not one per table."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, s in enumerate(steps):
-        groups.setdefault((s.rows.shape[1], s.slots.shape[1]), []).append(i)
-    out: list[NDArray[np.uint64]] = [np.empty(0, dtype=np.uint64)] * len(steps)
-    for members in groups.values():
-        batch = [steps[i] for i in members]
-        hashes = value_hashes(stacked([s.rows for s in batch]), stacked([s.slots for s in batch]))
-        for i, share in zip(members, shares(hashes, batch), strict=True):
-            out[i] = share
-    return out
 
 
 def _encode_update(u: TableUpdate) -> dict[str, Any]:
@@ -403,6 +339,11 @@ def encode_start(tables: Sequence[GradTable]) -> bytes:
             ]
         }
     )
+
+
+def _encoded_start(tables: Sequence[GradTable]) -> tuple[bytes, int]:
+    body = encode_start(tables)
+    return body, zlib.crc32(body)
 
 
 def encode_end(plan: WritePlan) -> bytes:
@@ -449,9 +390,7 @@ def encode_journal(plan: WritePlan) -> tuple[list[bytes], bytes]:
     the plan's `steps` when it has them (with the hashes of the items before the push:
     sessions 8-10), else its updates (their new values' hashes; before that).
     """
-    tables = [
-        _encode_step(s, h) for s, h in zip(plan.steps, _old_hashes(plan.steps), strict=True)
-    ] or [_encode_update(u) for u in plan.updates]
+    tables = [_encode_step(s) for s in plan.steps] or [_encode_update(u) for u in plan.updates]
     doc: dict[str, Any] = {"push_id": plan.push_id, "version": plan.version, "tables": tables}
     body = pack({**doc, **_dense_doc(plan)})
     header: dict[str, Any] = {

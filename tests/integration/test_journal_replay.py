@@ -161,9 +161,9 @@ def test_a_small_journal_is_one_item_and_a_big_one_is_chunked() -> None:
     assert decode_journal(b"".join(chunks)).redo[0].ids.shape == (big,)
 
 
-def test_a_journal_holds_each_tables_own_old_hashes_when_tables_are_hashed_together() -> None:
-    """Steps of one row and slot width are hashed as one batch: each table's journaled
-    hashes are still `value_hashes` of its own rows and slots."""
+def test_an_older_format_journal_holds_each_tables_own_old_hashes() -> None:
+    """The format of sessions 8-10, with tables of several row and slot widths: each
+    table's journaled hashes are `value_hashes` of its own rows and slots."""
     from optimizer_service.journal import encode_journal
     from optimizer_service.plan import TableStep
 
@@ -244,11 +244,22 @@ async def test_a_replay_of_an_expired_rows_push_starts_from_fresh_slots_as_the_p
     np.testing.assert_array_equal(slots, want_slots)
 
 
-async def test_a_journal_of_an_older_service_with_the_new_values_hashes_still_replays(
-    memcached_nodes: list[str], aiohttp_server: Any
+@pytest.mark.parametrize(
+    ("older", "holds", "lacks"),
+    [
+        ("new-values-hashes", b"row_hashes", b"old_hashes"),
+        ("old-items-hashes", b"old_hashes", b"split"),
+    ],
+)
+async def test_a_journal_of_an_older_service_still_replays(
+    memcached_nodes: list[str], aiohttp_server: Any, older: str, holds: bytes, lacks: bytes
 ) -> None:
-    """Before, a journal carried the hashes of the new rows and slots: a replica of this
-    version finishes such a push, recomputing only the items that do not have them."""
+    """Journals of older services, one body each: before session 8 the hashes of the new
+    rows and slots (recompute the items that do not have them), in sessions 8-10 the hash
+    of each item before the push (recompute the items that still have it). A replica of
+    this version finishes either push, and steps no item twice."""
+    from optimizer_service.plan import TableStep
+
     tables = [{"name": "t", "dim": 8, "seed": 5}]  # Adam
     config = make_config(memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"])
     adam = make_optimizer(config.table("t").optimizer)
@@ -261,44 +272,16 @@ async def test_a_journal_of_an_older_service_with_the_new_values_hashes_still_re
         want_rows, want_slots = adam.update(rows, grads, slots)
         done = np.array([MIX[i % 4] for i in range(8)])
         await store.set_many([TableWrite("t", ids[done], want_rows[done], slots=want_slots[done])])
-        update = TableUpdate("t", ids, want_rows, want_slots, grads=grads)
-        await Journal(store, replica=0).write(2, WritePlan(push_id="older", updates=[update]))
+        if older == "new-values-hashes":
+            update = TableUpdate("t", ids, want_rows, want_slots, grads=grads)
+            plan = WritePlan(push_id=older, updates=[update])
+        else:
+            plan = WritePlan(
+                push_id=older, updates=[], steps=[TableStep("t", ids, grads, rows, slots)]
+            )
+        await Journal(store, replica=0).write(2, plan)
         (raw,) = await store.get_blobs(META_TABLE, [journal_id(0, 2)], kind=Kind.JOURNAL)
-    assert raw is not None and b"row_hashes" in raw and b"old_hashes" not in raw
-
-    await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
-    async with EmbeddingStore(config) as store:
-        got_rows, got_slots, found = await _read(store, "t", ids)
-    assert found.all()
-    np.testing.assert_array_equal(got_rows, want_rows)
-    np.testing.assert_array_equal(got_slots, want_slots)
-
-
-async def test_a_journal_of_an_older_service_with_the_old_items_hashes_still_replays(
-    memcached_nodes: list[str], aiohttp_server: Any
-) -> None:
-    """Sessions 8-10 journaled the hash of each item before the push (one body): a
-    replica of this version finishes such a push, recomputing the items that still have
-    that hash, and only those."""
-    from optimizer_service.plan import TableStep
-
-    tables = [{"name": "t", "dim": 8, "seed": 5}]  # Adam
-    config = make_config(memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"])
-    adam = make_optimizer(config.table("t").optimizer)
-    ids = np.arange(8, dtype=np.int64)
-    grads = np.random.default_rng(12).standard_normal((8, 8), dtype=np.float32)
-    async with EmbeddingStore(config) as store:
-        await store.write_sentinels()
-        await store.lookup("t", ids)
-        rows, slots, _ = await _read(store, "t", ids)
-        want_rows, want_slots = adam.update(rows, grads, slots)
-        done = np.array([MIX[i % 4] for i in range(8)])
-        await store.set_many([TableWrite("t", ids[done], want_rows[done], slots=want_slots[done])])
-        step = TableStep("t", ids, grads, rows, slots)
-        plan = WritePlan(push_id="sessions-8-10", updates=[], steps=[step])
-        await Journal(store, replica=0).write(5, plan)
-        (raw,) = await store.get_blobs(META_TABLE, [journal_id(0, 5)], kind=Kind.JOURNAL)
-    assert raw is not None and b"old_hashes" in raw and b"split" not in raw
+    assert raw is not None and holds in raw and lacks not in raw
 
     await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
     async with EmbeddingStore(config) as store:
