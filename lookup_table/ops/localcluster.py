@@ -77,7 +77,10 @@ def wait_for_port(
 
 @dataclass
 class MemcachedProcess:
-    """One memcached server we started; `stop()` always cleans up."""
+    """One memcached server we started; `stop()` always cleans up.
+
+    With no `log_path`, its output goes to a temporary file that `stop()` removes.
+    """
 
     host: str
     port: int
@@ -85,6 +88,7 @@ class MemcachedProcess:
     extra_args: Sequence[str] = ()
     log_path: Path | None = None
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _temporary_log: bool = field(default=False, repr=False)
 
     @property
     def address(self) -> str:
@@ -128,6 +132,7 @@ class MemcachedProcess:
             fd, name = tempfile.mkstemp(prefix="memcached-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
+            self._temporary_log = True
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.command(),
@@ -138,8 +143,9 @@ class MemcachedProcess:
             )
         if not wait_for_port(self.host, self.port, timeout_s=timeout_s, proc=self.proc):
             code = self.proc.poll()
-            self.stop()
+            self.kill()
             tail = self.log_path.read_text(errors="replace")[-500:].strip()
+            self.stop()
             raise RuntimeError(
                 f"memcached on {self.address} did not start (exit code {code}): "
                 f"{tail or 'no output; is the port taken?'}"
@@ -152,14 +158,17 @@ class MemcachedProcess:
             self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 5 s; safe to call twice."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        """SIGTERM, then SIGKILL after 5 s; removes a temporary log; safe to call twice."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._temporary_log and self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
+            self.log_path = None
+            self._temporary_log = False
 
     def restart_empty(self) -> None:
         """Kill -9 and start again on the same port: the node comes back with no data."""

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from lookup_table.ops.localcluster import REQUESTS_PER_EVENT, MemcachedProcess, free_port
+from lookup_table.ops.localcluster import (
+    REQUESTS_PER_EVENT,
+    MemcachedProcess,
+    free_port,
+    start_memcached,
+)
 from tests.conftest import memcached_settings
 
 pytestmark = pytest.mark.integration
@@ -79,3 +84,22 @@ def test_local_nodes_run_without_eviction_and_serve_whole_pipelines() -> None:
     assert settings["evictions"] == "off"  # -M
     assert settings["reqs_per_event"] == str(REQUESTS_PER_EVENT)
     assert settings["udpport"] == "0"
+
+
+def test_a_node_removes_its_temporary_log_when_stopped_and_keeps_a_given_one(
+    tmp_path: Path,
+) -> None:
+    """Thousands of test nodes must not leave thousands of empty logs in /tmp."""
+    node = start_memcached(memory_mb=16)
+    log = node.log_path
+    assert log is not None and log.exists()
+    node.restart_empty()  # the same log across a restart
+    assert node.log_path == log and log.exists()
+    node.stop()
+    assert not log.exists()
+    node.stop()  # twice is fine
+
+    given = tmp_path / "node.log"
+    node = start_memcached(memory_mb=16, log_path=given)
+    node.stop()
+    assert given.exists()  # a log the caller named is the caller's
