@@ -146,9 +146,13 @@ class Adam:
         c = self.config
         dim = weights.shape[1]
         t = new_slots[:, 2 * dim :]  # (n, 1): broadcasts over the row
-        beta_1_power = _beta_powers(c.beta_1, t)
-        beta_2_power = _beta_powers(c.beta_2, t)
-        alpha = _F32(c.learning_rate) * np.sqrt(_F32(1) - beta_2_power) / (_F32(1) - beta_1_power)
+        # alpha per distinct step, then a gather: elementwise float32 operations give the
+        # same bits on the distinct steps as on every row's copy of them
+        steps, inverse = np.unique(t, return_inverse=True)
+        beta_1_power = _beta_powers(c.beta_1, steps)
+        beta_2_power = _beta_powers(c.beta_2, steps)
+        alphas = _F32(c.learning_rate) * np.sqrt(_F32(1) - beta_2_power) / (_F32(1) - beta_1_power)
+        alpha = alphas[inverse.reshape(-1)].reshape(t.shape)
         delta: Float32Array = new_slots[:, :dim] * alpha
         denom = np.sqrt(new_slots[:, dim : 2 * dim])
         denom += _F32(c.epsilon)
