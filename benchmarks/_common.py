@@ -542,17 +542,6 @@ def service_log_errors(run_dir: Path, replica: int = 0) -> list[str]:
     return [ln for ln in log.read_text(errors="replace").splitlines() if " ERROR " in ln][:5]
 
 
-def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> None:
-    """Terminate `proc` if it still runs; kill it if it has not exited after `timeout_s`."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def cluster_pids(run_dir: Path) -> dict[str, int]:
     """{"optimizer": pid, "memcached-1": pid, ...} from the pid files of `localcluster up`."""
     pids: dict[str, int] = {}

@@ -81,7 +81,7 @@ from numpy.typing import NDArray
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, load_config
 from lookup_table.core.optimizers import Optimizer, make_optimizer
-from lookup_table.ops.localcluster import free_port, memcached_cluster
+from lookup_table.ops.localcluster import free_port, memcached_cluster, stop_process
 from lookup_table.store import EmbeddingStore, TableWrite
 from optimizer_service.malloc import tune_malloc
 
@@ -95,7 +95,6 @@ from _common import (
     plot_rates,
     progress,
     report_head,
-    stop_process,
     timed,
     to_toml,
     write_json,

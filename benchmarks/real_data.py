@@ -109,10 +109,11 @@ from _common import (
     report_head,
     running_cluster,
     service_log_errors,
-    stop_process,
     to_toml,
     write_json,
 )
+
+from lookup_table.ops.localcluster import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"

@@ -89,10 +89,11 @@ from _common import (
     quiet_options,
     report_head,
     service_log_errors,
-    stop_process,
     wait_for_quiet,
     write_json,
 )
+
+from lookup_table.ops.localcluster import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"

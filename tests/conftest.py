@@ -23,7 +23,12 @@ from hypothesis import HealthCheck, settings
 from pymemcache.client.base import Client as SyncClient
 
 from lookup_table.config import ClusterConfig, parse_config
-from lookup_table.ops.localcluster import MemcachedProcess, memcached_cluster, wait_for_port
+from lookup_table.ops.localcluster import (
+    MemcachedProcess,
+    memcached_cluster,
+    stop_process,
+    wait_for_port,
+)
 from lookup_table.store import EmbeddingStore
 
 # With filterwarnings=error, a failing hypothesis test would crash the session
@@ -179,11 +184,6 @@ def memcached_settings(argv: list[str], port: int) -> dict[str, str]:
             line.split(" ", 2)[1:] for line in data.decode().splitlines() if line.startswith("STAT")
         )
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout_s=10)
         if proc.stdout is not None:
             proc.stdout.close()

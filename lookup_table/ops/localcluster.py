@@ -29,6 +29,7 @@ __all__ = [
     "free_port",
     "memcached_binary",
     "start_memcached",
+    "stop_process",
     "wait_for_port",
 ]
 
@@ -59,6 +60,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> None:
+    """Terminate `proc` if it still runs; kill -9 it if it has not exited after
+    `timeout_s` (and wait up to 10 s more for that)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def wait_for_port(
@@ -159,12 +172,8 @@ class MemcachedProcess:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 5 s; removes a temporary log; safe to call twice."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.proc is not None:
+            stop_process(self.proc, timeout_s=5)
         if self._temporary_log and self.log_path is not None:
             self.log_path.unlink(missing_ok=True)
             self.log_path = None

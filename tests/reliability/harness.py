@@ -25,6 +25,7 @@ from pymemcache.client.base import Client as MemcacheClient
 
 from lookup_table import EmbeddingStore
 from lookup_table.config import ClusterConfig
+from lookup_table.ops.localcluster import stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,12 +100,8 @@ class ServiceProcess:
 
     def terminate(self) -> None:
         """SIGTERM (a graceful stop that flushes the logs), then kill -9 after 10 s."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.proc is not None:
+            stop_process(self.proc, timeout_s=10)
 
     def log(self) -> str:
         return "".join(
