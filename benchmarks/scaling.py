@@ -14,9 +14,11 @@ worker I of N gets batches I, I+N, ...), async mode, `trainer.Trainer` with its 
 Each run starts a fresh local cluster (`_common.local_cluster`: 2 memcached nodes and 1
 optimizer replica, a fresh namespace, `workers` = N) and N trainer processes (this script
 with `--role trainer`). Every trainer builds its batches and model first, then waits at a
-barrier so that all start training together, and records the monotonic time at the end of
-each step. Meanwhile this process samples, every `SAMPLE_S`, utime + stime of every
-process taking part (/proc/<pid>/stat) and the whole machine's busy time (/proc/stat).
+barrier so that all start training together, and at a second one after its `--warmup`
+steps so that all start their timed steps together (the time it passes that one counts as
+the end of its last warm-up step). It records the monotonic time at the end of each step.
+Meanwhile this process samples, every `SAMPLE_S`, utime + stime of every process taking
+part (/proc/<pid>/stat) and the whole machine's busy time (/proc/stat).
 
 The window of a run is from the moment the last trainer finished its `--warmup`-th step to
 the moment the first trainer finished its last step: every trainer is training throughout.
@@ -114,6 +116,16 @@ COLORS = {
 # ---------------------------------------------------------------- the trainer process
 
 
+def wait_for_files(paths: Sequence[Path], *, timeout_s: float = 300.0) -> None:
+    """Poll until every one of `paths` exists (a barrier between processes)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            missing = [str(p) for p in paths if not p.exists()]
+            raise RuntimeError(f"no {', '.join(missing)} after {timeout_s:.0f} s")
+        time.sleep(0.01)
+
+
 def trainer_role(args: argparse.Namespace) -> int:
     """One trainer: its batches, the model, the barrier, Trainer.fit with step end times."""
     from lookup_table.config import load_config
@@ -142,16 +154,22 @@ def trainer_role(args: argparse.Namespace) -> int:
         def train_step(self, features: Any, labels: Any) -> float:
             loss = super().train_step(features, labels)
             ends.append(time.monotonic())  # CLOCK_MONOTONIC: one clock for every process
+            if len(ends) == args.warmup:
+                # every trainer starts its timed steps together: a trainer slow to warm up
+                # (a page-fault stall, TF's tracing) does not leave the others' timed steps
+                # outside the common window
+                barrier(Path(args.go_file).with_name(f"warm-{args.worker_index}"))
+                ends[-1] = time.monotonic()  # the timed steps start here, not before the wait
             return loss
+
+    def barrier(mine: Path) -> None:
+        mine.touch()
+        others = [mine.with_name(f"warm-{i}") for i in range(args.num_workers)]
+        wait_for_files(others)
 
     with TimedTrainer(config, model, worker_index=args.worker_index, progress=False) as trainer:
         Path(args.ready_file).touch()
-        go = Path(args.go_file)
-        deadline = time.monotonic() + 300
-        while not go.exists():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no {go} after 300 s")
-            time.sleep(0.02)
+        wait_for_files([Path(args.go_file)])
         result = trainer.fit(batches, steps=args.steps)
         pushes_in_flight = trainer.max_pushes_in_flight
     out = {
