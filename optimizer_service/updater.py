@@ -65,7 +65,7 @@ from lookup_table.core.keys import IdArray
 from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id, version_id
 from lookup_table.core.optimizers import Optimizer, make_optimizer
 from lookup_table.core.rows import NOT_UPDATED, change_witnesses, still_old, value_hashes
-from lookup_table.core.sharding import row_hashes
+from lookup_table.core.sharding import row_hashes_many
 from lookup_table.core.wire import encode_array, encode_ids
 from lookup_table.dense import DenseGeneration, DenseParams
 from lookup_table.store import EmbeddingStore, TableRead, TableWrite
@@ -321,9 +321,7 @@ class Updater:
         on_plan: Callable[[WritePlan], None] | None = None,
     ) -> dict[str, Any]:
         keys = LockSet(
-            np.concatenate([row_hashes(t.table, t.ids) for t in push.tables])
-            if push.tables
-            else np.empty(0, dtype=np.uint64),
+            row_hashes_many([t.table for t in push.tables], [t.ids for t in push.tables]),
             dense=bool(push.dense) or version is not None,  # one dense (and version) update
         )
         await self.locks.acquire(keys)

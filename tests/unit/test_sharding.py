@@ -8,7 +8,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lookup_table.core.hashing import id_hashes
-from lookup_table.core.sharding import assign, node_of, node_of_many, owner_of, row_hashes
+from lookup_table.core.sharding import (
+    assign,
+    node_of,
+    node_of_many,
+    owner_of,
+    row_hashes,
+    row_hashes_many,
+)
 from tests.strategies import INT64_MAX, INT64_MIN, int_id_arrays, table_names
 from tests.unit._fresh import fresh_json
 
@@ -252,4 +259,28 @@ def test_node_of_many_is_node_of_per_table(parts: list[tuple[str, np.ndarray]], 
     got = node_of_many(tables, arrays, nodes) if parts else np.zeros(0, dtype=np.intp)
     np.testing.assert_array_equal(
         got, np.concatenate(expected) if expected else np.zeros(0, dtype=np.intp)
+    )
+
+
+@given(
+    st.lists(
+        st.tuples(
+            table_names,
+            st.one_of(
+                int_id_arrays(max_size=30),
+                st.lists(st.text(max_size=8), max_size=5).map(
+                    lambda xs: np.array(xs, dtype=object)
+                ),
+            ),
+        ),
+        max_size=6,
+    )
+)
+def test_row_hashes_many_is_row_hashes_per_table(parts: list[tuple[str, np.ndarray]]) -> None:
+    """Int tables in one pass, or any mix with str tables: the same hashes, concatenated."""
+    got = row_hashes_many([t for t, _ in parts], [ids for _, ids in parts])
+    expected = [row_hashes(t, ids) for t, ids in parts]
+    assert got.dtype == np.uint64
+    np.testing.assert_array_equal(
+        got, np.concatenate(expected) if expected else np.zeros(0, dtype=np.uint64)
     )
