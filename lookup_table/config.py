@@ -166,12 +166,20 @@ class ClusterConfig:
     tables: tuple[TableSpec, ...] = ()
     store: StoreConfig = field(default_factory=StoreConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
+    # the tables by name: `table` is on every push's path, several times per table
+    _by_name: dict[str, TableSpec] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {t.name: t for t in self.tables})
+
+    def has_table(self, name: str) -> bool:
+        return name in self._by_name
 
     def table(self, name: str) -> TableSpec:
         """The spec of table `name`; ConfigError listing the known tables otherwise."""
-        for spec in self.tables:
-            if spec.name == name:
-                return spec
+        spec = self._by_name.get(name)
+        if spec is not None:
+            return spec
         known = ", ".join(t.name for t in self.tables) or "none"
         raise ConfigError(f"unknown table {name!r}; the cluster file defines: {known}")
 

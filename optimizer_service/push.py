@@ -143,7 +143,7 @@ def _parse_answer(raw: Any, replica: int) -> frozenset[str]:
 def _parse_table(
     config: ClusterConfig, name: Any, entry: Any, replica: int, num_replicas: int
 ) -> TableGrads:
-    if not isinstance(name, str) or not any(t.name == name for t in config.tables):
+    if not isinstance(name, str) or not config.has_table(name):
         known = ", ".join(t.name for t in config.tables) or "none"
         raise BadRequestError(
             f"tables: unknown table {describe(name)}; the service knows: {known}",
