@@ -136,6 +136,23 @@ def _normal(
     return radius * np.cos(2.0 * np.pi * u2), u1, u2
 
 
+def _normal_at(
+    base: NDArray[np.uint64], cols: NDArray[np.intp], round_: int, dim: int
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
+    """`_normal(base, round_, dim)`'s entry at column `cols[k]` of each `base[k]`, (k,).
+
+    The same counters and formula, for the entries a truncation redraws only (about 1 in
+    22 per round), where `_normal` of their rows would compute every column of them.
+    """
+    first = np.uint64(round_ * 2 * dim + 1) + cols.astype(np.uint64)
+    bits1 = mix64(base + first * _GOLDEN)
+    bits2 = mix64(base + (first + np.uint64(dim)) * _GOLDEN)
+    u1 = (bits1 >> np.uint64(11)).astype(np.float64) * _TWO_POW_M53
+    u2 = (bits2 >> np.uint64(11)).astype(np.float64) * _TWO_POW_M53
+    radius = np.sqrt(-2.0 * np.log1p(-u1))
+    return radius * np.cos(2.0 * np.pi * u2), u1, u2
+
+
 def _exact_cos(x: decimal.Decimal) -> decimal.Decimal:
     """cos(x) for x in [0, 2*pi) to about 48 digits (Taylor series after folding to [0, pi])."""
     with decimal.localcontext(_EXACT):
@@ -207,8 +224,8 @@ def _beyond_two(
     """|z| > 2, decided exactly where float64 z is too close to 2 to call."""
     size = np.abs(z)
     beyond = size > 2.0
-    for i, j in zip(*np.nonzero(np.abs(size - 2.0) <= 2.0 * _HARD_MARGIN), strict=True):
-        beyond[i, j] = abs(_exact_normal(u1[i, j], u2[i, j])) > 2
+    for at in zip(*np.nonzero(np.abs(size - 2.0) <= 2.0 * _HARD_MARGIN), strict=True):
+        beyond[at] = abs(_exact_normal(u1[at], u2[at])) > 2
     return beyond
 
 
@@ -232,21 +249,16 @@ def initial_rows(
         return _normal_to_float32(p["mean"], p["stddev"], *_normal(base, 0, dim))
     if spec.name == "truncated_normal":
         z, u1, u2 = _normal(base, 0, dim)
-        beyond = _beyond_two(z, u1, u2)
-        bad_rows = np.flatnonzero(beyond.any(axis=1))
+        # a value beyond two stddev is redrawn from the same column of the next round's
+        # counters, until it is within: only those entries are computed
+        redo_rows, redo_cols = np.nonzero(_beyond_two(z, u1, u2))
         for round_ in range(1, _MAX_TRUNCATION_ROUNDS):
-            if bad_rows.size == 0:
+            if redo_rows.size == 0:
                 break
-            redraw = _normal(base[bad_rows], round_, dim)
-            redraw_beyond = _beyond_two(*redraw)
-            sub = [z[bad_rows], u1[bad_rows], u2[bad_rows]]
-            out_of_range = beyond[bad_rows]
-            for old, new in zip(sub, redraw, strict=True):
-                old[out_of_range] = new[out_of_range]
-            z[bad_rows], u1[bad_rows], u2[bad_rows] = sub
-            still_out = out_of_range & redraw_beyond
-            beyond[bad_rows] = still_out
-            bad_rows = bad_rows[still_out.any(axis=1)]
+            redraw = _normal_at(base[redo_rows], redo_cols, round_, dim)
+            z[redo_rows, redo_cols], u1[redo_rows, redo_cols], u2[redo_rows, redo_cols] = redraw
+            still_out = _beyond_two(*redraw)
+            redo_rows, redo_cols = redo_rows[still_out], redo_cols[still_out]
         np.clip(z, -2.0, 2.0, out=z)  # after 64 rounds: probability ~1e-86, never in practice
         return _normal_to_float32(p["mean"], p["stddev"], z, u1, u2)
     raise ValueError(f"unknown initializer {spec.name!r}")

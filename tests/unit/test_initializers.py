@@ -238,6 +238,30 @@ def test_truncated_normal_redraws_do_not_depend_on_the_batch() -> None:
         assert again.tobytes() == rows[chunk].tobytes()
 
 
+@pytest.mark.parametrize("dim", [1, 5, 64])
+def test_truncated_normal_redraws_are_the_next_rounds_counters(dim: int) -> None:
+    """The definition, computed whole: every round's normal values for every entry
+    (`_normal` of full rows), and each entry takes the first round where |z| <= 2. The
+    initializer computes only the entries it redraws: the same bits."""
+    ids = np.arange(-3000, 3000, dtype=np.int64)
+    p = spec("truncated_normal", mean=0.25, stddev=0.5).params
+    base = initializers.combine(
+        initializers.id_hashes(ids), initializers.stable_hash("init-seed:9")
+    )
+    rounds = [initializers._normal(base, r, dim) for r in range(6)]
+    z, u1, u2 = (np.array(part) for part in rounds[0])
+    pending = initializers._beyond_two(z, u1, u2)
+    assert pending.any()
+    for r in range(1, 6):
+        rz, ru1, ru2 = rounds[r]
+        z[pending], u1[pending], u2[pending] = rz[pending], ru1[pending], ru2[pending]
+        pending &= initializers._beyond_two(rz, ru1, ru2)
+    assert not pending.any()  # no entry of these ids needs a 7th round
+    expected = initializers._normal_to_float32(p["mean"], p["stddev"], z, u1, u2)
+    got = initial_rows(spec("truncated_normal", mean=0.25, stddev=0.5), seed=9, ids=ids, dim=dim)
+    assert got.tobytes() == expected.tobytes()
+
+
 @pytest.mark.parametrize("name", RANDOM_NAMES)
 def test_different_seeds_and_ids_differ(name: str) -> None:
     ids = np.arange(1000, dtype=np.int64)
