@@ -116,11 +116,21 @@ class InitializerSpec:
         return {"name": self.name, **self.params}
 
 
+def _uniform(base: NDArray[np.uint64], counters: NDArray[np.uint64]) -> NDArray[np.float64]:
+    """Uniform [0, 1) float64 of each (base, counter) pair, broadcast (the module's formula)."""
+    bits = mix64(base + (counters + np.uint64(1)) * _GOLDEN)
+    return (bits >> np.uint64(11)).astype(np.float64) * _TWO_POW_M53
+
+
 def _uniform01(base: NDArray[np.uint64], first_counter: int, count: int) -> NDArray[np.float64]:
     """Uniform [0, 1) float64 (n, count) from counters first_counter .. first_counter+count-1."""
-    counters = np.arange(first_counter, first_counter + count, dtype=np.uint64) + np.uint64(1)
-    bits = mix64(base[:, None] + counters[None, :] * _GOLDEN)
-    return (bits >> np.uint64(11)).astype(np.float64) * _TWO_POW_M53
+    counters = np.arange(first_counter, first_counter + count, dtype=np.uint64)
+    return _uniform(base[:, None], counters[None, :])
+
+
+def _box_muller(u1: NDArray[np.float64], u2: NDArray[np.float64]) -> NDArray[np.float64]:
+    radius = np.sqrt(-2.0 * np.log1p(-u1))  # 1 - u is in (0, 1]: log is finite
+    return radius * np.cos(2.0 * np.pi * u2)
 
 
 def _normal(
@@ -132,8 +142,7 @@ def _normal(
     """
     u = _uniform01(base, round_ * 2 * dim, 2 * dim)
     u1, u2 = u[:, :dim], u[:, dim:]
-    radius = np.sqrt(-2.0 * np.log1p(-u1))  # 1 - u is in (0, 1]: log is finite
-    return radius * np.cos(2.0 * np.pi * u2), u1, u2
+    return _box_muller(u1, u2), u1, u2
 
 
 def _normal_at(
@@ -144,13 +153,10 @@ def _normal_at(
     The same counters and formula, for the entries a truncation redraws only (about 1 in
     22 per round), where `_normal` of their rows would compute every column of them.
     """
-    first = np.uint64(round_ * 2 * dim + 1) + cols.astype(np.uint64)
-    bits1 = mix64(base + first * _GOLDEN)
-    bits2 = mix64(base + (first + np.uint64(dim)) * _GOLDEN)
-    u1 = (bits1 >> np.uint64(11)).astype(np.float64) * _TWO_POW_M53
-    u2 = (bits2 >> np.uint64(11)).astype(np.float64) * _TWO_POW_M53
-    radius = np.sqrt(-2.0 * np.log1p(-u1))
-    return radius * np.cos(2.0 * np.pi * u2), u1, u2
+    first = np.uint64(round_ * 2 * dim) + cols.astype(np.uint64)
+    u1 = _uniform(base, first)
+    u2 = _uniform(base, first + np.uint64(dim))
+    return _box_muller(u1, u2), u1, u2
 
 
 def _exact_cos(x: decimal.Decimal) -> decimal.Decimal:
