@@ -188,6 +188,8 @@ class _Part:
     take: int = 0  # fixed-width reads: the leading bytes of each value kept (0: all)
     values: NDArray[np.uint8] | Sequence[bytes] | None = None  # writes, aligned with ids
     exptime: int = 0  # > 0: memcached's T flag, the TTL its reads and writes give (expiry.py)
+    # writes of some of the ids only: `values` holds just theirs, row rank[i] for position i
+    rank: NDArray[np.intp] | None = None
 
     @property
     def kept(self) -> int:
@@ -195,6 +197,8 @@ class _Part:
         return self.take or self.nbytes
 
     def values_at(self, index: NDArray[np.intp]) -> NDArray[np.uint8] | list[bytes]:
+        if self.rank is not None:
+            index = self.rank[index]
         if isinstance(self.values, np.ndarray):
             return self.values[index]
         if self.values is None:
@@ -343,6 +347,12 @@ class _TableLookup:
         """A batch part of this table's rows over its ids where `only` is true."""
         placed = self.rows.placed
         return _Part(placed, self.rows.prefix, placed.only(only), exptime=self.rows.exptime, **what)
+
+    def add(self, only: NDArray[np.bool_], items: NDArray[np.uint8]) -> _Part:
+        """A write of `items`, the stored values of the ids where `only` is true (in id
+        order): the new rows' items only, not a whole batch's."""
+        rank = (np.cumsum(only) - 1).astype(np.intp)
+        return self.part(only, values=items, rank=rank)
 
     def reread(self, only: NDArray[np.bool_]) -> _Part:
         """A read of this table's rows (without slots) over its ids where `only` is true."""
@@ -499,7 +509,7 @@ class EmbeddingStore:
                 t.rows.exptime = self._exptime(t.table, write=True)
             now = [(t, m) for t, m in new if self.config.table(t.table).admit_after == 1]
             counted = [(t, m) for t, m in new if self.config.table(t.table).admit_after > 1]
-            add_parts = [t.part(m, values=self._items(t.table, t.values, None)) for t, m in now]
+            add_parts = [t.add(m, self._items(t.table, t.values[m], None)) for t, m in now]
             if counted:
                 stored_all, counts = await self._add_and_count(
                     add_parts, [self._counter_part(t, m) for t, m in counted]
@@ -514,7 +524,7 @@ class EmbeddingStore:
                     admitted.append((t, ready))
             if admitted:  # the ids whose sighting just reached admit_after get their row
                 stored_late = await self._write(
-                    [t.part(m, values=self._items(t.table, t.values, None)) for t, m in admitted],
+                    [t.add(m, self._items(t.table, t.values[m], None)) for t, m in admitted],
                     add=True,
                 )
                 adds += zip(admitted, stored_late, strict=True)
