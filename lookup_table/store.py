@@ -1203,7 +1203,7 @@ class EmbeddingStore:
     async def _batch(
         self,
         node: Node,
-        commands: list[bytes],
+        commands: Sequence[protocol.Wire],
         parse_reply: Callable[[bytes, int], R | None],
         finish: Callable[[bytes, R], T],
         *,
@@ -1220,7 +1220,7 @@ class EmbeddingStore:
         check = check and self._check_sentinels
         if check and writes and node.address not in self._verified:
             await self._verify_format(node)
-        request = [self._sentinel_request(), *commands] if check else commands
+        request = [self._sentinel_request(), *commands] if check else list(commands)
 
         def parse(data: bytes) -> T | None:
             pos = self._check_sentinel(node, data, writes=writes) if check else 0

@@ -141,7 +141,7 @@ class _Conn(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------ one exchange
 
-    async def send(self, parts: Sequence[bytes]) -> None:
+    async def send(self, parts: Sequence[protocol.Wire]) -> None:
         """Write a request: small parts joined, big ones in slices (no copy), each slice
         once the transport took the one before (no more than one slice buffered)."""
         transport = self.transport
@@ -192,10 +192,10 @@ def _retrieve(task: asyncio.Future[None]) -> None:
         task.exception()
 
 
-def _slices(parts: Sequence[bytes]) -> Iterator[bytes | memoryview]:
+def _slices(parts: Sequence[protocol.Wire]) -> Iterator[protocol.Wire]:
     """A request's parts as writes of about `_WRITE_SLICE` bytes: runs of small parts
     joined (one send each, not one per part), big parts cut into views."""
-    run: list[bytes] = []
+    run: list[protocol.Wire] = []
     size = 0
     for part in parts:
         if not part:
@@ -232,7 +232,7 @@ class Node:
         return await _open_conn(self.spec, self._cfg)
 
     async def roundtrip(
-        self, request: bytes | Sequence[bytes], parse: Callable[[bytes], T | None]
+        self, request: bytes | Sequence[protocol.Wire], parse: Callable[[bytes], T | None]
     ) -> T:
         """Send one pipelined request ending in `mn` and parse the whole reply.
 
@@ -292,7 +292,7 @@ class Node:
             self._slots.release()
 
     async def _exchange(
-        self, conn: _Conn, payload: Sequence[bytes], parse: Callable[[bytes], T | None]
+        self, conn: _Conn, payload: Sequence[protocol.Wire], parse: Callable[[bytes], T | None]
     ) -> T:
         """One request/reply on `conn` (`payload` ends in `mn`); the connection goes back to
         the pool only if clean."""

@@ -67,6 +67,7 @@ __all__ = [
     "build_mg",
     "build_mg_quiet",
     "build_ms",
+    "Wire",
     "gather_values",
     "parse_mg",
     "parse_ma",
@@ -78,6 +79,10 @@ __all__ = [
 ]
 
 Keys: TypeAlias = "NDArray[np.uint8] | list[bytes]"
+Wire: TypeAlias = "bytes | memoryview"
+"""Bytes of a request: `build_ms` hands out a view of the buffer it laid its commands out
+in (a batch of rows is megabytes: copying it into a bytes object cost as much as laying
+it out). A view is sent as it is and is never modified afterwards."""
 """Keys of a batch: a uint8 matrix (n, key_len) of fixed-width keys, or a list of bytes."""
 
 END = b"mn\r\n"
@@ -200,7 +205,7 @@ def build_ms(
     quiet: bool = False,
     first: int = 0,
     total: int | None = None,
-) -> bytes:
+) -> Wire:
     """`ms <key> <len> [ME] [T<ttl>] [q [O<i>]]\\r\\n<value>\\r\\n` for every key.
 
     `add` (mode E) stores only if the key is absent; `ttl_s` > 0 makes the item
@@ -210,7 +215,8 @@ def build_ms(
     position i, zero-padded to `token_width(total)` digits as quiet reads do (the keys
     of one piece of a batch of `total` get `first` .. `first + len(keys) - 1`;
     `parse_ms_quiet_add`). Fixed-width keys with a fixed-width value matrix (n,
-    nbytes) are laid out with numpy; anything else is joined in Python.
+    nbytes) are laid out with numpy (and handed out as a view of that buffer: `Wire`);
+    anything else is joined in Python.
     """
     n = _num_keys(keys)
     tokens = quiet and add
@@ -244,7 +250,7 @@ def build_ms(
             col += ends
         out[:, col : col + nbytes] = values
         out[:, col + nbytes :] = _CRLF
-        return out.tobytes()
+        return out.reshape(-1).data
     key_list = [bytes(k) for k in keys] if isinstance(keys, np.ndarray) else keys
     value_list = [v.tobytes() for v in values] if isinstance(values, np.ndarray) else values
     if len(key_list) != len(value_list):

@@ -10,6 +10,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -107,7 +108,16 @@ async def test_a_reply_ending_in_mn_inside_a_value_is_read_on(peer) -> None:
 
 
 async def test_a_big_request_arrives_whole_and_the_connection_is_reused(peer) -> None:
-    parts = [b"a" * 10, b"b" * (3 * _WRITE_SLICE + 17), b"c" * 5, b"d" * (_WRITE_SLICE // 3)]
+    # build_ms hands out views of its numpy buffer: big and small ones are sent as bytes are
+    laid_out = np.resize(np.frombuffer(b"0123456789xyz", np.uint8), (_WRITE_SLICE // 4 + 5, 8))
+    parts = [
+        b"a" * 10,
+        b"b" * (3 * _WRITE_SLICE + 17),
+        b"c" * 5,
+        laid_out.reshape(-1).data,
+        b"d" * (_WRITE_SLICE // 3),
+        laid_out[:3].reshape(-1).data,
+    ]
     got: list[bytes] = []
 
     async def script(reader, writer, n) -> None:
