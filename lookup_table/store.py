@@ -1001,7 +1001,7 @@ class EmbeddingStore:
         if slots is None:
             if not width:
                 return encode_rows(rows, spec.dim)
-            slots = optimizer.initial_slots(n, spec.dim)
+            slots = optimizer.initial_slots(1, spec.dim)  # every row's: broadcast below
         else:
             slots = np.asarray(slots)
             if slots.shape != (n, width):

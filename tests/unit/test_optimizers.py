@@ -134,6 +134,8 @@ def test_make_optimizer_slots(
     assert opt.slot_width(8) == width
     slots = opt.initial_slots(5, 8)
     assert slots.dtype == np.float32 and slots.shape == (5, width)
+    # the same for every row: the store lays out new rows' items from one of them
+    np.testing.assert_array_equal(slots, np.broadcast_to(opt.initial_slots(1, 8), slots.shape))
 
 
 def test_initial_slots_values() -> None:

@@ -41,7 +41,8 @@ class Optimizer(Protocol):
         ...
 
     def initial_slots(self, n: int, dim: int) -> Float32Array:
-        """Slots of `n` rows that were never updated, float32 (n, slot_width(dim))."""
+        """Slots of `n` rows that were never updated, float32 (n, slot_width(dim)): the
+        same for every row (a new row's item is laid out from one row of them)."""
         ...
 
     def next_slots(self, grads: Float32Array, slots: Float32Array) -> Float32Array:
