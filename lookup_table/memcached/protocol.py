@@ -62,12 +62,12 @@ __all__ = [
     "STATUS_NOT_FOUND",
     "STATUS_NOT_STORED",
     "STATUS_STORED",
+    "Wire",
     "build_ma_count",
     "build_md",
     "build_mg",
     "build_mg_quiet",
     "build_ms",
-    "Wire",
     "gather_values",
     "parse_mg",
     "parse_ma",
@@ -79,11 +79,11 @@ __all__ = [
 ]
 
 Keys: TypeAlias = "NDArray[np.uint8] | list[bytes]"
+"""Keys of a batch: a uint8 matrix (n, key_len) of fixed-width keys, or a list of bytes."""
 Wire: TypeAlias = "bytes | memoryview"
 """Bytes of a request: `build_ms(view=True)` hands out a view of the buffer it laid its
 commands out in (a batch of rows is megabytes: copying it into a bytes object cost as
 much as laying it out). A view is sent as it is and is never modified afterwards."""
-"""Keys of a batch: a uint8 matrix (n, key_len) of fixed-width keys, or a list of bytes."""
 
 END = b"mn\r\n"
 END_REPLY = b"MN\r\n"
