@@ -59,7 +59,7 @@ from numpy.typing import NDArray
 from lookup_table.config import ClusterConfig, NodeSpec, parse_config
 from lookup_table.core.keys import int_key_matrix, key_prefix
 from lookup_table.memcached import commands
-from lookup_table.memcached.protocol import build_mg, build_ms
+from lookup_table.memcached.protocol import Wire, build_mg, build_ms
 from lookup_table.ops import checkpoint
 from lookup_table.ops.localcluster import memcached_cluster
 from lookup_table.store import EmbeddingStore
@@ -109,13 +109,14 @@ async def _exchange(spec: NodeSpec, request: bytes, end: bytes) -> bytes:
 
 
 async def _pipeline(
-    spec: NodeSpec, requests: list[bytes], parse: Callable[[bytes, int], None]
+    spec: NodeSpec, requests: list[list[Wire]], parse: Callable[[bytes, int], None]
 ) -> None:
-    """Requests ending in `mn`, one after the other on one connection."""
+    """Requests ending in `mn` (each in parts), one after the other on one connection."""
     reader, writer = await asyncio.open_connection(spec.host, spec.port, limit=_LIMIT)
     try:
         for i, request in enumerate(requests):
-            writer.write(request)
+            for part in request:
+                writer.write(part)
             chunks: list[bytes] = []
             tail = b""
             async with asyncio.timeout(60):
@@ -161,7 +162,7 @@ async def ceiling_read(
             keys[:, len(prefix) :] = bodies
             values = np.empty((bodies.shape[0], width), dtype=np.float32)
             starts = list(range(0, keys.shape[0], CHUNK))
-            requests = [build_mg(keys[s : s + CHUNK]) + b"mn\r\n" for s in starts]
+            requests = [[build_mg(keys[s : s + CHUNK]), b"mn\r\n"] for s in starts]
 
             def parse(
                 data: bytes,
@@ -207,7 +208,7 @@ async def ceiling_write(
             keys = int_key_matrix(key_prefix(config.namespace, table, kind), ids[index])
             raw = np.ascontiguousarray(array[index], dtype="<f4").view(np.uint8)
             requests += [
-                build_ms(keys[s : s + CHUNK], raw[s : s + CHUNK]) + b"mn\r\n"
+                [build_ms(keys[s : s + CHUNK], raw[s : s + CHUNK]), b"mn\r\n"]
                 for s in range(0, index.shape[0], CHUNK)
             ]
 

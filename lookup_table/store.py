@@ -1398,9 +1398,7 @@ class EmbeddingStore:
 
         ttls = [0] * len(segments) if exptimes is None else exptimes
         commands = [
-            protocol.build_ms(
-                k, v, add=add, ttl_s=t, quiet=True, first=b, total=bounds[-1], view=True
-            )
+            protocol.build_ms(k, v, add=add, ttl_s=t, quiet=True, first=b, total=bounds[-1])
             for (k, v), t, b in zip(segments, ttls, bounds, strict=False)
         ]
         if counts:  # the quiet sets end at this mn; the counts' replies follow it

@@ -43,7 +43,7 @@ per key (`parse_ms`), checked as one uint32 comparison when all are `HD`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, TypeAlias, overload
+from typing import TypeAlias
 
 import numpy as np
 from numpy.typing import NDArray
@@ -81,8 +81,8 @@ __all__ = [
 Keys: TypeAlias = "NDArray[np.uint8] | list[bytes]"
 """Keys of a batch: a uint8 matrix (n, key_len) of fixed-width keys, or a list of bytes."""
 Wire: TypeAlias = "bytes | memoryview"
-"""Bytes of a request: `build_ms(view=True)` hands out a view of the buffer it laid its
-commands out in (a batch of rows is megabytes: copying it into a bytes object cost as
+"""Bytes of a request: `build_ms` hands out a view of the buffer it laid its commands
+out in (a batch of rows is megabytes: copying it into a bytes object cost as
 much as laying it out). A view is sent as it is and is never modified afterwards."""
 
 END = b"mn\r\n"
@@ -196,34 +196,6 @@ def build_mg_quiet(
     return b"mg " + b"".join(parts)[:-3]
 
 
-@overload
-def build_ms(
-    keys: Keys,
-    values: NDArray[np.uint8] | list[bytes],
-    *,
-    add: bool = ...,
-    ttl_s: int = ...,
-    quiet: bool = ...,
-    first: int = ...,
-    total: int | None = ...,
-    view: Literal[False] = ...,
-) -> bytes: ...
-
-
-@overload
-def build_ms(
-    keys: Keys,
-    values: NDArray[np.uint8] | list[bytes],
-    *,
-    add: bool = ...,
-    ttl_s: int = ...,
-    quiet: bool = ...,
-    first: int = ...,
-    total: int | None = ...,
-    view: bool,
-) -> Wire: ...
-
-
 def build_ms(
     keys: Keys,
     values: NDArray[np.uint8] | list[bytes],
@@ -233,7 +205,6 @@ def build_ms(
     quiet: bool = False,
     first: int = 0,
     total: int | None = None,
-    view: bool = False,
 ) -> Wire:
     """`ms <key> <len> [ME] [T<ttl>] [q [O<i>]]\\r\\n<value>\\r\\n` for every key.
 
@@ -244,9 +215,8 @@ def build_ms(
     position i, zero-padded to `token_width(total)` digits as quiet reads do (the keys
     of one piece of a batch of `total` get `first` .. `first + len(keys) - 1`;
     `parse_ms_quiet_add`). Fixed-width keys with a fixed-width value matrix (n,
-    nbytes) are laid out with numpy; anything else is joined in Python. `view`: the
-    numpy layout is handed out as a view of its buffer (`Wire`), not copied into bytes
-    (the store's writes: a batch of rows is megabytes).
+    nbytes) are laid out with numpy and handed out as a view of that buffer (`Wire`);
+    anything else is joined in Python.
     """
     n = _num_keys(keys)
     tokens = quiet and add
@@ -280,7 +250,7 @@ def build_ms(
             col += ends
         out[:, col : col + nbytes] = values
         out[:, col + nbytes :] = _CRLF
-        return out.reshape(-1).data if view else out.tobytes()
+        return out.reshape(-1).data
     key_list = [bytes(k) for k in keys] if isinstance(keys, np.ndarray) else keys
     value_list = [v.tobytes() for v in values] if isinstance(values, np.ndarray) else values
     if len(key_list) != len(value_list):

@@ -155,8 +155,6 @@ def test_build_ms_matrix_equals_list_path(
     how["total"] = first + n + 7
     expected = build_ms(keys, value_list, **how)
     assert build_ms(matrix, values, **how) == expected
-    assert type(build_ms(matrix, values, **how)) is bytes  # a view only when asked for
-    assert build_ms(matrix, values, view=True, **how) == expected
     assert build_ms(matrix, value_list, **how) == expected  # mixed: Python join
     assert build_ms(keys, values, **how) == expected
     assert expected.count(b" ME") == (n if add else 0)
