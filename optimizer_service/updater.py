@@ -162,6 +162,7 @@ class Updater:
         self._inflight: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._finishers: set[asyncio.Task[None]] = set()
         self._cleanups: set[asyncio.Task[None]] = set()
+        self._recording: set[str] = set()  # written pushes whose done record is on its way
         self._on_rows = on_rows
         self._on_dropped = on_dropped  # (table, gradients of ids without a row dropped)
         self._rounds = SyncRounds(config.workers)
@@ -177,6 +178,8 @@ class Updater:
         return push_record_id(self.replica, push_id)
 
     async def is_done(self, push_id: str) -> bool:
+        if push_id in self._recording:
+            return True
         (value,) = await self.store.get_blobs(
             META_TABLE, [self._record_id(push_id)], kind=Kind.PUSH_RECORD
         )
@@ -289,6 +292,8 @@ class Updater:
         if running is not None:
             result = await asyncio.shield(running)
             return {**result, "applied": False, "duplicate": True}
+        if push.push_id in self._recording:  # written, its done record on its way
+            return {"applied": False, "duplicate": True, "rows": 0, "version": self.version}
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._inflight[push.push_id] = future
         try:
@@ -372,7 +377,7 @@ class Updater:
                 header_sent = True
                 await self.journal.write_end(slot, started.result(), plan)
                 journaled = True
-                await self._write_plan(plan)
+                await self._write_plan(plan, record=False)
             except BaseException:
                 await settled()
                 if plan is not None:
@@ -389,7 +394,8 @@ class Updater:
                         # might have landed all the same: then its chunks must stay)
                         self._discard_later(generation)
                 raise
-            self._clear_later(slot)
+            self._record_later(slot, plan, keys)
+            handed_over = True
             if self._sentinels is not None:
                 self.cache.put_many([(u.table, u.ids, u.rows, u.slots) for u in plan.updates])
         finally:
@@ -712,11 +718,14 @@ class Updater:
         if writes:
             await self.store.set_many(writes)
 
-    async def _write_plan(self, plan: WritePlan, *, replay: bool = False) -> None:
+    async def _write_plan(
+        self, plan: WritePlan, *, replay: bool = False, record: bool = True
+    ) -> None:
         """Write rows, slots, the dense switch and version; then the done record.
 
         `replay`: the plan comes back from the journal (a failed write or a crash); its
         dense switch happens only if `current` still names the state it replaces.
+        `record=False` leaves the done record to the caller (`_record_later`).
         """
         updates = list(plan.updates)
         if plan.redo:  # a journal's: read what is written, recompute the rest
@@ -745,15 +754,54 @@ class Updater:
                 )
             )
         await asyncio.gather(*jobs)
+        if record:
+            await self._write_record(plan.push_id)
+        if plan.version is not None:
+            await self._set_version(plan.version)
+
+    async def _write_record(self, push_id: str) -> None:
         await self.store.set_blobs(
             META_TABLE,
-            [self._record_id(plan.push_id)],
+            [self._record_id(push_id)],
             [b"1"],
             kind=Kind.PUSH_RECORD,
             ttl_s=self.push_record_ttl_s,
         )
-        if plan.version is not None:
-            await self._set_version(plan.version)
+
+    def _record_later(self, slot: int, plan: WritePlan, keys: LockSet) -> None:
+        """Write a written push's done record in the background (the push is answered
+        meanwhile), then unlock its rows and clear its journal slot.
+
+        Until the record is stored, the push counts as done here (`is_done`) and its rows
+        stay locked. So a crash meanwhile leaves its journal to a replay that no other
+        push has raced: the replay finds every item written and writes the record. A
+        failed write of the record hands the push to `_finish_later`, which holds the rows
+        until a replay of the journal (which writes the same values again) and the record
+        stick.
+        """
+        self._recording.add(plan.push_id)
+
+        async def record() -> None:
+            try:
+                await self._write_record(plan.push_id)
+            except Exception:
+                logger.warning(
+                    "replica %d: writing the done record of push %s failed; it is "
+                    "finished from its journal",
+                    self.replica,
+                    plan.push_id,
+                    exc_info=True,
+                )
+                self._finish_later(slot, plan, keys)
+                return
+            finally:
+                self._recording.discard(plan.push_id)
+            await self.locks.release(keys)
+            self._clear_later(slot)
+
+        task = asyncio.get_running_loop().create_task(record())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     def _finish_later(self, slot: int, plan: WritePlan, keys: LockSet) -> None:
         """Replay a journaled push in the background until it sticks (`Journal.finish_later`);

@@ -17,9 +17,10 @@ from prometheus_client import CollectorRegistry
 from lookup_table import EmbeddingStore, PushRejectedError, StorageFormatError, initial_rows
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
-from lookup_table.core.keyspace import sentinel_key
+from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id, sentinel_key
 from lookup_table.core.optimizers import make_optimizer
 from lookup_table.core.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
+from lookup_table.errors import StoreFullError
 from lookup_table.memcached.node import Node
 from optimizer_service import updater as updater_module
 from optimizer_service.app import UPDATER, make_app
@@ -435,6 +436,101 @@ async def test_journaled_push_is_finished_by_the_next_replica_exactly_once(
     async with OptimizerClient(cfg) as client:
         retry = await client.push({"user": (ids, grads)}, push_id=push_id)
     assert retry["duplicate"]
+    np.testing.assert_allclose(await _rows(config, "user", ids), before - 0.5, rtol=1e-6)
+
+
+async def test_a_push_answered_before_its_done_record_is_still_applied_once(
+    memcached_nodes, aiohttp_server
+) -> None:
+    """The done record is written after the push is answered. Until it is stored, a
+    retry is a duplicate and the rows stay locked (a push on them waits for it); a
+    replica that dies before it is stored leaves the journal, whose replay finds every
+    item written, recomputes none and writes the record: the retry is a duplicate."""
+    config = _config(memcached_nodes)
+    server = await _serve(config, aiohttp_server)
+    updater = server.app[UPDATER]
+    ids = np.array([20, 21], dtype=np.int64)
+    async with EmbeddingStore(config) as store:
+        before = await store.lookup("user", ids)
+    grads = np.ones((2, 8), dtype=np.float32)
+    hold = asyncio.Event()
+    real = updater._write_record
+
+    async def slow_record(push_id: str) -> None:
+        await hold.wait()
+        await real(push_id)
+
+    updater._write_record = slow_record  # type: ignore[method-assign]
+    first = uuid.uuid4().hex
+    push = parse_push(unpack(_body(first, {"user": (ids, grads)})), config=config)
+    assert (await updater.apply(push))["applied"]  # answered, its record not stored
+    np.testing.assert_allclose(await _rows(config, "user", ids), before - 0.5, rtol=1e-6)
+    assert await updater.is_done(first)
+    assert (await updater.apply(push))["duplicate"]
+    other = parse_push(unpack(_body(uuid.uuid4().hex, {"user": (ids, grads)})), config=config)
+    waiting = asyncio.ensure_future(updater.apply(other))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()  # the rows are locked until the record is stored
+    hold.set()
+    assert (await waiting)["applied"]
+    np.testing.assert_allclose(await _rows(config, "user", ids), before - 1.0, rtol=1e-6)
+    async with EmbeddingStore(config) as store:
+        (record,) = await store.get_blobs(
+            META_TABLE, [push_record_id(0, first)], kind=Kind.PUSH_RECORD
+        )
+    assert record == b"1"
+
+    # the replica "dies" with the record of its last push never written
+    hold.clear()
+    last = uuid.uuid4().hex
+    push = parse_push(unpack(_body(last, {"user": (ids, grads)})), config=config)
+    assert (await updater.apply(push))["applied"]
+    for task in list(updater._cleanups):
+        task.cancel()
+    await server.close()
+    np.testing.assert_allclose(await _rows(config, "user", ids), before - 1.5, rtol=1e-6)
+    restarted = await _serve(config, aiohttp_server)  # recovery runs before serving
+    np.testing.assert_allclose(await _rows(config, "user", ids), before - 1.5, rtol=1e-6)
+    cfg = dataclasses.replace(config, optimizers=(str(restarted.make_url("")).rstrip("/"),))
+    async with OptimizerClient(cfg) as client:
+        retry = await client.push({"user": (ids, grads)}, push_id=last)
+    assert retry["duplicate"]
+    np.testing.assert_allclose(await _rows(config, "user", ids), before - 1.5, rtol=1e-6)
+
+
+async def test_a_done_record_whose_write_fails_is_finished_from_the_journal(served) -> None:
+    """A failed write of the done record (the push is answered, its rows written): the
+    push is finished from its journal in the background, rows held meanwhile; the rows
+    end as the push computed them, once, and a retry is a duplicate."""
+    config, server = served
+    updater = server.app[UPDATER]
+    ids = np.array([30, 31], dtype=np.int64)
+    async with EmbeddingStore(config) as store:
+        before = await store.lookup("user", ids)
+    grads = np.ones((2, 8), dtype=np.float32)
+    real = updater._write_record
+    failures = 0
+
+    async def failing_once(push_id: str) -> None:
+        nonlocal failures
+        if failures == 0:
+            failures += 1
+            raise StoreFullError(
+                "memcached node n1 is full (SERVER_ERROR out of memory)", node="n1"
+            )
+        await real(push_id)
+
+    updater._write_record = failing_once  # type: ignore[method-assign]
+    push_id = uuid.uuid4().hex
+    async with OptimizerClient(config) as client:
+        result = await client.push({"user": (ids, grads)}, push_id=push_id)
+        assert result["applied"]
+        for _ in range(200):
+            if failures and not updater._cleanups and not updater._finishers:
+                break
+            await asyncio.sleep(0.05)
+        assert failures == 1 and not updater._finishers
+        assert (await client.push({"user": (ids, grads)}, push_id=push_id))["duplicate"]
     np.testing.assert_allclose(await _rows(config, "user", ids), before - 0.5, rtol=1e-6)
 
 
