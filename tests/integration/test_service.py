@@ -404,6 +404,26 @@ async def test_metrics_and_healthz(served, http) -> None:
     assert health.status == 200 and (await health.json())["status"] == "ok"
 
 
+async def _restart_and_retry(
+    config: ClusterConfig,
+    aiohttp_server: Any,
+    push_id: str,
+    ids: np.ndarray,
+    grads: np.ndarray,
+    *,
+    want: np.ndarray,
+) -> None:
+    """Start a replica again (its recovery runs before it serves): the "user" rows of
+    `ids` are `want`; the client's retry of `push_id` is a duplicate and changes nothing."""
+    restarted = await _serve(config, aiohttp_server)
+    np.testing.assert_allclose(await _rows(config, "user", ids), want, rtol=1e-6)
+    cfg = dataclasses.replace(config, optimizers=(str(restarted.make_url("")).rstrip("/"),))
+    async with OptimizerClient(cfg) as client:
+        retry = await client.push({"user": (ids, grads)}, push_id=push_id)
+    assert retry["duplicate"]
+    np.testing.assert_allclose(await _rows(config, "user", ids), want, rtol=1e-6)
+
+
 async def test_journaled_push_is_finished_by_the_next_replica_exactly_once(
     memcached_nodes, aiohttp_server
 ) -> None:
@@ -430,13 +450,7 @@ async def test_journaled_push_is_finished_by_the_next_replica_exactly_once(
     await server.close()
     np.testing.assert_array_equal(await _rows(config, "user", ids), before)
 
-    restarted = await _serve(config, aiohttp_server)  # recovery runs before serving
-    np.testing.assert_allclose(await _rows(config, "user", ids), before - 0.5, rtol=1e-6)
-    cfg = dataclasses.replace(config, optimizers=(str(restarted.make_url("")).rstrip("/"),))
-    async with OptimizerClient(cfg) as client:
-        retry = await client.push({"user": (ids, grads)}, push_id=push_id)
-    assert retry["duplicate"]
-    np.testing.assert_allclose(await _rows(config, "user", ids), before - 0.5, rtol=1e-6)
+    await _restart_and_retry(config, aiohttp_server, push_id, ids, grads, want=before - 0.5)
 
 
 async def test_a_push_answered_before_its_done_record_is_still_applied_once(
@@ -489,13 +503,7 @@ async def test_a_push_answered_before_its_done_record_is_still_applied_once(
         task.cancel()
     await server.close()
     np.testing.assert_allclose(await _rows(config, "user", ids), before - 1.5, rtol=1e-6)
-    restarted = await _serve(config, aiohttp_server)  # recovery runs before serving
-    np.testing.assert_allclose(await _rows(config, "user", ids), before - 1.5, rtol=1e-6)
-    cfg = dataclasses.replace(config, optimizers=(str(restarted.make_url("")).rstrip("/"),))
-    async with OptimizerClient(cfg) as client:
-        retry = await client.push({"user": (ids, grads)}, push_id=last)
-    assert retry["duplicate"]
-    np.testing.assert_allclose(await _rows(config, "user", ids), before - 1.5, rtol=1e-6)
+    await _restart_and_retry(config, aiohttp_server, last, ids, grads, want=before - 1.5)
 
 
 async def test_a_done_record_whose_write_fails_is_finished_from_the_journal(served) -> None:
