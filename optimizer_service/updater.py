@@ -51,7 +51,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -161,7 +169,7 @@ class Updater:
         self._version_changed = asyncio.Condition()
         self._inflight: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._finishers: set[asyncio.Task[None]] = set()
-        self._cleanups: set[asyncio.Task[None]] = set()
+        self._cleanups: set[asyncio.Task[object]] = set()
         self._recording: set[str] = set()  # written pushes whose done record is on its way
         self._on_rows = on_rows
         self._on_dropped = on_dropped  # (table, gradients of ids without a row dropped)
@@ -799,9 +807,7 @@ class Updater:
             await self.locks.release(keys)
             self._clear_later(slot)
 
-        task = asyncio.get_running_loop().create_task(record())
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
+        self._in_background(record())
 
     def _finish_later(self, slot: int, plan: WritePlan, keys: LockSet) -> None:
         """Replay a journaled push in the background until it sticks (`Journal.finish_later`);
@@ -837,14 +843,16 @@ class Updater:
             finally:
                 self.journal.give_back(slot)
 
-        task = asyncio.get_running_loop().create_task(clear())
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
+        self._in_background(clear())
 
     def _discard_later(self, generation: DenseGeneration) -> None:
         """Delete, in the background and best effort, the chunks of a dense generation
         that no journal or pointer names (its push failed before its journal header)."""
-        task = asyncio.get_running_loop().create_task(self.dense.discard(generation))
+        self._in_background(self.dense.discard(generation))
+
+    def _in_background(self, job: Coroutine[Any, Any, object]) -> None:
+        """Run `job` as a task that `pause` and `close` wait for (`_cleanups`)."""
+        task = asyncio.get_running_loop().create_task(job)
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 
