@@ -143,6 +143,8 @@ class OptimizerClient:
         writes): with "rows", `updated` maps each pushed table to (unique ids sorted,
         their rows after the push); with "dense", `params` and `dense_version` are the
         dense parameters after it (replica 0 answers whenever "dense" is asked).
+        `stamps` maps each replica that applied the push and keeps a row cache to
+        (epoch, seq): the push was its seq-th change of its rows since epoch.
         Replicas send that answer as soon as they computed it, before writing:
         `on_answer(answer)` (called on the client's loop) gets it then, while `push`
         returns only once every replica wrote the push (or raises if one failed).
@@ -339,10 +341,14 @@ class OptimizerClient:
 def _merged_answer(
     answers: Mapping[int, Mapping[str, Any]], asked: Sequence[str]
 ) -> dict[str, Any]:
-    """The replicas' answers to one push as one: `updated` rows, `params`, `dense_version`."""
+    """The replicas' answers to one push as one: `updated` rows, `params`, `dense_version`,
+    and `stamps` (replica -> (epoch, seq) of the replicas that stamped their answer)."""
     out: dict[str, Any] = {}
     if "rows" in asked:
         out["updated"] = _updated_rows([answers[k] for k in sorted(answers)])
+    out["stamps"] = {
+        k: (str(a["stamp"][0]), int(a["stamp"][1])) for k, a in answers.items() if "stamp" in a
+    }
     first = answers.get(0, {})
     if "dense" in asked and "params" in first:
         out["params"] = _arrays(first["params"])

@@ -139,6 +139,7 @@ class StoreConfig:
     connect_timeout_s: float = 2.0
     pool_size: int = 4
     max_batch_keys: int = 16384
+    trainer_cache_mb: int = 128
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -429,6 +430,7 @@ def _parse_store(raw: object) -> StoreConfig:
         ),
         pool_size=section.integer("pool_size", defaults.pool_size, minimum=1),
         max_batch_keys=section.integer("max_batch_keys", defaults.max_batch_keys, minimum=1),
+        trainer_cache_mb=section.integer("trainer_cache_mb", defaults.trainer_cache_mb, minimum=0),
     )
     section.finish([f.name for f in dataclasses.fields(StoreConfig)])
     return store

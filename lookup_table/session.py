@@ -49,6 +49,7 @@ from numpy.typing import NDArray
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
 from lookup_table.core.keys import IdArray, as_ids
+from lookup_table.core.rowcache import RowCache
 from lookup_table.errors import ConfigError
 from lookup_table.keras import DistributedEmbedding, RecordedLookup
 from lookup_table.store import EmbeddingStore
@@ -167,34 +168,52 @@ class _Partial:
         return out
 
 
+Known = tuple[NDArray[np.bool_], NDArray[np.float32]]
+"""Rows of a batch's ids known without a read: which ids, and their rows in that order."""
+
+
 async def _lookup_batch(
     store: EmbeddingStore,
     wanted: list[tuple[str, IdArray, NDArray[np.bool_] | None]],
+    known: Sequence[Known | None] | None = None,
     *,
     create: bool = True,
 ) -> list[NDArray[np.float32] | _Partial]:
     """The rows of every (table, unique ids, skipped or None) of a batch, in one
     `lookup_many` (one request per node): full rows, or a `_Partial` where ids are
-    skipped (left to a push's answer)."""
-    reads = [ids if skip is None else ids[~skip] for _, ids, skip in wanted]
+    skipped (left to a push's answer). The `known` rows (per entry, or None) are not
+    read but put in."""
+    known = known if known is not None else [None] * len(wanted)
+    lefts: list[NDArray[np.bool_] | None] = []  # per entry, the ids not read
+    for (_, _, skip), know in zip(wanted, known, strict=True):
+        lefts.append(skip if know is None else know[0] if skip is None else skip | know[0])
+    reads = [
+        ids if left is None else ids[~left] for (_, ids, _), left in zip(wanted, lefts, strict=True)
+    ]
     parts: dict[str, list[IdArray]] = {}
     for (table, _, _), read in zip(wanted, reads, strict=True):
-        parts.setdefault(table, []).append(read)
+        if read.shape[0]:
+            parts.setdefault(table, []).append(read)
     union = {
         table: got[0] if len(got) == 1 else cast(IdArray, np.unique(np.concatenate(got)))
         for table, got in parts.items()
     }
-    rows = await store.lookup_many(union, create=create)
+    rows = await store.lookup_many(union, create=create) if union else {}
     out: list[NDArray[np.float32] | _Partial] = []
-    for (table, ids, skip), read in zip(wanted, reads, strict=True):
-        every, values = union[table], rows[table]
-        mine = values if read is every else values[np.searchsorted(every, read)]
-        if skip is None:
-            out.append(mine)
+    for (table, ids, skip), know, left, read in zip(wanted, known, lefts, reads, strict=True):
+        if table in union:
+            every, values = union[table], rows[table]
+            mine = values if read is every else values[np.searchsorted(every, read)]
         else:
-            full = np.zeros((ids.shape[0], values.shape[1]), np.float32)
-            full[~skip] = mine
-            out.append(_Partial(rows=full, skipped=skip))
+            mine = np.empty((0, store.config.table(table).dim), np.float32)
+        if left is None:
+            out.append(mine)
+            continue
+        full = np.zeros((ids.shape[0], mine.shape[1]), np.float32)
+        if know is not None:
+            full[know[0]] = know[1]
+        full[~left] = mine
+        out.append(full if skip is None else _Partial(rows=full, skipped=skip))
     return out
 
 
@@ -220,6 +239,7 @@ class _Prefetched:
     def __init__(self) -> None:
         self.entries: dict[str, list[tuple[IdArray, _Part]]] = {}
         self.newer: list[RowPatch] = []
+        self.from_answers = False  # some rows were taken from earlier pushes' answers
         # per layer (by position in TrainingSession.layers): its ids as the graph step
         # is fed them
         self.fed: dict[int, tuple[_FedIds, _Part]] = {}
@@ -480,6 +500,21 @@ class TrainingSession:
         self._updated: RowPatch = {}
         self._dense_fresh = False
         self._unsettled: concurrent.futures.Future[Any] | None = None
+        # answered rows: every answer's rows, taken for later batches while the replicas'
+        # stamps show that no other push changed their rows (`_take_answer`)
+        self._answered = RowCache(
+            {
+                t.name: (t.dim, 0)
+                for t in config.tables
+                # not TTL rows (memcached expires them), nor ids counted for admission
+                # (each training lookup of one is a sighting)
+                if t.id_type == "int64" and t.ttl_s is None and t.admit_after == 1
+            },
+            config.store.trainer_cache_mb * 2**20 if self._read_your_writes else 0,
+        )
+        self._stamps: dict[int, tuple[str, int]] = {}
+        self._answers_current = False
+        self.rows_answered = 0  # rows a batch took from `_answered`, not from memcached
 
     # ------------------------------------------------------------ plumbing
 
@@ -593,10 +628,12 @@ class TrainingSession:
         *,
         answered: Mapping[str, IdArray] | None = None,
         create: bool = True,
+        earlier: bool = False,
     ) -> _Prefetched:
         """Fetch the rows of a batch ahead. Ids in `answered` (table -> sorted unique ids
         that a push in flight will answer with) are not read: that answer, which
-        `newer` gets, brings their rows."""
+        `newer` gets, brings their rows. With `earlier`, neither are the ids whose rows
+        earlier answers brought, while those are current (`_known_rows`)."""
         pre = _Prefetched()
         wanted: list[tuple[str, IdArray, NDArray[np.bool_] | None]] = []
         layers: list[tuple[int, _FedIds, bool]] = []
@@ -608,13 +645,67 @@ class TrainingSession:
             layers.append((i, fed, skip is None))
         if not wanted:
             return pre
-        batch = self._submit(_lookup_batch(self._store, wanted, create=create))
+        known = self._known_rows(wanted) if earlier else None
+        pre.from_answers = known is not None and any(k is not None for k in known)
+        batch = self._submit(_lookup_batch(self._store, wanted, known, create=create))
         for k, (i, fed, whole) in enumerate(layers):
             part = _Part(batch, k)
             if whole:
                 pre.entries.setdefault(self.layers[i].table, []).append((fed.uniq, part))
             pre.fed[i] = (fed, part)
         return pre
+
+    def _known_rows(
+        self, wanted: Sequence[tuple[str, IdArray, NDArray[np.bool_] | None]]
+    ) -> list[Known | None] | None:
+        """Per (table, unique ids, skipped) of a batch, the ids not skipped whose rows
+        earlier answers brought, and those rows; None when they may not be current."""
+        if not self._answers_current:
+            return None
+        asks = [
+            (k, ids if skip is None else np.flatnonzero(~skip))
+            for k, (table, ids, skip) in enumerate(wanted)
+            if self._answered.caches(table)
+        ]
+        got = self._answered.get_many(
+            [(wanted[k][0], ids if wanted[k][2] is None else wanted[k][1][ids]) for k, ids in asks]
+        )
+        out: list[Known | None] = [None] * len(wanted)
+        for (k, ids), (hit, rows, _) in zip(asks, got, strict=True):
+            if not hit.any():
+                continue
+            mask = np.zeros(wanted[k][1].shape[0], dtype=bool)
+            if wanted[k][2] is None:
+                mask = hit
+            else:
+                mask[ids[hit]] = True
+            out[k] = (mask, rows[hit])
+            self.rows_answered += int(hit.sum())
+        return out
+
+    def _take_answer(self, doc: Mapping[str, Any]) -> None:
+        """Keep a push's answered rows. Earlier answers stay current while every replica
+        stamped this answer as its next change after the last one it stamped for us:
+        no other push (of another trainer, or a restore, a node's data lost: a new epoch)
+        changed its rows in between. Otherwise they are dropped, and this answer's rows
+        start again; they count as current from the next stamps that follow on."""
+        stamps: Mapping[int, tuple[str, int]] = doc.get("stamps", {})
+        self._answers_current = all(
+            k in stamps
+            and k in self._stamps
+            and stamps[k] == (self._stamps[k][0], self._stamps[k][1] + 1)
+            for k in range(len(self.config.optimizers))
+        )
+        self._stamps = dict(stamps)
+        if not self._answers_current:
+            self._answered.forget()
+        self._answered.put_many(
+            [
+                (table, ids, rows, rows[:, :0])
+                for table, (ids, rows) in doc["updated"].items()
+                if self._answered.caches(table)
+            ]
+        )
 
     def _pushed_ids(self, features: Any) -> dict[str, IdArray]:
         """Per table, the ids this step's push will surely answer with: those of the fed
@@ -711,11 +802,17 @@ class TrainingSession:
         ahead = None
         if self._read_your_writes and upcoming is not None:
             # sent now, so it overlaps this step; the answer of the last push (if not
-            # written yet) and of this step's push patch it
-            ahead = self._prefetch(upcoming, answered=self._pushed_ids(features))
+            # written yet) and of this step's push patch it; rows of earlier answers
+            # are not read while they are current
+            pushed = self._pushed_ids(features)
+            ahead = self._prefetch(upcoming, answered=pushed, earlier=True)
             ahead.newer = list(self._unsettled_rows)
         out = compute()
         if ahead is not None:
+            if ahead.from_answers and not self._answers_current:
+                # this step's push showed another push since our last one: the rows taken
+                # from earlier answers may be older than the store's; read them after all
+                ahead = self._prefetch(upcoming, answered=pushed)
             ahead.newer.append(self._updated)
             self._prefetched = ahead
         elif self._pipelined and upcoming is not None:
@@ -819,6 +916,7 @@ class TrainingSession:
         """Push and take the rows and dense weights from the answer, which the replicas
         send before writing; the writes finish while the next step computes (`_settle`
         waits for them before the next push, at an evaluation and at the end)."""
+        self._answers_current = False  # until this push's answer says otherwise
         self._settle()
         answer = ("rows", "dense") if self.dense_refresh_steps == 1 else ("rows",)
         answered: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
@@ -836,6 +934,7 @@ class TrainingSession:
         doc = answered.result() if answered.done() else pushing.result()
         self._unsettled = pushing
         self._updated = doc["updated"]
+        self._take_answer(doc)
         if "params" in doc:
             self._assign_dense(doc["dense_version"], doc["params"])
             self._dense_fresh = True

@@ -148,3 +148,4 @@ class WritePlan:
     dense: DenseWrite | None = None
     dense_switch: DenseSwitch | None = None
     dense_generation: DenseGeneration | None = None
+    seq: int | None = None  # a live push's: the replica's how-manieth change of its rows

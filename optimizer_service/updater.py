@@ -44,6 +44,12 @@ the push replaced (a restore since then wins).
 
 In sync mode the pushes of one version are first collected by `sync.SyncRounds`,
 which applies their mean as one push.
+
+Stamps: each push this replica computes is its next change (`_changes`) since its
+epoch, which is new whenever it may have lost track of its rows (a start, `reload`, a
+node's new sentinel: when its row cache is dropped). The answer of a live push carries
+`stamp: [epoch, seq]` while the row cache is in use, so a trainer knows whether any
+other push came between two of its own (`lookup_table.session`, answered rows).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import uuid
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -72,12 +79,12 @@ from lookup_table.core.initializers import initial_rows
 from lookup_table.core.keys import IdArray
 from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id, version_id
 from lookup_table.core.optimizers import Optimizer, make_optimizer
+from lookup_table.core.rowcache import RowCache
 from lookup_table.core.rows import NOT_UPDATED, change_witnesses, still_old, value_hashes
 from lookup_table.core.sharding import row_hashes_many
 from lookup_table.core.wire import encode_array, encode_ids
 from lookup_table.dense import DenseGeneration, DenseParams
 from lookup_table.store import EmbeddingStore, TableRead, TableWrite
-from optimizer_service.cache import RowCache
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.journal import IncompleteJournalError, Journal
 from optimizer_service.locks import LockSet, RowLocks
@@ -162,8 +169,19 @@ class Updater:
         self.dense = DenseParams(store, make_optimizer(config.optimizer))
         self.locks = RowLocks()
         self.journal = Journal(store, replica=replica)
-        self.cache = RowCache(config, config.service.cache_mb * 2**20)
+        self.cache = RowCache(
+            {
+                t.name: (t.dim, self.optimizers[t.name].slot_width(t.dim))
+                for t in config.tables
+                if t.id_type == "int64" and t.ttl_s is None  # see lookup_table.core.rowcache
+            },
+            config.service.cache_mb * 2**20,
+        )
         self._sentinels: dict[str, bytes | None] | None = None  # None: cache not in use
+        # an answer's `stamp`: this replica's rows as it knows them (a new epoch when it
+        # may not any more) and how many pushes changed them
+        self._epoch = uuid.uuid4().hex[:16]
+        self._changes = 0
         self.applied = 0
         self.version = 0
         self._version_changed = asyncio.Condition()
@@ -237,7 +255,7 @@ class Updater:
             raise RuntimeError("reload() needs a paused replica")
         self._rounds.clear()
         self.dense.forget()
-        self.cache.forget()
+        self._forget_rows()
         self._sentinels = await self._cache_sentinels()
         version = await self._stored_version()
         async with self._version_changed:
@@ -245,6 +263,12 @@ class Updater:
             self._version_changed.notify_all()
         logger.warning("replica %d: reloaded after a restore, version %d", self.replica, version)
         return version
+
+    def _forget_rows(self) -> None:
+        """Drop the row cache: what this replica knew of its rows may not hold any more
+        (a restore, a node's new sentinel). A new epoch tells trainers the same."""
+        self.cache.forget()
+        self._epoch = uuid.uuid4().hex[:16]
 
     def resume(self) -> None:
         if self._auto_resume is not None:
@@ -376,6 +400,8 @@ class Updater:
                 if generation is not None:  # written while the optimizer computes
                     writes.append(asyncio.ensure_future(self.dense.write_chunks(generation)))
                 plan.updates = await self._computed(prepared)
+                self._changes += 1
+                plan.seq = self._changes
                 if on_plan is not None:
                     on_plan(plan)
                 results = await asyncio.gather(*writes, return_exceptions=True)
@@ -433,6 +459,10 @@ class Updater:
         """
         plan: WritePlan | None = result.get(PLAN)
         out: dict[str, Any] = {}
+        if plan is not None and plan.seq is not None and self._sentinels is not None:
+            # while the row cache is in use, this replica knows every change of its rows:
+            # its `plan.seq`-th change since `epoch` is this push's
+            out["stamp"] = [self._epoch, plan.seq]
         if "rows" in push.answer:
             done = {u.table: u for u in plan.updates} if plan is not None else {}
             updated: dict[str, Any] = {}
@@ -537,7 +567,7 @@ class Updater:
                     "cache is dropped",
                     self.replica,
                 )
-                self.cache.forget()
+                self._forget_rows()
                 self._sentinels = sentinels if all(sentinels.values()) else None
                 return await self._prepared(tables)
         else:

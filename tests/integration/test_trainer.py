@@ -26,7 +26,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cluster_file(
-    path: Path, *, mode: str, workers: int, dim: int = 8, tables: str | None = None
+    path: Path,
+    *,
+    mode: str,
+    workers: int,
+    dim: int = 8,
+    tables: str | None = None,
+    store: str = "",
 ) -> Path:
     ports = [free_port(), free_port(), free_port()]
     if tables is None:
@@ -40,7 +46,7 @@ def _cluster_file(
         f'memcached = ["127.0.0.1:{ports[0]}", "127.0.0.1:{ports[1]}"]\n'
         f'optimizers = ["http://127.0.0.1:{ports[2]}"]\n'
         f'mode = "{mode}"\nworkers = {workers}\n'
-        '[optimizer]\nname = "adam"\nlearning_rate = 0.002\n' + tables
+        '[optimizer]\nname = "adam"\nlearning_rate = 0.002\n' + store + tables
     )
     return path
 
@@ -193,6 +199,9 @@ def _train_fresh(
         with Trainer(config, model, progress=False, **trainer_kwargs) as trainer:
             result = trainer.fit(batches)
             fed = len(trainer.fed_layers)
+            if trainer_kwargs.get("read_your_writes", True) and not in_graph:
+                # from the third step on, ids of earlier batches come from their answers
+                assert trainer.rows_answered > 0
         ids = {
             table: np.unique(np.concatenate([np.asarray(b.features[f]) for b in batches]))
             for table, f in features.items()
@@ -230,6 +239,71 @@ def test_read_your_writes_trains_exactly_as_reading_after_every_push(tmp_path: P
     answered = _train_fresh(tmp_path, "answered")
     assert fresh[3] == answered[3] == 26  # every layer's rows fed to the graph step
     _assert_same_training(fresh, answered)
+
+
+def _train_in_turns(
+    tmp_path: Path, tag: str, *, cache_mb: int
+) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+    """Worker 0 trains 4 batches, worker 1 the next 4 (the same hot ids), worker 0 the
+    last 4, one at a time; returns every loss, the rows afterwards and how many rows
+    worker 0 took from its pushes' answers (`[store] trainer_cache_mb = cache_mb`)."""
+    import keras
+
+    from trainer import Trainer
+    from trainer.data import SyntheticSource
+    from trainer.models import build_model
+
+    source = SyntheticSource(20_000, seed=5)
+    batches = list(source.batches(256))[:12]
+    store = f"[store]\ntrainer_cache_mb = {cache_mb}\n"
+    path = _cluster_file(tmp_path / f"{tag}.toml", mode="async", workers=2, store=store)
+    with _running(path, tmp_path / f"run-{tag}"):
+        config = load_config(path)
+        models = []
+        for _ in range(2):  # the same layer names (hence dense parameter names) twice
+            keras.backend.clear_session()
+            keras.utils.set_random_seed(1)
+            models.append(build_model("mlp", source.schema, config, hidden=(32, 16), seed=3))
+        with (
+            Trainer(config, models[0], progress=False, worker_index=0) as first,
+            Trainer(config, models[1], progress=False, worker_index=1) as second,
+        ):
+            results = [
+                first.fit(batches[:4]),
+                second.fit(batches[4:8]),
+                first.fit(batches[8:]),
+            ]
+            answered = first.rows_answered
+        ids = {
+            f"C{i}": np.unique(np.concatenate([np.asarray(b.features[f"C{i}"]) for b in batches]))
+            for i in range(1, 27)
+        }
+
+        async def stored() -> dict[str, Any]:
+            async with EmbeddingStore(config) as store:
+                return {t: await store.lookup(t, i, create=False) for t, i in ids.items()}
+
+        rows = asyncio.run(stored())
+    losses = np.array([loss for r in results for _, loss in r.losses])
+    return losses, rows, answered
+
+
+@pytest.mark.timeout(420)
+def test_answered_rows_are_read_again_after_another_workers_pushes(tmp_path: Path) -> None:
+    """A trainer takes the rows of ids its earlier pushes answered with instead of
+    reading them, only while the replica's stamps show no other push in between: when
+    worker 1 trained meanwhile, worker 0's next push shows it, and the rows worker 0
+    had taken from its answers for the following batch are read again from the store.
+    The same turns with the answers' rows never used (`trainer_cache_mb = 0`) train the
+    same; a row not read again would be a whole Adam step (~0.02) behind."""
+    plain = _train_in_turns(tmp_path, "plain", cache_mb=0)
+    cached = _train_in_turns(tmp_path, "cached", cache_mb=64)
+    assert plain[2] == 0 and cached[2] > 0
+    assert plain[0].shape == (12,)
+    np.testing.assert_allclose(cached[0], plain[0], rtol=1e-5)
+    assert plain[1].keys() == cached[1].keys()
+    for table in plain[1]:
+        np.testing.assert_allclose(cached[1][table], plain[1][table], atol=1e-6)
 
 
 @pytest.mark.timeout(420)

@@ -484,6 +484,16 @@ BAD_VALUES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("store.timeout_s 0", _set("store.timeout_s", 0), r"store\.timeout_s: expected a positive"),
     ("store.timeout_s negative", _set("store.timeout_s", -1.0), r"store\.timeout_s: "),
     ("store.max_batch_keys 0", _set("store.max_batch_keys", 0), r"store\.max_batch_keys: "),
+    (
+        "store.trainer_cache_mb negative",
+        _set("store.trainer_cache_mb", -1),
+        r"store\.trainer_cache_mb: ",
+    ),
+    (
+        "store.trainer_cache_mb not an integer",
+        _set("store.trainer_cache_mb", "lots"),
+        r"store\.trainer_cache_mb: ",
+    ),
     ("store not a table", _set("store", 5), "store: expected a table, got 5"),
 ]
 

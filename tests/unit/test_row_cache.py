@@ -1,4 +1,4 @@
-"""The replica's row cache (optimizer_service/cache.py) against a plain dict.
+"""The row cache (lookup_table/core/rowcache.py) against a plain dict.
 
 A cache may forget (that only costs a read), but whatever it returns must be the
 last value put for that (table, id) and not forgotten since: checked over random
@@ -14,23 +14,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookup_table.config import parse_config
-from optimizer_service.cache import RowCache, _IntMap, _positions, _TableCache
+from lookup_table.core.rowcache import RowCache, _IntMap, _positions, _TableCache
 
 pytestmark = pytest.mark.unit
 
-TABLES = [
-    {"name": "a", "dim": 3, "optimizer": {"name": "sgd"}},  # width 3
-    {"name": "b", "dim": 3, "optimizer": {"name": "sgd"}},  # width 3: the same map as a
-    {"name": "c", "dim": 2, "optimizer": {"name": "adagrad"}},  # width 2 + 2
-    {"name": "s", "dim": 2, "id_type": "string"},  # never cached
-]
+# table -> (dim, slot width): a and b share a value width (3), so one map; c is 2 + 2
 WIDTH = {"a": (3, 0), "b": (3, 0), "c": (2, 2)}
 
 
 def _cache(max_bytes: int) -> RowCache:
-    config = parse_config({"namespace": "t", "memcached": ["127.0.0.1:1"], "tables": TABLES})
-    return RowCache(config, max_bytes)
+    return RowCache(WIDTH, max_bytes)
 
 
 ops = st.lists(
@@ -47,7 +40,7 @@ ops = st.lists(
 @settings(max_examples=120, deadline=None)
 def test_the_cache_returns_only_the_last_value_put(program, max_bytes) -> None:
     cache = _cache(max_bytes)
-    assert cache.caches("a") and cache.caches("c") and not cache.caches("s")
+    assert cache.caches("a") and cache.caches("c") and not cache.caches("s")  # not given
     model: dict[tuple[str, int], np.ndarray] = {}
     counter = 0
     for op, table, raw in program:

@@ -1,10 +1,17 @@
-"""The rows and slots a replica last wrote, kept in its memory (bounded, vectorized).
+"""Rows (and slots) by table and int64 id, kept in memory: bounded, vectorized.
 
-A replica is the only writer of the rows it owns (trainers only `add` rows that do not
-exist yet), so after it wrote a row and its slots, memcached holds exactly what it
-wrote until the replica writes them again, or the data goes away: a checkpoint restore
-(`Updater.reload` clears the cache), or a node that lost its data and was
-re-initialized (the sentinel's value changes: the updater clears the cache when it
+Two users, the same structure:
+
+* the optimizer replica's row cache (`optimizer_service.updater`): the rows and slots it
+  last wrote;
+* a trainer's answered rows (`lookup_table.session`): the rows its pushes' answers
+  brought, used while no other push changed its replicas' rows (the answers' stamps).
+
+The replica's case: a replica is the only writer of the rows it owns (trainers only
+`add` rows that do not exist yet), so after it wrote a row and its slots, memcached holds
+exactly what it wrote until the replica writes them again, or the data goes away: a
+checkpoint restore (`Updater.reload` clears the cache), or a node that lost its data and
+was re-initialized (the sentinel's value changes: the updater clears the cache when it
 sees a new one). A push whose ids are all cached reads no row from memcached.
 
 One `_IntMap` per value width (dim + slot width) and generation, shared by the tables of
@@ -13,24 +20,25 @@ numpy arrays, probed for a whole batch at once (a loop over probe steps, never o
 ids), no deletions. Two generations bound the memory: lookups look in the young map,
 then in the old one (a hit there moves to the young map); when the young map is half
 full it becomes the old one and the old one is dropped, so what was not used for a
-generation is forgotten (an approximate LRU). Tables of string ids are not cached, nor
-tables with `ttl_s`: memcached expires their rows by itself, so what the replica wrote
-is not what memcached holds once the TTL passed (caching them would serve expired rows).
+generation is forgotten (an approximate LRU).
+
+The caller says which tables to cache. Both users leave out tables of string ids (the
+maps hold int64 keys) and tables with `ttl_s`: memcached expires their rows by itself,
+so what was written is not what memcached holds once the TTL passed (caching them would
+serve expired rows).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
 from numpy.typing import NDArray
 
-from lookup_table.config import ClusterConfig
 from lookup_table.core.hashing import mix64
 from lookup_table.core.keys import IdArray
-from lookup_table.core.optimizers import make_optimizer
 
 __all__ = ["RowCache"]
 
@@ -219,23 +227,24 @@ class RowCache:
     push of many tables costs one batch of numpy operations per width, not per table.
     """
 
-    def __init__(self, config: ClusterConfig, max_bytes: int) -> None:
+    def __init__(self, widths: Mapping[str, tuple[int, int]], max_bytes: int) -> None:
+        """`widths`: table -> (dim, slot width) of the tables to cache, int64 ids only
+        (the caller leaves out what must not be cached: string ids, `ttl_s`); `max_bytes`
+        bounds the whole cache (<= 0: nothing is cached)."""
         self._where: dict[str, tuple[int, int, int]] = {}  # table -> (number, width, dim)
         self._groups: dict[int, _TableCache] = {}
-        # TTL tables are not cached: memcached may expire a row behind the cache's back
-        int_tables = [t for t in config.tables if t.id_type == "int64" and t.ttl_s is None]
-        if max_bytes <= 0 or not int_tables:
+        if max_bytes <= 0 or not widths:
             return
-        widths = {t.name: t.dim + make_optimizer(t.optimizer).slot_width(t.dim) for t in int_tables}
-        for width, count in Counter(widths.values()).items():
-            share = max_bytes * count // len(int_tables)
+        width_of = {name: dim + slot_width for name, (dim, slot_width) in widths.items()}
+        for width, count in Counter(width_of.values()).items():
+            share = max_bytes * count // len(width_of)
             per_map = share // (2 * (width * 4 + _ENTRY_OVERHEAD))  # two generations
             capacity = 1 << max(int(per_map).bit_length() - 1, 0)
             if capacity >= _MIN_CAPACITY:
                 self._groups[width] = _TableCache(width, capacity)
-        for number, t in enumerate(int_tables):
-            if widths[t.name] in self._groups:
-                self._where[t.name] = (number, widths[t.name], t.dim)
+        for number, (name, (dim, _)) in enumerate(widths.items()):
+            if width_of[name] in self._groups:
+                self._where[name] = (number, width_of[name], dim)
 
     def caches(self, table: str) -> bool:
         return table in self._where
