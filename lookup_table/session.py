@@ -239,7 +239,7 @@ class _Prefetched:
     def __init__(self) -> None:
         self.entries: dict[str, list[tuple[IdArray, _Part]]] = {}
         self.newer: list[RowPatch] = []
-        self.from_answers = False  # some rows were taken from earlier pushes' answers
+        self.from_answers = 0  # rows taken from earlier pushes' answers
         # per layer (by position in TrainingSession.layers): its ids as the graph step
         # is fed them
         self.fed: dict[int, tuple[_FedIds, _Part]] = {}
@@ -646,7 +646,7 @@ class TrainingSession:
         if not wanted:
             return pre
         known = self._known_rows(wanted) if earlier else None
-        pre.from_answers = known is not None and any(k is not None for k in known)
+        pre.from_answers = sum(int(k[1].shape[0]) for k in known or () if k is not None)
         batch = self._submit(_lookup_batch(self._store, wanted, known, create=create))
         for k, (i, fed, whole) in enumerate(layers):
             part = _Part(batch, k)
@@ -674,13 +674,12 @@ class TrainingSession:
         for (k, ids), (hit, rows, _) in zip(asks, got, strict=True):
             if not hit.any():
                 continue
-            mask = np.zeros(wanted[k][1].shape[0], dtype=bool)
             if wanted[k][2] is None:
                 mask = hit
             else:
+                mask = np.zeros(wanted[k][1].shape[0], dtype=bool)
                 mask[ids[hit]] = True
             out[k] = (mask, rows[hit])
-            self.rows_answered += int(hit.sum())
         return out
 
     def _take_answer(self, doc: Mapping[str, Any]) -> None:
@@ -813,6 +812,7 @@ class TrainingSession:
                 # this step's push showed another push since our last one: the rows taken
                 # from earlier answers may be older than the store's; read them after all
                 ahead = self._prefetch(upcoming, answered=pushed)
+            self.rows_answered += ahead.from_answers
             ahead.newer.append(self._updated)
             self._prefetched = ahead
         elif self._pipelined and upcoming is not None:
