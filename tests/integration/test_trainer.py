@@ -33,8 +33,10 @@ def _cluster_file(
     dim: int = 8,
     tables: str | None = None,
     store: str = "",
+    replicas: int = 1,
 ) -> Path:
-    ports = [free_port(), free_port(), free_port()]
+    ports = [free_port() for _ in range(2 + replicas)]
+    urls = ", ".join(f'"http://127.0.0.1:{p}"' for p in ports[2:])
     if tables is None:
         tables = "".join(
             f'\n[[tables]]\nname = "C{i}"\ndim = {dim}\n'
@@ -44,7 +46,7 @@ def _cluster_file(
     path.write_text(
         f'namespace = "t{uuid.uuid4().hex[:10]}"\n'
         f'memcached = ["127.0.0.1:{ports[0]}", "127.0.0.1:{ports[1]}"]\n'
-        f'optimizers = ["http://127.0.0.1:{ports[2]}"]\n'
+        f"optimizers = [{urls}]\n"
         f'mode = "{mode}"\nworkers = {workers}\n'
         '[optimizer]\nname = "adam"\nlearning_rate = 0.002\n' + store + tables
     )
@@ -171,7 +173,13 @@ def test_trainer_in_process_learns_and_evaluation_writes_nothing(cluster: Path) 
 
 
 def _train_fresh(
-    tmp_path: Path, tag: str, *, in_graph: bool = False, **trainer_kwargs: Any
+    tmp_path: Path,
+    tag: str,
+    *,
+    in_graph: bool = False,
+    replicas: int = 1,
+    store: str = "",
+    **trainer_kwargs: Any,
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray], int]:
     """Train 14 batches on a new cluster from fixed weights; returns the losses, the
     service's dense weights and rows afterwards, and how many layers were fed rows.
@@ -185,7 +193,9 @@ def _train_fresh(
 
     source = SyntheticSource(20_000, seed=5)
     batches = list(source.batches(256))[:14]  # consecutive batches share hot ids
-    path = _cluster_file(tmp_path / f"{tag}.toml", mode="async", workers=1)
+    path = _cluster_file(
+        tmp_path / f"{tag}.toml", mode="async", workers=1, replicas=replicas, store=store
+    )
     with _running(path, tmp_path / f"run-{tag}"):
         config = load_config(path)
         keras.utils.set_random_seed(1)
@@ -199,8 +209,9 @@ def _train_fresh(
         with Trainer(config, model, progress=False, **trainer_kwargs) as trainer:
             result = trainer.fit(batches)
             fed = len(trainer.fed_layers)
-            if trainer_kwargs.get("read_your_writes", True) and not in_graph:
+            if trainer_kwargs.get("read_your_writes", True) and not in_graph and not store:
                 # from the third step on, ids of earlier batches come from their answers
+                # (with every replica's stamps following on)
                 assert trainer.rows_answered > 0
         ids = {
             table: np.unique(np.concatenate([np.asarray(b.features[f]) for b in batches]))
@@ -304,6 +315,15 @@ def test_answered_rows_are_read_again_after_another_workers_pushes(tmp_path: Pat
     assert plain[1].keys() == cached[1].keys()
     for table in plain[1]:
         np.testing.assert_allclose(cached[1][table], plain[1][table], atol=1e-6)
+
+
+@pytest.mark.timeout(420)
+def test_answered_rows_with_two_replicas_train_as_reading_them(tmp_path: Path) -> None:
+    """Two replicas each stamp their share of every push; one worker keeps the rows of
+    both shares (the test inside `_train_fresh`) and trains as with none kept."""
+    kept = _train_fresh(tmp_path, "kept", replicas=2)
+    plain = _train_fresh(tmp_path, "plain", replicas=2, store="[store]\ntrainer_cache_mb = 0\n")
+    _assert_same_training(plain, kept)
 
 
 @pytest.mark.timeout(420)
