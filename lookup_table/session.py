@@ -882,7 +882,15 @@ class TrainingSession:
         """Wait until the answered push is written (raising its error if it failed)."""
         if self._unsettled is not None:
             pending, self._unsettled = self._unsettled, None
-            pending.result()
+            try:
+                pending.result()
+            except BaseException:
+                # its answer came before its writes, which failed: keep none of what the
+                # answers brought, and let no later stamp follow on from its stamp
+                self._answered.forget()
+                self._stamps = {}
+                self._answers_current = False
+                raise
 
     def _push(self, records: list[Any], grads: list[Any], dense: dict[str, Any]) -> None:
         tables: dict[str, tuple[list[IdArray], list[NDArray[np.float32]]]] = {}
