@@ -425,12 +425,11 @@ async def _restart_and_retry(
 
 
 async def test_journaled_push_is_finished_by_the_next_replica_exactly_once(
-    memcached_nodes, aiohttp_server
+    served, aiohttp_server
 ) -> None:
     """A replica that dies after journaling a push but before writing its rows: the
     restarted replica finishes it before serving, and the client's retry is a duplicate."""
-    config = _config(memcached_nodes)
-    server = await _serve(config, aiohttp_server)
+    config, server = served
     updater = server.app[UPDATER]
     ids = np.array([10, 11], dtype=np.int64)
     async with EmbeddingStore(config) as store:
@@ -454,14 +453,13 @@ async def test_journaled_push_is_finished_by_the_next_replica_exactly_once(
 
 
 async def test_a_push_answered_before_its_done_record_is_still_applied_once(
-    memcached_nodes, aiohttp_server
+    served, aiohttp_server
 ) -> None:
     """The done record is written after the push is answered. Until it is stored, a
     retry is a duplicate and the rows stay locked (a push on them waits for it); a
     replica that dies before it is stored leaves the journal, whose replay finds every
     item written, recomputes none and writes the record: the retry is a duplicate."""
-    config = _config(memcached_nodes)
-    server = await _serve(config, aiohttp_server)
+    config, server = served
     updater = server.app[UPDATER]
     ids = np.array([20, 21], dtype=np.int64)
     async with EmbeddingStore(config) as store:
