@@ -662,23 +662,24 @@ class TrainingSession:
         earlier answers brought, and those rows; None when they may not be current."""
         if not self._answers_current:
             return None
+        # per cached table: its entry, and the positions of the ids not skipped (None: all)
         asks = [
-            (k, ids if skip is None else np.flatnonzero(~skip))
-            for k, (table, ids, skip) in enumerate(wanted)
+            (k, None if skip is None else np.flatnonzero(~skip))
+            for k, (table, _, skip) in enumerate(wanted)
             if self._answered.caches(table)
         ]
         got = self._answered.get_many(
-            [(wanted[k][0], ids if wanted[k][2] is None else wanted[k][1][ids]) for k, ids in asks]
+            [(wanted[k][0], wanted[k][1] if at is None else wanted[k][1][at]) for k, at in asks]
         )
         out: list[Known | None] = [None] * len(wanted)
-        for (k, ids), (hit, rows, _) in zip(asks, got, strict=True):
+        for (k, at), (hit, rows, _) in zip(asks, got, strict=True):
             if not hit.any():
                 continue
-            if wanted[k][2] is None:
+            if at is None:
                 mask = hit
             else:
                 mask = np.zeros(wanted[k][1].shape[0], dtype=bool)
-                mask[ids[hit]] = True
+                mask[at[hit]] = True
             out[k] = (mask, rows[hit])
         return out
 
