@@ -33,7 +33,7 @@ from lookup_table import EmbeddingStore, initial_rows
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, load_config
 from lookup_table.core.keys import as_ids, decode_key, encode_keys
-from lookup_table.core.keyspace import META_TABLE
+from lookup_table.core.keyspace import META_TABLE, Kind, journal_id
 from lookup_table.core.sharding import node_of
 from lookup_table.core.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
 from lookup_table.errors import (
@@ -46,6 +46,7 @@ from lookup_table.errors import (
 from lookup_table.ops.admin import init_cluster
 from lookup_table.ops.checkpoint import save_checkpoint
 from lookup_table.ops.localcluster import MemcachedProcess, free_port, start_memcached
+from optimizer_service.journal import JOURNAL_SLOTS
 from tests.reliability.harness import (
     REPO,
     ServiceProcess,
@@ -110,12 +111,23 @@ def _source() -> Any:
 
 async def _written(config: ClusterConfig, version: int) -> None:
     """Wait until the replica has written every push up to model version `version` (a
-    trainer's pushes are answered before their writes land)."""
+    trainer's pushes are answered before their writes land), and until every journal slot
+    is clear: a push's done record and then its slot's clear are written in the
+    background after its rows and version, so a node killed before they land would fail
+    them (and hold the push's rows for a replay) instead of finding the node idle."""
     async with OptimizerClient(config) as client:
         for _ in range(100):
             if await client.version(after=version - 1) >= version:
-                return
-    raise AssertionError(f"the replica never reached version {version}")
+                break
+        else:
+            raise AssertionError(f"the replica never reached version {version}")
+    headers = [journal_id(0, slot) for slot in range(JOURNAL_SLOTS)]
+    async with EmbeddingStore(config) as store:
+        deadline = time.monotonic() + 30
+        while any(await store.get_blobs(META_TABLE, headers, kind=Kind.JOURNAL)):
+            if time.monotonic() > deadline:
+                raise AssertionError("the replica's journal slots were never all cleared")
+            await asyncio.sleep(0.01)
 
 
 def _trainer(config: ClusterConfig, source: Any, *, max_pushes_in_flight: int = 0) -> Any:
