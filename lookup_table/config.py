@@ -151,6 +151,8 @@ class ServiceConfig:
     long_poll_timeout_s: float = 30.0
     request_timeout_s: float = 60.0
     cache_mb: int = 256
+    dense_flush_pushes: int = 20
+    dense_flush_s: float = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -449,6 +451,10 @@ def _parse_service(raw: object) -> ServiceConfig:
             "request_timeout_s", defaults.request_timeout_s, positive=True
         ),
         cache_mb=section.integer("cache_mb", defaults.cache_mb, minimum=0),
+        dense_flush_pushes=section.integer(
+            "dense_flush_pushes", defaults.dense_flush_pushes, minimum=1
+        ),
+        dense_flush_s=section.number("dense_flush_s", defaults.dense_flush_s, positive=True),
     )
     section.finish([f.name for f in dataclasses.fields(ServiceConfig)])
     return service

@@ -19,47 +19,74 @@ the same generation. The first `init` wins (`add` on `current`); a loser's chunk
 deleted and it gets the winner's parameters. Only replica 0 writes dense parameters,
 one update at a time (the service serializes them).
 
+* `dl/v<V>` and `dl/v<V>-c<i>`: the *log* of the update to version V (write-behind,
+  below): an index `{version, chunks, size, crc32}` and the chunks (<= 512 KiB) of
+  the msgpack body `{version, grads: {name: array}}`.
+
 In memory: a `DenseParams` keeps the last consistent state it read or wrote (the
-`current` it was at, the parameters and their slots). `read` gets `current` (one small
-get) and answers from memory while `current` is the one it holds; when `current`
-changed behind it (a checkpoint restore, `lookup-table-admin reinit`, another process)
-it reads the whole generation again. The copy changes only after a switch of `current`
-succeeded (`switch`) or on such a read. Its arrays are read-only and an update makes
-new ones, so parameters handed out never change under their holder.
+parameters and their slots). `read` gets `current` (one small get) and answers from
+memory while `current` is a pointer this instance wrote or read (its own); when
+`current` changed behind it (a checkpoint restore, `lookup-table-admin reinit`, another
+process) it reads the whole generation again, and what it held is dropped: the new
+state wins. Its arrays are read-only and an update makes new ones, so parameters handed
+out never change under their holder.
+
+Write-behind (the optimizer service's replica 0): an update is applied to the
+in-memory state (`advance`) and written as its gradients' *log* (`write_log`), not as a
+generation; `flush` writes the in-memory state as a generation now and then, switches
+`current` to it and deletes the logs it covers. memcached so holds a generation and
+the logs of the updates after it, in version order: `replay_logs` rebuilds the state
+from them (a restarted replica). The updater decides which logs count (those of
+journaled pushes) and when to flush.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
-from collections.abc import Mapping
+import zlib
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from lookup_table.core.keyspace import DENSE_CURRENT_ID, DENSE_TABLE, Kind, dense_chunk_id
+from lookup_table.core.keyspace import (
+    DENSE_CURRENT_ID,
+    DENSE_TABLE,
+    Kind,
+    dense_chunk_id,
+    dense_log_id,
+)
 from lookup_table.core.optimizers import Optimizer
-from lookup_table.core.wire import pack, unpack
-from lookup_table.errors import DenseParamError
+from lookup_table.core.wire import decode_array, encode_array, pack, unpack
+from lookup_table.errors import DenseParamError, WireError
 from lookup_table.store import EmbeddingStore
 
-__all__ = ["DenseGeneration", "DenseParams", "DenseState", "same_current"]
+__all__ = ["DenseGeneration", "DenseLogError", "DenseParams", "DenseState", "same_current"]
 
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 512 * 1024
 _CHUNK_FLOATS = CHUNK_BYTES // 4
 _READ_ATTEMPTS = 5
+_OWN_POINTERS = 8  # the last `current` pointers an instance wrote or read (`_own`)
+
+
+class DenseLogError(RuntimeError):
+    """A log of a committed dense update is missing or does not check out."""
 
 
 @dataclass(frozen=True, slots=True)
 class DenseState:
     """One consistent generation of the dense parameters (and, if read, their slots).
 
-    `meta` is the `current` pointer this state is the content of ({} when unknown).
+    `meta` is the `current` pointer this state is the content of ({} for a state not
+    stored yet: ahead of memcached, `advance`).
     """
 
     version: int
@@ -118,11 +145,30 @@ class DenseParams:
         self.optimizer = optimizer
         self._state: DenseState | None = None
         self._epoch = 0  # bumped by every change of `_state` but a read's own
+        # the `current` pointers this instance wrote or read, newest last (generation,
+        # version): while memcached's is one of them, the in-memory state is at or ahead
+        # of it. The newest is the generation the logs apply to.
+        self._own: deque[tuple[str, int]] = deque(maxlen=_OWN_POINTERS)
+        self._stored: dict[str, Any] | None = None  # the newest own pointer
+        self._flush_lock = asyncio.Lock()
+        self._log_chunks: dict[int, int] = {}  # version -> chunks of the logs written here
 
     # ------------------------------------------------------------ the in-memory copy
 
+    def _own_pointer(self, meta: Mapping[str, Any]) -> None:
+        """`meta` is now memcached's `current` as this instance knows it."""
+        self._stored = dict(meta)
+        self._own.append((str(meta["generation"]), int(meta["version"])))
+
+    def _is_own(self, meta: Mapping[str, Any] | None) -> bool:
+        return meta is not None and (str(meta["generation"]), int(meta["version"])) in self._own
+
     def _install(self, state: DenseState) -> DenseState:
-        """Make `state` the in-memory copy (read-only views of its arrays); returns it."""
+        """Make `state` the in-memory copy (read-only views of its arrays); returns it.
+
+        A state with a `meta` is a stored generation: its pointer becomes an own one."""
+        if state.meta:
+            self._own_pointer(state.meta)
         self._epoch += 1
         self._state = DenseState(
             version=state.version,
@@ -137,11 +183,35 @@ class DenseParams:
         """Drop the in-memory copy: the next read reads the whole generation again."""
         self._epoch += 1
         self._state = None
+        self._own.clear()
+        self._stored = None
+        self._log_chunks.clear()
 
     @property
     def cached(self) -> DenseState | None:
         """The in-memory copy (None before the first read or write, or after `forget`)."""
         return self._state
+
+    @property
+    def unflushed(self) -> int:
+        """How many versions the in-memory state is ahead of the generation it stored."""
+        held, stored = self._state, self._stored
+        if held is None or stored is None:
+            return 0
+        return max(0, held.version - int(stored["version"]))
+
+    def advance(
+        self,
+        version: int,
+        params: Mapping[str, NDArray[np.float32]],
+        slots: Mapping[str, NDArray[np.float32]],
+    ) -> None:
+        """Make `params` and `slots` at `version` the in-memory state, ahead of memcached
+        (write-behind: the update's log is written, its generation is not yet). Do not
+        change the arrays afterwards."""
+        self._install(
+            DenseState(version=int(version), generation="", params=dict(params), slots=dict(slots))
+        )
 
     # ------------------------------------------------------------ reading
 
@@ -167,15 +237,26 @@ class DenseParams:
             if meta is None:
                 return None
             held = self._state
-            if held is not None and same_current(held.meta, meta):
-                return held
+            if held is not None and self._is_own(meta):
+                return held  # at or ahead of memcached's
             epoch = self._epoch
             state = await self._read_generation(meta)
             if state is None:
                 continue  # switched and deleted under us: read the new generation
-            if self._epoch == epoch:  # nothing newer was installed while we read
-                return self._install(state)
-            return state
+            if self._epoch != epoch:  # a newer state was installed while we read
+                return self._state if self._state is not None else state
+            if held is not None and held.version != state.version:
+                logger.warning(
+                    "dense parameters changed behind this process (a restore, a reinit): "
+                    "now version %d, generation %s; the state held here (version %d) is "
+                    "dropped",
+                    state.version,
+                    state.generation,
+                    held.version,
+                )
+            self._own.clear()
+            self._log_chunks.clear()
+            return self._install(state)
         raise RuntimeError("dense parameters changed during every read attempt")
 
     async def _read_generation(self, meta: Mapping[str, Any]) -> DenseState | None:
@@ -408,6 +489,157 @@ class DenseParams:
         generation = self.prepare(version, params, slots)
         previous, _ = await asyncio.gather(self.meta(), self.write_chunks(generation))
         await self.switch(generation.meta, previous, values=(params, slots))
+
+    # ------------------------------------------------------------ write-behind
+
+    async def write_log(self, version: int, grads: Mapping[str, NDArray[np.float32]]) -> None:
+        """Write the log of the update to `version` (its gradients; none for an update of
+        the version only), over any earlier log of that version (one whose push was not
+        journaled). One request per node."""
+        body = pack(
+            {
+                "version": int(version),
+                "grads": {n: encode_array(np.asarray(g, dtype="<f4")) for n, g in grads.items()},
+            }
+        )
+        parts = [body[i : i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES)]
+        index = pack(
+            {
+                "version": int(version),
+                "chunks": len(parts),
+                "size": len(body),
+                "crc32": zlib.crc32(body),
+            }
+        )
+        ids = [dense_log_id(version), *(dense_log_id(version, i) for i in range(len(parts)))]
+        await self.store.set_blobs(DENSE_TABLE, ids, [index, *parts], kind=Kind.DENSE_LOG)
+        self._log_chunks[int(version)] = len(parts)
+
+    async def read_logs(self, versions: Sequence[int]) -> list[dict[str, NDArray[np.float32]]]:
+        """The gradients of the logged updates to `versions`, in that order.
+
+        Raises:
+            DenseLogError: a log is missing or does not check out (size, CRC-32, version).
+        """
+        if not versions:
+            return []
+        indexes = await self.store.get_blobs(
+            DENSE_TABLE, [dense_log_id(v) for v in versions], kind=Kind.DENSE_LOG
+        )
+        docs: list[dict[str, Any]] = []
+        for v, raw in zip(versions, indexes, strict=True):
+            if raw is None:
+                raise DenseLogError(f"the log of the dense update to version {v} is missing")
+            docs.append(dict(unpack(raw)))
+        ids = [
+            dense_log_id(v, i)
+            for v, d in zip(versions, docs, strict=True)
+            for i in range(int(d["chunks"]))
+        ]
+        chunks = iter(await self.store.get_blobs(DENSE_TABLE, ids, kind=Kind.DENSE_LOG))
+        out: list[dict[str, NDArray[np.float32]]] = []
+        for v, d in zip(versions, docs, strict=True):
+            parts = [next(chunks) for _ in range(int(d["chunks"]))]
+            if any(p is None for p in parts):
+                raise DenseLogError(
+                    f"a chunk of the log of the dense update to version {v} is missing"
+                )
+            body = b"".join(p for p in parts if p is not None)
+            if len(body) != int(d["size"]) or zlib.crc32(body) != int(d["crc32"]):
+                raise DenseLogError(
+                    f"the log of the dense update to version {v} does not check out "
+                    f"({len(body)} bytes, expected {d['size']}; or its CRC-32 differs)"
+                )
+            doc = unpack(body)
+            if int(doc["version"]) != v:
+                raise DenseLogError(f"the log under version {v} is of version {doc['version']}")
+            try:
+                out.append(
+                    {
+                        n: decode_array(a, field=f"dense log v{v}.{n}", dtype="<f4")
+                        for n, a in doc["grads"].items()
+                    }
+                )
+            except WireError as exc:
+                raise DenseLogError(f"the log of the dense update to version {v}: {exc}") from None
+            self._log_chunks[v] = int(d["chunks"])
+        return out
+
+    async def _delete_logs(self, versions: Sequence[int]) -> None:
+        """Delete the logs of `versions` whose chunk counts this instance knows."""
+        ids = []
+        for v in versions:
+            n = self._log_chunks.pop(v, None)
+            if n is not None:
+                ids += [dense_log_id(v), *(dense_log_id(v, i) for i in range(n))]
+        if ids:
+            await self.store.delete_blobs(DENSE_TABLE, ids, kind=Kind.DENSE_LOG)
+
+    async def replay_logs(self, through: int) -> int:
+        """Rebuild the state at version `through` from the stored generation and the logs
+        of the updates after it (a restarted replica: the logs of every journaled push
+        are there); then flush it. Returns how many logs were applied.
+
+        Raises:
+            DenseLogError: a log of a version up to `through` is missing or corrupt.
+        """
+        state = await self.read()
+        if state is None or state.version >= through:
+            return 0
+        versions = list(range(state.version + 1, through + 1))
+        logs = await self.read_logs(versions)
+        params, slots = dict(state.params), dict(state.slots)
+        for version, grads in zip(versions, logs, strict=True):
+            if grads:
+                self.check_grads(state, grads)
+                params, slots = self.update(
+                    DenseState(version=version, generation="", params=params, slots=slots), grads
+                )
+        self.advance(through, params, slots)
+        await self.flush()
+        return len(versions)
+
+    async def flush(self) -> bool:
+        """Write the in-memory state as a generation, switch `current` to it, delete the
+        previous generation and the logs it covers. One flush at a time; the state may
+        move on meanwhile (a flush writes what it held when it started).
+
+        Returns whether a generation was written: not when the state is stored already,
+        nor when `current` changed behind this process (a restore: that state wins, the
+        next `read` takes it).
+        """
+        async with self._flush_lock:
+            held, base = self._state, self._stored
+            if held is None or base is None or held.meta:
+                return False
+            generation = self.prepare(held.version, held.params, held.slots)
+            try:
+                await self.write_chunks(generation)
+            except BaseException:
+                await self.discard(generation)
+                raise
+            now = await self.meta()
+            if not self._is_own(now):
+                logger.warning(
+                    "dense parameters changed behind this process (a restore?): the state "
+                    "at version %d is not flushed over version %s",
+                    held.version,
+                    None if now is None else now["version"],
+                )
+                await self.discard(generation)
+                return False
+            meta = generation.meta
+            # own before it is set: a set that fails may have landed all the same
+            self._own.append((str(meta["generation"]), int(meta["version"])))
+            await self.store.set_blobs(
+                DENSE_TABLE, [DENSE_CURRENT_ID], [pack(meta)], kind=Kind.META
+            )
+            self._own_pointer(meta)
+            if self._state is held:  # nothing newer: the state is the stored generation
+                self._state = dataclasses.replace(held, generation=meta["generation"], meta=meta)
+            covered = [v for v in self._log_chunks if v <= held.version]
+            await asyncio.gather(self._delete_generation(base), self._delete_logs(covered))
+            return True
 
 
 async def _none() -> list[Any]:

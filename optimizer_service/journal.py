@@ -21,10 +21,11 @@ A plan whose write failed after it was journaled is replayed from here: in the
 background while the replica lives (`Journal.finish_later`), or by the next replica
 before it serves (`Updater.recover`).
 
-A dense update is journaled as its `DenseSwitch` (the new `current` pointer and the one
-it replaces), not as values: its new generation's chunks are written before the journal
-header, so a replay finds them. A journal written by an older service carries the dense
-values inline (`dense`): it still decodes, and its replay writes them as a new generation.
+A dense update is journaled as `dense_log: true`: its gradients are in the dense log of
+the plan's version (`lookup_table.dense`), written before the journal header. Journals
+of older services carry the switch of `current` to a generation written before them
+(`dense_switch`) or the dense values inline (`dense`): they still decode, and their
+replay switches `current` or writes the values as a new generation.
 """
 
 from __future__ import annotations
@@ -348,7 +349,7 @@ def _encoded_start(tables: Sequence[GradTable]) -> tuple[bytes, int]:
 
 def encode_end(plan: WritePlan) -> bytes:
     """A journal's end (pure): msgpack `{push_id, version, tables: [{table, witness}],
-    dense_switch}`, the tables those of the start, in its order.
+    dense_log}`, the tables those of the start, in its order.
 
     Raises:
         ValueError: an update without its witness (a bug: the updater computes them).
@@ -364,6 +365,8 @@ def encode_end(plan: WritePlan) -> bytes:
 
 
 def _dense_doc(plan: WritePlan) -> dict[str, Any]:
+    if plan.dense_logged:  # the gradients are in the dense log of `version`
+        return {"dense_log": True}
     if plan.dense_switch is not None:
         return {
             "dense_switch": {
@@ -502,4 +505,5 @@ def _plan_of(
         version=doc.get("version"),
         dense=dense,
         dense_switch=switch,
+        dense_logged=bool(doc.get("dense_log", False)),
     )

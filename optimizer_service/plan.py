@@ -19,9 +19,11 @@ same item, which gives it again. Journals of older services carry a hash of each
 before the push (`TableRedo.old_hashes`: recompute the items that still have it) or the
 hashes of the new rows and slots (`TableRedo.row_hashes`: recompute those without them).
 
-The dense update is journaled as a switch of the `current` pointer (`DenseSwitch`), not
-as values: the new generation's chunks (`WritePlan.dense_generation`) are written before
-the journal header, so a replay needs only the pointer.
+The dense update is written behind (`lookup_table.dense`): its gradients go to a log
+of its version, written before the journal header, and the journal says only that the
+push has one (`WritePlan.dense_logged`). Journals of the previous service carry a switch
+of the `current` pointer to a generation written before them (`DenseSwitch`); older ones
+the new values (`WritePlan.dense`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lookup_table.core.keys import IdArray
-from lookup_table.dense import DenseGeneration
 
 __all__ = [
     "DenseSwitch",
@@ -135,9 +136,10 @@ class WritePlan:
     `Journal.write` writes the formats of older services, for the tests of their
     replay: `steps` with the hashes of the rows before the push, else the updates' new
     values' hashes, or their values when they have no gradients.
-    Of the dense update only `dense_switch` is journaled. `dense` (the new values, for
-    the in-memory copy) and `dense_generation` (its chunks) live in the replica that
-    computed the plan; a journal of an older service carries `dense` and no switch.
+    Of the dense update only `dense_logged` is journaled (its gradients are in the log of
+    `version`). `dense` (the new values, for the in-memory state) lives in the replica
+    that computed the plan; a journal of an older service carries `dense` and no log, or
+    a `dense_switch`.
     """
 
     push_id: str
@@ -146,6 +148,6 @@ class WritePlan:
     redo: list[TableRedo] = field(default_factory=list)  # a journal's: values to recompute
     version: int | None = None  # the replica's new version (sync mode, or dense updates)
     dense: DenseWrite | None = None
-    dense_switch: DenseSwitch | None = None
-    dense_generation: DenseGeneration | None = None
+    dense_switch: DenseSwitch | None = None  # a journal of the previous service
+    dense_logged: bool = False  # the dense update to `version` is in its log
     seq: int | None = None  # a live push's: the replica's how-manieth change of its rows

@@ -30,17 +30,22 @@ node, a lost or stopped one), a push that needs those rows, or a journal slot wh
 every slot is held so, fails at once with the replay's last error (the same store
 error, naming the node) instead of waiting for rows that may never be released.
 
-Dense parameters (replica 0): the dense update of a push is computed from the
-in-memory copy of `DenseParams` (checked against memcached's `current` pointer, read
-together with the rows), its new generation is written together with the journal's
-chunks, and the journal records only the switch of `current` (`plan.DenseSwitch`).
-Writing the plan switches `current`, updates the in-memory copy and deletes the
-previous generation. Updates of the dense parameters (and of the version) are
-serialized by one more row lock (`locks.LockSet.dense`): a failed dense write keeps it
-with its replay, so the next dense push never computes from a state the replay will
-overwrite; while the replay keeps failing, that push fails fast with its error, as
-pushes on its rows do. A replay switches `current` only if it still names the state
-the push replaced (a restore since then wins).
+Dense parameters (replica 0) are written behind: the dense update of a push is
+computed from the in-memory state of `DenseParams` (checked against memcached's
+`current` pointer, read together with the rows: a state stored behind this replica's
+back, a restore, wins), its gradients are written as the *log* of its version together
+with the journal's start, and the journal says only that the log is there
+(`plan.dense_logged`). Once the plan is written (rows, version) the new state is the
+in-memory one; every `service.dense_flush_pushes` updates or `service.dense_flush_s`
+seconds, and when the replica pauses or closes, it is written as a generation in the
+background (`DenseParams.flush`), which deletes the logs it covers. A restarted replica
+rebuilds the state from the stored generation and the logs up to its stored version
+(`recover`): the logs of every journaled push are there, the logs of pushes that were
+never journaled are not counted. Updates of the dense parameters (and of the version)
+are serialized by one more row lock (`locks.LockSet.dense`): a failed dense write keeps
+it with its replay, so the next dense push never computes from a state the replay will
+change; while the replay keeps failing, that push fails fast with its error, as pushes
+on its rows do.
 
 In sync mode the pushes of one version are first collected by `sync.SyncRounds`,
 which applies their mean as one push.
@@ -83,13 +88,12 @@ from lookup_table.core.rowcache import RowCache
 from lookup_table.core.rows import NOT_UPDATED, change_witnesses, still_old, value_hashes
 from lookup_table.core.sharding import row_hashes_many
 from lookup_table.core.wire import encode_array, encode_ids
-from lookup_table.dense import DenseGeneration, DenseParams
+from lookup_table.dense import DenseLogError, DenseParams
 from lookup_table.store import EmbeddingStore, TableRead, TableWrite
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.journal import IncompleteJournalError, Journal
 from optimizer_service.locks import LockSet, RowLocks
 from optimizer_service.plan import (
-    DenseSwitch,
     TableRedo,
     TableStep,
     TableUpdate,
@@ -197,6 +201,8 @@ class Updater:
         self._active = 0
         self._idle = asyncio.Condition()
         self._auto_resume: asyncio.TimerHandle | None = None
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._flushing: asyncio.Task[object] | None = None
 
     # ------------------------------------------------------------ push records
 
@@ -221,11 +227,12 @@ class Updater:
         """Hold new pushes and wait for those in flight; resumes by itself after `timeout_s`.
 
         Returns how many pushes are still being finished in the background (their write
-        failed and their journal is replayed until it sticks): their rows are half
-        written, so a checkpoint taken now would not be consistent. `drop_unfinished`
-        cancels those replays first: only for a restore, which replaces every row they
-        would write (and deletes their journals); otherwise they could write pre-restore
-        rows over the restored ones.
+        failed and their journal is replayed until it sticks), plus the dense updates
+        that could not be written behind now (`DenseParams.flush`; replica 0): memcached
+        does not hold all they wrote, so a checkpoint taken now would not be consistent.
+        `drop_unfinished` cancels those replays first, and writes nothing behind: only for
+        a restore, which replaces every row they would write (and deletes their
+        journals); otherwise they could write pre-restore rows over the restored ones.
         """
         self._open.clear()
         if self._auto_resume is not None:
@@ -243,7 +250,22 @@ class Updater:
                 task.cancel()
         if self._finishers or self._cleanups:  # a replay about to succeed, journal clears
             await asyncio.wait(self._finishers | self._cleanups, timeout=2.0)
-        return len(self._finishers)
+        unflushed = 0
+        if not drop_unfinished:  # a checkpoint reads memcached: the dense state goes there
+            self._cancel_flush_timer()
+            try:
+                await self.dense.flush()
+            except Exception:
+                # their logs keep them; a save refuses to read a state they are missing from
+                unflushed = self.dense.unflushed
+                logger.warning(
+                    "replica %d: writing the dense parameters behind at the pause failed: "
+                    "%d updates are only in their logs",
+                    self.replica,
+                    unflushed,
+                    exc_info=True,
+                )
+        return len(self._finishers) + unflushed
 
     async def reload(self) -> int:
         """Forget in-memory model state and read the version again (after a restore).
@@ -254,6 +276,7 @@ class Updater:
         if not self.paused:
             raise RuntimeError("reload() needs a paused replica")
         self._rounds.clear()
+        self._cancel_flush_timer()
         self.dense.forget()
         self._forget_rows()
         self._sentinels = await self._cache_sentinels()
@@ -275,6 +298,7 @@ class Updater:
             self._auto_resume.cancel()
             self._auto_resume = None
         self._open.set()
+        self._flush_when_due()  # what a failed flush at the pause left, or came since
 
     @asynccontextmanager
     async def _admitted(self) -> AsyncIterator[None]:
@@ -371,8 +395,7 @@ class Updater:
             )
             writes: list[asyncio.Future[Any]] = []
             plan: WritePlan | None = None
-            generation: DenseGeneration | None = None
-            header_sent = journaled = False
+            journaled = False
 
             async def settled() -> None:  # no write of the slot in flight any more
                 if writes:
@@ -399,9 +422,9 @@ class Updater:
                 )
                 writes.append(started)
                 plan, prepared = planned
-                generation = plan.dense_generation
-                if generation is not None:  # written while the optimizer computes
-                    writes.append(asyncio.ensure_future(self.dense.write_chunks(generation)))
+                if plan.dense_logged and plan.version is not None:  # while it computes
+                    log = self.dense.write_log(plan.version, push.dense)
+                    writes.append(asyncio.ensure_future(log))
                 plan.updates = await self._computed(prepared)
                 self._changes += 1
                 plan.seq = self._changes
@@ -411,7 +434,6 @@ class Updater:
                 for result in results:
                     if isinstance(result, BaseException):
                         raise result
-                header_sent = True
                 await self.journal.write_end(slot, started.result(), plan)
                 journaled = True
                 await self._write_plan(plan, record=False)
@@ -425,11 +447,9 @@ class Updater:
                     self._finish_later(slot, plan, keys)
                     handed_over = True
                 else:
+                    # a dense log written for nothing is overwritten by the next update
+                    # to its version (no journal names it: it never counts)
                     self.journal.give_back(slot)
-                    if generation is not None and not header_sent:
-                        # nothing names the new generation (a header whose write failed
-                        # might have landed all the same: then its chunks must stay)
-                        self._discard_later(generation)
                 raise
             self._record_later(slot, plan, keys)
             handed_over = True
@@ -533,15 +553,10 @@ class Updater:
         if plan.version is None:
             plan.version = state.version + 1
         if push.dense:
-            params, slots = self.dense.update(state, push.dense)
-            generation = self.dense.prepare(plan.version, params, slots)
+            plan.dense = self.dense.update(state, push.dense)
         else:  # only the version moves (a sync round without dense gradients)
-            params, slots = dict(state.params), dict(state.slots)
-            generation = DenseGeneration(meta={**state.meta, "version": plan.version})
-        plan.dense = (params, slots)
-        plan.dense_switch = DenseSwitch(current=generation.meta, previous=dict(state.meta))
-        if generation.param_ids or generation.slot_ids:
-            plan.dense_generation = generation
+            plan.dense = (dict(state.params), dict(state.slots))
+        plan.dense_logged = True
         return plan, prepared
 
     async def _prepared(self, tables: Sequence[TableGrads]) -> list[_Prepared]:
@@ -773,7 +788,7 @@ class Updater:
             updates += await self._redone(plan.redo)
         # the jobs return None or set_blobs' stored flags; only their completion matters
         jobs: list[Awaitable[object]] = [self._write_updates(updates)]
-        if plan.dense_switch is not None:
+        if plan.dense_switch is not None:  # a journal of the previous service
             jobs.append(
                 self.dense.switch(
                     plan.dense_switch.current,
@@ -782,7 +797,7 @@ class Updater:
                     check=replay,
                 )
             )
-        elif plan.dense is not None and plan.version is not None:
+        elif plan.dense is not None and plan.version is not None and not plan.dense_logged:
             # a journal of an older service: it carries the values, not a generation
             jobs.append(self.dense.write(plan.version, *plan.dense))
         if plan.version is not None:
@@ -795,6 +810,10 @@ class Updater:
                 )
             )
         await asyncio.gather(*jobs)
+        if plan.dense_logged and plan.dense is not None and plan.version is not None:
+            # a live plan's (a recovered journal has no values: `recover` replays the logs)
+            self.dense.advance(plan.version, *plan.dense)
+            self._flush_when_due()
         if record:
             await self._write_record(plan.push_id)
         if plan.version is not None:
@@ -878,16 +897,57 @@ class Updater:
 
         self._in_background(clear())
 
-    def _discard_later(self, generation: DenseGeneration) -> None:
-        """Delete, in the background and best effort, the chunks of a dense generation
-        that no journal or pointer names (its push failed before its journal header)."""
-        self._in_background(self.dense.discard(generation))
+    # ------------------------------------------------------------ dense write-behind
 
-    def _in_background(self, job: Coroutine[Any, Any, object]) -> None:
+    def _flush_when_due(self) -> None:
+        """Write the dense state behind now if `service.dense_flush_pushes` updates are
+        not stored yet; else within `service.dense_flush_s` seconds. Not while paused:
+        the pause flushed, and a restore must not get a flush of the state before it."""
+        if self.paused:
+            return
+        if self.dense.unflushed >= self.config.service.dense_flush_pushes:
+            self._flush_dense_later()
+        elif self._flush_timer is None and self.dense.unflushed:
+            self._flush_timer = asyncio.get_running_loop().call_later(
+                self.config.service.dense_flush_s, self._flush_dense_later
+            )
+
+    def _cancel_flush_timer(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+
+    def _flush_dense_later(self) -> None:
+        """Start a flush in the background unless one runs (it writes the newest state
+        there is when it starts; the next update due starts the next)."""
+        self._cancel_flush_timer()
+        if self.paused or (self._flushing is not None and not self._flushing.done()):
+            return
+
+        async def flush() -> None:
+            try:
+                await self.dense.flush()
+            except Exception:
+                logger.warning(
+                    "replica %d: writing the dense parameters behind failed (their logs "
+                    "keep the updates; the next flush retries)",
+                    self.replica,
+                    exc_info=True,
+                )
+            if self.dense.unflushed and self._flush_timer is None and not self.paused:
+                # updates came meanwhile (or this one failed): within dense_flush_s
+                self._flush_timer = asyncio.get_running_loop().call_later(
+                    self.config.service.dense_flush_s, self._flush_dense_later
+                )
+
+        self._flushing = self._in_background(flush())
+
+    def _in_background(self, job: Coroutine[Any, Any, object]) -> asyncio.Task[object]:
         """Run `job` as a task that `pause` and `close` wait for (`_cleanups`)."""
         task = asyncio.get_running_loop().create_task(job)
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
+        return task
 
     # ------------------------------------------------------------ recovery
 
@@ -920,9 +980,31 @@ class Updater:
                 await self._write_plan(plan, replay=True)
                 finished += 1
             await self.journal.clear(slot)
+        if self.replica == 0:
+            await self._recover_dense()
         await self._set_version(await self._stored_version())
         self._sentinels = await self._cache_sentinels()
         return finished
+
+    async def _recover_dense(self) -> None:
+        """Rebuild the dense state from the stored generation and the logs of the updates
+        after it, up to this replica's stored version (every journaled dense push wrote
+        it, or its journal's replay just did); store it as a generation."""
+        (raw,) = await self.store.get_blobs(META_TABLE, [version_id(self.replica)], kind=Kind.META)
+        try:
+            replayed = await self.dense.replay_logs(int(raw) if raw else 0)
+        except DenseLogError as exc:
+            raise RuntimeError(
+                f"replica {self.replica}: {exc}, but its push was applied: the dense "
+                f"parameters after it cannot be rebuilt; restore a checkpoint "
+                f"(lookup-table-checkpoint restore)"
+            ) from exc
+        if replayed:
+            logger.warning(
+                "replica %d: dense parameters rebuilt from %d logged updates",
+                self.replica,
+                replayed,
+            )
 
     async def _stored_version(self) -> int:
         (raw,) = await self.store.get_blobs(META_TABLE, [version_id(self.replica)], kind=Kind.META)
@@ -934,6 +1016,18 @@ class Updater:
         return version
 
     async def close(self) -> None:
-        """Wait briefly for background finishers; those still running resume at restart."""
+        """Write the dense state behind; wait briefly for background finishers (those
+        still running resume at restart, as the dense logs do)."""
+        self._cancel_flush_timer()
+        if self.replica == 0:
+            try:
+                await self.dense.flush()
+            except Exception:
+                logger.warning(
+                    "replica %d: writing the dense parameters behind at close failed; "
+                    "the next start rebuilds them from their logs",
+                    self.replica,
+                    exc_info=True,
+                )
         if self._finishers or self._cleanups:
             await asyncio.wait(self._finishers | self._cleanups, timeout=5)

@@ -44,6 +44,7 @@ __all__ = [
     "STORAGE_FORMAT",
     "Kind",
     "dense_chunk_id",
+    "dense_log_id",
     "is_journal_header",
     "journal_id",
     "push_record_id",
@@ -64,6 +65,7 @@ class Kind(enum.StrEnum):
     JOURNAL = "j"
     DENSE = "d"
     DENSE_SLOTS = "ds"
+    DENSE_LOG = "dl"
 
     @property
     def label(self) -> str:
@@ -79,6 +81,7 @@ _LABELS = {
     Kind.JOURNAL: "journal",
     Kind.DENSE: "dense",
     Kind.DENSE_SLOTS: "dense_slots",
+    Kind.DENSE_LOG: "dense_log",
 }
 
 ROW_KINDS = (Kind.ROW,)
@@ -131,6 +134,13 @@ def is_journal_header(journal: str) -> bool:
 def dense_chunk_id(generation: str, param: str, chunk: int) -> str:
     """`_dense/d` (or `ds`) id of chunk `chunk` of `param` in `generation`."""
     return f"{generation}/{param}/{chunk}"
+
+
+def dense_log_id(version: int, chunk: int | None = None) -> str:
+    """`_dense/dl` id of the log of the dense update to `version` (its index, `chunk`
+    None) or of one of its chunks."""
+    base = f"v{version}"
+    return base if chunk is None else f"{base}-c{chunk}"
 
 
 def sentinel_key(namespace: str) -> bytes:

@@ -1,4 +1,8 @@
-"""Dense parameters in the service: served from replica 0's memory, journaled as a switch.
+"""Dense parameters in the service: served from replica 0's memory, written behind.
+
+Each update writes its gradients' log; a generation is written every
+`service.dense_flush_pushes` updates (or `dense_flush_s` seconds, or at a pause); a
+restarted replica rebuilds what was not flushed from the logs of the journaled pushes.
 
 Real memcached and the real aiohttp app. Failures are simulated by replacing one step
 of the updater (as `test_service.py` does for `_write_updates`), never memcached.
@@ -21,7 +25,14 @@ from prometheus_client import CollectorRegistry
 from lookup_table import EmbeddingStore
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
-from lookup_table.core.keyspace import DENSE_TABLE, Kind, dense_chunk_id
+from lookup_table.core.keyspace import (
+    DENSE_TABLE,
+    META_TABLE,
+    Kind,
+    dense_chunk_id,
+    dense_log_id,
+    version_id,
+)
 from lookup_table.core.optimizers import make_optimizer
 from lookup_table.dense import DenseParams, DenseState
 from lookup_table.errors import ReplicaUnavailableError, StoreFullError
@@ -30,6 +41,7 @@ from lookup_table.ops.localcluster import MemcachedProcess
 from optimizer_service.app import STORE, UPDATER, make_app
 from optimizer_service.journal import Journal
 from optimizer_service.plan import WritePlan
+from optimizer_service.updater import Updater
 from tests.conftest import SERVICE_TABLES, make_config
 from tests.reliability.harness import memcache_client
 
@@ -49,8 +61,13 @@ def _grads(seed: int) -> Params:
     return {n: rng.standard_normal(v.shape).astype(np.float32) for n, v in INIT.items()}
 
 
-def _config(nodes: list[str]) -> ClusterConfig:
-    return make_config(nodes, tables=SERVICE_TABLES, optimizers=["http://127.0.0.1:1"])
+def _config(nodes: list[str], *, flush_pushes: int = 20, flush_s: float = 60.0) -> ClusterConfig:
+    return make_config(
+        nodes,
+        tables=SERVICE_TABLES,
+        optimizers=["http://127.0.0.1:1"],
+        service={"dense_flush_pushes": flush_pushes, "dense_flush_s": flush_s},
+    )
 
 
 async def _serve(config: ClusterConfig, aiohttp_server: Any) -> tuple[ClusterConfig, TestServer]:
@@ -113,6 +130,37 @@ async def _chunks_present(config: ClusterConfig, meta: Mapping[str, Any]) -> int
     return sum(v is not None for v in values + slots)
 
 
+async def _logs_present(config: ClusterConfig, versions: range) -> list[int]:
+    """The versions among `versions` whose dense log (its index) is in memcached."""
+    async with EmbeddingStore(config) as store:
+        got = await store.get_blobs(
+            DENSE_TABLE, [dense_log_id(v) for v in versions], kind=Kind.DENSE_LOG
+        )
+    return [v for v, raw in zip(versions, got, strict=True) if raw is not None]
+
+
+async def _flushed(server: TestServer) -> None:
+    """Wait for the replica's background flush of the dense parameters, if one runs."""
+    task = server.app[UPDATER]._flushing
+    if task is not None:
+        async with asyncio.timeout(10):
+            await task
+
+
+async def _die(server: TestServer) -> None:
+    """Stop replica 0 as a crash would: nothing more is flushed."""
+
+    async def no_flush() -> bool:
+        return False
+
+    updater = server.app[UPDATER]
+    await _flushed(server)
+    updater.dense.flush = no_flush  # type: ignore[method-assign]
+    for task in list(updater._finishers):
+        task.cancel()  # the dead process's background replay never runs
+    await server.close()
+
+
 class _Recorder:
     """Counts the store calls of a running replica by kind (the calls still run)."""
 
@@ -141,33 +189,156 @@ class _Recorder:
         return [r for r in self.reads if r[0] in (Kind.DENSE, Kind.DENSE_SLOTS)]
 
 
-async def test_pushes_and_gets_read_only_the_pointer_and_the_journal_carries_no_values(
+async def test_pushes_write_logs_and_every_kth_update_a_generation(
     memcached_nodes: list[str], aiohttp_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config, server = await _serve(_config(memcached_nodes), aiohttp_server)
+    """Each dense push writes its gradients' log (not the parameters) and reads only the
+    `current` pointer; GET /v1/dense answers from memory. The third update (K = 3) is
+    flushed: a generation at version 3, the logs it covers and the old generation gone.
+    A pause flushes the rest, so a checkpoint sees the parameters the trainers see."""
+    config, server = await _serve(_config(memcached_nodes, flush_pushes=3), aiohttp_server)
     recorder = _Recorder(server.app[STORE], monkeypatch)
-    grads = [_grads(1), _grads(2)]
+    grads = [_grads(i) for i in range(1, 6)]
+    grad_bytes = sum(v.nbytes for v in INIT.values())
     async with OptimizerClient(config) as client:
         await client.dense_init(INIT)
-        for i, grad in enumerate(grads, start=1):
+        first = await _stored(config)
+        assert first is not None
+        for i, grad in enumerate(grads[:2], start=1):
             recorder.clear()
             result = await client.push({}, dense=grad)
             assert result["version"] == i
             # the push read the `current` pointer (one small get), not the generation
             assert recorder.dense_reads() == []
             assert recorder.reads.count((Kind.META, 1)) >= 1
-            # the journal names the new generation; its chunks were written beside it
-            assert 0 < recorder.written[Kind.JOURNAL] < 4096
-            assert recorder.written[Kind.DENSE] == sum(v.nbytes for v in INIT.values())
+            assert 0 < recorder.written[Kind.JOURNAL] < 4096  # no values in the journal
+            assert Kind.DENSE not in recorder.written and Kind.DENSE_SLOTS not in recorder.written
+            assert grad_bytes < recorder.written[Kind.DENSE_LOG] < grad_bytes + 4096
 
             recorder.clear()
             version, params = await client.dense()
             assert version == i
             _assert_params(params, _adam_steps(config, INIT, *grads[:i])[0])
             assert recorder.reads == [(Kind.META, 1)]  # the pointer only
+        stored = await _stored(config)
+        assert stored is not None and stored.version == 0  # behind: not flushed yet
+        assert await _logs_present(config, range(1, 6)) == [1, 2]
+
+        await client.push({}, dense=grads[2])
+        await _flushed(server)
+        stored = await _stored(config)
+        assert stored is not None and stored.version == 3
+        want, want_slots = _adam_steps(config, INIT, *grads[:3])
+        _assert_params(stored.params, want)
+        _assert_params(stored.slots, want_slots)
+        assert await _logs_present(config, range(1, 6)) == []
+        assert await _chunks_present(config, first.meta) == 0
+
+        await client.push({}, dense=grads[3])
+        await client.push({}, dense=grads[4])
+        assert await _logs_present(config, range(1, 6)) == [4, 5]
+        await client.pause(timeout_s=30)
+        stored = await _stored(config)
+        assert stored is not None and stored.version == 5
+        want, want_slots = _adam_steps(config, INIT, *grads)
+        _assert_params(stored.params, want)
+        _assert_params(stored.slots, want_slots)
+        assert await _logs_present(config, range(1, 6)) == []
+        await client.resume()
+        version, params = await client.dense()
+    assert version == 5
+    _assert_params(params, want)
+
+
+async def test_a_replica_killed_before_a_flush_rebuilds_the_updates_from_their_logs(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    """Five updates, none flushed, then the replica dies: the next one rebuilds the
+    parameters and slots exactly (Adam's step count included) from the generation and
+    the five logs, stores them, and trains on from there."""
+    config, server = await _serve(_config(memcached_nodes), aiohttp_server)
+    grads = [_grads(i) for i in range(1, 7)]
+    async with OptimizerClient(config) as client:
+        await client.dense_init(INIT)
+        for grad in grads[:5]:
+            await client.push({}, dense=grad)
+    await _die(server)
     stored = await _stored(config)
-    assert stored is not None and stored.version == 2
-    _assert_params(stored.params, _adam_steps(config, INIT, *grads)[0])
+    assert stored is not None and stored.version == 0
+    assert await _logs_present(config, range(1, 7)) == [1, 2, 3, 4, 5]
+
+    config, server = await _serve(config, aiohttp_server)  # recovery runs before serving
+    want, want_slots = _adam_steps(config, INIT, *grads[:5])
+    stored = await _stored(config)
+    assert stored is not None and stored.version == 5
+    _assert_params(stored.params, want)
+    _assert_params(stored.slots, want_slots)
+    assert await _logs_present(config, range(1, 7)) == []
+    assert server.app[UPDATER].version == 5
+    async with OptimizerClient(config) as client:
+        result = await client.push({}, dense=grads[5])
+        assert result["version"] == 6
+        version, params = await client.dense()
+    assert version == 6
+    _assert_params(params, _adam_steps(config, INIT, *grads)[0])
+
+
+async def test_a_log_without_a_journaled_push_does_not_count(
+    memcached_nodes: list[str], aiohttp_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Push A writes its log, then its journal header fails: A is not applied. B takes
+    the same version and writes its own log over A's. After a crash the next replica
+    rebuilds B's update, never A's."""
+    config, server = await _serve(_config(memcached_nodes), aiohttp_server)
+    updater = server.app[UPDATER]
+    a, b = _grads(1), _grads(2)
+    write_end = updater.journal.write_end
+
+    async def failing_end(*args: Any, **kw: Any) -> None:
+        monkeypatch.setattr(updater.journal, "write_end", write_end)  # fails once
+        raise StoreFullError("memcached node 127.0.0.1:9 is out of memory (simulated)")
+
+    async with OptimizerClient(config, max_retries=0) as client:
+        await client.dense_init(INIT)
+        monkeypatch.setattr(updater.journal, "write_end", failing_end)
+        with pytest.raises(StoreFullError, match="simulated"):
+            await client.push({}, dense=a)
+        assert await _logs_present(config, range(1, 3)) == [1]  # A's log, not counted
+        version, params = await client.dense()
+        assert version == 0
+        _assert_params(params, INIT)
+        result = await client.push({}, dense=b)
+        assert result["applied"] and result["version"] == 1
+    await _die(server)
+
+    config, server = await _serve(config, aiohttp_server)
+    stored = await _stored(config)
+    assert stored is not None and stored.version == 1
+    _assert_params(stored.params, _adam_steps(config, INIT, b)[0])
+
+
+async def test_a_missing_log_of_a_journaled_update_stops_the_replica_with_a_clear_error(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    """The log of an update that was applied is gone (deleted by hand here; a node that
+    lost its data is caught by its sentinel first): replica 0 refuses to start, naming
+    the version and what to do, and writes nothing."""
+    config, server = await _serve(_config(memcached_nodes), aiohttp_server)
+    async with OptimizerClient(config) as client:
+        await client.dense_init(INIT)
+        for i in range(1, 4):
+            await client.push({}, dense=_grads(i))
+    await _die(server)
+    async with EmbeddingStore(config) as store:
+        await store.delete_blobs(DENSE_TABLE, [dense_log_id(2)], kind=Kind.DENSE_LOG)
+        updater = Updater(config, store, replica=0)
+        with pytest.raises(RuntimeError, match=r"dense update to version 2 is missing.*restore"):
+            await updater.recover()
+        (raw,) = await store.get_blobs(META_TABLE, [version_id(0)], kind=Kind.META)
+        assert raw == b"3"
+    stored = await _stored(config)
+    assert stored is not None and stored.version == 0
+    assert await _logs_present(config, range(1, 4)) == [1, 3]
 
 
 async def test_values_handed_out_never_change_under_their_holder(
@@ -233,13 +404,13 @@ async def test_a_push_after_the_parameters_changed_behind_the_replica_uses_the_n
 
 
 @pytest.mark.parametrize("restored_since", [False, True], ids=["plain", "restored-since"])
-async def test_a_push_journaled_before_its_switch_is_finished_by_the_next_replica(
+async def test_a_push_journaled_before_its_writes_is_finished_by_the_next_replica(
     restored_since: bool, memcached_nodes: list[str], aiohttp_server: Any
 ) -> None:
-    """The replica dies after the journal header, before `current` is switched: the
-    next one switches it from the journal alone (the generation was written before the
-    header) and deletes the old generation; the client's retry is a duplicate. If the
-    parameters were replaced in between (a restore), the replay leaves them alone."""
+    """The replica dies after the journal header, before the push's rows and version are
+    written: the next one replays the journal (its rows, the version) and rebuilds the
+    dense update from its log; the client's retry is a duplicate. If the parameters were
+    replaced in between (a restore), the rebuild leaves them alone."""
     config = _config(memcached_nodes)
     config, server = await _serve(config, aiohttp_server)
     updater = server.app[UPDATER]
@@ -251,7 +422,7 @@ async def test_a_push_journaled_before_its_switch_is_finished_by_the_next_replic
     assert before is not None
 
     async def crash(*_: Any, **__: Any) -> None:
-        raise ConnectionResetError("simulated crash between the journal and the switch")
+        raise ConnectionResetError("simulated crash between the journal and the writes")
 
     updater._write_plan = crash  # type: ignore[method-assign]  # the process "dies" here
     push_id = uuid.uuid4().hex
@@ -260,21 +431,15 @@ async def test_a_push_journaled_before_its_switch_is_finished_by_the_next_replic
             await client.push(
                 {"user": (ids, np.ones((2, 8), np.float32))}, dense=grad, push_id=push_id
             )
-    for task in list(updater._finishers):
-        task.cancel()  # the dead process's background replay never runs
-    await server.close()
+    await _die(server)
 
     now = await _stored(config)
     assert now is not None and now.generation == before.generation and now.version == 0
     async with EmbeddingStore(config) as store:
         plan = await Journal(store, replica=0).read(0)
-    assert plan is not None and plan.dense_switch is not None and plan.dense is None
-    switch = plan.dense_switch
-    assert switch.previous is not None and switch.previous["generation"] == before.generation
-    assert switch.current["version"] == 1
-    total = sum(p["chunks"] for p in switch.current["params"].values())
-    total += sum(switch.current["slots"].values())
-    assert await _chunks_present(config, switch.current) == total  # written before the header
+    assert plan is not None and plan.dense_logged and plan.version == 1
+    assert plan.dense is None and plan.dense_switch is None  # no values in the journal
+    assert await _logs_present(config, range(1, 3)) == [1]  # written before the header
 
     if restored_since:
         restored = {n: v - np.float32(1) for n, v in INIT.items()}
@@ -292,10 +457,11 @@ async def test_a_push_journaled_before_its_switch_is_finished_by_the_next_replic
         _assert_params(after.params, {n: v - np.float32(1) for n, v in INIT.items()})
     else:
         want, want_slots = _adam_steps(config, INIT, grad)
-        assert after.version == 1 and after.generation == switch.current["generation"]
+        assert after.version == 1
         _assert_params(after.params, want)
         _assert_params(after.slots, want_slots)
         assert await _chunks_present(config, before.meta) == 0  # the old generation is gone
+        assert await _logs_present(config, range(1, 3)) == []
     async with OptimizerClient(config) as client:
         retry = await client.push(
             {"user": (ids, np.ones((2, 8), np.float32))}, dense=grad, push_id=push_id
@@ -331,14 +497,14 @@ async def test_a_journal_of_the_previous_service_with_inline_dense_values_is_rep
     assert server.app[UPDATER].version == 1
 
 
-class _FailingSwitch:
-    """`DenseParams.switch` that fails as a full node would: its first `fail_calls` calls
-    (all while `fail_calls` is None, until `heal`); the first call that succeeds takes
-    `slow_s` more (a replay still running)."""
+class _FailingVersionWrite:
+    """Replica 0's writes of its version key (every dense push's, after its journal) fail
+    as a full node would: the first `fail_calls` (all while `fail_calls` is None, until
+    `heal`); the first that succeeds takes `slow_s` more (a replay still running)."""
 
     def __init__(
         self,
-        dense: DenseParams,
+        store: EmbeddingStore,
         monkeypatch: pytest.MonkeyPatch,
         *,
         fail_calls: int | None = None,
@@ -347,10 +513,12 @@ class _FailingSwitch:
         self.fail_calls = fail_calls
         self.calls = 0
         self.replay_failed = asyncio.Event()  # a replay failed too, not only the push
-        original = dense.switch
+        original = store.set_blobs
 
-        async def switch(*args: Any, **kw: Any) -> bool:
+        async def set_blobs(table: str, ids: Any, values: Any, **kw: Any) -> Any:
             nonlocal slow_s
+            if table != META_TABLE or list(ids) != [version_id(0)]:
+                return await original(table, ids, values, **kw)
             self.calls += 1
             if self.fail_calls is None or self.calls <= self.fail_calls:
                 if self.calls >= 2:
@@ -360,9 +528,9 @@ class _FailingSwitch:
                 )
             slow, slow_s = slow_s, 0.0
             await asyncio.sleep(slow)
-            return await original(*args, **kw)
+            return await original(table, ids, values, **kw)
 
-        monkeypatch.setattr(dense, "switch", switch)
+        monkeypatch.setattr(store, "set_blobs", set_blobs)
 
     def heal(self) -> None:
         self.fail_calls = self.calls
@@ -371,22 +539,24 @@ class _FailingSwitch:
 async def test_a_dense_push_waits_for_the_replay_of_a_failed_dense_write(
     memcached_nodes: list[str], aiohttp_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Push A's switch fails after its journal; while A's replay runs, push B must not
-    compute from the state before A (the replay would then overwrite B: a lost update).
-    B waits for the replay and applies on top of A."""
+    """Push A's writes fail after its journal; while A's replay runs, push B must not
+    compute from the state before A (A's update would then be lost). B waits for the
+    replay and applies on top of A."""
     config, server = await _serve(_config(memcached_nodes), aiohttp_server)
     updater = server.app[UPDATER]
     a, b = _grads(1), _grads(2)
     async with OptimizerClient(config, max_retries=0) as client:
         await client.dense_init(INIT)
-        # only the push's own switch fails; its replay is still switching when B arrives
-        _FailingSwitch(updater.dense, monkeypatch, fail_calls=1, slow_s=0.5)
+        # only the push's own write fails; its replay is still writing when B arrives
+        _FailingVersionWrite(updater.store, monkeypatch, fail_calls=1, slow_s=0.5)
         with pytest.raises(StoreFullError, match="simulated"):
             await client.push({}, dense=a)
         assert len(updater._finishers) == 1
         result = await client.push({}, dense=b)
         assert result["applied"] and result["version"] == 2
         assert not updater._finishers
+        await client.pause(timeout_s=30)  # flushes: memcached then holds what is served
+        await client.resume()
         version, params = await client.dense()
     assert version == 2
     _assert_params(params, _adam_steps(config, INIT, a, b)[0])
@@ -406,7 +576,7 @@ async def test_a_dense_push_fails_fast_while_a_failed_dense_write_keeps_failing(
     a, b, c = _grads(1), _grads(2), _grads(3)
     async with OptimizerClient(config, max_retries=0) as client:
         await client.dense_init(INIT)
-        failing = _FailingSwitch(updater.dense, monkeypatch)
+        failing = _FailingVersionWrite(updater.store, monkeypatch)
         push_a = uuid.uuid4().hex
         with pytest.raises(StoreFullError, match="simulated"):
             await client.push({}, dense=a, push_id=push_a)
@@ -426,6 +596,8 @@ async def test_a_dense_push_fails_fast_while_a_failed_dense_write_keeps_failing(
         assert updater.locks.held == 0
         result = await client.push({}, dense=c)
         assert result["applied"] and result["version"] == 2
+        await client.pause(timeout_s=30)  # flushes: memcached then holds what is served
+        await client.resume()
         version, params = await client.dense()
     assert version == 2
     _assert_params(params, _adam_steps(config, INIT, a, c)[0])

@@ -495,6 +495,16 @@ BAD_VALUES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         r"store\.trainer_cache_mb: ",
     ),
     ("store not a table", _set("store", 5), "store: expected a table, got 5"),
+    (
+        "service.dense_flush_pushes 0",
+        _set("service.dense_flush_pushes", 0),
+        r"service\.dense_flush_pushes: expected a positive integer, got 0",
+    ),
+    (
+        "service.dense_flush_s negative",
+        _set("service.dense_flush_s", -1.0),
+        r"service\.dense_flush_s: expected a positive",
+    ),
 ]
 
 

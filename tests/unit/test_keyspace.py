@@ -16,6 +16,7 @@ from lookup_table.core.keyspace import (
     STORAGE_FORMAT,
     Kind,
     dense_chunk_id,
+    dense_log_id,
     is_journal_header,
     journal_id,
     push_record_id,
@@ -37,6 +38,7 @@ def test_kind_tags_are_pinned() -> None:
         "JOURNAL": "j",
         "DENSE": "d",
         "DENSE_SLOTS": "ds",
+        "DENSE_LOG": "dl",
     }
     assert ROW_KINDS == ("w",)  # a row and its slots are one item (storage format 2)
     assert len({k.label for k in Kind}) == len(Kind)
@@ -62,6 +64,11 @@ def test_golden_keys() -> None:
     assert (
         encode_key(ns, DENSE_TABLE, Kind.DENSE_SLOTS, dense_chunk_id("ab12", "dense/kernel", 0))
         == b"demo/_dense/ds/sab12%2Fdense%2Fkernel%2F0"
+    )
+    assert encode_key(ns, DENSE_TABLE, Kind.DENSE_LOG, dense_log_id(41)) == b"demo/_dense/dl/sv41"
+    assert (
+        encode_key(ns, DENSE_TABLE, Kind.DENSE_LOG, dense_log_id(41, 2))
+        == b"demo/_dense/dl/sv41-c2"
     )
 
 
