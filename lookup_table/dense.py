@@ -125,6 +125,11 @@ def _chunks(value: NDArray[np.float32]) -> list[bytes]:
     return [flat[i : i + _CHUNK_FLOATS].tobytes() for i in starts] or [b""]
 
 
+def _pointer_key(meta: Mapping[str, Any]) -> tuple[str, int]:
+    """What makes a `current` pointer the one it is: its generation and version."""
+    return str(meta["generation"]), int(meta["version"])
+
+
 def _frozen(value: NDArray[np.float32]) -> NDArray[np.float32]:
     """A read-only view: the in-memory copy is shared, nobody may write into it."""
     view = value.view()
@@ -158,10 +163,11 @@ class DenseParams:
     def _own_pointer(self, meta: Mapping[str, Any]) -> None:
         """`meta` is now memcached's `current` as this instance knows it."""
         self._stored = dict(meta)
-        self._own.append((str(meta["generation"]), int(meta["version"])))
+        if not self._is_own(meta):
+            self._own.append(_pointer_key(meta))
 
     def _is_own(self, meta: Mapping[str, Any] | None) -> bool:
-        return meta is not None and (str(meta["generation"]), int(meta["version"])) in self._own
+        return meta is not None and _pointer_key(meta) in self._own
 
     def _install(self, state: DenseState) -> DenseState:
         """Make `state` the in-memory copy (read-only views of its arrays); returns it.
@@ -254,8 +260,7 @@ class DenseParams:
                     state.generation,
                     held.version,
                 )
-            self._own.clear()
-            self._log_chunks.clear()
+            self.forget()  # what was held, and what it knew of memcached
             return self._install(state)
         raise RuntimeError("dense parameters changed during every read attempt")
 
@@ -630,7 +635,7 @@ class DenseParams:
                 return False
             meta = generation.meta
             # own before it is set: a set that fails may have landed all the same
-            self._own.append((str(meta["generation"]), int(meta["version"])))
+            self._own.append(_pointer_key(meta))
             await self.store.set_blobs(
                 DENSE_TABLE, [DENSE_CURRENT_ID], [pack(meta)], kind=Kind.META
             )

@@ -907,7 +907,13 @@ class Updater:
             return
         if self.dense.unflushed >= self.config.service.dense_flush_pushes:
             self._flush_dense_later()
-        elif self._flush_timer is None and self.dense.unflushed:
+        else:
+            self._arm_flush_timer()
+
+    def _arm_flush_timer(self) -> None:
+        """Flush within `service.dense_flush_s` seconds, if anything is left to write
+        and no flush is planned (not while paused)."""
+        if self.dense.unflushed and self._flush_timer is None and not self.paused:
             self._flush_timer = asyncio.get_running_loop().call_later(
                 self.config.service.dense_flush_s, self._flush_dense_later
             )
@@ -934,11 +940,7 @@ class Updater:
                     self.replica,
                     exc_info=True,
                 )
-            if self.dense.unflushed and self._flush_timer is None and not self.paused:
-                # updates came meanwhile (or this one failed): within dense_flush_s
-                self._flush_timer = asyncio.get_running_loop().call_later(
-                    self.config.service.dense_flush_s, self._flush_dense_later
-                )
+            self._arm_flush_timer()  # updates came meanwhile, or this flush failed
 
         self._flushing = self._in_background(flush())
 
@@ -980,19 +982,20 @@ class Updater:
                 await self._write_plan(plan, replay=True)
                 finished += 1
             await self.journal.clear(slot)
+        version = await self._stored_version()
         if self.replica == 0:
-            await self._recover_dense()
-        await self._set_version(await self._stored_version())
+            await self._recover_dense(version)
+        await self._set_version(version)
         self._sentinels = await self._cache_sentinels()
         return finished
 
-    async def _recover_dense(self) -> None:
+    async def _recover_dense(self, version: int) -> None:
         """Rebuild the dense state from the stored generation and the logs of the updates
-        after it, up to this replica's stored version (every journaled dense push wrote
-        it, or its journal's replay just did); store it as a generation."""
-        (raw,) = await self.store.get_blobs(META_TABLE, [version_id(self.replica)], kind=Kind.META)
+        after it, up to `version`, this replica's stored version (every journaled dense
+        push wrote it, or its journal's replay just did; when the generation is newer,
+        nothing is replayed); store it as a generation."""
         try:
-            replayed = await self.dense.replay_logs(int(raw) if raw else 0)
+            replayed = await self.dense.replay_logs(version)
         except DenseLogError as exc:
             raise RuntimeError(
                 f"replica {self.replica}: {exc}, but its push was applied: the dense "
