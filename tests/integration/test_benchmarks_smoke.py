@@ -1,8 +1,8 @@
 """The benchmarks must keep running: `benchmarks/store.py --quick`,
 `benchmarks/optimizer.py --quick`, `benchmarks/train.py --quick`,
-`benchmarks/checkpoint.py --quick`, `benchmarks/sizing.py --quick` and
-`benchmarks/scaling.py --quick` end to end (and `benchmarks/write_coalescing.py --quick`,
-which needs no server).
+`benchmarks/checkpoint.py --quick`, `benchmarks/sizing.py --quick`,
+`benchmarks/scaling.py --quick` and `benchmarks/push_replay.py --quick` end to end (and
+`benchmarks/write_coalescing.py --quick`, which needs no server).
 
 The figures of a quick run mean nothing (3 rounds of 8,192 or 4,096 ids, or 10
 or 12 training steps); this only checks that each script starts its cluster (and
@@ -331,3 +331,23 @@ def test_write_coalescing_benchmark_quick_run_counts_every_interval(tmp_path: Pa
     assert rows[0]["ratio"] == pytest.approx(1.0)
     ratios = [r["ratio"] for r in rows]
     assert ratios == sorted(ratios, reverse=True) and ratios[-1] < 1.0
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_push_replay_benchmark_quick_run_measures_both_cases(tmp_path: Path) -> None:
+    """`benchmarks/push_replay.py --quick`: two fresh clusters, each stopped; every
+    process of each measured."""
+    report = _run_quick("push_replay", tmp_path, timeout_s=120, expect="tables / one table")
+    assert report["benchmark"] == "push_replay"
+    assert report["parameters"] == {"steps": 15, "warmup": 5, "rounds": 1, "batch": 1024}
+    for case in ("tables", "one table"):
+        (run,) = report["runs"][case]
+        assert {"optimizer-0", "memcached-1", "memcached-2", "client"} <= set(run)
+        assert run["optimizer-0"] > 0 and run["memcached-1"] > 0 and run["memcached-2"] > 0
+        assert run["memcached"] == pytest.approx(run["memcached-1"] + run["memcached-2"])
+        assert run["infrastructure"] == pytest.approx(run["optimizer-0"] + run["memcached"])
+    assert report["tables_over_one_table"] == pytest.approx(
+        report["median"]["tables"]["infrastructure"]
+        / report["median"]["one table"]["infrastructure"]
+    )

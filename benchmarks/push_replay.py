@@ -1,0 +1,232 @@
+"""Benchmark the infrastructure's CPU per push without TensorFlow: the replica and memcached.
+
+Run from the repository root::
+
+    python benchmarks/push_replay.py            # 150 pushes (20 warm-up), 2 rounds
+    python benchmarks/push_replay.py --quick    # smoke run: 20 pushes, 1 round
+
+`benchmarks/train.py` measures the infrastructure figure of the throughput work (replica +
+memcached CPU per step against the trainer's), but a run takes minutes and TensorFlow's
+own load makes it noisy. This replays what a trainer sends instead, in seconds, so a
+change of the push path can be A/B-tested: the demo's data (`SyntheticSource`, batch
+1024, the 26 categorical columns, each batch's unique ids per column), gradients and dense
+gradients drawn at random (the demo's 143,105 dense parameters: `mlp` 256-128), on a fresh
+local cluster of the demo's shape (`_common.local_cluster`: 2 memcached nodes, 1 replica,
+deploy/demo.toml's tables and optimizers). Each step reads the rows its previous push did
+not answer (`lookup_many`: a trainer with answered rows reads about that; its cache of older
+answers makes it read somewhat less), then pushes with `answer=("rows", "dense")`, as
+`trainer.Trainer` does, one push at a time.
+
+Two cases, side by side in each round (alternating which runs first):
+
+* **tables**: the pushes as a trainer sends them, one table per column;
+* **one table**: the same rows pushed as one table (each column's ids moved to their own
+  range of `C1`), so the same reads, optimizer steps and writes: the difference is what
+  the service pays per table of a push.
+
+Printed: CPU ms per push of the replica and of each memcached node (utime + stime from
+/proc over the timed pushes), the client's own CPU (not infrastructure), and the ratio
+tables / one table. With `benchmarks/results/train.json` present (`train.py`), the
+infrastructure CPU per push is also shown against that run's trainer CPU per step (the
+issue's figure, from another run: an estimate). Results go to
+`<out-dir>/push_replay.json` (default `benchmarks/results/`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from numpy.typing import NDArray
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import (
+    local_cluster,
+    machine_info,
+    proc_cpu_s,
+    report_head,
+    write_json,
+)
+
+from lookup_table.client import OptimizerClient
+from lookup_table.config import load_config
+from lookup_table.store import EmbeddingStore
+from trainer.data.criteo import CATEGORICAL_NAMES
+from trainer.data.synthetic import SyntheticSource
+
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+BATCH = 1024
+DENSE_SHAPES = {  # the demo's `mlp` (13 numeric + 26 x 16 inputs, Dense 256-128-1)
+    "dense/kernel": (429, 256),
+    "dense/bias": (256,),
+    "dense_1/kernel": (256, 128),
+    "dense_1/bias": (128,),
+    "dense_2/kernel": (128, 1),
+    "dense_2/bias": (1,),
+}
+CASES = ("tables", "one table")
+_RANGE_BITS = 40  # "one table": column k's ids move to [k << 40, (k + 1) << 40)
+
+Batch = dict[str, NDArray[np.int64]]
+
+
+def make_batches(count: int) -> list[Batch]:
+    source = SyntheticSource(max(1_000_000, count * BATCH))
+    out: list[Batch] = []
+    for i, batch in enumerate(source.batches(BATCH)):
+        if i >= count:
+            break
+        out.append(
+            {
+                n: np.unique(np.asarray(batch.features[n]).astype(np.int64))
+                for n in CATEGORICAL_NAMES
+            }
+        )
+    return out
+
+
+def as_one_table(batch: Batch) -> Batch:
+    merged = [ids + (k << _RANGE_BITS) for k, ids in enumerate(batch.values())]
+    return {CATEGORICAL_NAMES[0]: np.unique(np.concatenate(merged))}
+
+
+def cluster_pids(run_dir: Path) -> dict[str, int]:
+    """The cluster's processes (pid files of `localcluster`): optimizer-0, memcached-*."""
+    return {p.stem: int(p.read_text().split()[0]) for p in run_dir.glob("*.pid")}
+
+
+async def replay(
+    config_path: Path, run_dir: Path, batches: list[Batch], warmup: int
+) -> dict[str, float]:
+    """Push `batches` in order; CPU ms per push of each process over the pushes after
+    `warmup`, and the client's."""
+    config = load_config(config_path)
+    rng = np.random.default_rng(0)
+    pids = cluster_pids(run_dir)
+    start: dict[str, float] = {}
+    async with OptimizerClient(config) as client, EmbeddingStore(config) as store:
+        params = {
+            n: rng.standard_normal(s).astype(np.float32) * 0.05 for n, s in DENSE_SHAPES.items()
+        }
+        await client.dense_init(params)
+        previous: Batch = {}
+        for i, batch in enumerate(batches):
+            if i == warmup:
+                start = {k: proc_cpu_s(p) or 0.0 for k, p in pids.items()}
+                start["client"] = time.process_time()
+            reads = {
+                name: np.setdiff1d(ids, previous.get(name, ids[:0]), assume_unique=True)
+                for name, ids in batch.items()
+            }
+            await store.lookup_many({n: ids for n, ids in reads.items() if ids.shape[0]})
+            tables = {
+                name: (ids, (rng.standard_normal((ids.shape[0], 16)) * 1e-3).astype(np.float32))
+                for name, ids in batch.items()
+            }
+            dense = {
+                n: (rng.standard_normal(v.shape) * 1e-4).astype(np.float32)
+                for n, v in params.items()
+            }
+            await client.push(tables, dense=dense, answer=("rows", "dense"))
+            previous = batch
+        end = {k: proc_cpu_s(p) or 0.0 for k, p in pids.items()}
+        end["client"] = time.process_time()
+    pushes = len(batches) - warmup
+    per_push = {k: (end[k] - start[k]) * 1e3 / pushes for k in start}
+    nodes = sorted(k for k in per_push if k.startswith("memcached"))  # by address
+    out = {k: v for k, v in per_push.items() if k not in nodes}
+    for number, name in enumerate(nodes, 1):
+        out[f"memcached-{number}"] = per_push[name]
+    out["memcached"] = sum(per_push[name] for name in nodes)
+    out["infrastructure"] = out["optimizer-0"] + out["memcached"]
+    return out
+
+
+def run_case(case: str, batches: list[Batch], warmup: int) -> dict[str, float]:
+    pushed = batches if case == "tables" else [as_one_table(b) for b in batches]
+    with tempfile.TemporaryDirectory(prefix="push_replay_") as tmp:
+        with local_cluster(Path(tmp) / "w", prefix="benchreplay") as (config_path, run_dir, _):
+            return asyncio.run(replay(config_path, run_dir, pushed, warmup))
+
+
+def trainer_cpu_ms(path: Path) -> tuple[float, str] | None:
+    """The trainer's CPU ms per step of `train.py`'s results and their time, if any."""
+    try:
+        report = json.loads(path.read_text())
+        cpu = report["summary"]["distributed"]["cpu_ms_per_step"]["trainer"]
+        return float(cpu), str(report["timestamp"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=None, help="timed pushes (default 150)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed pushes (default 20)")
+    parser.add_argument("--rounds", type=int, default=None, help="default 2")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 20 pushes, 1 round")
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    args = parser.parse_args()
+    steps = args.steps or (15 if args.quick else 150)
+    warmup = args.warmup if args.warmup is not None else (5 if args.quick else 20)
+    rounds = args.rounds or (1 if args.quick else 2)
+    started = time.time()
+    batches = make_batches(steps + warmup)
+    runs: dict[str, list[dict[str, float]]] = {case: [] for case in CASES}
+    for r in range(rounds):
+        for case in CASES if r % 2 == 0 else reversed(CASES):
+            got = run_case(case, batches, warmup)
+            runs[case].append(got)
+            print(
+                f"round {r + 1}/{rounds}, {case}: CPU ms per push: replica "
+                f"{got['optimizer-0']:.1f}, memcached {got['memcached']:.1f}, "
+                f"infrastructure {got['infrastructure']:.1f} (client {got['client']:.1f})"
+            )
+    median = {
+        case: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for case, rs in runs.items()
+    }
+    tables, one = median["tables"], median["one table"]
+    print(
+        f"\n{steps} pushes of the demo's data ({len(CATEGORICAL_NAMES)} tables, batch {BATCH}), "
+        f"{rounds} round(s), medians, CPU ms per push"
+    )
+    print("case         replica  memcached  infrastructure  client")
+    for case in CASES:
+        m = median[case]
+        print(
+            f"{case:<12} {m['optimizer-0']:7.1f}  {m['memcached']:9.1f}  "
+            f"{m['infrastructure']:14.1f}  {m['client']:6.1f}"
+        )
+    per_table = tables["infrastructure"] / one["infrastructure"]
+    print(f"tables / one table, infrastructure CPU: {per_table:.2f}")
+    trainer = trainer_cpu_ms(args.out_dir / "train.json")
+    if trainer is not None:
+        cpu, when = trainer
+        print(
+            f"infrastructure CPU per push / trainer CPU per step of train.json ({cpu:.0f} ms, "
+            f"another run, {when}): {tables['infrastructure'] / cpu:.2f} (target <= 0.6)"
+        )
+    report = {
+        **report_head("push_replay", started, machine_info()),
+        "parameters": {"steps": steps, "warmup": warmup, "rounds": rounds, "batch": BATCH},
+        "runs": runs,
+        "median": median,
+        "tables_over_one_table": per_table,
+        "train_json_trainer_cpu_ms_per_step": None if trainer is None else trainer[0],
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / "push_replay.json"
+    write_json(path, report)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
