@@ -37,11 +37,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -49,9 +51,11 @@ from numpy.typing import NDArray
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import (
+    cluster_pids,
+    cpu_snapshot,
+    cpu_usage,
     local_cluster,
     machine_info,
-    proc_cpu_s,
     report_head,
     write_json,
 )
@@ -98,20 +102,16 @@ def as_one_table(batch: Batch) -> Batch:
     return {CATEGORICAL_NAMES[0]: np.unique(np.concatenate(merged))}
 
 
-def cluster_pids(run_dir: Path) -> dict[str, int]:
-    """The cluster's processes (pid files of `localcluster`): optimizer-0, memcached-*."""
-    return {p.stem: int(p.read_text().split()[0]) for p in run_dir.glob("*.pid")}
-
-
 async def replay(
     config_path: Path, run_dir: Path, batches: list[Batch], warmup: int
 ) -> dict[str, float]:
-    """Push `batches` in order; CPU ms per push of each process over the pushes after
-    `warmup`, and the client's."""
+    """Push `batches` in order; CPU ms per push of the cluster's processes and of this
+    one (`client`) over the pushes after `warmup`, and the share of the machine that
+    other processes used meanwhile."""
     config = load_config(config_path)
     rng = np.random.default_rng(0)
-    pids = cluster_pids(run_dir)
-    start: dict[str, float] = {}
+    pids = {**cluster_pids(run_dir), "client": os.getpid()}
+    start: dict[str, Any] = {}
     async with OptimizerClient(config) as client, EmbeddingStore(config) as store:
         params = {
             n: rng.standard_normal(s).astype(np.float32) * 0.05 for n, s in DENSE_SHAPES.items()
@@ -120,8 +120,7 @@ async def replay(
         previous: Batch = {}
         for i, batch in enumerate(batches):
             if i == warmup:
-                start = {k: proc_cpu_s(p) or 0.0 for k, p in pids.items()}
-                start["client"] = time.process_time()
+                start = cpu_snapshot(pids)
             reads = {
                 name: np.setdiff1d(ids, previous.get(name, ids[:0]), assume_unique=True)
                 for name, ids in batch.items()
@@ -137,16 +136,11 @@ async def replay(
             }
             await client.push(tables, dense=dense, answer=("rows", "dense"))
             previous = batch
-        end = {k: proc_cpu_s(p) or 0.0 for k, p in pids.items()}
-        end["client"] = time.process_time()
-    pushes = len(batches) - warmup
-    per_push = {k: (end[k] - start[k]) * 1e3 / pushes for k in start}
-    nodes = sorted(k for k in per_push if k.startswith("memcached"))  # by address
-    out = {k: v for k, v in per_push.items() if k not in nodes}
-    for number, name in enumerate(nodes, 1):
-        out[f"memcached-{number}"] = per_push[name]
-    out["memcached"] = sum(per_push[name] for name in nodes)
-    out["infrastructure"] = out["optimizer-0"] + out["memcached"]
+        usage = cpu_usage(start, cpu_snapshot(pids), len(batches) - warmup)
+    out: dict[str, float] = dict(usage["cpu_ms_per_step"])
+    out["memcached"] = sum(v for k, v in out.items() if k.startswith("memcached-"))
+    out["infrastructure"] = out["optimizer"] + out["memcached"]
+    out["other_processes_share"] = usage["other_processes_share"]
     return out
 
 
@@ -187,7 +181,7 @@ def main() -> None:
             runs[case].append(got)
             print(
                 f"round {r + 1}/{rounds}, {case}: CPU ms per push: replica "
-                f"{got['optimizer-0']:.1f}, memcached {got['memcached']:.1f}, "
+                f"{got['optimizer']:.1f}, memcached {got['memcached']:.1f}, "
                 f"infrastructure {got['infrastructure']:.1f} (client {got['client']:.1f})"
             )
     median = {
@@ -202,7 +196,7 @@ def main() -> None:
     for case in CASES:
         m = median[case]
         print(
-            f"{case:<12} {m['optimizer-0']:7.1f}  {m['memcached']:9.1f}  "
+            f"{case:<12} {m['optimizer']:7.1f}  {m['memcached']:9.1f}  "
             f"{m['infrastructure']:14.1f}  {m['client']:6.1f}"
         )
     per_table = tables["infrastructure"] / one["infrastructure"]
