@@ -26,6 +26,14 @@ The caller says which tables to cache. Both users leave out tables of string ids
 maps hold int64 keys) and tables with `ttl_s`: memcached expires their rows by itself,
 so what was written is not what memcached holds once the TTL passed (caching them would
 serve expired rows).
+
+*Dirty* entries (the replica's row write-behind, `put_many(..., dirty=True)`): rows and
+slots memcached does not hold yet. Each carries the stamp of the `put_many` that made it
+(a counter of this cache). A rotation never drops one: the dirty entries of the map it
+drops move to the young map (unless the young map has a newer value of the key).
+`dirty()` copies every dirty entry at one instant, with the stamp it was taken at;
+once they are written, `clean(stamp)` marks clean those not put again since. The caller
+bounds how many there are (`room_for`): the young map must have room for them.
 """
 
 from __future__ import annotations
@@ -73,7 +81,8 @@ class _IntMap:
         self.used = np.zeros(capacity, dtype=bool)
         self.valid = np.zeros(capacity, dtype=bool)  # False: the id's value was forgotten
         self.values = np.zeros((capacity, width), dtype=np.float32)
-        for arr in (self.keys, self.tabs, self.used, self.valid, self.values):
+        self.stamps = np.zeros(capacity, dtype=np.int64)  # > 0: dirty, put by that stamp
+        for arr in (self.keys, self.tabs, self.used, self.valid, self.values, self.stamps):
             arr.fill(0)  # touch every page now: `nbytes` is what the cache holds resident
         self.size = 0
 
@@ -83,6 +92,7 @@ class _IntMap:
         whole new map)."""
         self.used.fill(False)
         self.valid.fill(False)
+        self.stamps.fill(0)
         self.size = 0
 
     @property
@@ -104,10 +114,20 @@ class _IntMap:
             todo = todo[used & ~match]  # a free slot ends the search: absent
         return out
 
+    def dirty_slots(self) -> NDArray[np.intp]:
+        """The slots of the dirty entries whose values are known."""
+        return np.flatnonzero(self.valid & (self.stamps > 0))
+
     def insert(
-        self, ids: NDArray[np.int64], tabs: NDArray[np.int32], values: NDArray[np.float32]
+        self,
+        ids: NDArray[np.int64],
+        tabs: NDArray[np.int32],
+        values: NDArray[np.float32],
+        stamps: NDArray[np.int64] | int = 0,
     ) -> NDArray[np.bool_]:
-        """Put absent, unique keys; False where no free slot was found within the probes."""
+        """Put absent, unique keys (`stamps`: each one's, or one for all: 0 clean);
+        False where no free slot was found within the probes."""
+        each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), ids.shape)
         placed = np.zeros(ids.shape[0], dtype=bool)
         start = _positions(ids, tabs, self.mask)
         todo = np.arange(ids.shape[0])
@@ -125,6 +145,7 @@ class _IntMap:
             self.keys[slots] = ids[winners]
             self.tabs[slots] = tabs[winners]
             self.values[slots] = values[winners]
+            self.stamps[slots] = each[winners]
             placed[winners] = True
             todo = todo[~placed[todo]]
         self.size += int(placed.sum())
@@ -164,35 +185,67 @@ class _TableCache:
                 got = miss[found]
                 values[got] = self.old.values[old_pos[found]]
                 hit[got] = True
-                self.put(ids[got], tabs[got], values[got])  # used again: keep it young
+                # used again: keep it young (dirty or not, as it was)
+                self.put(ids[got], tabs[got], values[got], self.old.stamps[old_pos[found]])
         return hit, values
 
     def put(
-        self, ids: NDArray[np.int64], tabs: NDArray[np.int32], values: NDArray[np.float32]
+        self,
+        ids: NDArray[np.int64],
+        tabs: NDArray[np.int32],
+        values: NDArray[np.float32],
+        stamps: NDArray[np.int64] | int = 0,
     ) -> None:
+        """Put values (`stamps` > 0: dirty, see the module's doc; 0: what memcached holds)."""
         pos = self.young.find(ids, tabs)
         present = pos >= 0
         if present.all():  # the usual case of a warm cache: one scatter, no masks
             self.young.values[pos] = values
             self.young.valid[pos] = True
+            self.young.stamps[pos] = stamps
             return
+        each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), ids.shape)
         self.young.values[pos[present]] = values[present]
         self.young.valid[pos[present]] = True
+        self.young.stamps[pos[present]] = each[present]
         new = np.flatnonzero(~present)
         if 2 * (self.young.size + new.size) > self.young.capacity:
             self._make_room(new.size)
-        placed = self.young.insert(ids[new], tabs[new], values[new])
+        placed = self.young.insert(ids[new], tabs[new], values[new], each[new])
         if not placed.all():  # a probe sequence ran out: start a fresh generation
             self._rotate()
             left = new[~placed]
-            self.young.insert(ids[left], tabs[left], values[left])
+            self.young.insert(ids[left], tabs[left], values[left], each[left])
 
     def drop(self, ids: NDArray[np.int64], tabs: NDArray[np.int32]) -> None:
-        """Forget the values of these keys (what is stored for them is not known any more)."""
-        for m in (self.young, self.old):
-            if m is not None:
-                pos = m.find(ids, tabs)
-                m.valid[pos[pos >= 0]] = False
+        """Forget the values of these keys (what is stored for them is not known any more;
+        a dirty one is not written: the caller wrote what supersedes it)."""
+        for m in self._maps():
+            pos = m.find(ids, tabs)
+            m.valid[pos[pos >= 0]] = False
+            m.stamps[pos[pos >= 0]] = 0
+
+    def _maps(self) -> list[_IntMap]:
+        return [self.young] if self.old is None else [self.young, self.old]
+
+    def dirty(self) -> tuple[NDArray[np.int64], NDArray[np.int32], NDArray[np.float32]]:
+        """Copies of the keys and values of every dirty entry (an old map's only where the
+        young map does not hold the key: it has the newer value)."""
+        at = self.young.dirty_slots()
+        ids, tabs = [self.young.keys[at]], [self.young.tabs[at]]
+        values = [self.young.values[at]]
+        if self.old is not None:
+            old_at = self.old.dirty_slots()
+            old_at = old_at[self.young.find(self.old.keys[old_at], self.old.tabs[old_at]) < 0]
+            ids.append(self.old.keys[old_at])
+            tabs.append(self.old.tabs[old_at])
+            values.append(self.old.values[old_at])
+        return np.concatenate(ids), np.concatenate(tabs), np.concatenate(values)
+
+    def clean(self, upto: int) -> None:
+        """Mark clean the dirty entries put with a stamp <= `upto` (they are written)."""
+        for m in self._maps():
+            m.stamps[(m.stamps > 0) & (m.stamps <= upto)] = 0
 
     def _make_room(self, incoming: int) -> None:
         need = 2 * (self.young.size + incoming)
@@ -208,16 +261,28 @@ class _TableCache:
         old = self.young
         self.young = _IntMap(capacity, self.width)
         live = np.flatnonzero(old.used & old.valid)
-        self.young.insert(old.keys[live], old.tabs[live], old.values[live])
+        self.young.insert(old.keys[live], old.tabs[live], old.values[live], old.stamps[live])
 
     def _rotate(self) -> None:
         dropped = self.old
         self.old = self.young
+        kept = None
+        if dropped is not None:  # its dirty entries live on, unless the young has newer
+            at = dropped.dirty_slots()
+            at = at[self.old.find(dropped.keys[at], dropped.tabs[at]) < 0]
+            if at.size:
+                kept = (dropped.keys[at], dropped.tabs[at], dropped.values[at], dropped.stamps[at])
         if dropped is not None and dropped.capacity == self.old.capacity:
             dropped.clear()  # its memory becomes the young map
             self.young = dropped
         else:
             self.young = _IntMap(self.old.capacity, self.width)
+        if kept is not None:
+            placed = self.young.insert(*kept)
+            if not placed.all():  # the caller's dirty budget keeps far below this
+                raise RuntimeError(
+                    f"the row cache lost {int((~placed).sum())} unwritten rows in a rotation"
+                )
 
 
 class RowCache:
@@ -232,7 +297,11 @@ class RowCache:
         (the caller leaves out what must not be cached: string ids, `ttl_s`); `max_bytes`
         bounds the whole cache (<= 0: nothing is cached)."""
         self._where: dict[str, tuple[int, int, int]] = {}  # table -> (number, width, dim)
+        self._names: dict[int, str] = {}  # table number -> name
         self._groups: dict[int, _TableCache] = {}
+        self._stamp = 0  # of the last dirty put_many
+        self._dirty_puts: Counter[int] = Counter()  # rows put dirty since `dirty()`, by width
+        self._taken: Counter[int] = Counter()  # the last `dirty()`'s, until written
         if max_bytes <= 0 or not widths:
             return
         width_of = {name: dim + slot_width for name, (dim, slot_width) in widths.items()}
@@ -245,6 +314,7 @@ class RowCache:
         for number, (name, (dim, _)) in enumerate(widths.items()):
             if width_of[name] in self._groups:
                 self._where[name] = (number, width_of[name], dim)
+                self._names[number] = name
 
     def caches(self, table: str) -> bool:
         return table in self._where
@@ -270,8 +340,15 @@ class RowCache:
     def put_many(
         self,
         parts: Sequence[tuple[str, IdArray, NDArray[np.float32], NDArray[np.float32]]],
+        *,
+        dirty: bool = False,
     ) -> None:
-        """Remember the rows and slots of each (table, ids, rows, slots) of cached tables."""
+        """Remember the rows and slots of each (table, ids, rows, slots) of cached tables;
+        `dirty`: memcached does not hold them yet (see the module's doc)."""
+        stamp = 0
+        if dirty:
+            self._stamp += 1
+            stamp = self._stamp
         for width, members in self._by_width([p[0] for p in parts]).items():
             ids, tabs = self._keys([(parts[i][0], parts[i][1]) for i in members])
             values = np.empty((ids.shape[0], width), dtype=np.float32)
@@ -282,7 +359,56 @@ class RowCache:
                 values[start:stop, : rows.shape[1]] = rows
                 values[start:stop, rows.shape[1] :] = slots
                 start = stop
-            self._groups[width].put(ids, tabs, values)
+            self._groups[width].put(ids, tabs, values, stamp)
+            if dirty:
+                self._dirty_puts[width] += ids.shape[0]
+
+    def dirty(
+        self,
+    ) -> tuple[list[tuple[str, IdArray, NDArray[np.float32], NDArray[np.float32]]], int]:
+        """Copies of every dirty entry, as (table, ids, rows, slots), and the stamp they
+        were taken at (for `clean`, once they are written; `undo_dirty`, if not)."""
+        self._taken, self._dirty_puts = self._dirty_puts, Counter()
+        out: list[tuple[str, IdArray, NDArray[np.float32], NDArray[np.float32]]] = []
+        for cache in self._groups.values():
+            ids, tabs, values = cache.dirty()
+            if not ids.shape[0]:
+                continue
+            order = np.argsort(tabs, kind="stable")
+            ids, tabs, values = ids[order], tabs[order], values[order]
+            numbers, starts = np.unique(tabs, return_index=True)
+            bounds = [*starts.tolist(), ids.shape[0]]
+            for k, number in enumerate(numbers.tolist()):
+                name = self._names[number]
+                dim = self._where[name][2]
+                block = values[bounds[k] : bounds[k + 1]]
+                out.append((name, ids[bounds[k] : bounds[k + 1]], block[:, :dim], block[:, dim:]))
+        return out, self._stamp
+
+    def clean(self, upto: int) -> None:
+        """Mark clean the dirty entries put by stamps <= `upto` (`dirty`'s: written)."""
+        for cache in self._groups.values():
+            cache.clean(upto)
+
+    def undo_dirty(self) -> None:
+        """The copy of the last `dirty()` was not written: its entries count again
+        against `room_for`."""
+        self._dirty_puts.update(self._taken)
+        self._taken = Counter()
+
+    def room_for(self, parts: Sequence[tuple[str, int]]) -> bool:
+        """Whether (table, rows) more dirty rows fit: per value width, the rows put dirty
+        since the last `dirty()` stay within a quarter of a map's bound (a young map
+        rotates at half full, and takes the dirty ones along)."""
+        incoming: Counter[int] = Counter()
+        for name, rows in parts:
+            where = self._where.get(name)
+            if where is not None:
+                incoming[where[1]] += rows
+        return all(
+            self._dirty_puts[w] + n <= self._groups[w].max_capacity // 4
+            for w, n in incoming.items()
+        )
 
     def forget(self, tables: Iterable[tuple[str, IdArray]] | None = None) -> None:
         """Forget the given (table, ids), or everything."""

@@ -167,3 +167,98 @@ def test_a_rotation_reuses_the_dropped_generations_memory_and_forgets_its_entrie
             assert not hit.any(), k  # dropped with their generation, not resurrected
         else:
             assert hit.all(), k  # the young and the old generation
+
+
+dirty_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["put", "dirty", "get", "forget", "flush", "written"]),
+        st.sampled_from(["a", "b", "c"]),
+        st.lists(st.integers(0, 20_000), max_size=300),
+    ),
+    max_size=60,
+)
+
+
+@given(dirty_ops)
+@settings(max_examples=150, deadline=None)
+def test_dirty_rows_survive_every_rotation_until_a_flush_marks_them_written(program) -> None:
+    """Write-behind's contract: a dirty row is never forgotten by the cache itself
+    (rotations move it along), `dirty()` gives exactly the rows put dirty and not
+    written since, with their last values, and `clean(stamp)` marks written only what
+    was put up to that snapshot (a later put stays dirty)."""
+    cache = _cache(200_000)  # small: the clean puts force growth and rotations
+    last: dict[tuple[str, int], np.ndarray] = {}
+    dirty: dict[tuple[str, int], int] = {}  # key -> how many dirty puts made it dirty
+    puts = 0
+    snapshot: tuple[dict[tuple[str, int], int], int] | None = None
+    counter = 0
+    for op, table, raw in program:
+        ids = np.unique(np.array(raw, dtype=np.int64))
+        dim, slots = WIDTH[table]
+        if op in ("put", "dirty"):
+            if op == "dirty" and not cache.room_for([(table, ids.size)]):
+                continue  # the updater flushes first
+            values = np.arange(counter, counter + (dim + slots) * ids.size, dtype=np.float32)
+            values = values.reshape(-1, dim + slots)
+            counter += values.size
+            cache.put_many([(table, ids, values[:, :dim], values[:, dim:])], dirty=op == "dirty")
+            if op == "dirty":
+                puts += 1
+            for i, v in zip(ids.tolist(), values, strict=True):
+                last[(table, i)] = v
+                if op == "dirty":
+                    dirty[(table, i)] = puts
+                else:
+                    dirty.pop((table, i), None)
+        elif op == "forget":  # the caller wrote what supersedes them
+            cache.forget([(table, ids)])
+            for i in ids.tolist():
+                last.pop((table, i), None)
+                dirty.pop((table, i), None)
+        elif op == "get":
+            ((hit, rows, slot_values),) = cache.get_many([(table, ids)])
+            for i, h, r, s in zip(ids.tolist(), hit, rows, slot_values, strict=True):
+                if (table, i) in dirty:
+                    assert h, "a dirty row was forgotten"
+                if h:
+                    np.testing.assert_array_equal(np.concatenate([r, s]), last[(table, i)])
+        elif op == "flush":
+            if snapshot is not None:  # the copy before was not written (a failed flush)
+                cache.undo_dirty()
+            got, stamp = cache.dirty()
+            seen = {}
+            for name, got_ids, rows, slot_values in got:
+                for i, r, s in zip(got_ids.tolist(), rows, slot_values, strict=True):
+                    assert (name, i) not in seen
+                    seen[(name, i)] = np.concatenate([r, s])
+            assert set(seen) == set(dirty)
+            for key, value in seen.items():
+                np.testing.assert_array_equal(value, last[key])
+            assert stamp == puts
+            snapshot = (dict(dirty), stamp)
+        elif snapshot is not None:  # "written": the snapshot's rows are stored now
+            taken, stamp = snapshot
+            cache.clean(stamp)
+            for key, made in list(dirty.items()):
+                if key in taken and made == taken[key]:
+                    del dirty[key]
+            snapshot = None
+    got, _ = cache.dirty()
+    assert {(n, i) for n, ids, _, _ in got for i in ids.tolist()} == set(dirty)
+
+
+def test_a_dirty_row_outlives_rotations_that_drop_every_clean_row_around_it() -> None:
+    cache = _TableCache(width=2, max_capacity=1024)
+    tabs = np.zeros(10, dtype=np.int32)
+    dirty_ids = np.arange(10, dtype=np.int64)
+    cache.put(dirty_ids, tabs, np.full((10, 2), 5, np.float32), 1)
+    for start in range(1000, 9000, 400):  # 20 batches of 400 new ids: many rotations
+        ids = np.arange(start, start + 400, dtype=np.int64)
+        cache.put(ids, np.zeros(400, np.int32), np.zeros((400, 2), np.float32))
+    hit, values = cache.get(dirty_ids, tabs)
+    assert hit.all() and (values == 5).all()
+    assert not cache.get(np.arange(1000, 1010, dtype=np.int64), tabs)[0].any()  # clean: gone
+    ids, _, got = cache.dirty()
+    assert sorted(ids.tolist()) == list(range(10)) and (got == 5).all()
+    cache.clean(1)
+    assert cache.dirty()[0].size == 0
