@@ -153,6 +153,14 @@ class ServiceConfig:
     cache_mb: int = 256
     dense_flush_pushes: int = 20
     dense_flush_s: float = 10.0
+    # row write-behind (docs/write-behind.md): 1 writes each push's rows at the push
+    row_flush_pushes: int = 1
+    row_flush_s: float = 10.0
+
+
+# a replica's journal slots (optimizer_service.journal.MAX_JOURNAL_SLOTS) hold the pushes
+# written behind (row_flush_pushes) and those in flight (8)
+MAX_ROW_FLUSH_PUSHES = 56
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -244,7 +252,14 @@ class _Section:
             raise ConfigError(f"{self.at(key)}: expected a string, {what}")
         return value
 
-    def integer(self, key: str, default: int | None = None, *, minimum: int | None = None) -> int:
+    def integer(
+        self,
+        key: str,
+        default: int | None = None,
+        *,
+        minimum: int | None = None,
+        maximum: int | None = None,
+    ) -> int:
         value = self.take(key, default)
         if isinstance(value, bool) or not isinstance(value, int):
             what = "missing" if value is None else f"got {value!r}"
@@ -253,6 +268,8 @@ class _Section:
         if minimum is not None and value < minimum:
             expect = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
             raise ConfigError(f"{self.at(key)}: expected {expect}, got {value}")
+        if maximum is not None and value > maximum:
+            raise ConfigError(f"{self.at(key)}: expected at most {maximum}, got {value}")
         return value
 
     def number(
@@ -455,6 +472,13 @@ def _parse_service(raw: object) -> ServiceConfig:
             "dense_flush_pushes", defaults.dense_flush_pushes, minimum=1
         ),
         dense_flush_s=section.number("dense_flush_s", defaults.dense_flush_s, positive=True),
+        row_flush_pushes=section.integer(
+            "row_flush_pushes",
+            defaults.row_flush_pushes,
+            minimum=1,
+            maximum=MAX_ROW_FLUSH_PUSHES,
+        ),
+        row_flush_s=section.number("row_flush_s", defaults.row_flush_s, positive=True),
     )
     section.finish([f.name for f in dataclasses.fields(ServiceConfig)])
     return service

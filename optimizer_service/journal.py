@@ -1,7 +1,8 @@
 """The journal of one replica: a push's write plan, stored before its rows are written.
 
-A replica has `JOURNAL_SLOTS` slots (`_meta/j/rK-jS`). A slot holds one push, packed with
-msgpack in two parts, one body:
+A replica has `JOURNAL_SLOTS` slots (`_meta/j/rK-jS`) when it writes its rows through,
+`service.row_flush_pushes` + `JOURNAL_SLOTS` when it writes them behind; a restart reads
+all `MAX_JOURNAL_SLOTS`. A slot holds one push, packed with msgpack in two parts, one body:
 
 1. the *start* (`write_start`): each table's ids and summed gradients, written as soon as
    the push is parsed, while its rows are read; cut into chunks of at most
@@ -16,6 +17,12 @@ A header is only ever written over a complete journal: every chunk first. A clea
 is an empty header. Journals of older services (one body: the tables with `old_hashes`,
 or the new values' hashes, or the values; inside the header as `body` when it fits) are
 still read, and `write` still writes them (for the tests of their replay).
+
+Rows written behind (`service.row_flush_pushes` > 1) journal the push's *new values*
+instead (`write` with `behind=True`: the one-body format of the values, with a per-replica
+sequence number `seq` in the header). Such a journal stays until a flush of the rows
+covers it, done record or not; a restart replays every one, in `seq` order (values:
+the newest wins), before it serves.
 
 A plan whose write failed after it was journaled is replayed from here: in the
 background while the replica lives (`Journal.finish_later`), or by the next replica
@@ -54,6 +61,7 @@ from optimizer_service.plan import DenseSwitch, TableRedo, TableStep, TableUpdat
 __all__ = [
     "JOURNAL_CHUNK_BYTES",
     "JOURNAL_SLOTS",
+    "MAX_JOURNAL_SLOTS",
     "IncompleteJournalError",
     "Journal",
     "JournalStart",
@@ -67,6 +75,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 JOURNAL_SLOTS = 8
+MAX_JOURNAL_SLOTS = 64  # config.MAX_ROW_FLUSH_PUSHES + JOURNAL_SLOTS
 # memcached's default item limit (-I) is 1 MiB, key and item header included
 JOURNAL_CHUNK_BYTES = 1024 * 1024 - 8 * 1024
 # Above this many bytes of ids and gradients, a journal's start is encoded in a thread:
@@ -108,10 +117,16 @@ class Journal:
     replay's last error instead of waiting for a slot that may never be freed.
     """
 
-    def __init__(self, store: EmbeddingStore, *, replica: int) -> None:
+    def __init__(self, store: EmbeddingStore, *, replica: int, behind: int = 0) -> None:
+        """`behind`: how many journals of rows written behind may stay until a flush
+        (`service.row_flush_pushes`; 0 when the rows are written through): the slots are
+        `JOURNAL_SLOTS` more."""
+        slots = JOURNAL_SLOTS + behind
+        if not 0 < slots <= MAX_JOURNAL_SLOTS:
+            raise ValueError(f"a replica has 1 to {MAX_JOURNAL_SLOTS} journal slots, not {slots}")
         self.store = store
         self.replica = replica
-        self.slots = JOURNAL_SLOTS
+        self.slots = slots
         self._free: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(self.slots):
             self._free.put_nowait(slot)
@@ -178,10 +193,12 @@ class Journal:
             ids = [self._id(slot, first + i) for i in range(len(chunks))]
             await self.store.set_blobs(META_TABLE, ids, chunks, kind=Kind.JOURNAL)
 
-    async def write(self, slot: int, plan: WritePlan) -> None:
-        """A plan in the one-body format of older services (for the tests of its
-        replay): chunks first, then the header (with a CRC-32 of the body)."""
-        chunks, header = encode_journal(plan)
+    async def write(self, slot: int, plan: WritePlan, *, seq: int | None = None) -> None:
+        """A plan in the one-body format: chunks first, then the header (with a CRC-32 of
+        the body). With `seq`, the plan's updates are its new values, written behind
+        (see the module's doc); without, the format of older services (for the tests of
+        its replay)."""
+        chunks, header = encode_journal(plan, seq=seq)
         await self._write_chunks(slot, 0, chunks)
         await self.write_header(slot, header)
 
@@ -193,14 +210,28 @@ class Journal:
     async def clear(self, slot: int) -> None:
         await self.store.set_blobs(META_TABLE, [self._id(slot)], [b""], kind=Kind.JOURNAL)
 
-    async def read(self, slot: int) -> WritePlan | None:
-        """The plan journaled in `slot`, or None when the slot is clear.
+    async def clear_many(self, slots: Sequence[int]) -> None:
+        """Clear several slots in one request per node."""
+        if slots:
+            ids = [self._id(slot) for slot in slots]
+            await self.store.set_blobs(META_TABLE, ids, [b""] * len(ids), kind=Kind.JOURNAL)
+
+    async def headers(self) -> list[bytes | None]:
+        """The header of each of the `MAX_JOURNAL_SLOTS` slots (b"" or None: clear), in one
+        request per node: what a restart reads, whatever the slots it had."""
+        ids = [self._id(slot) for slot in range(MAX_JOURNAL_SLOTS)]
+        return await self.store.get_blobs(META_TABLE, ids, kind=Kind.JOURNAL)
+
+    async def read(self, slot: int, raw: bytes | None = None) -> WritePlan | None:
+        """The plan journaled in `slot` (its header `raw` when read already), or None
+        when the slot is clear.
 
         Raises:
             IncompleteJournalError: the header's body is not all there (a chunk is
                 missing, or the checksum fails): its chunks were overwritten since.
         """
-        (raw,) = await self.store.get_blobs(META_TABLE, [self._id(slot)], kind=Kind.JOURNAL)
+        if raw is None:
+            (raw,) = await self.store.get_blobs(META_TABLE, [self._id(slot)], kind=Kind.JOURNAL)
         if not raw:
             return None
         header = unpack(raw)
@@ -218,7 +249,10 @@ class Journal:
         if "split" in header:  # a start and an end
             split = int(header["split"])
             return decode_parts(body[:split], body[split:], where=where)
-        return decode_journal(body)
+        plan = decode_journal(body)
+        if header.get("seq") is not None:  # values written behind
+            plan.journal_seq = int(header["seq"])
+        return plan
 
     def finish_later(
         self,
@@ -228,9 +262,12 @@ class Journal:
         write: Callable[[WritePlan], Awaitable[None]],
         locks: RowLocks,
         keys: LockSet,
+        keep: Callable[[int], None] | None = None,
     ) -> asyncio.Task[None]:
         """Replay a journaled push with `write` until it sticks; owns (and finally
-        releases) `slot` and its row locks `keys`.
+        releases) `slot` and its row locks `keys`. `keep(slot)`: the journal stays (rows
+        written behind: a flush clears it); called instead of clearing it, before the
+        rows are unlocked.
 
         Once a replay has failed, pushes that need its rows (or a journal slot, when all
         are held so) fail fast with its last error rather than wait: see `RowLocks.fail`.
@@ -243,11 +280,16 @@ class Journal:
         async def finish() -> None:
             nonlocal last
             delay = 0.1
+            kept = False
             try:
                 while True:
                     try:
                         await write(plan)
-                        await self.clear(slot)
+                        if keep is not None:
+                            keep(slot)
+                            kept = True
+                        else:
+                            await self.clear(slot)
                         break
                     except Exception as exc:
                         first, last = last is None, exc
@@ -264,7 +306,8 @@ class Journal:
                         await asyncio.sleep(delay)
                         delay = min(delay * 2, 5.0)
             finally:  # done, or cancelled by a restore (pause(drop_unfinished=True))
-                self.give_back(slot)
+                if not kept:
+                    self.give_back(slot)
                 self._failing.pop(slot, None)
                 await locks.release(keys)
 
@@ -385,13 +428,14 @@ def _dense_doc(plan: WritePlan) -> dict[str, Any]:
     return {}
 
 
-def encode_journal(plan: WritePlan) -> tuple[list[bytes], bytes]:
-    """A plan in the one-body format of older services, as journal chunks
-    (<= JOURNAL_CHUNK_BYTES) and its header (pure, thread-safe; `Journal.write`).
+def encode_journal(plan: WritePlan, *, seq: int | None = None) -> tuple[list[bytes], bytes]:
+    """A plan in the one-body format, as journal chunks (<= JOURNAL_CHUNK_BYTES) and its
+    header (pure, thread-safe; `Journal.write`).
 
     A body that fits in one item travels inside the header: no chunks. The tables are
     the plan's `steps` when it has them (with the hashes of the items before the push:
-    sessions 8-10), else its updates (their new values' hashes; before that).
+    sessions 8-10), else its updates: their new values (no gradients: rows written
+    behind, with `seq` in the header), or their new values' hashes (before session 8).
     """
     tables = [_encode_step(s) for s in plan.steps] or [_encode_update(u) for u in plan.updates]
     doc: dict[str, Any] = {"push_id": plan.push_id, "version": plan.version, "tables": tables}
@@ -402,6 +446,8 @@ def encode_journal(plan: WritePlan) -> tuple[list[bytes], bytes]:
         "crc32": zlib.crc32(body),
         "time": time.time(),
     }
+    if seq is not None:
+        header["seq"] = seq
     if len(body) <= JOURNAL_CHUNK_BYTES:
         return [], pack({**header, "chunks": 0, "body": body})
     chunks = _cut(body)

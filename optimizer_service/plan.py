@@ -151,3 +151,4 @@ class WritePlan:
     dense_switch: DenseSwitch | None = None  # a journal of the previous service
     dense_logged: bool = False  # the dense update to `version` is in its log
     seq: int | None = None  # a live push's: the replica's how-manieth change of its rows
+    journal_seq: int = 0  # a journal of values written behind: its place in their order

@@ -87,11 +87,11 @@ from lookup_table.core.optimizers import Optimizer, make_optimizer
 from lookup_table.core.rowcache import RowCache
 from lookup_table.core.rows import NOT_UPDATED, change_witnesses, still_old, value_hashes
 from lookup_table.core.sharding import row_hashes_many
-from lookup_table.core.wire import encode_array, encode_ids
+from lookup_table.core.wire import encode_array, encode_ids, unpack
 from lookup_table.dense import DenseLogError, DenseParams
 from lookup_table.store import EmbeddingStore, TableRead, TableWrite
 from optimizer_service.errors import BadRequestError, NotOwnerError
-from optimizer_service.journal import IncompleteJournalError, Journal
+from optimizer_service.journal import JOURNAL_SLOTS, IncompleteJournalError, Journal
 from optimizer_service.locks import LockSet, RowLocks
 from optimizer_service.plan import (
     TableRedo,
@@ -172,7 +172,11 @@ class Updater:
         self.optimizers = {t.name: make_optimizer(t.optimizer) for t in config.tables}
         self.dense = DenseParams(store, make_optimizer(config.optimizer))
         self.locks = RowLocks()
-        self.journal = Journal(store, replica=replica)
+        # rows written behind (docs/write-behind.md): every row_flush_pushes pushes
+        self._flush_every = config.service.row_flush_pushes
+        self.journal = Journal(
+            store, replica=replica, behind=self._flush_every if self._flush_every > 1 else 0
+        )
         self.cache = RowCache(
             {
                 t.name: (t.dim, self.optimizers[t.name].slot_width(t.dim))
@@ -203,6 +207,16 @@ class Updater:
         self._auto_resume: asyncio.TimerHandle | None = None
         self._flush_timer: asyncio.TimerHandle | None = None
         self._flushing: asyncio.Task[object] | None = None
+        # rows written behind: the journal slots of done pushes whose values a flush has
+        # not written yet (in the order they were done), slots to clear, the journals'
+        # sequence
+        self._unflushed: list[int] = []
+        self._to_clear: list[int] = []
+        self._journal_seq = 0
+        self._row_flush_lock = asyncio.Lock()
+        self._row_flushing: asyncio.Task[object] | None = None
+        self._row_flush_error: BaseException | None = None
+        self._row_timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ push records
 
@@ -227,9 +241,10 @@ class Updater:
         """Hold new pushes and wait for those in flight; resumes by itself after `timeout_s`.
 
         Returns how many pushes are still being finished in the background (their write
-        failed and their journal is replayed until it sticks), plus the dense updates
-        that could not be written behind now (`DenseParams.flush`; replica 0): memcached
-        does not hold all they wrote, so a checkpoint taken now would not be consistent.
+        failed and their journal is replayed until it sticks), plus the pushes whose rows
+        and the dense updates that could not be written behind now (`_flush_rows`,
+        `DenseParams.flush`): memcached does not hold all they wrote, so a checkpoint
+        taken now would not be consistent.
         `drop_unfinished` cancels those replays first, and writes nothing behind: only for
         a restore, which replaces every row they would write (and deletes their
         journals); otherwise they could write pre-restore rows over the restored ones.
@@ -248,21 +263,35 @@ class Updater:
             )
             for task in self._finishers:
                 task.cancel()
+        if drop_unfinished:
+            self._drop_unflushed()
         if self._finishers or self._cleanups:  # a replay about to succeed, journal clears
             await asyncio.wait(self._finishers | self._cleanups, timeout=2.0)
         unflushed = 0
+        if not drop_unfinished and self._flush_every > 1:
+            try:  # a checkpoint reads memcached: the rows written behind go there
+                await self._flush_rows()
+            except Exception:
+                unflushed += len(self._unflushed)
+                logger.warning(
+                    "replica %d: writing the rows behind at the pause failed: %d pushes are "
+                    "only in their journals",
+                    self.replica,
+                    unflushed,
+                    exc_info=True,
+                )
         if not drop_unfinished:  # a checkpoint reads memcached: the dense state goes there
             self._cancel_flush_timer()
             try:
                 await self.dense.flush()
             except Exception:
                 # their logs keep them; a save refuses to read a state they are missing from
-                unflushed = self.dense.unflushed
+                unflushed += self.dense.unflushed
                 logger.warning(
                     "replica %d: writing the dense parameters behind at the pause failed: "
                     "%d updates are only in their logs",
                     self.replica,
-                    unflushed,
+                    self.dense.unflushed,
                     exc_info=True,
                 )
         return len(self._finishers) + unflushed
@@ -381,6 +410,8 @@ class Updater:
         version: int | None,
         on_plan: Callable[[WritePlan], None] | None = None,
     ) -> dict[str, Any]:
+        if self._flush_every > 1:
+            await self._room_for(push)
         keys = LockSet(
             row_hashes_many([t.table for t in push.tables], [t.ids for t in push.tables]),
             dense=bool(push.dense) or version is not None,  # one dense (and version) update
@@ -396,6 +427,7 @@ class Updater:
             writes: list[asyncio.Future[Any]] = []
             plan: WritePlan | None = None
             journaled = False
+            behind = False
 
             async def settled() -> None:  # no write of the slot in flight any more
                 if writes:
@@ -413,14 +445,20 @@ class Updater:
                     return {"applied": False, "duplicate": True, "rows": 0, "version": self.version}
                 if isinstance(planned, BaseException):
                     raise planned
-                # The journal's start (the gradients) is written while the optimizer
-                # computes, not while the rows are read: memcached and this loop then
-                # serve the reads alone (at 16,384 rows of dim 64, 4 MB of journal sent
-                # beside the reads made them 5 ms slower: benchmarks/optimizer.py)
-                started = asyncio.ensure_future(
-                    self.journal.write_start(slot, [(t.table, t.ids, t.grads) for t in push.tables])
-                )
-                writes.append(started)
+                # rows written behind while the row cache is in use (it holds them)
+                behind = self._flush_every > 1 and self._sentinels is not None
+                started = None
+                if not behind:
+                    # The journal's start (the gradients) is written while the optimizer
+                    # computes, not while the rows are read: memcached and this loop then
+                    # serve the reads alone (at 16,384 rows of dim 64, 4 MB of journal sent
+                    # beside the reads made them 5 ms slower: benchmarks/optimizer.py)
+                    started = asyncio.ensure_future(
+                        self.journal.write_start(
+                            slot, [(t.table, t.ids, t.grads) for t in push.tables]
+                        )
+                    )
+                    writes.append(started)
                 plan, prepared = planned
                 if plan.dense_logged and plan.version is not None:  # while it computes
                     log = self.dense.write_log(plan.version, push.dense)
@@ -434,27 +472,35 @@ class Updater:
                 for result in results:
                     if isinstance(result, BaseException):
                         raise result
-                await self.journal.write_end(slot, started.result(), plan)
+                if started is None:  # the new values, kept until a flush writes them
+                    self._journal_seq += 1
+                    await self.journal.write(slot, plan, seq=self._journal_seq)
+                else:
+                    await self.journal.write_end(slot, started.result(), plan)
                 journaled = True
-                await self._write_plan(plan, record=False)
+                await self._write_plan(plan, record=False, behind=behind)
             except BaseException:
                 await settled()
-                if plan is not None:
-                    self.cache.forget((u.table, u.ids) for u in plan.updates)  # half written?
+                if plan is not None and (journaled or not behind):
+                    # half written? (rows written behind: a row the cache holds dirty is
+                    # only forgotten when the replay below writes a newer value)
+                    self.cache.forget((u.table, u.ids) for u in plan.updates)
                 if journaled and plan is not None:
                     # Half-written rows must not be seen: the rows stay locked and the
                     # journal slot taken until a background replay finishes the push.
-                    self._finish_later(slot, plan, keys)
+                    self._finish_later(slot, plan, keys, behind=behind)
                     handed_over = True
                 else:
                     # a dense log written for nothing is overwritten by the next update
                     # to its version (no journal names it: it never counts)
                     self.journal.give_back(slot)
                 raise
-            self._record_later(slot, plan, keys)
+            self._record_later(slot, plan, keys, behind=behind)
             handed_over = True
             if self._sentinels is not None:
-                self.cache.put_many([(u.table, u.ids, u.rows, u.slots) for u in plan.updates])
+                self.cache.put_many(
+                    [(u.table, u.ids, u.rows, u.slots) for u in plan.updates], dirty=behind
+                )
         finally:
             if not handed_over:
                 await self.locks.release(keys)
@@ -502,6 +548,12 @@ class Updater:
                 got = await self.store.get_many(
                     [TableRead(t.table, t.ids) for t in reads], unique=True
                 )
+                if self._flush_every > 1 and self._sentinels is not None:
+                    # rows written behind: memcached may not hold them yet, the cache does
+                    cached = self.cache.get_many([(t.table, t.ids) for t in reads])
+                    for (rows, found), (hit, rows_c, _) in zip(got, cached, strict=True):
+                        if hit is not None and hit.any():
+                            rows[hit], found[hit] = rows_c[hit], True
                 for t, (rows, found) in zip(reads, got, strict=True):
                     if not found.all():  # no row (not admitted, or expired): initial values
                         spec = self.config.table(t.table)
@@ -585,6 +637,10 @@ class Updater:
                     "cache is dropped",
                     self.replica,
                 )
+                if self._flush_every > 1:
+                    # the newest values of the rows written behind are only here (and in
+                    # their journals): written first (a lost node fails it: DataLossError)
+                    await self._flush_rows()
                 self._forget_rows()
                 self._sentinels = sentinels if all(sentinels.values()) else None
                 return await self._prepared(tables)
@@ -775,15 +831,16 @@ class Updater:
             await self.store.set_many(writes)
 
     async def _write_plan(
-        self, plan: WritePlan, *, replay: bool = False, record: bool = True
+        self, plan: WritePlan, *, replay: bool = False, record: bool = True, behind: bool = False
     ) -> None:
         """Write rows, slots, the dense switch and version; then the done record.
 
         `replay`: the plan comes back from the journal (a failed write or a crash); its
         dense switch happens only if `current` still names the state it replaces.
         `record=False` leaves the done record to the caller (`_record_later`).
+        `behind`: the rows of cached tables are not written (a flush writes them).
         """
-        updates = list(plan.updates)
+        updates = [u for u in plan.updates if not (behind and self.cache.caches(u.table))]
         if plan.redo:  # a journal's: read what is written, recompute the rest
             updates += await self._redone(plan.redo)
         # the jobs return None or set_blobs' stored flags; only their completion matters
@@ -828,7 +885,9 @@ class Updater:
             ttl_s=self.push_record_ttl_s,
         )
 
-    def _record_later(self, slot: int, plan: WritePlan, keys: LockSet) -> None:
+    def _record_later(
+        self, slot: int, plan: WritePlan, keys: LockSet, *, behind: bool = False
+    ) -> None:
         """Write a written push's done record in the background (the push is answered
         meanwhile), then unlock its rows and clear its journal slot.
 
@@ -837,7 +896,7 @@ class Updater:
         push has raced: the replay finds every item written and writes the record. A
         failed write of the record hands the push to `_finish_later`, which holds the rows
         until a replay of the journal (which writes the same values again) and the record
-        stick.
+        stick. `behind`: the journal stays until a flush of the rows clears it.
         """
         self._recording.add(plan.push_id)
 
@@ -852,24 +911,34 @@ class Updater:
                     plan.push_id,
                     exc_info=True,
                 )
-                self._finish_later(slot, plan, keys)
+                self._finish_later(slot, plan, keys, behind=behind)
                 return
             finally:
                 self._recording.discard(plan.push_id)
+            if behind:  # listed before the rows are unlocked: see `_flush_rows`
+                self._keep_journal(slot)
+                await self.locks.release(keys)
+                return
             await self.locks.release(keys)
             self._clear_later(slot)
 
         self._in_background(record())
 
-    def _finish_later(self, slot: int, plan: WritePlan, keys: LockSet) -> None:
+    def _finish_later(
+        self, slot: int, plan: WritePlan, keys: LockSet, *, behind: bool = False
+    ) -> None:
         """Replay a journaled push in the background until it sticks (`Journal.finish_later`);
-        the replay owns (and finally releases) its journal slot and row locks."""
+        the replay owns (and finally releases) its journal slot and row locks. `behind`:
+        the replay writes the push's rows through, and its journal stays until a flush
+        (an earlier journal of the same rows may still be replayed after a crash: this
+        one must follow it)."""
         task = self.journal.finish_later(
             slot,
             plan,
             write=functools.partial(self._write_plan, replay=True),
             locks=self.locks,
             keys=keys,
+            keep=self._keep_journal if behind else None,
         )
         self._finishers.add(task)
         task.add_done_callback(self._finishers.discard)
@@ -944,6 +1013,121 @@ class Updater:
 
         self._flushing = self._in_background(flush())
 
+    # ------------------------------------------------------------ row write-behind
+
+    def _keep_journal(self, slot: int) -> None:
+        """A done push whose rows are written behind: its journal stays until a flush."""
+        self._unflushed.append(slot)
+        self._flush_rows_when_due()
+
+    async def _room_for(self, push: Push) -> None:
+        """Before a push whose rows may be written behind: flush now (and fail with the
+        flush's error) when its rows would take the dirty rows past the row cache's
+        budget (`RowCache.room_for`), or when flushes lag so far behind that the journal
+        slots run out."""
+        if (
+            not self.cache.room_for([(t.table, t.ids.shape[0]) for t in push.tables])
+            or len(self._unflushed) + len(self._to_clear) >= self._flush_every + JOURNAL_SLOTS // 2
+        ):
+            await self._flush_rows()
+
+    def _flush_rows_when_due(self) -> None:
+        """Flush the rows written behind now if `service.row_flush_pushes` pushes are not
+        written yet; else within `service.row_flush_s` seconds. Not while paused (the
+        pause flushed; a restore must not get a flush of the rows before it)."""
+        if self.paused or not self._unflushed:
+            return
+        if len(self._unflushed) >= self._flush_every:
+            self._flush_rows_later()
+        elif self._row_timer is None:
+            self._row_timer = asyncio.get_running_loop().call_later(
+                self.config.service.row_flush_s, self._flush_rows_later
+            )
+
+    def _cancel_row_timer(self) -> None:
+        if self._row_timer is not None:
+            self._row_timer.cancel()
+            self._row_timer = None
+
+    def _flush_rows_later(self) -> None:
+        """Start a flush of the rows in the background unless one runs; a failed one is
+        tried again a second later (the journals keep the rows meanwhile)."""
+        self._cancel_row_timer()
+        if self.paused or (self._row_flushing is not None and not self._row_flushing.done()):
+            return
+
+        async def flush() -> None:
+            try:
+                await self._flush_rows()
+            except Exception:
+                logger.warning(
+                    "replica %d: writing the rows behind failed (their journals keep them; "
+                    "retrying in 1 s)",
+                    self.replica,
+                    exc_info=True,
+                )
+                if self._row_timer is None and not self.paused:
+                    self._row_timer = asyncio.get_running_loop().call_later(
+                        1.0, self._flush_rows_later
+                    )
+                return
+            self._flush_rows_when_due()  # pushes came meanwhile
+
+        self._row_flushing = self._in_background(flush())
+
+    async def _flush_rows(self) -> None:
+        """Write every dirty row of the row cache, then clear the journals of the pushes
+        done before it was copied.
+
+        Why that order keeps a restart exact: a push is listed (`_unflushed`) when its
+        done record is written, before its rows are unlocked, and its values are in the
+        cache before that. So a listed push's rows are in the copy (its values, or newer
+        ones), and a push not listed yet (still recording) has no later push on its rows
+        among the listed ones: the journals a crash leaves, replayed in their order,
+        end every row at its newest value. One flush at a time.
+        """
+        async with self._row_flush_lock:
+            self._cancel_row_timer()
+            listed, self._unflushed = self._unflushed, []
+            parts, stamp = self.cache.dirty()
+            try:
+                await self._write_updates(
+                    TableUpdate(table, ids, rows, slots) for table, ids, rows, slots in parts
+                )
+            except BaseException:
+                self._unflushed[:0] = listed
+                self.cache.undo_dirty()
+                raise
+            self.cache.clean(stamp)
+            clear, self._to_clear = self._to_clear + listed, []
+            try:
+                await self.journal.clear_many(clear)
+            except Exception:
+                # the rows are written: a replay of these journals writes the same values
+                # (or older ones of rows a later push changed: it would be replayed after)
+                self._to_clear = clear
+                logger.warning(
+                    "replica %d: clearing %d journals of rows written behind failed; the "
+                    "next flush clears them",
+                    self.replica,
+                    len(clear),
+                    exc_info=True,
+                )
+                return
+            for slot in clear:
+                self.journal.give_back(slot)
+
+    def _drop_unflushed(self) -> None:
+        """A restore replaces every row (and deletes the journals): forget the rows not
+        written yet, and free their journal slots."""
+        self._cancel_row_timer()
+        if self._row_flushing is not None:
+            self._row_flushing.cancel()
+        for slot in self._unflushed + self._to_clear:
+            self.journal.give_back(slot)
+        self._unflushed, self._to_clear = [], []
+        self._forget_rows()
+
     def _in_background(self, job: Coroutine[Any, Any, object]) -> asyncio.Task[object]:
         """Run `job` as a task that `pause` and `close` wait for (`_cleanups`)."""
         task = asyncio.get_running_loop().create_task(job)
@@ -959,29 +1143,42 @@ class Updater:
         Call before serving. Returns how many pushes were finished.
         """
         finished = 0
-        for slot in range(self.journal.slots):
+        found: list[tuple[int, WritePlan]] = []
+        for slot, raw in enumerate(await self.journal.headers()):
+            if not raw:
+                continue
             try:
-                plan = await self.journal.read(slot)
+                plan = await self.journal.read(slot, raw)
             except IncompleteJournalError as exc:
-                if not await self.is_done(exc.push_id):
+                behind = unpack(raw).get("seq") is not None
+                if behind or not await self.is_done(exc.push_id):
+                    why = (
+                        "and it holds rows written behind"
+                        if behind
+                        else "and its push has no done record"
+                    )
                     raise RuntimeError(
-                        f"replica {self.replica}: {exc}, and its push has no done record: "
-                        f"it may be written in part; restore a checkpoint "
-                        f"(lookup-table-checkpoint restore)"
+                        f"replica {self.replica}: {exc}, {why}: they may be written in "
+                        f"part; restore a checkpoint (lookup-table-checkpoint restore)"
                     ) from exc
                 # a finished push's header, whose clear failed, over a later push's chunks
                 logger.warning("replica %d: %s; its push is done: cleared", self.replica, exc)
                 await self.journal.clear(slot)
                 continue
-            if plan is None:
-                continue
-            if not await self.is_done(plan.push_id):
+            if plan is not None:
+                found.append((slot, plan))
+        # rows written behind: every journal, done or not, in their order (the newest
+        # value of a row wins); each replay writes its done record
+        found.sort(key=lambda sp: sp[1].journal_seq)
+        for _, plan in found:
+            if plan.journal_seq or not await self.is_done(plan.push_id):
                 logger.warning(
                     "replica %d: replaying journaled push %s", self.replica, plan.push_id
                 )
                 await self._write_plan(plan, replay=True)
                 finished += 1
-            await self.journal.clear(slot)
+        await self.journal.clear_many([slot for slot, _ in found])
+        self._journal_seq = max((p.journal_seq for _, p in found), default=0)
         version = await self._stored_version()
         if self.replica == 0:
             await self._recover_dense(version)
@@ -1019,9 +1216,22 @@ class Updater:
         return version
 
     async def close(self) -> None:
-        """Write the dense state behind; wait briefly for background finishers (those
-        still running resume at restart, as the dense logs do)."""
+        """Write the rows and the dense state behind; wait briefly for background
+        finishers (those still running resume at restart, as the journals and dense logs
+        do)."""
         self._cancel_flush_timer()
+        if self._finishers or self._cleanups:  # done records: their journals are listed
+            await asyncio.wait(self._finishers | self._cleanups, timeout=5)
+        if self._flush_every > 1:
+            try:
+                await self._flush_rows()
+            except Exception:
+                logger.warning(
+                    "replica %d: writing the rows behind at close failed; the next start "
+                    "replays their journals",
+                    self.replica,
+                    exc_info=True,
+                )
         if self.replica == 0:
             try:
                 await self.dense.flush()

@@ -1,0 +1,233 @@
+"""Rows written behind (`service.row_flush_pushes` > 1), real memcached and the real app.
+
+The replica keeps the rows it updates (dirty, in its row cache) and journals each push's
+new values; every `row_flush_pushes` pushes (or `row_flush_s` seconds, a pause, a clean
+stop) it writes the dirty rows once and clears those journals. Checked here against the
+optimizer's own math on the same gradients: the pushes train exactly as written through;
+memcached gets each row once per flush, not once per push; a crash before the flush loses
+nothing (the next replica replays the journals in order, every row ends at its newest
+value, and a retried push is still a duplicate); a pause writes everything, so a
+checkpoint reads the newest rows; pushes that also carry a table the cache does not hold
+write that one through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from lookup_table import EmbeddingStore, initial_rows
+from lookup_table.core.keys import as_ids
+from lookup_table.core.optimizers import make_optimizer
+from lookup_table.core.wire import unpack
+from optimizer_service.app import UPDATER, make_app
+from optimizer_service.journal import MAX_JOURNAL_SLOTS, Journal
+from optimizer_service.push import parse_push
+from tests.conftest import make_config, node_stat
+from tests.integration.test_service import _body
+
+pytestmark = pytest.mark.integration
+
+TABLES = [
+    {"name": "t", "dim": 8, "seed": 3},  # Adam (the default optimizer)
+    {"name": "s", "dim": 4, "seed": 4, "id_type": "string"},  # not cached: written through
+]
+IDS = np.arange(-150, 150, dtype=np.int64) * 7919
+WORDS = [f"w{i}" for i in range(20)]
+
+
+def _config(nodes: list[str], **service: Any) -> Any:
+    return make_config(
+        nodes,
+        tables=TABLES,
+        optimizers=["http://127.0.0.1:1"],
+        service={"row_flush_pushes": 4, "row_flush_s": 600.0, **service},
+    )
+
+
+async def _start(config: Any, aiohttp_server: Any, *, sentinels: bool = True) -> Any:
+    if sentinels:
+        async with EmbeddingStore(config) as store:
+            await store.write_sentinels()
+    return await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
+
+
+class Reference:
+    """The optimizer's math on the same gradients, from the initial rows."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.opt = {n: make_optimizer(config.table(n).optimizer) for n in ("t", "s")}
+        self.state = {
+            "t": self._initial("t", IDS),
+            "s": self._initial("s", WORDS),
+        }
+
+    def _initial(self, table: str, ids: Any) -> tuple[np.ndarray, np.ndarray]:
+        spec = self.config.table(table)
+        rows = initial_rows(spec.initializer, seed=spec.seed, ids=as_ids(ids), dim=spec.dim)
+        return rows, self.opt[table].initial_slots(len(ids), spec.dim)
+
+    def step(self, table: str, grads: np.ndarray) -> None:
+        rows, slots = self.state[table]
+        self.state[table] = self.opt[table].update(rows, grads, slots)
+
+
+async def _stored(config: Any, table: str, ids: Any) -> tuple[np.ndarray, np.ndarray, Any]:
+    async with EmbeddingStore(config) as store:
+        items, found = await store.get(table, ids, unique=True, slots=True)
+    dim = config.table(table).dim
+    return items[:, :dim], items[:, dim:], found
+
+
+def _sets(nodes: list[str]) -> int:
+    return sum(node_stat(a, "cmd_set") for a in nodes)
+
+
+async def _push(updater: Any, config: Any, ref: Reference, rng: Any, push_id: str = "") -> bytes:
+    g = rng.standard_normal((IDS.shape[0], 8), dtype=np.float32)
+    w = rng.standard_normal((len(WORDS), 4), dtype=np.float32)
+    body = _body(push_id or uuid.uuid4().hex, {"t": (IDS, g), "s": (WORDS, w)})
+    await updater.apply(parse_push(unpack(body), config=config))
+    ref.step("t", g)
+    ref.step("s", w)
+    return body
+
+
+async def _until(check: Any) -> None:
+    """Wait up to 5 s for the background flush."""
+    for _ in range(250):
+        if await check():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the rows were not flushed within 5 s")
+
+
+async def test_rows_written_behind_train_exactly_and_reach_memcached_once_per_flush(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    config = _config(memcached_nodes)
+    server = await _start(config, aiohttp_server)
+    updater = server.app[UPDATER]
+    ref = Reference(config)
+    rng = np.random.default_rng(0)
+    before = _sets(memcached_nodes)
+    for _ in range(3):
+        await _push(updater, config, ref, rng)
+    _, _, found = await _stored(config, "t", IDS)
+    assert not found.any()  # not flushed yet: memcached has none of the cached rows
+    rows, slots, found = await _stored(config, "s", WORDS)  # the string table: through
+    assert found.all()
+    np.testing.assert_array_equal(rows, ref.state["s"][0])
+    # the journals and done records, the string table: no item per row and push
+    assert _sets(memcached_nodes) - before < IDS.shape[0]
+    await _push(updater, config, ref, rng)  # the 4th: a flush starts
+
+    async def flushed() -> bool:
+        return bool(_stored_found(await _stored(config, "t", IDS)))
+
+    await _until(flushed)
+    rows, slots, _ = await _stored(config, "t", IDS)
+    np.testing.assert_array_equal(rows, ref.state["t"][0])  # bit for bit
+    np.testing.assert_array_equal(slots, ref.state["t"][1])
+    assert _sets(memcached_nodes) - before < 2 * IDS.shape[0]  # each row once, not 4x
+    async with EmbeddingStore(config) as store:  # the flush cleared the journals
+        journal = Journal(store, replica=0)
+        assert not any(await journal.headers())
+    # a push reads the rows from the cache, and goes on exactly
+    await _push(updater, config, ref, rng)
+    await updater.pause()  # a checkpoint's pause writes everything
+    rows, slots, _ = await _stored(config, "t", IDS)
+    np.testing.assert_array_equal(rows, ref.state["t"][0])
+    np.testing.assert_array_equal(slots, ref.state["t"][1])
+    updater.resume()
+
+
+def _stored_found(got: tuple[np.ndarray, np.ndarray, Any]) -> bool:
+    return bool(got[2].all())
+
+
+async def test_a_crash_before_the_flush_is_replayed_in_order_and_loses_nothing(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    config = _config(memcached_nodes, row_flush_pushes=10)
+    server = await _start(config, aiohttp_server)
+    updater = server.app[UPDATER]
+    ref = Reference(config)
+    rng = np.random.default_rng(1)
+    bodies = [await _push(updater, config, ref, rng) for _ in range(5)]
+    await asyncio.sleep(0.2)  # the done records land
+    # the process dies: no flush, no close
+    updater._cancel_row_timer()
+    await server.runner.shutdown()
+    _, _, found = await _stored(config, "t", IDS)
+    assert not found.any()
+    async with EmbeddingStore(config) as store:
+        headers = await Journal(store, replica=0).headers()
+        assert len(headers) == MAX_JOURNAL_SLOTS and sum(bool(h) for h in headers) == 5
+
+    restarted = await _start(config, aiohttp_server, sentinels=False)
+    rows, slots, found = await _stored(config, "t", IDS)
+    assert found.all()
+    np.testing.assert_array_equal(rows, ref.state["t"][0])  # the 5th push's values
+    np.testing.assert_array_equal(slots, ref.state["t"][1])
+    async with EmbeddingStore(config) as store:
+        assert not any(await Journal(store, replica=0).headers())
+    again = restarted.app[UPDATER]
+    for body in bodies:  # every retry is a duplicate: nothing applied twice
+        result = await again.apply(parse_push(unpack(body), config=config))
+        assert result["duplicate"]
+    # and the restarted replica goes on from there, writing behind again
+    await _push(again, config, ref, rng)
+    answer_ids = IDS[:7]
+    got = await again.answer(
+        parse_push(
+            unpack(
+                _body(
+                    "probe",
+                    {"t": (answer_ids, np.zeros((7, 8), np.float32))},
+                    answer=["rows"],
+                )
+            ),
+            config=config,
+        ),
+        {},
+    )
+    assert "updated" in got
+    await again.close()
+    rows, _, _ = await _stored(config, "t", IDS)
+    np.testing.assert_array_equal(rows, ref.state["t"][0])
+
+
+async def test_a_restore_drops_the_rows_not_written_and_frees_their_journal_slots(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    config = _config(memcached_nodes)
+    server = await _start(config, aiohttp_server)
+    updater = server.app[UPDATER]
+    ref = Reference(config)
+    rng = np.random.default_rng(2)
+    for _ in range(2):
+        await _push(updater, config, ref, rng)
+    await asyncio.sleep(0.2)
+    free = updater.journal._free.qsize()
+    await updater.pause(drop_unfinished=True)
+    assert updater.journal._free.qsize() == free + 2
+    assert updater.cache.dirty()[0] == []
+    _, _, found = await _stored(config, "t", IDS)
+    assert not found.any()  # nothing written behind a restore's back
+    updater.resume()
+
+
+def test_row_flush_pushes_is_bounded_by_the_journal_slots() -> None:
+    from lookup_table.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"service\.row_flush_pushes: expected at most 56"):
+        make_config(["127.0.0.1:1"], service={"row_flush_pushes": 57})
+    assert dataclasses.replace(make_config(["127.0.0.1:1"])).service.row_flush_pushes == 1
