@@ -215,7 +215,6 @@ class Updater:
         self._journal_seq = 0
         self._row_flush_lock = asyncio.Lock()
         self._row_flushing: asyncio.Task[object] | None = None
-        self._row_flush_error: BaseException | None = None
         self._row_timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ push records

@@ -14,7 +14,6 @@ write that one through.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
 from typing import Any
 
@@ -25,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from lookup_table import EmbeddingStore, initial_rows
 from lookup_table.core.keys import as_ids
 from lookup_table.core.optimizers import make_optimizer
-from lookup_table.core.wire import unpack
+from lookup_table.core.wire import decode_array, unpack
 from optimizer_service.app import UPDATER, make_app
 from optimizer_service.journal import MAX_JOURNAL_SLOTS, Journal
 from optimizer_service.push import parse_push
@@ -49,6 +48,16 @@ def _config(nodes: list[str], **service: Any) -> Any:
         optimizers=["http://127.0.0.1:1"],
         service={"row_flush_pushes": 4, "row_flush_s": 600.0, **service},
     )
+
+
+async def _replica(
+    nodes: list[str], aiohttp_server: Any, seed: int, **service: Any
+) -> tuple[Any, Any, Any, Reference, Any]:
+    """A fresh namespace's replica 0 writing behind: (config, server, its updater, the
+    reference math, the gradients' generator)."""
+    config = _config(nodes, **service)
+    server = await _start(config, aiohttp_server)
+    return config, server, server.app[UPDATER], Reference(config), np.random.default_rng(seed)
 
 
 async def _start(config: Any, aiohttp_server: Any, *, sentinels: bool = True) -> Any:
@@ -112,11 +121,7 @@ async def _until(check: Any) -> None:
 async def test_rows_written_behind_train_exactly_and_reach_memcached_once_per_flush(
     memcached_nodes: list[str], aiohttp_server: Any
 ) -> None:
-    config = _config(memcached_nodes)
-    server = await _start(config, aiohttp_server)
-    updater = server.app[UPDATER]
-    ref = Reference(config)
-    rng = np.random.default_rng(0)
+    config, _, updater, ref, rng = await _replica(memcached_nodes, aiohttp_server, 0)
     before = _sets(memcached_nodes)
     for _ in range(3):
         await _push(updater, config, ref, rng)
@@ -130,7 +135,7 @@ async def test_rows_written_behind_train_exactly_and_reach_memcached_once_per_fl
     await _push(updater, config, ref, rng)  # the 4th: a flush starts
 
     async def flushed() -> bool:
-        return bool(_stored_found(await _stored(config, "t", IDS)))
+        return bool((await _stored(config, "t", IDS))[2].all())
 
     await _until(flushed)
     rows, slots, _ = await _stored(config, "t", IDS)
@@ -149,18 +154,12 @@ async def test_rows_written_behind_train_exactly_and_reach_memcached_once_per_fl
     updater.resume()
 
 
-def _stored_found(got: tuple[np.ndarray, np.ndarray, Any]) -> bool:
-    return bool(got[2].all())
-
-
 async def test_a_crash_before_the_flush_is_replayed_in_order_and_loses_nothing(
     memcached_nodes: list[str], aiohttp_server: Any
 ) -> None:
-    config = _config(memcached_nodes, row_flush_pushes=10)
-    server = await _start(config, aiohttp_server)
-    updater = server.app[UPDATER]
-    ref = Reference(config)
-    rng = np.random.default_rng(1)
+    config, server, updater, ref, rng = await _replica(
+        memcached_nodes, aiohttp_server, 1, row_flush_pushes=10
+    )
     bodies = [await _push(updater, config, ref, rng) for _ in range(5)]
     await asyncio.sleep(0.2)  # the done records land
     # the process dies: no flush, no close
@@ -183,23 +182,16 @@ async def test_a_crash_before_the_flush_is_replayed_in_order_and_loses_nothing(
     for body in bodies:  # every retry is a duplicate: nothing applied twice
         result = await again.apply(parse_push(unpack(body), config=config))
         assert result["duplicate"]
-    # and the restarted replica goes on from there, writing behind again
+    # and the restarted replica goes on from there, writing behind again; an answer read
+    # back (not the push's own plan) takes the rows memcached does not hold yet from the
+    # row cache
     await _push(again, config, ref, rng)
-    answer_ids = IDS[:7]
-    got = await again.answer(
-        parse_push(
-            unpack(
-                _body(
-                    "probe",
-                    {"t": (answer_ids, np.zeros((7, 8), np.float32))},
-                    answer=["rows"],
-                )
-            ),
-            config=config,
-        ),
-        {},
-    )
-    assert "updated" in got
+    probe = _body("probe", {"t": (IDS[:7], np.zeros((7, 8), np.float32))}, answer=["rows"])
+    got = await again.answer(parse_push(unpack(probe), config=config), {})
+    answered = decode_array(got["updated"]["t"]["rows"], field="rows")
+    np.testing.assert_array_equal(answered, ref.state["t"][0][:7])
+    stale, _, _ = await _stored(config, "t", IDS[:7])
+    assert not np.array_equal(stale, answered)  # memcached still has the 5th push's
     await again.close()
     rows, _, _ = await _stored(config, "t", IDS)
     np.testing.assert_array_equal(rows, ref.state["t"][0])
@@ -208,11 +200,7 @@ async def test_a_crash_before_the_flush_is_replayed_in_order_and_loses_nothing(
 async def test_a_restore_drops_the_rows_not_written_and_frees_their_journal_slots(
     memcached_nodes: list[str], aiohttp_server: Any
 ) -> None:
-    config = _config(memcached_nodes)
-    server = await _start(config, aiohttp_server)
-    updater = server.app[UPDATER]
-    ref = Reference(config)
-    rng = np.random.default_rng(2)
+    config, _, updater, ref, rng = await _replica(memcached_nodes, aiohttp_server, 2)
     for _ in range(2):
         await _push(updater, config, ref, rng)
     await asyncio.sleep(0.2)
@@ -230,4 +218,4 @@ def test_row_flush_pushes_is_bounded_by_the_journal_slots() -> None:
 
     with pytest.raises(ConfigError, match=r"service\.row_flush_pushes: expected at most 56"):
         make_config(["127.0.0.1:1"], service={"row_flush_pushes": 57})
-    assert dataclasses.replace(make_config(["127.0.0.1:1"])).service.row_flush_pushes == 1
+    assert make_config(["127.0.0.1:1"]).service.row_flush_pushes == 1
