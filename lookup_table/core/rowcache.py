@@ -52,7 +52,8 @@ __all__ = ["RowCache"]
 
 _MAX_PROBES = 64  # at load <= 1/2 a probe sequence this long is vanishingly rare
 _MIN_CAPACITY = 1024
-_ENTRY_OVERHEAD = 14  # bytes per slot besides the values: id, table, used, valid
+# bytes per slot besides the values: id, table, used, valid, stamp (`_IntMap`'s arrays)
+_ENTRY_OVERHEAD = sum(np.dtype(t).itemsize for t in (np.int64, np.int32, bool, bool, np.int64))
 
 
 def _int_ids(ids: IdArray) -> NDArray[np.int64]:
@@ -85,6 +86,10 @@ class _IntMap:
         for arr in (self.keys, self.tabs, self.used, self.valid, self.values, self.stamps):
             arr.fill(0)  # touch every page now: `nbytes` is what the cache holds resident
         self.size = 0
+
+    def nbytes(self) -> int:
+        arrays = (self.keys, self.tabs, self.used, self.valid, self.values, self.stamps)
+        return sum(a.nbytes for a in arrays)
 
     def clear(self) -> None:
         """Empty the map, keeping its memory: only `used` says what a slot holds, so the
@@ -163,8 +168,7 @@ class _TableCache:
         self.old: _IntMap | None = None
 
     def nbytes(self) -> int:
-        maps = [self.young] + ([self.old] if self.old is not None else [])
-        return sum(m.capacity * (self.width * 4 + _ENTRY_OVERHEAD) for m in maps)
+        return sum(m.nbytes() for m in self._maps())
 
     def get(
         self, ids: NDArray[np.int64], tabs: NDArray[np.int32]
