@@ -23,7 +23,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import msgpack
@@ -31,7 +31,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig
-from lookup_table.core.keys import as_ids
+from lookup_table.core.keys import IdArray, as_ids
 from lookup_table.core.sharding import owner_of
 from lookup_table.core.wire import (
     CONTENT_TYPE,
@@ -137,7 +137,9 @@ class OptimizerClient:
     ) -> dict[str, Any]:
         """Push the gradients of one step: `{table: (ids, grads (n, dim))}`.
 
-        Returns a summary: `{push_id, applied, duplicate, rows, replicas, version}`.
+        Returns a summary: `{push_id, applied, duplicate, rows, replicas, version,
+        created}` (`created`: per table, the rows the push created, async mode; a
+        duplicate creates none).
 
         `answer` asks the replicas to send back what the push changed (read your
         writes): with "rows", `updated` maps each pushed table to (unique ids sorted,
@@ -216,10 +218,73 @@ class OptimizerClient:
             "rows": sum(int(r.get("rows", 0)) for r in results),
             "replicas": sorted(bodies),
             "version": max((int(r.get("version", 0)) for r in results), default=version),
+            "created": _created(results),
         }
         if answer:
             summary.update(_merged_answer(answers, answer))
         return summary
+
+    async def rows(self, tables: Mapping[str, Any]) -> dict[str, tuple[NDArray[np.float32], int]]:
+        """Rows read through their owners (`POST /v1/rows`): `{table: ids}` ->
+        `{table: (rows (len(ids), dim) in the order of ids, how many ids had no row yet)}`.
+
+        Each replica answers from what it knows: rows written behind that memcached may
+        not hold yet, memcached for the rest, and the initial values of ids without a row
+        (nothing is created). One request per replica; retried like a push (a read
+        changes nothing).
+
+        Raises:
+            PushRejectedError: a replica answered 4xx (its message says why).
+            DataLossError, StoreFullError, ...: the store's error, as a push raises it.
+            ReplicaUnavailableError: a replica stayed unreachable through every retry.
+        """
+        n_replicas = len(self.config.optimizers)
+        parts: list[dict[str, Any]] = [{} for _ in range(n_replicas)]
+        unique: dict[str, tuple[Any, NDArray[np.intp], list[tuple[int, Any]]]] = {}
+        for name, ids in tables.items():
+            id_array = as_ids(ids, table=name)
+            uniq = cast(IdArray, np.unique(id_array))
+            inverse = np.searchsorted(uniq, id_array)
+            owners = (
+                owner_of(name, uniq, n_replicas)
+                if n_replicas > 1
+                else np.zeros(uniq.shape[0], dtype=np.intp)
+            )
+            where: list[tuple[int, Any]] = []
+            for k in range(n_replicas):
+                mine = np.flatnonzero(owners == k) if n_replicas > 1 else slice(None)
+                sub = uniq[mine]
+                if sub.shape[0]:
+                    parts[k][name] = {"ids": encode_ids(sub)}
+                    where.append((k, mine))
+            unique[name] = (uniq, inverse, where)
+        ks = [k for k in range(n_replicas) if parts[k]]
+        docs = dict(
+            zip(
+                ks,
+                await asyncio.gather(
+                    *(self._request(k, "POST", "/v1/rows", pack({"tables": parts[k]})) for k in ks)
+                ),
+                strict=True,
+            )
+        )
+        out: dict[str, tuple[NDArray[np.float32], int]] = {}
+        for name, (uniq, inverse, where) in unique.items():
+            dim = self.config.table(name).dim
+            rows = np.empty((uniq.shape[0], dim), dtype=np.float32)
+            new = 0
+            for k, mine in where:
+                got = decode_array(docs[k]["rows"][name], field=f"rows.{name}", dtype="<f4", ndim=2)
+                n = uniq[mine].shape[0]
+                if got.shape != (n, dim):
+                    raise LookupTableError(
+                        f"replica {k} answered {got.shape} rows of table {name!r} for {n} ids "
+                        f"of dim {dim}"
+                    )
+                rows[mine] = got
+                new += int(docs[k]["new"][name])
+            out[name] = (rows[inverse], new)
+        return out
 
     async def tables(self) -> dict[str, Any]:
         """`GET /v1/tables` of replica 0."""
@@ -336,6 +401,16 @@ class OptimizerClient:
             f"optimizer replica {replica} ({url}) failed after {self.max_retries + 1} attempts: "
             f"{problem}; is it running? (deploy/cluster.sh status)"
         )
+
+
+def _created(results: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """Per table, the rows the replicas created applying a push (async mode: ids that had
+    no row, which the trainer read as new through their owner)."""
+    out: dict[str, int] = {}
+    for r in results:
+        for table, n in r.get("created", {}).items():
+            out[str(table)] = out.get(str(table), 0) + int(n)
+    return out
 
 
 def _merged_answer(

@@ -194,6 +194,20 @@ class ClusterConfig:
         known = ", ".join(t.name for t in self.tables) or "none"
         raise ConfigError(f"unknown table {name!r}; the cluster file defines: {known}")
 
+    def reads_through_owner(self, name: str) -> bool:
+        """Whether trainers read table `name`'s rows from their owning replica, not from
+        memcached: its rows are written behind (`service.row_flush_pushes` > 1), so
+        memcached may not hold their newest values yet (docs/write-behind.md). Not for
+        string ids or `ttl_s` (the replicas do not cache those: written through), nor for
+        `admit_after` (its lookups count sightings in memcached: written through too)."""
+        spec = self.table(name)
+        return (
+            self.service.row_flush_pushes > 1
+            and spec.id_type == "int64"
+            and spec.ttl_s is None
+            and spec.admit_after == 1
+        )
+
     @property
     def node_addresses(self) -> tuple[str, ...]:
         return tuple(n.address for n in self.memcached)

@@ -54,7 +54,15 @@ from lookup_table.errors import ConfigError
 from lookup_table.keras import DistributedEmbedding, RecordedLookup
 from lookup_table.store import EmbeddingStore
 
-__all__ = ["WHOLE", "FedBatch", "FedLayer", "GraphStep", "RowPatch", "TrainingSession"]
+__all__ = [
+    "WHOLE",
+    "FedBatch",
+    "FedLayer",
+    "GraphStep",
+    "RowPatch",
+    "RowReader",
+    "TrainingSession",
+]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -168,12 +176,47 @@ class _Partial:
         return out
 
 
+class RowReader:
+    """Where a trainer reads rows: memcached (`EmbeddingStore.lookup_many`: missing rows
+    created with `add`), or, for tables whose rows are written behind
+    (`ClusterConfig.reads_through_owner`), their owning replicas (`OptimizerClient.rows`:
+    memcached may not hold the newest values yet; a missing row gets its initial value
+    and its first push creates it)."""
+
+    def __init__(self, store: EmbeddingStore, client: OptimizerClient) -> None:
+        self.config = store.config
+        self._store = store
+        self._client = client
+        config = store.config
+        self._owned = {t.name for t in config.tables if config.reads_through_owner(t.name)}
+
+    async def lookup(self, table: str, ids: Any, *, create: bool = True) -> NDArray[np.float32]:
+        return (await self.lookup_many({table: ids}, create=create))[table]
+
+    async def lookup_many(
+        self, ids: Mapping[str, Any], *, create: bool = True
+    ) -> dict[str, NDArray[np.float32]]:
+        """`EmbeddingStore.lookup_many`'s answer, each table read where it must be (the
+        store and the replicas at once)."""
+        owned = {t: i for t, i in ids.items() if t in self._owned}
+        rest = {t: i for t, i in ids.items() if t not in self._owned}
+        if not owned:
+            return await self._store.lookup_many(rest, create=create)
+        if rest:
+            from_store, from_owners = await asyncio.gather(
+                self._store.lookup_many(rest, create=create), self._client.rows(owned)
+            )
+        else:
+            from_store, from_owners = {}, await self._client.rows(owned)
+        return {**from_store, **{table: rows for table, (rows, _) in from_owners.items()}}
+
+
 Known = tuple[NDArray[np.bool_], NDArray[np.float32]]
 """Rows of a batch's ids known without a read: which ids, and their rows in that order."""
 
 
 async def _lookup_batch(
-    store: EmbeddingStore,
+    store: RowReader,
     wanted: list[tuple[str, IdArray, NDArray[np.bool_] | None]],
     known: Sequence[Known | None] | None = None,
     *,
@@ -488,6 +531,8 @@ class TrainingSession:
         self._thread.start()
         self._store = EmbeddingStore(config)
         self._client = OptimizerClient(config, worker=worker_index)
+        self._reader = RowReader(self._store, self._client)
+        self._pushes_created: collections.Counter[str] = collections.Counter()
         self._prefetched = _Prefetched()
         self._pushes: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
         self._dense_ready = False
@@ -580,7 +625,10 @@ class TrainingSession:
 
     @property
     def rows_created(self) -> dict[str, int]:
-        return dict(self._store.created)
+        out = dict(self._store.created)  # rows this trainer's lookups created with `add`
+        for table, n in self._pushes_created.items():  # and its pushes (read as new)
+            out[table] = out.get(table, 0) + n
+        return out
 
     # ------------------------------------------------------------ RowSource
 
@@ -589,7 +637,7 @@ class TrainingSession:
         try:
             if training:
                 return self._training_rows(table, ids, self._prefetched.find(table, ids))
-            return self._run(self._store.lookup(table, ids, create=False))
+            return self._run(self._reader.lookup(table, ids, create=False))
         except Exception as exc:
             if self._lookup_error is None:  # the first failure is the one TF reports
                 self._lookup_error = exc
@@ -647,7 +695,7 @@ class TrainingSession:
             return pre
         known = self._known_rows(wanted) if earlier else None
         pre.from_answers = sum(int(k[1].shape[0]) for k in known or () if k is not None)
-        batch = self._submit(_lookup_batch(self._store, wanted, known, create=create))
+        batch = self._submit(_lookup_batch(self._reader, wanted, known, create=create))
         for k, (i, fed, whole) in enumerate(layers):
             part = _Part(batch, k)
             if whole:
@@ -734,7 +782,7 @@ class TrainingSession:
             if isinstance(got, _Partial):
                 return got.complete(table, ids, self._prefetched.newer)
             return _patched(table, ids, np.asarray(got, np.float32), self._prefetched.newer)
-        rows = self._run(self._store.lookup(table, ids, create=True))
+        rows = self._run(self._reader.lookup(table, ids, create=True))
         return _patched(table, ids, rows, self._unsettled_rows)
 
     def _fed_rows(self, fed: FedLayer, features: Any) -> tuple[_FedIds, NDArray[np.float32]]:
@@ -757,7 +805,7 @@ class TrainingSession:
             return []
         got = self._run(
             _lookup_batch(
-                self._store,
+                self._reader,
                 [(f.layer.table, i.uniq, None) for f, i in zip(fed, ids, strict=True)],
                 create=False,
             )
@@ -917,6 +965,7 @@ class TrainingSession:
             self._push_answered(payload, dense)
             return
         fut = self._submit(self._client.push(payload, dense=dense, version=self.version))
+        fut.add_done_callback(self._count_created)
         self._pushes.append(fut)
         if not self._pipelined:
             self._drain_pushes()
@@ -939,6 +988,7 @@ class TrainingSession:
                 payload, dense=dense, version=self.version, answer=answer, on_answer=on_answer
             )
         )
+        pushing.add_done_callback(self._count_created)
         concurrent.futures.wait([answered, pushing], return_when=concurrent.futures.FIRST_COMPLETED)
         doc = answered.result() if answered.done() else pushing.result()
         self._unsettled = pushing
@@ -947,6 +997,11 @@ class TrainingSession:
         if "params" in doc:
             self._assign_dense(doc["dense_version"], doc["params"])
             self._dense_fresh = True
+
+    def _count_created(self, pushed: concurrent.futures.Future[dict[str, Any]]) -> None:
+        """A push's rows created by its replicas (ids read as new through their owner)."""
+        if not pushed.cancelled() and pushed.exception() is None:
+            self._pushes_created.update(pushed.result().get("created", {}))
 
     def push_step(
         self,

@@ -1,6 +1,7 @@
 """The aiohttp optimizer service: `make_app(config, replica=K)` and `lookup-table-optimizer`.
 
-Endpoints (DESIGN.md "Wire protocol"): `POST /v1/gradients`, `POST /v1/dense/init`,
+Endpoints (DESIGN.md "Wire protocol"): `POST /v1/gradients`, `POST /v1/rows` (rows read
+through their owner while they are written behind), `POST /v1/dense/init`,
 `GET /v1/dense`, `GET /v1/version?after=V`, `GET /v1/tables`, `POST /v1/admin/pause`,
 `POST /v1/admin/resume`, `GET /healthz` (JSON), `GET /metrics` (Prometheus text). Every endpoint but
 `/healthz` and `/metrics` requires `Authorization: Bearer <token>` when the
@@ -43,6 +44,7 @@ from optimizer_service.handlers import (
     metrics_handler,
     post_dense_init,
     post_gradients,
+    post_rows,
 )
 from optimizer_service.malloc import MMAP_THRESHOLD_BYTES, trimming, tune_malloc
 from optimizer_service.metrics import ServiceMetrics
@@ -137,6 +139,7 @@ def make_app(
 
     app.cleanup_ctx.append(store_ctx)
     app.router.add_post("/v1/gradients", post_gradients)
+    app.router.add_post("/v1/rows", post_rows)
     app.router.add_get("/v1/tables", get_tables)
     app.router.add_post("/v1/dense/init", post_dense_init)
     app.router.add_get("/v1/dense", get_dense)

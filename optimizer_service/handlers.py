@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry
@@ -29,7 +30,7 @@ from lookup_table.errors import LookupTableError
 from optimizer_service.appkeys import CONFIG, METRICS, REPLICA, STORE, UPDATER
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.plan import WritePlan
-from optimizer_service.push import Push, parse_push
+from optimizer_service.push import Push, parse_push, parse_reads
 from optimizer_service.responses import (
     COUNTED,
     count_answer,
@@ -48,6 +49,7 @@ __all__ = [
     "metrics_handler",
     "post_dense_init",
     "post_gradients",
+    "post_rows",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,29 @@ async def post_gradients(request: web.Request) -> web.StreamResponse:
         return await _answered(request, push)
     result = await _apply(request, push)
     return msgpack_response({k: v for k, v in result.items() if k != PLAN})
+
+
+async def post_rows(request: web.Request) -> web.Response:
+    """Rows read through their owner (trainers, while rows are written behind):
+    `{tables: {name: {ids}}}` -> `{rows: {name: rows in the order of the unique sorted
+    ids}, new: {name: how many had no row}}`; nothing is created (docs/service.md)."""
+    app = request.app
+    try:
+        obj = unpack(await request.read())
+    except WireError as exc:
+        raise BadRequestError(str(exc), reason="malformed") from None
+    reads = parse_reads(obj, config=app[CONFIG], replica=app[REPLICA])
+    got = await app[UPDATER].read_rows(reads)
+    metrics = app[METRICS]
+    rows: dict[str, Any] = {}
+    new: dict[str, int] = {}
+    for (table, ids), (values, found) in zip(reads, got, strict=True):
+        rows[table] = encode_array(values)
+        new[table] = int(ids.shape[0] - np.count_nonzero(found))
+        metrics.rows_read.labels(table=table, row="existing").inc(ids.shape[0] - new[table])
+        if new[table]:
+            metrics.rows_read.labels(table=table, row="new").inc(new[table])
+    return msgpack_response({"rows": rows, "new": new})
 
 
 async def _apply(

@@ -31,6 +31,13 @@ class ServiceMetrics:
             ["table"],
             registry=registry,
         )
+        self.rows_read = Counter(
+            "lookup_table_rows_read",
+            "Rows trainers read through this replica (POST /v1/rows), by table and whether "
+            "they existed (new: no row yet, answered with its initial value)",
+            ["table", "row"],
+            registry=registry,
+        )
         self.rejected = Counter(
             "lookup_table_rejected_pushes",
             "Pushes answered 4xx, by reason",

@@ -72,6 +72,8 @@ class TableUpdate:
     # `rows.change_witnesses` of each unique id of the push's table (also of ids admission
     # dropped: `NOT_UPDATED`), in the order of `answer`'s ids when it has them, else `ids`
     witness: NDArray[np.int64] | None = None
+    # how many of `ids` had no row (their initial value was stepped): the push creates them
+    created: int = 0
 
 
 @dataclass(slots=True)

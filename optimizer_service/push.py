@@ -3,7 +3,8 @@
 `parse_push(obj, config=..., replica=K)` turns the unpacked msgpack body of
 `POST /v1/gradients` into a `Push` whose table gradients are already summed per
 unique id (IndexedSlices semantics), or raises `BadRequestError` /
-`NotOwnerError` with a message naming the field. No I/O here.
+`NotOwnerError` with a message naming the field; `parse_reads` does the same for
+the body of `POST /v1/rows`. No I/O here.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -24,7 +25,7 @@ from lookup_table.core.wire import WireError, decode_array, decode_ids, describe
 from lookup_table.errors import KeyEncodingError
 from optimizer_service.errors import BadRequestError, NotOwnerError
 
-__all__ = ["ANSWERS", "PUSH_ID_RE", "Push", "TableGrads", "parse_push"]
+__all__ = ["ANSWERS", "PUSH_ID_RE", "Push", "TableGrads", "parse_push", "parse_reads"]
 
 PUSH_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}\Z")
 _PUSH_KEYS = {"push_id", "worker", "version", "tables", "dense", "answer"}
@@ -140,15 +141,81 @@ def _parse_answer(raw: Any, replica: int) -> frozenset[str]:
     return frozenset(raw)
 
 
-def _parse_table(
-    config: ClusterConfig, name: Any, entry: Any, replica: int, num_replicas: int
-) -> TableGrads:
+def parse_reads(obj: Any, *, config: ClusterConfig, replica: int = 0) -> list[tuple[str, IdArray]]:
+    """Validate an unpacked `POST /v1/rows` body (`{tables: {name: {ids}}}`) for replica
+    `replica`: (table, unique sorted ids) per table, each id one this replica owns.
+
+    Raises:
+        BadRequestError: anything malformed; the message names the field.
+        NotOwnerError: some rows belong to another replica.
+    """
+    if not isinstance(obj, Mapping) or set(obj) != {"tables"}:
+        got = sorted(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
+        raise BadRequestError(f"body: expected a msgpack map with exactly tables, got {got}")
+    tables_raw = obj["tables"]
+    if not isinstance(tables_raw, Mapping):
+        raise BadRequestError(
+            f"tables: expected a map of table name -> {{ids}}, got {type(tables_raw).__name__}"
+        )
+    num_replicas = max(len(config.optimizers), 1)
+    out: list[tuple[str, IdArray]] = []
+    for name, entry in tables_raw.items():
+        _check_table(config, name)
+        where = f"tables.{name}"
+        if not isinstance(entry, Mapping) or set(entry) != {"ids"}:
+            got = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
+            raise BadRequestError(f"{where}: expected a map with exactly ids, got {got}")
+        try:
+            ids = decode_ids(entry["ids"], field=f"{where}.ids")
+        except WireError as exc:
+            raise BadRequestError(str(exc)) from None
+        _check_ids(config, name, ids, replica, num_replicas)
+        out.append((name, cast(IdArray, np.unique(ids))))
+    return out
+
+
+def _check_table(config: ClusterConfig, name: Any) -> None:
     if not isinstance(name, str) or not config.has_table(name):
         known = ", ".join(t.name for t in config.tables) or "none"
         raise BadRequestError(
             f"tables: unknown table {describe(name)}; the service knows: {known}",
             reason="unknown_table",
         )
+
+
+def _check_ids(
+    config: ClusterConfig, name: str, ids: IdArray, replica: int, num_replicas: int
+) -> None:
+    """Raise unless `ids` are of table `name`'s type, encodable, and this replica's."""
+    where = f"tables.{name}.ids"
+    spec = config.table(name)
+    is_int = ids.dtype == np.int64
+    if ids.shape[0] and is_int != (spec.id_type == "int64"):
+        raise BadRequestError(
+            f"{where}: table {name!r} has id_type={spec.id_type!r} but the request has "
+            f"{'int64' if is_int else 'string'} ids",
+            reason="id_type",
+        )
+    if not is_int:
+        try:
+            encode_keys(config.namespace, name, "w", ids)
+        except KeyEncodingError as exc:
+            raise BadRequestError(f"{where}: {exc}", reason="bad_id") from None
+    if num_replicas > 1 and ids.shape[0]:
+        owners = owner_of(name, ids, num_replicas)
+        foreign = np.flatnonzero(owners != replica)
+        if foreign.size:
+            raise NotOwnerError(
+                f"{where}: {foreign.size} of {ids.shape[0]} rows belong to other replicas "
+                f"(e.g. id {ids[foreign[0]]!r} -> replica {int(owners[foreign[0]])}); this is "
+                f"replica {replica}: split requests by owner (OptimizerClient does)"
+            )
+
+
+def _parse_table(
+    config: ClusterConfig, name: Any, entry: Any, replica: int, num_replicas: int
+) -> TableGrads:
+    _check_table(config, name)
     spec = config.table(name)
     where = f"tables.{name}"
     if not isinstance(entry, Mapping) or set(entry) != {"ids", "grads"}:
@@ -159,13 +226,6 @@ def _parse_table(
         grads = decode_array(entry["grads"], field=f"{where}.grads", dtype="<f4", ndim=2)
     except WireError as exc:
         raise BadRequestError(str(exc)) from None
-    is_int = ids.dtype == np.int64
-    if ids.shape[0] and is_int != (spec.id_type == "int64"):
-        raise BadRequestError(
-            f"{where}.ids: table {name!r} has id_type={spec.id_type!r} but the push has "
-            f"{'int64' if is_int else 'string'} ids",
-            reason="id_type",
-        )
     if grads.shape != (ids.shape[0], spec.dim):
         raise BadRequestError(
             f"{where}.grads: expected shape ({ids.shape[0]}, {spec.dim}) for {ids.shape[0]} ids "
@@ -176,20 +236,7 @@ def _parse_table(
         check_finite(grads, where)
     except ValueError as exc:
         raise BadRequestError(str(exc), reason="nan") from None
-    if not is_int:
-        try:
-            encode_keys(config.namespace, name, "w", ids)
-        except KeyEncodingError as exc:
-            raise BadRequestError(f"{where}.ids: {exc}", reason="bad_id") from None
-    if num_replicas > 1 and ids.shape[0]:
-        owners = owner_of(name, ids, num_replicas)
-        foreign = np.flatnonzero(owners != replica)
-        if foreign.size:
-            raise NotOwnerError(
-                f"{where}.ids: {foreign.size} of {ids.shape[0]} rows belong to other replicas "
-                f"(e.g. id {ids[foreign[0]]!r} -> replica {int(owners[foreign[0]])}); this is "
-                f"replica {replica}: split pushes by owner (OptimizerClient does)"
-            )
+    _check_ids(config, name, ids, replica, num_replicas)
     uniq, summed = segment_sum(ids, grads)
     if uniq.shape[0] != ids.shape[0]:  # without duplicates the sums are the checked grads
         try:

@@ -150,6 +150,7 @@ class _Prepared:
     step: TableStep
     keep: NDArray[np.intp] | None = None
     all_rows: NDArray[np.float32] | None = None
+    created: int = 0  # ids without a row that the step starts from their initial values
 
 
 class Updater:
@@ -181,7 +182,10 @@ class Updater:
             {
                 t.name: (t.dim, self.optimizers[t.name].slot_width(t.dim))
                 for t in config.tables
-                if t.id_type == "int64" and t.ttl_s is None  # see lookup_table.core.rowcache
+                if t.id_type == "int64"
+                and t.ttl_s is None  # see lookup_table.core.rowcache
+                # rows written behind: only those trainers read through this replica
+                and (self._flush_every == 1 or config.reads_through_owner(t.name))
             },
             config.service.cache_mb * 2**20,
         )
@@ -375,7 +379,11 @@ class Updater:
         running = self._inflight.get(push.push_id)
         if running is not None:
             result = await asyncio.shield(running)
-            return {**result, "applied": False, "duplicate": True}
+            return {
+                **{k: v for k, v in result.items() if k != "created"},  # counted once
+                "applied": False,
+                "duplicate": True,
+            }
         if push.push_id in self._recording:  # written, its done record on its way
             return {"applied": False, "duplicate": True, "rows": 0, "version": self.version}
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -509,13 +517,18 @@ class Updater:
                 self._on_rows(u.table, u.ids.shape[0])
             if u.dropped and self._on_dropped is not None:
                 self._on_dropped(u.table, u.dropped)
-        return {
+        out = {
             "applied": True,
             "duplicate": False,
             "rows": push.num_rows,
             "version": self.version,
             PLAN: plan,
         }
+        if version is None:  # async: rows this push created (a sync round's are everyone's)
+            created = {u.table: u.created for u in plan.updates if u.created}
+            if created:
+                out["created"] = created
+        return out
 
     async def answer(self, push: Push, result: Mapping[str, Any]) -> dict[str, Any]:
         """What `push.answer` asks back once `apply` returned `result` (read your writes).
@@ -544,22 +557,8 @@ class Updater:
                         continue
                 reads.append(t)
             if reads:
-                got = await self.store.get_many(
-                    [TableRead(t.table, t.ids) for t in reads], unique=True
-                )
-                if self._flush_every > 1 and self._sentinels is not None:
-                    # rows written behind: memcached may not hold them yet, the cache does
-                    cached = self.cache.get_many([(t.table, t.ids) for t in reads])
-                    for (rows, found), (hit, rows_c, _) in zip(got, cached, strict=True):
-                        if hit is not None and hit.any():
-                            rows[hit], found[hit] = rows_c[hit], True
-                for t, (rows, found) in zip(reads, got, strict=True):
-                    if not found.all():  # no row (not admitted, or expired): initial values
-                        spec = self.config.table(t.table)
-                        missing = np.flatnonzero(~found)
-                        rows[missing] = initial_rows(
-                            spec.initializer, seed=spec.seed, ids=t.ids[missing], dim=spec.dim
-                        )
+                got = await self._rows_now([(t.table, t.ids) for t in reads])
+                for t, (rows, _) in zip(reads, got, strict=True):
                     updated[t.table] = (t.ids, rows)
             out["updated"] = {
                 name: {"ids": encode_ids(ids), "rows": encode_array(rows)}
@@ -576,6 +575,57 @@ class Updater:
                 version, params = state.version, state.params
             out["dense_version"] = version
             out["params"] = {n: encode_array(v) for n, v in params.items()}
+        return out
+
+    async def read_rows(
+        self, reads: Sequence[tuple[str, IdArray]]
+    ) -> list[tuple[NDArray[np.float32], NDArray[np.bool_]]]:
+        """`POST /v1/rows`: the rows of each (table, unique ids of this replica's) as this
+        replica knows them, and which exist; an id without a row gets its initial value
+        and nothing is created (its first push writes it). Waits while paused, as a push
+        does: a restore's rows are what a read after it sees."""
+        async with self._admitted():
+            return await self._rows_now(reads)
+
+    async def _rows_now(
+        self, reads: Sequence[tuple[str, IdArray]]
+    ) -> list[tuple[NDArray[np.float32], NDArray[np.bool_]]]:
+        """(rows, found) of each (table, unique ids): the row cache's (written behind,
+        memcached may not hold them yet), memcached's for the rest (one request per node),
+        initial values where neither has a row (not created, not admitted, or expired).
+
+        The cache is asked first: a row it lacks is one memcached holds at its newest
+        (this replica is its only writer, and never drops a row it has not written), so a
+        read that follows returns that value or a newer one."""
+        use = [self._sentinels is not None and self.cache.caches(t) for t, _ in reads]
+        cached = iter(self.cache.get_many([r for r, u in zip(reads, use, strict=True) if u]))
+        out: list[tuple[NDArray[np.float32], NDArray[np.bool_]]] = []
+        misses: list[tuple[int, NDArray[np.bool_]]] = []
+        for k, ((table, ids), cache_it) in enumerate(zip(reads, use, strict=True)):
+            n = ids.shape[0]
+            if cache_it:
+                hit, rows, _ = next(cached)
+                found = hit.copy()
+            else:
+                rows = np.empty((n, self.config.table(table).dim), dtype=np.float32)
+                found = np.zeros(n, dtype=bool)
+            out.append((rows, found))
+            if not found.all():
+                misses.append((k, ~found))
+        if misses:
+            got = await self.store.get_many(
+                [TableRead(reads[k][0], reads[k][1][miss]) for k, miss in misses], unique=True
+            )
+            for (k, miss), (rows_m, found_m) in zip(misses, got, strict=True):
+                rows, found = out[k]
+                rows[miss], found[miss] = rows_m, found_m
+        for (table, ids), (rows, found) in zip(reads, out, strict=True):
+            if not found.all():
+                spec = self.config.table(table)
+                missing = np.flatnonzero(~found)
+                rows[missing] = initial_rows(
+                    spec.initializer, seed=spec.seed, ids=ids[missing], dim=spec.dim
+                )
         return out
 
     async def _plan(self, push: Push, version: int | None) -> tuple[WritePlan, list[_Prepared]]:
@@ -712,7 +762,9 @@ class Updater:
                 grads.table, grads.ids[keep], grads.grads[keep], rows[keep], slots[keep]
             )
             return _Prepared(grads, step, keep=keep, all_rows=rows)
-        return _Prepared(grads, TableStep(grads.table, grads.ids, grads.grads, rows, slots))
+        created = int(found.shape[0] - np.count_nonzero(found))
+        step = TableStep(grads.table, grads.ids, grads.grads, rows, slots)
+        return _Prepared(grads, step, created=created)
 
     async def _computed(self, prepared: Sequence[_Prepared]) -> list[TableUpdate]:
         """Each table's new rows and slots (its optimizer's step from its `_Prepared`).
@@ -757,7 +809,9 @@ class Updater:
     ) -> TableUpdate:
         step = p.step
         if p.keep is None or p.all_rows is None:
-            return TableUpdate(step.table, step.ids, new_rows, new_slots, witness=witness)
+            return TableUpdate(
+                step.table, step.ids, new_rows, new_slots, witness=witness, created=p.created
+            )
         # the push's answer gives the dropped ids their initial rows (`all_rows` holds them)
         answer = p.all_rows.copy()
         answer[p.keep] = new_rows

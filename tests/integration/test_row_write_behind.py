@@ -14,6 +14,7 @@ write that one through.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from typing import Any
 
@@ -22,12 +23,16 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from lookup_table import EmbeddingStore, initial_rows
+from lookup_table.client import OptimizerClient
 from lookup_table.core.keys import as_ids
 from lookup_table.core.optimizers import make_optimizer
-from lookup_table.core.wire import decode_array, unpack
+from lookup_table.core.wire import decode_array, encode_ids, pack, unpack
+from lookup_table.errors import PushRejectedError
 from optimizer_service.app import UPDATER, make_app
+from optimizer_service.errors import NotOwnerError
 from optimizer_service.journal import MAX_JOURNAL_SLOTS, Journal
-from optimizer_service.push import parse_push
+from optimizer_service.push import parse_push, parse_reads
+from optimizer_service.updater import Updater
 from tests.conftest import make_config, node_stat
 from tests.integration.test_service import _body
 
@@ -154,6 +159,56 @@ async def test_rows_written_behind_train_exactly_and_reach_memcached_once_per_fl
     updater.resume()
 
 
+async def test_rows_read_through_the_owner_are_its_newest_and_create_nothing(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    """`POST /v1/rows` (what trainers read while rows are written behind): the rows
+    memcached does not hold yet come from the replica's memory, exact; ids never pushed
+    get their initial values, counted as new, and no item is created for them; the first
+    push of an id reports it created; bad requests are 4xx naming what is wrong."""
+    config, server, updater, ref, rng = await _replica(memcached_nodes, aiohttp_server, 2)
+    url = str(server.make_url("")).rstrip("/")
+    config = dataclasses.replace(config, optimizers=(url,))
+    g = rng.standard_normal((IDS.shape[0], 8), dtype=np.float32)
+    pushed = parse_push(unpack(_body(uuid.uuid4().hex, {"t": (IDS, g)})), config=config)
+    result = await updater.apply(pushed)
+    assert result["created"] == {"t": IDS.shape[0]}  # no trainer created them: this push
+    ref.step("t", g)
+    await _push(updater, config, ref, rng)
+    assert not (await _stored(config, "t", IDS))[2].any()  # memcached: nothing yet
+    unseen = np.array([5, 10**15, -(2**62)], dtype=np.int64)
+    items = sum(node_stat(a, "curr_items") for a in memcached_nodes)
+    async with OptimizerClient(config) as client:
+        ask = np.concatenate([IDS[::-1], unseen, IDS[:3]])  # any order, duplicates
+        got = await client.rows({"t": ask, "s": WORDS})
+        rows, new = got["t"]
+        np.testing.assert_array_equal(rows[: IDS.shape[0]], ref.state["t"][0][::-1])
+        np.testing.assert_array_equal(rows[-3:], ref.state["t"][0][:3])
+        spec = config.table("t")
+        fresh = initial_rows(spec.initializer, seed=spec.seed, ids=unseen, dim=spec.dim)
+        np.testing.assert_array_equal(rows[IDS.shape[0] : -3], fresh)
+        assert new == unseen.shape[0]
+        # the string table is written through: memcached's rows, read by the replica
+        np.testing.assert_array_equal(got["s"][0], ref.state["s"][0])
+        assert got["s"][1] == 0
+        assert sum(node_stat(a, "curr_items") for a in memcached_nodes) == items
+        for bad, pattern in [
+            ({"tables": {"nope": {"ids": encode_ids(IDS)}}}, "unknown table 'nope'"),
+            ({"tables": {"t": {"ids": ["a", "b"]}}}, "has id_type='int64' but the request"),
+            ({"tables": {"t": {"ids": encode_ids(IDS), "grads": 1}}}, "exactly ids"),
+            ({"tables": {}, "push_id": "x"}, "exactly tables"),
+            ({"tables": [1]}, "expected a map of table name"),
+        ]:
+            with pytest.raises(PushRejectedError, match=pattern) as info:
+                await client._request(0, "POST", "/v1/rows", pack(bad))
+            assert info.value.status == 400
+        with pytest.raises(PushRejectedError, match="400"):
+            await client._request(0, "POST", "/v1/rows", b"\xc1")  # not msgpack
+    two = dataclasses.replace(config, optimizers=("http://a:1", "http://b:1"))
+    with pytest.raises(NotOwnerError, match="rows belong to other replicas"):
+        parse_reads({"tables": {"t": {"ids": encode_ids(IDS)}}}, config=two, replica=1)
+
+
 async def test_a_crash_before_the_flush_is_replayed_in_order_and_loses_nothing(
     memcached_nodes: list[str], aiohttp_server: Any
 ) -> None:
@@ -219,3 +274,23 @@ def test_row_flush_pushes_is_bounded_by_the_journal_slots() -> None:
     with pytest.raises(ConfigError, match=r"service\.row_flush_pushes: expected at most 56"):
         make_config(["127.0.0.1:1"], service={"row_flush_pushes": 57})
     assert make_config(["127.0.0.1:1"]).service.row_flush_pushes == 1
+
+
+async def test_only_tables_read_through_the_owner_are_written_behind(
+    memcached_nodes: list[str],
+) -> None:
+    """Trainers read through the owner exactly the tables the replica writes behind:
+    int64 ids without `ttl_s` or `admit_after` (whose lookups count sightings in
+    memcached); the others stay written through, out of the row cache."""
+    tables = [
+        {"name": "t", "dim": 8},
+        {"name": "s", "dim": 4, "id_type": "string"},
+        {"name": "e", "dim": 4, "ttl_s": 3600},
+        {"name": "a", "dim": 4, "admit_after": 2},
+    ]
+    for flush, behind in [(4, {"t"}), (1, set())]:
+        config = make_config(memcached_nodes, tables=tables, service={"row_flush_pushes": flush})
+        assert {t["name"] for t in tables if config.reads_through_owner(t["name"])} == behind
+        async with EmbeddingStore(config) as store:
+            cached = {t["name"] for t in tables if Updater(config, store).cache.caches(t["name"])}
+        assert cached == ({"t"} if flush > 1 else {"t", "a"})

@@ -179,12 +179,14 @@ def _train_fresh(
     in_graph: bool = False,
     replicas: int = 1,
     store: str = "",
+    flush_pushes: int = 1,
     **trainer_kwargs: Any,
-) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray], int]:
+) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray], int, dict[str, int]]:
     """Train 14 batches on a new cluster from fixed weights; returns the losses, the
-    service's dense weights and rows afterwards, and how many layers were fed rows.
-    `in_graph` drops the layers' `feature`, so every lookup runs inside the graph step
-    (a py_function each, nothing prefetched)."""
+    service's dense weights and rows afterwards, how many layers were fed rows and the
+    rows the trainer created. `in_graph` drops the layers' `feature`, so every lookup
+    runs inside the graph step (a py_function each, nothing prefetched); `flush_pushes`
+    > 1 writes the rows behind (`service.row_flush_pushes`), read through the owner."""
     import keras
 
     from trainer import Trainer
@@ -193,6 +195,8 @@ def _train_fresh(
 
     source = SyntheticSource(20_000, seed=5)
     batches = list(source.batches(256))[:14]  # consecutive batches share hot ids
+    if flush_pushes > 1:
+        store += f"[service]\nrow_flush_pushes = {flush_pushes}\nrow_flush_s = 600\n"
     path = _cluster_file(
         tmp_path / f"{tag}.toml", mode="async", workers=1, replicas=replicas, store=store
     )
@@ -209,6 +213,7 @@ def _train_fresh(
         with Trainer(config, model, progress=False, **trainer_kwargs) as trainer:
             result = trainer.fit(batches)
             fed = len(trainer.fed_layers)
+            created = trainer.rows_created
             if trainer_kwargs.get("read_your_writes", True) and not in_graph and not store:
                 # from the third step on, ids of earlier batches come from their answers
                 # (with every replica's stamps following on)
@@ -220,15 +225,19 @@ def _train_fresh(
 
         async def stored() -> tuple[Any, Any]:
             async with EmbeddingStore(config) as store, OptimizerClient(config) as client:
-                rows = {t: await store.lookup(t, i, create=False) for t, i in ids.items()}
+                await client.pause()  # rows written behind: written now
+                try:
+                    rows = {t: await store.lookup(t, i, create=False) for t, i in ids.items()}
+                finally:
+                    await client.resume()
                 return rows, (await client.dense())[1]
 
         rows, dense = asyncio.run(stored())
-    return np.array([loss for _, loss in result.losses]), dense, rows, fed
+    return np.array([loss for _, loss in result.losses]), dense, rows, fed, created
 
 
 def _assert_same_training(a: Any, b: Any) -> None:
-    (loss_a, dense_a, rows_a, _), (loss_b, dense_b, rows_b, _) = a, b
+    (loss_a, dense_a, rows_a, *_), (loss_b, dense_b, rows_b, *_) = a, b
     assert loss_a.shape == (14,)
     np.testing.assert_allclose(loss_b, loss_a, rtol=1e-5)
     assert len(dense_a) == len(dense_b)  # Keras names the two models' layers apart
@@ -250,6 +259,23 @@ def test_read_your_writes_trains_exactly_as_reading_after_every_push(tmp_path: P
     answered = _train_fresh(tmp_path, "answered")
     assert fresh[3] == answered[3] == 26  # every layer's rows fed to the graph step
     _assert_same_training(fresh, answered)
+
+
+@pytest.mark.timeout(420)
+def test_rows_written_behind_and_read_through_their_owner_train_as_written_through(
+    tmp_path: Path,
+) -> None:
+    """One worker, rows written behind every 5 pushes (`service.row_flush_pushes`): the
+    trainer reads them through their owner (`POST /v1/rows`: the replica's memory, where
+    memcached lags by up to 4 pushes), and trains exactly as with rows written through
+    and read from memcached: the same losses, dense weights and rows (after a pause, which
+    writes them); the rows it counts as created (read as new from their owner, not
+    `add`ed) are the same too. A row read from memcached while written behind would be
+    up to four Adam steps (~0.08) behind."""
+    through = _train_fresh(tmp_path, "through")
+    behind = _train_fresh(tmp_path, "behind", flush_pushes=5)
+    _assert_same_training(through, behind)
+    assert behind[4] == through[4] and sum(through[4].values()) > 0
 
 
 def _train_in_turns(
