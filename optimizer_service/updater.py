@@ -596,36 +596,47 @@ class Updater:
 
         The cache is asked first: a row it lacks is one memcached holds at its newest
         (this replica is its only writer, and never drops a row it has not written), so a
-        read that follows returns that value or a newer one."""
+        read that follows returns that value or a newer one. Ids of cached tables that
+        memcached has no row for are remembered as initial entries
+        (`lookup_table.core.rowcache`): the push that creates them, and the reads before
+        it, do not ask memcached again."""
         use = [self._sentinels is not None and self.cache.caches(t) for t, _ in reads]
-        cached = iter(self.cache.get_many([r for r, u in zip(reads, use, strict=True) if u]))
+        cached = iter(self.cache.lookup_many([r for r, u in zip(reads, use, strict=True) if u]))
         out: list[tuple[NDArray[np.float32], NDArray[np.bool_]]] = []
         misses: list[tuple[int, NDArray[np.bool_]]] = []
         for k, ((table, ids), cache_it) in enumerate(zip(reads, use, strict=True)):
             n = ids.shape[0]
             if cache_it:
-                hit, rows, _ = next(cached)
-                found = hit.copy()
+                hit, rows, _, initial = next(cached)
+                found = hit & ~initial  # an initial entry holds its initial value already
             else:
                 rows = np.empty((n, self.config.table(table).dim), dtype=np.float32)
-                found = np.zeros(n, dtype=bool)
+                hit = found = np.zeros(n, dtype=bool)
             out.append((rows, found))
-            if not found.all():
-                misses.append((k, ~found))
-        if misses:
-            got = await self.store.get_many(
-                [TableRead(reads[k][0], reads[k][1][miss]) for k, miss in misses], unique=True
-            )
-            for (k, miss), (rows_m, found_m) in zip(misses, got, strict=True):
-                rows, found = out[k]
-                rows[miss], found[miss] = rows_m, found_m
-        for (table, ids), (rows, found) in zip(reads, out, strict=True):
-            if not found.all():
+            if not hit.all():
+                misses.append((k, ~hit))
+        if not misses:
+            return out
+        got = await self.store.get_many(
+            [TableRead(reads[k][0], reads[k][1][miss]) for k, miss in misses], unique=True
+        )
+        remember: list[tuple[str, IdArray, NDArray[np.float32], NDArray[np.float32]]] = []
+        for (k, miss), (rows_m, found_m) in zip(misses, got, strict=True):
+            table, ids = reads[k]
+            rows, found = out[k]
+            at = np.flatnonzero(miss)
+            rows[at], found[at] = rows_m, found_m
+            new = at[~found_m]  # no row anywhere: its initial value
+            if new.size:
                 spec = self.config.table(table)
-                missing = np.flatnonzero(~found)
-                rows[missing] = initial_rows(
-                    spec.initializer, seed=spec.seed, ids=ids[missing], dim=spec.dim
+                rows[new] = initial_rows(
+                    spec.initializer, seed=spec.seed, ids=ids[new], dim=spec.dim
                 )
+                if use[k]:
+                    slots = self.optimizers[table].initial_slots(new.size, spec.dim)
+                    remember.append((table, ids[new], rows[new], slots))
+        if remember:  # only where the cache holds nothing newer since the read
+            self.cache.put_many(remember, initial=True)
         return out
 
     async def _plan(self, push: Push, version: int | None) -> tuple[WritePlan, list[_Prepared]]:
@@ -666,15 +677,19 @@ class Updater:
         step starts from."""
         use = [self._sentinels is not None and self.cache.caches(g.table) for g in tables]
         wanted = [(g.table, g.ids) for g, u in zip(tables, use, strict=True) if u]
-        from_cache = iter(self.cache.get_many(wanted))
+        from_cache = iter(self.cache.lookup_many(wanted))
         cached: list[tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.float32]]] = []
+        initials: list[NDArray[np.bool_] | None] = []  # hits without a row in memcached
         for grads, cache_it in zip(tables, use, strict=True):
             if cache_it:
-                cached.append(next(from_cache))
+                hit, rows_c, slots_c, unwritten = next(from_cache)
+                cached.append((hit, rows_c, slots_c))
+                initials.append(unwritten if unwritten.any() else None)
             else:
                 n = grads.ids.shape[0]
                 nothing = np.empty((n, 0), dtype=np.float32)
                 cached.append((np.zeros(n, dtype=bool), nothing, nothing))
+                initials.append(None)
         read = self._read(tables, [~hit for hit, _, _ in cached])
         if any(hit.any() for hit, _, _ in cached):
             # cached rows are what this replica wrote, unless a node lost its data since
@@ -696,19 +711,24 @@ class Updater:
         else:
             values = await read
         out: list[_Prepared] = []
-        for grads, (hit, rows_c, slots_c), read in zip(tables, cached, values, strict=True):
+        for grads, (hit, rows_c, slots_c), read, initial in zip(
+            tables, cached, values, initials, strict=True
+        ):
             spec = self.config.table(grads.table)
             width = self.optimizers[grads.table].slot_width(spec.dim)
             n = grads.ids.shape[0]
+            # cached with a row (an initial entry has none: this push creates it, from
+            # the initial values the cache holds)
+            stored = hit if initial is None else hit & ~initial
             if hit.all():
-                rows, found, slots = rows_c, hit, slots_c
+                rows, found, slots = rows_c, stored, slots_c
             elif not hit.any():  # all read: the read's own arrays, no copy
                 rows, slots, found = read
             else:
                 miss = np.flatnonzero(~hit)
                 rows = np.empty((n, spec.dim), dtype=np.float32)
                 slots = np.empty((n, width), dtype=np.float32)
-                found = hit.copy()
+                found = stored.copy()
                 rows[hit], slots[hit] = rows_c[hit], slots_c[hit]
                 rows[miss], slots[miss], found[miss] = read
             out.append(self._prepare(grads, rows, found, slots))

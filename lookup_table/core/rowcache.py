@@ -34,6 +34,14 @@ drops move to the young map (unless the young map has a newer value of the key).
 `dirty()` copies every dirty entry at one instant, with the stamp it was taken at;
 once they are written, `clean(stamp)` marks clean those not put again since. The caller
 bounds how many there are (`room_for`): the young map must have room for them.
+
+*Initial* entries (`put_many(..., initial=True)`): ids memcached holds no row for, with
+their initial row and slots, which is what reading them from memcached gives (a missing
+row reads as its initial value, and whoever creates it writes exactly that first). Their
+stamp is `INITIAL` (< 0): clean, never flushed, and `lookup_many` tells them apart, so
+the owner reads a new id from memcached once, not at every read and push until its first
+write. They are only inserted where neither generation holds the key (valid or
+forgotten): a value put since the caller's read of memcached is newer, and is kept.
 """
 
 from __future__ import annotations
@@ -48,7 +56,9 @@ from numpy.typing import NDArray
 from lookup_table.core.hashing import mix64
 from lookup_table.core.keys import IdArray
 
-__all__ = ["RowCache"]
+__all__ = ["INITIAL", "RowCache"]
+
+INITIAL = -1  # the stamp of an initial entry (see the module's doc)
 
 _MAX_PROBES = 64  # at load <= 1/2 a probe sequence this long is vanishingly rare
 _MIN_CAPACITY = 1024
@@ -173,6 +183,14 @@ class _TableCache:
     def get(
         self, ids: NDArray[np.int64], tabs: NDArray[np.int32]
     ) -> tuple[NDArray[np.bool_], NDArray[np.float32]]:
+        """(hit, values) of each key; garbage where not hit."""
+        hit, values, _ = self.lookup(ids, tabs)
+        return hit, values
+
+    def lookup(
+        self, ids: NDArray[np.int64], tabs: NDArray[np.int32]
+    ) -> tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.int64]]:
+        """(hit, values, stamps) of each key; garbage where not hit."""
         pos = self.young.find(ids, tabs)
         present = pos >= 0
         # one gather of every id's slot, no masks (an absent id reads slot 0: garbage,
@@ -180,6 +198,7 @@ class _TableCache:
         at = np.maximum(pos, 0)
         hit = present & self.young.valid[at]
         values = np.take(self.young.values, at, axis=0)
+        stamps = np.take(self.young.stamps, at)
         if self.old is not None and not present.all():  # in the young map: never the old
             miss = np.flatnonzero(~present)
             old_pos = self.old.find(ids[miss], tabs[miss])
@@ -188,10 +207,11 @@ class _TableCache:
             if found.any():
                 got = miss[found]
                 values[got] = self.old.values[old_pos[found]]
+                stamps[got] = self.old.stamps[old_pos[found]]
                 hit[got] = True
-                # used again: keep it young (dirty or not, as it was)
-                self.put(ids[got], tabs[got], values[got], self.old.stamps[old_pos[found]])
-        return hit, values
+                # used again: keep it young (dirty, initial or not, as it was)
+                self.put(ids[got], tabs[got], values[got], stamps[got])
+        return hit, values, stamps
 
     def put(
         self,
@@ -220,6 +240,24 @@ class _TableCache:
             self._rotate()
             left = new[~placed]
             self.young.insert(ids[left], tabs[left], values[left], each[left])
+
+    def put_absent(
+        self,
+        ids: NDArray[np.int64],
+        tabs: NDArray[np.int32],
+        values: NDArray[np.float32],
+        stamp: int,
+    ) -> None:
+        """Put the keys that neither generation holds (valid or forgotten); the others
+        keep what they have."""
+        absent = self.young.find(ids, tabs) < 0
+        if self.old is not None and absent.any():
+            at = np.flatnonzero(absent)
+            absent[at[self.old.find(ids[at], tabs[at]) >= 0]] = False
+        if absent.all():
+            self.put(ids, tabs, values, stamp)
+        elif absent.any():
+            self.put(ids[absent], tabs[absent], values[absent], stamp)
 
     def drop(self, ids: NDArray[np.int64], tabs: NDArray[np.int32]) -> None:
         """Forget the values of these keys (what is stored for them is not known any more;
@@ -328,17 +366,28 @@ class RowCache:
     ) -> list[tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.float32]]]:
         """(hit, rows, slots) of each (table, unique ids); garbage where not hit. One
         batch per value width."""
+        return [(hit, rows, slots) for hit, rows, slots, _ in self.lookup_many(parts)]
+
+    def lookup_many(
+        self, parts: Sequence[tuple[str, IdArray]]
+    ) -> list[
+        tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.float32], NDArray[np.bool_]]
+    ]:
+        """`get_many`'s (hit, rows, slots) and which hits are initial entries (no row
+        in memcached: see the module's doc)."""
         out: list[Any] = [None] * len(parts)
         for width, members in self._by_width([t for t, _ in parts]).items():
             ids, tabs = self._keys([parts[i] for i in members])
-            hit, values = self._groups[width].get(ids, tabs)
+            hit, values, stamps = self._groups[width].lookup(ids, tabs)
+            initial = hit & (stamps == INITIAL)
             start = 0
             for i in members:
                 n = parts[i][1].shape[0]
                 dim = self._where[parts[i][0]][2]
                 block = values[start : start + n]
-                out[i] = (hit[start : start + n], block[:, :dim], block[:, dim:])
-                start += n
+                stop = start + n
+                out[i] = (hit[start:stop], block[:, :dim], block[:, dim:], initial[start:stop])
+                start = stop
         return out
 
     def put_many(
@@ -346,10 +395,15 @@ class RowCache:
         parts: Sequence[tuple[str, IdArray, NDArray[np.float32], NDArray[np.float32]]],
         *,
         dirty: bool = False,
+        initial: bool = False,
     ) -> None:
         """Remember the rows and slots of each (table, ids, rows, slots) of cached tables;
-        `dirty`: memcached does not hold them yet (see the module's doc)."""
-        stamp = 0
+        `dirty`: memcached does not hold them yet; `initial`: memcached holds no row for
+        these ids, the values are their initial ones, and only keys the cache does not
+        hold are put (see the module's doc)."""
+        if dirty and initial:
+            raise ValueError("an initial entry is clean: dirty and initial exclude each other")
+        stamp = INITIAL if initial else 0
         if dirty:
             self._stamp += 1
             stamp = self._stamp
@@ -363,7 +417,10 @@ class RowCache:
                 values[start:stop, : rows.shape[1]] = rows
                 values[start:stop, rows.shape[1] :] = slots
                 start = stop
-            self._groups[width].put(ids, tabs, values, stamp)
+            if initial:
+                self._groups[width].put_absent(ids, tabs, values, stamp)
+            else:
+                self._groups[width].put(ids, tabs, values, stamp)
             if dirty:
                 self._dirty_puts[width] += ids.shape[0]
 

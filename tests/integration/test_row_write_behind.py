@@ -209,6 +209,49 @@ async def test_rows_read_through_the_owner_are_its_newest_and_create_nothing(
         parse_reads({"tables": {"t": {"ids": encode_ids(IDS)}}}, config=two, replica=1)
 
 
+async def test_a_new_id_is_read_from_memcached_once_then_known_until_its_push_creates_it(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    """Ids memcached has no row for, read through their owner, are remembered with
+    their initial values (initial entries of the row cache): reading them again and
+    pushing them asks memcached nothing more; the push still reports them created and
+    trains exactly from their initial values; the flush writes them."""
+    config, server, updater, ref, rng = await _replica(memcached_nodes, aiohttp_server, 3)
+    url = str(server.make_url("")).rstrip("/")
+    config = dataclasses.replace(config, optimizers=(url,))
+    spec = config.table("t")
+    initial = initial_rows(spec.initializer, seed=spec.seed, ids=IDS, dim=spec.dim)
+
+    def gets() -> int:
+        return sum(node_stat(a, "cmd_get") for a in memcached_nodes)
+
+    async with OptimizerClient(config) as client:
+        before = gets()
+        rows, new = (await client.rows({"t": IDS}))["t"]
+        assert new == IDS.shape[0]
+        np.testing.assert_array_equal(rows, initial)
+        after_first = gets()
+        assert after_first - before >= IDS.shape[0]  # each new id asked once
+        rows, new = (await client.rows({"t": IDS[::-1]}))["t"]
+        assert new == IDS.shape[0]  # still no row: new, and its initial value
+        np.testing.assert_array_equal(rows, initial[::-1])
+        g = rng.standard_normal((IDS.shape[0], 8), dtype=np.float32)
+        pushed = parse_push(unpack(_body(uuid.uuid4().hex, {"t": (IDS, g)})), config=config)
+        result = await updater.apply(pushed)
+        ref.step("t", g)
+        assert result["created"] == {"t": IDS.shape[0]}
+        assert gets() - after_first < 10  # the second read and the push: no row read
+        rows, new = (await client.rows({"t": IDS}))["t"]
+        assert new == 0
+        np.testing.assert_array_equal(rows, ref.state["t"][0])
+    await updater.pause()  # the flush writes them, with the push's values
+    rows, slots, found = await _stored(config, "t", IDS)
+    assert found.all()
+    np.testing.assert_array_equal(rows, ref.state["t"][0])
+    np.testing.assert_array_equal(slots, ref.state["t"][1])
+    updater.resume()
+
+
 async def test_a_crash_before_the_flush_is_replayed_in_order_and_loses_nothing(
     memcached_nodes: list[str], aiohttp_server: Any
 ) -> None:

@@ -263,3 +263,50 @@ def test_a_dirty_row_outlives_rotations_that_drop_every_clean_row_around_it() ->
     assert sorted(ids.tolist()) == list(range(10)) and (got == 5).all()
     cache.clean(1)
     assert cache.dirty()[0].size == 0
+
+
+def test_initial_entries_are_told_apart_never_flushed_and_never_replace_a_held_key() -> None:
+    """An initial entry (an id memcached holds no row for, with its initial values) is a
+    hit that `lookup_many` marks initial; it is clean (never in `dirty()`); any later put
+    replaces it; and it only goes where neither generation holds the key, valid or
+    forgotten: a value put since the caller read memcached is newer."""
+    cache = _cache(1 << 22)
+    ids = np.arange(10, dtype=np.int64)
+    rows, slots = np.ones((10, 3), np.float32), np.zeros((10, 0), np.float32)
+    cache.put_many([("a", ids[:4], rows[:4] * 7, slots[:4])], dirty=True)  # pushed since
+    cache.put_many([("a", ids[4:6], rows[4:6] * 8, slots[4:6])])  # written since
+    cache.forget([("a", ids[6:7])])  # nothing there: forgetting leaves no key
+    cache.put_many([("a", ids[7:8], rows[7:8] * 9, slots[7:8])])
+    cache.forget([("a", ids[7:8])])  # a key whose value is unknown: left alone
+    cache.put_many([("a", ids, rows, slots)], initial=True)
+    ((hit, got, _, initial),) = cache.lookup_many([("a", ids)])
+    assert hit.tolist() == [True] * 7 + [False] + [True] * 2
+    assert initial.tolist() == [False] * 6 + [True] + [False] + [True] * 2
+    assert (got[:4] == 7).all() and (got[4:6] == 8).all() and (got[[6, 8, 9]] == 1).all()
+    dirty, _ = cache.dirty()
+    assert [(t, sorted(i.tolist())) for t, i, _, _ in dirty] == [("a", [0, 1, 2, 3])]
+    cache.put_many([("a", ids[8:9], rows[8:9] * 5, slots[8:9])], dirty=True)  # its push
+    cache.put_many([("a", ids[9:], rows[9:] * 6, slots[9:])])  # written through
+    ((hit, got, _, initial),) = cache.lookup_many([("a", ids[8:])])
+    assert hit.all() and not initial.any() and (got[:, 0] == [5, 6]).all()
+    ((hit, _, _),) = cache.get_many([("a", ids[6:7])])  # get_many: a hit like any other
+    assert hit.all()
+    with pytest.raises(ValueError, match="exclude each other"):
+        cache.put_many([("a", ids, rows, slots)], dirty=True, initial=True)
+
+
+def test_initial_entries_move_with_rotations_and_are_dropped_like_clean_ones() -> None:
+    cache = _TableCache(width=1, max_capacity=1024)
+    first = np.arange(300, dtype=np.int64)
+    cache.put(first, _tabs(300), np.ones((300, 1), np.float32), -1)
+    cache.put(np.arange(1000, 1300, dtype=np.int64), _tabs(300), np.zeros((300, 1), np.float32))
+    assert cache.old is not None
+    hit, _, stamps = cache.lookup(first[:5], _tabs(5))  # from the old generation, moved
+    assert hit.all() and (stamps == -1).all()
+    hit, _, stamps = cache.lookup(first[:5], _tabs(5))
+    assert hit.all() and (stamps == -1).all()
+    for k in range(2, 6):  # generations later: gone (clean), never written anywhere
+        more = np.arange(k * 1000, k * 1000 + 400, dtype=np.int64)
+        cache.put(more, _tabs(400), np.zeros((400, 1), np.float32))
+    assert not cache.lookup(first, _tabs(300))[0].any()
+    assert cache.dirty()[0].size == 0
