@@ -46,6 +46,7 @@ forgotten): a value put since the caller's read of memcached is newer, and is ke
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
@@ -61,15 +62,31 @@ __all__ = ["INITIAL", "RowCache"]
 INITIAL = -1  # the stamp of an initial entry (see the module's doc)
 
 _MAX_PROBES = 64  # at load <= 1/2 a probe sequence this long is vanishingly rare
+_WINDOWS = (1, 3, 12, 48)  # slots probed per id in each round of a search: 64 in all
 _MIN_CAPACITY = 1024
-# bytes per slot besides the values: id, table, used, valid, stamp (`_IntMap`'s arrays)
-_ENTRY_OVERHEAD = sum(np.dtype(t).itemsize for t in (np.int64, np.int32, bool, bool, np.int64))
+# bytes per slot besides the values: the key row (id, table and flags) and the stamp
+_ENTRY_OVERHEAD = 2 * np.dtype(np.int64).itemsize + np.dtype(np.int64).itemsize
+# a key row's second word: the table number in the low 32 bits, then two flags
+_TAB_BITS = np.int64(0xFFFFFFFF)
+_USED = np.int64(1 << 32)  # the slot holds a key
+_VALID = np.int64(1 << 33)  # its value is known (False: forgotten)
+_MATCH = _TAB_BITS | _USED
 
 
 def _int_ids(ids: IdArray) -> NDArray[np.int64]:
     if ids.dtype != np.int64:
         raise TypeError(f"the row cache holds int64 ids, got {ids.dtype}")
     return cast("NDArray[np.int64]", ids)
+
+
+def _items(values: NDArray[np.float32]) -> NDArray[np.void]:
+    """(n, width) float32 values as n items of `width` floats, the same memory (a copy
+    if they were not contiguous). numpy gathers and scatters whole items several times
+    faster than the rows of a 2-D array (`a[idx] = rows` goes element by element): the
+    cache's random access into its maps is that."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    item = np.dtype((np.void, values.shape[1] * values.itemsize))
+    return values.view(item).reshape(values.shape[0])
 
 
 _TABLE_SALT = np.uint64(0x9E3779B97F4A7C15)
@@ -83,30 +100,30 @@ def _positions(ids: NDArray[np.int64], tabs: NDArray[np.int32], mask: int) -> ND
 
 class _IntMap:
     """(table number, int64 id) -> a float32 value of `width` floats; open addressing,
-    no deletions."""
+    no deletions.
+
+    A slot's key is one 16-byte row of `meta`: the id, then the table number (low 32
+    bits) with a used and a valid flag, so a probe of a map far larger than the CPU's
+    caches waits for one cache line, not one per array (id, table, used, valid)."""
 
     def __init__(self, capacity: int, width: int) -> None:
         self.mask = capacity - 1
-        self.keys = np.zeros(capacity, dtype=np.int64)
-        self.tabs = np.zeros(capacity, dtype=np.int32)
-        self.used = np.zeros(capacity, dtype=bool)
-        self.valid = np.zeros(capacity, dtype=bool)  # False: the id's value was forgotten
+        self.meta = np.zeros((capacity, 2), dtype=np.int64)
         self.values = np.zeros((capacity, width), dtype=np.float32)
+        self.items = _items(self.values)  # the same memory, a value an item
         self.stamps = np.zeros(capacity, dtype=np.int64)  # > 0: dirty, put by that stamp
-        for arr in (self.keys, self.tabs, self.used, self.valid, self.values, self.stamps):
+        for arr in (self.meta, self.values, self.stamps):
             arr.fill(0)  # touch every page now: `nbytes` is what the cache holds resident
         self.size = 0
 
     def nbytes(self) -> int:
-        arrays = (self.keys, self.tabs, self.used, self.valid, self.values, self.stamps)
-        return sum(a.nbytes for a in arrays)
+        return sum(a.nbytes for a in (self.meta, self.values, self.stamps))
 
     def clear(self) -> None:
-        """Empty the map, keeping its memory: only `used` says what a slot holds, so the
-        keys and values need no zeroing (a rotation would otherwise allocate and touch a
-        whole new map)."""
-        self.used.fill(False)
-        self.valid.fill(False)
+        """Empty the map, keeping its memory: only the used flag says what a slot holds,
+        so the ids and values need no zeroing (a rotation would otherwise allocate and
+        touch a whole new map)."""
+        self.meta[:, 1] = 0
         self.stamps.fill(0)
         self.size = 0
 
@@ -114,24 +131,62 @@ class _IntMap:
     def capacity(self) -> int:
         return self.mask + 1
 
+    def _window(self, p: NDArray[np.intp], width: int) -> tuple[NDArray[np.intp], Any]:
+        """The `width` slots from each of `p` on, and their key rows ((n, width, 2))."""
+        slots = (p[:, None] + np.arange(width)) & self.mask
+        return slots, np.take(self.meta, slots, axis=0)
+
     def find(self, ids: NDArray[np.int64], tabs: NDArray[np.int32]) -> NDArray[np.intp]:
-        """The slot of each id, -1 where it is absent (a slot may hold a forgotten value)."""
-        out = np.full(ids.shape[0], -1, dtype=np.intp)
-        start = _positions(ids, tabs, self.mask)
-        todo = np.arange(ids.shape[0])
-        for step in range(_MAX_PROBES):
-            if not todo.size:
+        """The slot of each id, -1 where it is absent (a slot may hold a forgotten value).
+
+        Probes a window of slots per id at once, wider each round (`_WINDOWS`): most ids
+        are found at their first slot, and the few with long probe sequences take a few
+        rounds, not one per slot."""
+        p = _positions(ids, tabs, self.mask)  # where the ids' probes go on
+        want = tabs.astype(np.int64) | _USED
+        rows = np.take(self.meta, p, axis=0)  # the first slot of each: most ids end there
+        match = (rows[:, 0] == ids) & ((rows[:, 1] & _MATCH) == want)
+        out = np.where(match, p, -1)
+        at = np.flatnonzero(((rows[:, 1] & _USED) != 0) & ~match)  # free: absent
+        ids, want, p = ids[at], want[at], (p[at] + 1) & self.mask
+        for width in _WINDOWS:
+            if not at.size:
                 break
-            p = (start[todo] + step) & self.mask
-            used = self.used[p]
-            match = used & (self.keys[p] == ids[todo]) & (self.tabs[p] == tabs[todo])
-            out[todo[match]] = p[match]
-            todo = todo[used & ~match]  # a free slot ends the search: absent
+            slots, rows = self._window(p, width)
+            match = (rows[..., 0] == ids[:, None]) & ((rows[..., 1] & _MATCH) == want[:, None])
+            ends = match | ((rows[..., 1] & _USED) == 0)  # a free slot ends the search
+            first = ends.argmax(axis=1)
+            row = np.arange(first.shape[0])
+            hit = match[row, first]
+            out[at[hit]] = slots[row[hit], first[hit]]
+            more = np.flatnonzero(~ends[row, first])
+            at, ids, want = at[more], ids[more], want[more]
+            p = (p[more] + width) & self.mask
         return out
+
+    def valid(self, slots: NDArray[np.intp]) -> NDArray[np.bool_]:
+        """Whether each slot's value is known."""
+        known: NDArray[np.bool_] = (np.take(self.meta, slots, axis=0)[:, 1] & _VALID) != 0
+        return known
+
+    def forget(self, slots: NDArray[np.intp]) -> None:
+        """Forget the values of these slots (their keys stay: no deletions)."""
+        self.meta[slots, 1] &= ~_VALID
+        self.stamps[slots] = 0
+
+    def keys_at(self, slots: NDArray[np.intp]) -> tuple[NDArray[np.int64], NDArray[np.int32]]:
+        """The ids and table numbers of these slots."""
+        rows = np.take(self.meta, slots, axis=0)
+        return rows[:, 0], (rows[:, 1] & _TAB_BITS).astype(np.int32)
+
+    def live_slots(self) -> NDArray[np.intp]:
+        """The slots whose values are known."""
+        return np.flatnonzero((self.meta[:, 1] & (_USED | _VALID)) == (_USED | _VALID))
 
     def dirty_slots(self) -> NDArray[np.intp]:
         """The slots of the dirty entries whose values are known."""
-        return np.flatnonzero(self.valid & (self.stamps > 0))
+        at = np.flatnonzero(self.stamps > 0)
+        return at[self.valid(at)]
 
     def insert(
         self,
@@ -143,26 +198,38 @@ class _IntMap:
         """Put absent, unique keys (`stamps`: each one's, or one for all: 0 clean);
         False where no free slot was found within the probes."""
         each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), ids.shape)
+        flags = tabs.astype(np.int64) | (_USED | _VALID)
+        items = _items(values)
         placed = np.zeros(ids.shape[0], dtype=bool)
-        start = _positions(ids, tabs, self.mask)
-        todo = np.arange(ids.shape[0])
-        for step in range(_MAX_PROBES):
+        todo = np.arange(ids.shape[0])  # the ids still probing
+        p = _positions(ids, tabs, self.mask)  # where their probes go on
+        probed = np.zeros(ids.shape[0], dtype=np.intp)  # how many slots each has passed
+        for width in itertools.chain(_WINDOWS, itertools.repeat(_WINDOWS[-1])):
             if not todo.size:
                 break
-            p = (start[todo] + step) & self.mask
-            free = ~self.used[p]
-            # of the ids that reach one free slot in this step, the first takes it; the
-            # others probe on, past a slot that is now used (as `find` will)
-            slots, first = np.unique(p[free], return_index=True)
-            winners = todo[free][first]
-            self.used[slots] = True
-            self.valid[slots] = True
-            self.keys[slots] = ids[winners]
-            self.tabs[slots] = tabs[winners]
-            self.values[slots] = values[winners]
-            self.stamps[slots] = each[winners]
-            placed[winners] = True
-            todo = todo[~placed[todo]]
+            slots, rows = self._window(p, width)
+            free = ((rows[..., 1] & _USED) == 0) & (
+                probed[todo][:, None] + np.arange(width) < _MAX_PROBES
+            )
+            first = free.argmax(axis=1)
+            row = np.arange(first.shape[0])
+            has = free[row, first]
+            target = slots[row, first]
+            # of the ids whose first free slot is the same, the first takes it; the others
+            # probe on from there, a slot that is now used (as `find` will)
+            taken, winner = np.unique(target[has], return_index=True)
+            won = np.flatnonzero(has)[winner]
+            mine = todo[won]
+            self.meta[taken, 0] = ids[mine]
+            self.meta[taken, 1] = flags[mine]
+            self.items[taken] = items[mine]
+            self.stamps[taken] = each[mine]
+            placed[mine] = True
+            step = np.where(has, first, width)  # to the contested slot, or past the window
+            probed[todo] += step
+            p = (p + step) & self.mask
+            going = ~placed[todo] & (probed[todo] < _MAX_PROBES)
+            todo, p = todo[going], p[going]
         self.size += int(placed.sum())
         return placed
 
@@ -196,17 +263,17 @@ class _TableCache:
         # one gather of every id's slot, no masks (an absent id reads slot 0: garbage,
         # which a miss may hold)
         at = np.maximum(pos, 0)
-        hit = present & self.young.valid[at]
+        hit = present & self.young.valid(at)
         values = np.take(self.young.values, at, axis=0)
         stamps = np.take(self.young.stamps, at)
         if self.old is not None and not present.all():  # in the young map: never the old
             miss = np.flatnonzero(~present)
             old_pos = self.old.find(ids[miss], tabs[miss])
             found = old_pos >= 0
-            found[found] = self.old.valid[old_pos[found]]
+            found[found] = self.old.valid(old_pos[found])
             if found.any():
                 got = miss[found]
-                values[got] = self.old.values[old_pos[found]]
+                values[got] = np.take(self.old.values, old_pos[found], axis=0)
                 stamps[got] = self.old.stamps[old_pos[found]]
                 hit[got] = True
                 # used again: keep it young (dirty, initial or not, as it was)
@@ -224,13 +291,13 @@ class _TableCache:
         pos = self.young.find(ids, tabs)
         present = pos >= 0
         if present.all():  # the usual case of a warm cache: one scatter, no masks
-            self.young.values[pos] = values
-            self.young.valid[pos] = True
+            self.young.items[pos] = _items(values)
+            self.young.meta[pos, 1] |= _VALID
             self.young.stamps[pos] = stamps
             return
         each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), ids.shape)
-        self.young.values[pos[present]] = values[present]
-        self.young.valid[pos[present]] = True
+        self.young.items[pos[present]] = _items(values)[present]
+        self.young.meta[pos[present], 1] |= _VALID
         self.young.stamps[pos[present]] = each[present]
         new = np.flatnonzero(~present)
         if 2 * (self.young.size + new.size) > self.young.capacity:
@@ -264,8 +331,7 @@ class _TableCache:
         a dirty one is not written: the caller wrote what supersedes it)."""
         for m in self._maps():
             pos = m.find(ids, tabs)
-            m.valid[pos[pos >= 0]] = False
-            m.stamps[pos[pos >= 0]] = 0
+            m.forget(pos[pos >= 0])
 
     def _maps(self) -> list[_IntMap]:
         return [self.young] if self.old is None else [self.young, self.old]
@@ -274,14 +340,15 @@ class _TableCache:
         """Copies of the keys and values of every dirty entry (an old map's only where the
         young map does not hold the key: it has the newer value)."""
         at = self.young.dirty_slots()
-        ids, tabs = [self.young.keys[at]], [self.young.tabs[at]]
-        values = [self.young.values[at]]
+        young_ids, young_tabs = self.young.keys_at(at)
+        ids, tabs, values = [young_ids], [young_tabs], [self.young.values[at]]
         if self.old is not None:
             old_at = self.old.dirty_slots()
-            old_at = old_at[self.young.find(self.old.keys[old_at], self.old.tabs[old_at]) < 0]
-            ids.append(self.old.keys[old_at])
-            tabs.append(self.old.tabs[old_at])
-            values.append(self.old.values[old_at])
+            old_ids, old_tabs = self.old.keys_at(old_at)
+            newer = self.young.find(old_ids, old_tabs) >= 0
+            ids.append(old_ids[~newer])
+            tabs.append(old_tabs[~newer])
+            values.append(self.old.values[old_at[~newer]])
         return np.concatenate(ids), np.concatenate(tabs), np.concatenate(values)
 
     def clean(self, upto: int) -> None:
@@ -302,8 +369,8 @@ class _TableCache:
     def _grow(self, capacity: int) -> None:
         old = self.young
         self.young = _IntMap(capacity, self.width)
-        live = np.flatnonzero(old.used & old.valid)
-        self.young.insert(old.keys[live], old.tabs[live], old.values[live], old.stamps[live])
+        live = old.live_slots()
+        self.young.insert(*old.keys_at(live), old.values[live], old.stamps[live])
 
     def _rotate(self) -> None:
         dropped = self.old
@@ -311,9 +378,11 @@ class _TableCache:
         kept = None
         if dropped is not None:  # its dirty entries live on, unless the young has newer
             at = dropped.dirty_slots()
-            at = at[self.old.find(dropped.keys[at], dropped.tabs[at]) < 0]
-            if at.size:
-                kept = (dropped.keys[at], dropped.tabs[at], dropped.values[at], dropped.stamps[at])
+            ids, tabs = dropped.keys_at(at)
+            gone = self.old.find(ids, tabs) < 0
+            if gone.any():
+                at = at[gone]
+                kept = (ids[gone], tabs[gone], dropped.values[at], dropped.stamps[at])
         if dropped is not None and dropped.capacity == self.old.capacity:
             dropped.clear()  # its memory becomes the young map
             self.young = dropped

@@ -102,7 +102,7 @@ def test_everything_put_is_found_while_it_fits_and_memory_stays_bounded() -> Non
     for _ in range(20):  # far more ids than fit: old generations are dropped
         more = np.unique(rng.integers(0, 2**62, size=4000, dtype=np.int64))
         cache.put(more, _tabs(more.size), np.zeros((more.size, 4), np.float32))
-    assert cache.nbytes() == 2 * (1 << 14) * (4 * 4 + 22)  # both generations at the bound
+    assert cache.nbytes() == 2 * (1 << 14) * (4 * 4 + 24)  # both generations at the bound
     hit, _ = cache.get(ids, _tabs(ids.size))
     assert not hit.any()
 
@@ -186,7 +186,7 @@ def test_dirty_rows_survive_every_rotation_until_a_flush_marks_them_written(prog
     (rotations move it along), `dirty()` gives exactly the rows put dirty and not
     written since, with their last values, and `clean(stamp)` marks written only what
     was put up to that snapshot (a later put stays dirty)."""
-    cache = _cache(240_000)  # small: the clean puts force growth and rotations
+    cache = _cache(250_000)  # small: the clean puts force growth and rotations
     assert all(cache.caches(t) for t in WIDTH)  # each width's maps at the smallest bound
     last: dict[tuple[str, int], np.ndarray] = {}
     dirty: dict[tuple[str, int], int] = {}  # key -> how many dirty puts made it dirty
