@@ -438,10 +438,16 @@ def wait_for_quiet(max_wait_s: float, quiet_share: float = QUIET_SHARE) -> dict[
 
 
 def write_cluster_file(
-    path: Path, *, mode: str = "async", workers: int = 1, prefix: str = "benchtrain"
+    path: Path,
+    *,
+    mode: str = "async",
+    workers: int = 1,
+    prefix: str = "benchtrain",
+    service: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """deploy/demo.toml with fresh ports, a fresh namespace (`prefix` + 8 hex digits),
-    `workers` and `mode`: 2 memcached nodes and 1 optimizer replica."""
+    `workers`, `mode` and `service`'s keys set in its `[service]` table: 2 memcached nodes
+    and 1 optimizer replica."""
     from lookup_table.config import load_config
     from lookup_table.ops.localcluster import free_port
 
@@ -457,6 +463,7 @@ def write_cluster_file(
         workers=workers,
         mode=mode,
     )
+    raw["service"] = {**raw.get("service", {}), **(service or {})}
     path.write_text(to_toml(raw))
     ours, demo = load_config(path), load_config(DEMO_CONFIG)
     if ours.tables != demo.tables or ours.optimizer != demo.optimizer:
@@ -523,13 +530,16 @@ def local_cluster(
     workers: int = 1,
     prefix: str = "benchtrain",
     memory_mb: int = MEMCACHED_MEMORY_MB,
+    service: Mapping[str, Any] | None = None,
 ) -> Iterator[tuple[Path, Path, dict[str, Any]]]:
     """2 memcached nodes + 1 optimizer replica from a fresh cluster file (see
     `write_cluster_file`), in a `running_cluster`. Yields the cluster file, the run dir
     (pid files, logs) and a summary of the cluster."""
     work_dir.mkdir(parents=True)
     config_path, run_dir = work_dir / "cluster.toml", work_dir / "run"
-    info = write_cluster_file(config_path, mode=mode, workers=workers, prefix=prefix)
+    info = write_cluster_file(
+        config_path, mode=mode, workers=workers, prefix=prefix, service=service
+    )
     with running_cluster(config_path, run_dir, memory_mb=memory_mb):
         yield config_path, run_dir, info
 

@@ -4,6 +4,7 @@ Run from the repository root::
 
     python benchmarks/push_replay.py            # 150 pushes (20 warm-up), 2 rounds
     python benchmarks/push_replay.py --quick    # smoke run: 20 pushes, 1 round
+    python benchmarks/push_replay.py --row-flush-pushes 20   # rows written behind
 
 `benchmarks/train.py` measures the infrastructure figure of the throughput work (replica +
 memcached CPU per step against the trainer's), but a run takes minutes and TensorFlow's
@@ -15,7 +16,9 @@ local cluster of the demo's shape (`_common.local_cluster`: 2 memcached nodes, 1
 deploy/demo.toml's tables and optimizers). Each step reads the rows its previous push did
 not answer (`lookup_many`: a trainer with answered rows reads about that; its cache of older
 answers makes it read somewhat less), then pushes with `answer=("rows", "dense")`, as
-`trainer.Trainer` does, one push at a time.
+`trainer.Trainer` does, one push at a time. With `--row-flush-pushes K` (> 1) the cluster
+writes rows behind every K pushes and the reads of those tables go through their owner
+(`POST /v1/rows`), as a trainer's do then.
 
 Two cases, side by side in each round (alternating which runs first):
 
@@ -125,7 +128,14 @@ async def replay(
                 name: np.setdiff1d(ids, previous.get(name, ids[:0]), assume_unique=True)
                 for name, ids in batch.items()
             }
-            await store.lookup_many({n: ids for n, ids in reads.items() if ids.shape[0]})
+            wanted = {n: ids for n, ids in reads.items() if ids.shape[0]}
+            owned = {n: ids for n, ids in wanted.items() if config.reads_through_owner(n)}
+            rest = {n: ids for n, ids in wanted.items() if n not in owned}
+            # as a trainer's RowReader: rows written behind are read through their owner
+            await asyncio.gather(
+                *([store.lookup_many(rest)] if rest else []),
+                *([client.rows(owned)] if owned else []),
+            )
             tables = {
                 name: (ids, (rng.standard_normal((ids.shape[0], 16)) * 1e-3).astype(np.float32))
                 for name, ids in batch.items()
@@ -144,10 +154,13 @@ async def replay(
     return out
 
 
-def run_case(case: str, batches: list[Batch], warmup: int) -> dict[str, float]:
+def run_case(
+    case: str, batches: list[Batch], warmup: int, service: dict[str, Any]
+) -> dict[str, float]:
     pushed = batches if case == "tables" else [as_one_table(b) for b in batches]
     with tempfile.TemporaryDirectory(prefix="push_replay_") as tmp:
-        with local_cluster(Path(tmp) / "w", prefix="benchreplay") as (config_path, run_dir, _):
+        cluster = local_cluster(Path(tmp) / "w", prefix="benchreplay", service=service)
+        with cluster as (config_path, run_dir, _):
             return asyncio.run(replay(config_path, run_dir, pushed, warmup))
 
 
@@ -167,8 +180,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed pushes (default 20)")
     parser.add_argument("--rounds", type=int, default=None, help="default 2")
     parser.add_argument("--quick", action="store_true", help="smoke run: 20 pushes, 1 round")
+    parser.add_argument(
+        "--row-flush-pushes",
+        type=int,
+        default=1,
+        help="the cluster's service.row_flush_pushes (default 1: rows written through; "
+        "> 1: written behind, and read through their owner)",
+    )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     args = parser.parse_args()
+    service = {"row_flush_pushes": args.row_flush_pushes}
     steps = args.steps or (15 if args.quick else 150)
     warmup = args.warmup if args.warmup is not None else (5 if args.quick else 20)
     rounds = args.rounds or (1 if args.quick else 2)
@@ -177,7 +198,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {case: [] for case in CASES}
     for r in range(rounds):
         for case in CASES if r % 2 == 0 else reversed(CASES):
-            got = run_case(case, batches, warmup)
+            got = run_case(case, batches, warmup, service)
             runs[case].append(got)
             print(
                 f"round {r + 1}/{rounds}, {case}: CPU ms per push: replica "
@@ -210,7 +231,13 @@ def main() -> None:
         )
     report = {
         **report_head("push_replay", started, machine_info()),
-        "parameters": {"steps": steps, "warmup": warmup, "rounds": rounds, "batch": BATCH},
+        "parameters": {
+            "steps": steps,
+            "warmup": warmup,
+            "rounds": rounds,
+            "batch": BATCH,
+            "service": service,
+        },
         "runs": runs,
         "median": median,
         "tables_over_one_table": per_table,

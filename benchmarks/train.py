@@ -344,7 +344,8 @@ def run_distributed(
     py_spy_dir: Path | None = None,
 ) -> dict[str, Any]:
     """One distributed round: a fresh cluster and one trainer process."""
-    with local_cluster(work_dir, mode=args.mode) as (config_path, run_dir, info):
+    service = {} if args.row_flush_pushes is None else {"row_flush_pushes": args.row_flush_pushes}
+    with local_cluster(work_dir, mode=args.mode, service=service) as (config_path, run_dir, info):
         output = work_dir / "trainer.json"
         log_path = work_dir / "trainer.log"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "trainer"]
@@ -744,6 +745,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "each step waits for its push: no staleness)",
     )
     parser.add_argument(
+        "--row-flush-pushes",
+        type=int,
+        default=None,
+        help="the cluster's service.row_flush_pushes (default: deploy/demo.toml's; > 1: rows "
+        "written behind and read through their owner)",
+    )
+    parser.add_argument(
         "--pushes-in-flight",
         type=int,
         default=None,
@@ -868,6 +876,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "eval_batches": args.eval_batches,
         "quick": args.quick,
         "mode": args.mode,
+        "row_flush_pushes": args.row_flush_pushes,  # None: deploy/demo.toml's
         # as the trainer process ran (the Trainer's default unless --pushes-in-flight)
         "pushes_in_flight": next(
             (r["pushes_in_flight"] for r in rounds if r["method"] == "distributed"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,14 @@ RATIOS = (
 )
 
 
-def _run_quick(name: str, tmp_path: Path, *, timeout_s: float, expect: str) -> dict[str, Any]:
-    """Run `benchmarks/<name>.py --quick`; check it succeeded and printed `expect`; return
-    its JSON report. On a timeout it gets SIGTERM, so it stops the cluster it started."""
+def _run_quick(
+    name: str, tmp_path: Path, *, timeout_s: float, expect: str, args: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Run `benchmarks/<name>.py --quick [args]`; check it succeeded and printed `expect`;
+    return its JSON report. On a timeout it gets SIGTERM, so it stops the cluster it
+    started."""
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick"]
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick", *args]
         + ["--out-dir", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -336,11 +340,24 @@ def test_write_coalescing_benchmark_quick_run_counts_every_interval(tmp_path: Pa
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_push_replay_benchmark_quick_run_measures_both_cases(tmp_path: Path) -> None:
-    """`benchmarks/push_replay.py --quick`: two fresh clusters, each stopped; every
-    process of each measured."""
-    report = _run_quick("push_replay", tmp_path, timeout_s=120, expect="tables / one table")
+    """`benchmarks/push_replay.py --quick --row-flush-pushes 4`: two fresh clusters
+    writing rows behind (the reads go through the owner), each stopped; every process of
+    each measured."""
+    report = _run_quick(
+        "push_replay",
+        tmp_path,
+        timeout_s=120,
+        expect="tables / one table",
+        args=["--row-flush-pushes", "4"],
+    )
     assert report["benchmark"] == "push_replay"
-    assert report["parameters"] == {"steps": 15, "warmup": 5, "rounds": 1, "batch": 1024}
+    assert report["parameters"] == {
+        "steps": 15,
+        "warmup": 5,
+        "rounds": 1,
+        "batch": 1024,
+        "service": {"row_flush_pushes": 4},
+    }
     for case in ("tables", "one table"):
         (run,) = report["runs"][case]
         assert {"optimizer", "memcached-1", "memcached-2", "client"} <= set(run)
