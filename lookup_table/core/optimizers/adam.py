@@ -29,9 +29,10 @@ Conventions:
 * `beta**t` is what TF's scalar Pow kernel returns for Keras' 0-d tensors: Eigen's
   scalar path calls std::pow(float, float), i.e. the C library's `powf`
   (libtensorflow_cc imports `powf@GLIBC_2.27`), and TF runs with subnormals
-  flushed to zero. So we call the same `powf` through ctypes, once per distinct
-  step of the push (np.unique, a cache of recent (beta, t) pairs, then a gather:
-  no loop per row), and flush a subnormal result to 0. On x86-64 glibc this equals
+  flushed to zero. So we call the same `powf` through ctypes, once per step count
+  ever seen (a table of `beta**t` for t = 0, 1, 2, ... grown on demand, then a
+  gather: no loop per row, nor per distinct step of a push), and flush a subnormal
+  result to 0. On x86-64 glibc this equals
   `tf.pow` on float32 scalars bit for bit for every t in 1..200000 and beta in
   {0.8, 0.9, 0.99, 0.999, 0.9999}. numpy's vectorized float32 `np.power` did not:
   with AVX-512 it dispatches a SIMD kernel that is not correctly rounded and
@@ -91,14 +92,40 @@ def _scalar_power(beta: float, t: float) -> float:
     return 0.0 if abs(power) < _F32_TINY else power  # TF flushes subnormals to zero
 
 
+_TABLE_STEPS = 1 << 20  # step counts tabulated (4 MB a table); larger ones: one powf each
+_POWER_TABLES: dict[float, Float32Array] = {}  # float32 beta -> beta**t for t = 0, 1, ...
+
+
+def _power_table(beta_32: float, size: int) -> Float32Array:
+    """`beta**t` for t in 0..size-1 at least (one `powf` call per t, ever: the table grows
+    by doubling). Threads may grow it at once: each builds a whole table, the last wins."""
+    table = _POWER_TABLES.get(beta_32)
+    if table is None or table.shape[0] < size:
+        have = 0 if table is None else table.shape[0]
+        grown = np.empty(min(max(size, 2 * have, 1024), _TABLE_STEPS), dtype=np.float32)
+        if table is not None:
+            grown[:have] = table
+        grown[have:] = [_scalar_power(beta_32, float(t)) for t in range(have, grown.shape[0])]
+        _POWER_TABLES[beta_32] = table = grown
+    return table
+
+
 def _beta_powers(beta: float, t: Float32Array) -> Float32Array:
     """float32 `beta**t` elementwise, bit for bit TF's scalar pow; any shape of t.
 
-    One `powf` call per distinct value of `t` (a push has few distinct steps),
-    then a gather. `beta` is rounded to float32 first, as Keras casts it.
+    Step counts (whole numbers below `_TABLE_STEPS`) are gathered from `beta`'s table;
+    anything else takes one `powf` call per distinct value. `beta` is rounded to
+    float32 first, as Keras casts it.
     """
     beta_32 = float(_F32(beta))
-    steps, inverse = np.unique(t, return_inverse=True)
+    flat = t.reshape(-1)
+    if not flat.size:
+        return np.empty(t.shape, dtype=np.float32)
+    whole = flat.astype(np.intp)
+    top = int(whole.max())
+    if top < _TABLE_STEPS and int(whole.min()) >= 0 and np.array_equal(whole, flat):
+        return np.take(_power_table(beta_32, top + 1), whole).reshape(t.shape)
+    steps, inverse = np.unique(flat, return_inverse=True)
     table = np.array([_scalar_power(beta_32, s) for s in steps.tolist()], dtype=np.float32)
     return table[inverse.reshape(-1)].reshape(t.shape)
 
@@ -146,13 +173,9 @@ class Adam:
         c = self.config
         dim = weights.shape[1]
         t = new_slots[:, 2 * dim :]  # (n, 1): broadcasts over the row
-        # alpha per distinct step, then a gather: elementwise float32 operations give the
-        # same bits on the distinct steps as on every row's copy of them
-        steps, inverse = np.unique(t, return_inverse=True)
-        beta_1_power = _beta_powers(c.beta_1, steps)
-        beta_2_power = _beta_powers(c.beta_2, steps)
-        alphas = _F32(c.learning_rate) * np.sqrt(_F32(1) - beta_2_power) / (_F32(1) - beta_1_power)
-        alpha = alphas[inverse.reshape(-1)].reshape(t.shape)
+        beta_1_power = _beta_powers(c.beta_1, t)
+        beta_2_power = _beta_powers(c.beta_2, t)
+        alpha = _F32(c.learning_rate) * np.sqrt(_F32(1) - beta_2_power) / (_F32(1) - beta_1_power)
         delta: Float32Array = new_slots[:, :dim] * alpha
         denom = np.sqrt(new_slots[:, dim : 2 * dim])
         denom += _F32(c.epsilon)
