@@ -204,6 +204,14 @@ async def test_rows_read_through_the_owner_are_its_newest_and_create_nothing(
             assert info.value.status == 400
         with pytest.raises(PushRejectedError, match="400"):
             await client._request(0, "POST", "/v1/rows", b"\xc1")  # not msgpack
+        # a request of another client, out of order with duplicates: the unique ids' rows
+        # in ascending order
+        mixed = np.array([IDS[5], IDS[1], IDS[5]], dtype=np.int64)
+        doc = await client._request(
+            0, "POST", "/v1/rows", pack({"tables": {"t": {"ids": encode_ids(mixed)}}})
+        )
+        answered = decode_array(doc["rows"]["t"], field="rows")
+        np.testing.assert_array_equal(answered, ref.state["t"][0][[1, 5]])
     two = dataclasses.replace(config, optimizers=("http://a:1", "http://b:1"))
     with pytest.raises(NotOwnerError, match="rows belong to other replicas"):
         parse_reads({"tables": {"t": {"ids": encode_ids(IDS)}}}, config=two, replica=1)
