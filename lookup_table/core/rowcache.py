@@ -276,8 +276,9 @@ class _TableCache:
                 values[got] = np.take(self.old.values, old_pos[found], axis=0)
                 stamps[got] = self.old.stamps[old_pos[found]]
                 hit[got] = True
-                # used again: keep it young (dirty, initial or not, as it was)
-                self.put(ids[got], tabs[got], values[got], stamps[got])
+                # used again: keep it young (dirty, initial or not, as it was); the young
+                # map does not hold these keys (they were looked up there first)
+                self._insert_new(ids[got], tabs[got], values[got], stamps[got])
         return hit, values, stamps
 
     def put(
@@ -300,13 +301,50 @@ class _TableCache:
         self.young.meta[pos[present], 1] |= _VALID
         self.young.stamps[pos[present]] = each[present]
         new = np.flatnonzero(~present)
-        if 2 * (self.young.size + new.size) > self.young.capacity:
-            self._make_room(new.size)
-        placed = self.young.insert(ids[new], tabs[new], values[new], each[new])
+        self._insert_new(ids[new], tabs[new], values[new], each[new])
+
+    def _insert_new(
+        self,
+        ids: NDArray[np.int64],
+        tabs: NDArray[np.int32],
+        values: NDArray[np.float32],
+        stamps: NDArray[np.int64],
+    ) -> None:
+        """Put keys the young map does not hold. Making room for them may start a new
+        generation, which takes along the dirty entries of the one it drops (`_rotate`):
+        keys among those are set there, never inserted a second time (a stale twin in
+        another slot would be flushed too)."""
+        young = self.young
+        if 2 * (young.size + ids.shape[0]) > young.capacity:
+            self._make_room(ids.shape[0])
+            if self.young is not young:
+                ids, tabs, values, stamps = self._set_held(ids, tabs, values, stamps)
+        placed = self.young.insert(ids, tabs, values, stamps)
         if not placed.all():  # a probe sequence ran out: start a fresh generation
+            left = ~placed
             self._rotate()
-            left = new[~placed]
-            self.young.insert(ids[left], tabs[left], values[left], each[left])
+            ids, tabs, values, stamps = self._set_held(
+                ids[left], tabs[left], values[left], stamps[left]
+            )
+            self.young.insert(ids, tabs, values, stamps)
+
+    def _set_held(
+        self,
+        ids: NDArray[np.int64],
+        tabs: NDArray[np.int32],
+        values: NDArray[np.float32],
+        stamps: NDArray[np.int64],
+    ) -> tuple[NDArray[np.int64], NDArray[np.int32], NDArray[np.float32], NDArray[np.int64]]:
+        """Set the keys the young map holds to these values; the others, to insert."""
+        pos = self.young.find(ids, tabs)
+        held = pos >= 0
+        if not held.any():
+            return ids, tabs, values, stamps
+        self.young.items[pos[held]] = _items(values)[held]
+        self.young.meta[pos[held], 1] |= _VALID
+        self.young.stamps[pos[held]] = stamps[held]
+        rest = ~held
+        return ids[rest], tabs[rest], values[rest], stamps[rest]
 
     def put_absent(
         self,
@@ -321,10 +359,9 @@ class _TableCache:
         if self.old is not None and absent.any():
             at = np.flatnonzero(absent)
             absent[at[self.old.find(ids[at], tabs[at]) >= 0]] = False
-        if absent.all():
-            self.put(ids, tabs, values, stamp)
-        elif absent.any():
-            self.put(ids[absent], tabs[absent], values[absent], stamp)
+        if absent.any():
+            each = np.full(int(absent.sum()), stamp, dtype=np.int64)
+            self._insert_new(ids[absent], tabs[absent], values[absent], each)
 
     def drop(self, ids: NDArray[np.int64], tabs: NDArray[np.int32]) -> None:
         """Forget the values of these keys (what is stored for them is not known any more;

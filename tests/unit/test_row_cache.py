@@ -310,3 +310,23 @@ def test_initial_entries_move_with_rotations_and_are_dropped_like_clean_ones() -
         cache.put(more, _tabs(400), np.zeros((400, 1), np.float32))
     assert not cache.lookup(first, _tabs(300))[0].any()
     assert cache.dirty()[0].size == 0
+
+
+def test_a_dirty_entry_moved_up_as_its_generation_is_dropped_keeps_one_slot() -> None:
+    """A lookup that moves dirty entries of the old generation up to the young one, when
+    that young one is full, starts a new generation; the rotation carries the dropped
+    generation's dirty entries along, and those moved up must not get a second slot
+    (a stale twin would be flushed after the newer value)."""
+    cache = _TableCache(width=1, max_capacity=1024)
+    dirty = np.arange(100, dtype=np.int64)
+    cache.put(dirty, _tabs(100), np.full((100, 1), 1, np.float32), 1)
+    cache.put(np.arange(1000, 1400, dtype=np.int64), _tabs(400), np.zeros((400, 1), np.float32))
+    cache.put(np.arange(2000, 2450, dtype=np.int64), _tabs(450), np.zeros((450, 1), np.float32))
+    assert cache.old is not None and (cache.old.find(dirty, _tabs(100)) >= 0).all()
+    hit, _ = cache.get(dirty, _tabs(100))  # moved up: the young map is full, so it rotates
+    assert hit.all()
+    cache.put(dirty, _tabs(100), np.full((100, 1), 2, np.float32), 2)  # a newer value
+    ids, _, values = cache.dirty()
+    assert sorted(ids.tolist()) == dirty.tolist()  # each dirty key once
+    assert (values == 2).all()
+    assert cache.young.size == 100
