@@ -596,10 +596,12 @@ class Updater:
 
         The cache is asked first: a row it lacks is one memcached holds at its newest
         (this replica is its only writer, and never drops a row it has not written), so a
-        read that follows returns that value or a newer one. Ids of cached tables that
-        memcached has no row for are remembered as initial entries
-        (`lookup_table.core.rowcache`): the push that creates them, and the reads before
-        it, do not ask memcached again."""
+        read that follows returns that value or a newer one. Ids of tables read through
+        their owner (`ClusterConfig.reads_through_owner`: this replica is the only one to
+        create their rows) that memcached has no row for are remembered as initial
+        entries (`lookup_table.core.rowcache`): the push that creates them, and the reads
+        before it, do not ask memcached again. Elsewhere trainers create rows with `add`
+        (and count sightings first with `admit_after`), so "no row" would not stay true."""
         use = [self._sentinels is not None and self.cache.caches(t) for t, _ in reads]
         cached = iter(self.cache.lookup_many([r for r, u in zip(reads, use, strict=True) if u]))
         out: list[tuple[NDArray[np.float32], NDArray[np.bool_]]] = []
@@ -632,7 +634,7 @@ class Updater:
                 rows[new] = initial_rows(
                     spec.initializer, seed=spec.seed, ids=ids[new], dim=spec.dim
                 )
-                if use[k]:
+                if use[k] and self.config.reads_through_owner(table):
                     slots = self.optimizers[table].initial_slots(new.size, spec.dim)
                     remember.append((table, ids[new], rows[new], slots))
         if remember:  # only where the cache holds nothing newer since the read

@@ -37,7 +37,9 @@ bounds how many there are (`room_for`): the young map must have room for them.
 
 *Initial* entries (`put_many(..., initial=True)`): ids memcached holds no row for, with
 their initial row and slots, which is what reading them from memcached gives (a missing
-row reads as its initial value, and whoever creates it writes exactly that first). Their
+row reads as its initial value). Only for tables whose rows the cache's owner alone
+creates (the replica's tables read through it): where trainers `add` rows, "no row"
+does not stay true. Their
 stamp is `INITIAL` (< 0): clean, never flushed, and `lookup_many` tells them apart, so
 the owner reads a new id from memcached once, not at every read and push until its first
 write. They are only inserted where neither generation holds the key (valid or

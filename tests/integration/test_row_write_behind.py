@@ -260,6 +260,30 @@ async def test_a_new_id_is_read_from_memcached_once_then_known_until_its_push_cr
     updater.resume()
 
 
+async def test_only_the_only_creator_of_a_tables_rows_remembers_ids_without_one(
+    memcached_nodes: list[str],
+) -> None:
+    """Initial entries are for tables read through their owner, whose rows only it
+    creates; written through, trainers `add` rows (after counting sightings, with
+    `admit_after`), so a read that finds no row remembers nothing."""
+    tables = [{"name": "t", "dim": 8}, {"name": "a", "dim": 8, "admit_after": 2}]
+    unseen = np.arange(1, 40, dtype=np.int64) * 104729
+    for flush, remembered in [(4, {"t"}), (1, set())]:
+        config = make_config(memcached_nodes, tables=tables, service={"row_flush_pushes": flush})
+        async with EmbeddingStore(config) as store:
+            await store.write_sentinels()
+            updater = Updater(config, store)
+            updater._sentinels = await updater._cache_sentinels()
+            names = [t["name"] for t in tables if updater.cache.caches(t["name"])]
+            got = await updater._rows_now([(n, unseen) for n in names])
+            assert all(not found.any() for _, found in got)  # no row: initial values
+            known = updater.cache.lookup_many([(n, unseen) for n in names])
+            assert {
+                n for n, (hit, _, _, initial) in zip(names, known, strict=True) if initial.all()
+            } == remembered
+            assert all(hit.all() == initial.all() for hit, _, _, initial in known)
+
+
 async def test_a_crash_before_the_flush_is_replayed_in_order_and_loses_nothing(
     memcached_nodes: list[str], aiohttp_server: Any
 ) -> None:
