@@ -626,7 +626,8 @@ class TrainingSession:
     @property
     def rows_created(self) -> dict[str, int]:
         out = dict(self._store.created)  # rows this trainer's lookups created with `add`
-        for table, n in self._pushes_created.items():  # and its pushes (read as new)
+        # and its pushes (read as new): a copy, as the I/O thread counts finished pushes
+        for table, n in dict(self._pushes_created).items():
             out[table] = out.get(table, 0) + n
         return out
 
