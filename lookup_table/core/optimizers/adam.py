@@ -121,10 +121,11 @@ def _beta_powers(beta: float, t: Float32Array) -> Float32Array:
     flat = t.reshape(-1)
     if not flat.size:
         return np.empty(t.shape, dtype=np.float32)
-    whole = flat.astype(np.intp)
-    top = int(whole.max())
-    if top < _TABLE_STEPS and int(whole.min()) >= 0 and np.array_equal(whole, flat):
-        return np.take(_power_table(beta_32, top + 1), whole).reshape(t.shape)
+    if np.isfinite(flat).all():
+        whole = flat.astype(np.intp)
+        top = int(whole.max())
+        if top < _TABLE_STEPS and int(whole.min()) >= 0 and np.array_equal(whole, flat):
+            return np.take(_power_table(beta_32, top + 1), whole).reshape(t.shape)
     steps, inverse = np.unique(flat, return_inverse=True)
     table = np.array([_scalar_power(beta_32, s) for s in steps.tolist()], dtype=np.float32)
     return table[inverse.reshape(-1)].reshape(t.shape)
