@@ -171,6 +171,13 @@ class _IntMap:
         known: NDArray[np.bool_] = (np.take(self.meta, slots, axis=0)[:, 1] & _VALID) != 0
         return known
 
+    def set(self, slots: NDArray[np.intp], values: NDArray[np.float32], stamps: Any) -> None:
+        """New values (and stamps: each one's, or one for all) of the keys these slots
+        hold, known from now on."""
+        self.items[slots] = _items(values)
+        self.meta[slots, 1] |= _VALID
+        self.stamps[slots] = stamps
+
     def forget(self, slots: NDArray[np.intp]) -> None:
         """Forget the values of these slots (their keys stay: no deletions)."""
         self.meta[slots, 1] &= ~_VALID
@@ -294,14 +301,10 @@ class _TableCache:
         pos = self.young.find(ids, tabs)
         present = pos >= 0
         if present.all():  # the usual case of a warm cache: one scatter, no masks
-            self.young.items[pos] = _items(values)
-            self.young.meta[pos, 1] |= _VALID
-            self.young.stamps[pos] = stamps
+            self.young.set(pos, values, stamps)
             return
         each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), ids.shape)
-        self.young.items[pos[present]] = _items(values)[present]
-        self.young.meta[pos[present], 1] |= _VALID
-        self.young.stamps[pos[present]] = each[present]
+        self.young.set(pos[present], values[present], each[present])
         new = np.flatnonzero(~present)
         self._insert_new(ids[new], tabs[new], values[new], each[new])
 
@@ -342,9 +345,7 @@ class _TableCache:
         held = pos >= 0
         if not held.any():
             return ids, tabs, values, stamps
-        self.young.items[pos[held]] = _items(values)[held]
-        self.young.meta[pos[held], 1] |= _VALID
-        self.young.stamps[pos[held]] = stamps[held]
+        self.young.set(pos[held], values[held], stamps[held])
         rest = ~held
         return ids[rest], tabs[rest], values[rest], stamps[rest]
 
