@@ -64,7 +64,7 @@ from _common import (
 )
 
 from lookup_table.client import OptimizerClient
-from lookup_table.config import load_config
+from lookup_table.config import MAX_ROW_FLUSH_PUSHES, load_config
 from lookup_table.store import EmbeddingStore
 from trainer.data.criteo import CATEGORICAL_NAMES
 from trainer.data.synthetic import SyntheticSource
@@ -189,6 +189,8 @@ def main() -> None:
     )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     args = parser.parse_args()
+    if not 1 <= args.row_flush_pushes <= MAX_ROW_FLUSH_PUSHES:
+        parser.error(f"--row-flush-pushes must be in 1..{MAX_ROW_FLUSH_PUSHES}")
     service = {"row_flush_pushes": args.row_flush_pushes}
     steps = args.steps or (15 if args.quick else 150)
     warmup = args.warmup if args.warmup is not None else (5 if args.quick else 20)

@@ -131,6 +131,7 @@ from _common import (
     write_json,
 )
 
+from lookup_table.config import MAX_ROW_FLUSH_PUSHES
 from lookup_table.ops.localcluster import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -775,6 +776,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     quiet_options(args, wait_s=180.0)
     if not 1 <= args.warmup < args.steps - 1:
         parser.error(f"--warmup must be in 1..steps-2, got {args.warmup} for {args.steps} steps")
+    if args.row_flush_pushes is not None and not 1 <= args.row_flush_pushes <= MAX_ROW_FLUSH_PUSHES:
+        parser.error(f"--row-flush-pushes must be in 1..{MAX_ROW_FLUSH_PUSHES}")
     if args.rounds < 1 or args.batch_size < 1 or args.eval_batches < 1:
         parser.error("--rounds, --batch-size and --eval-batches must be positive")
     return args
