@@ -63,7 +63,7 @@ from _common import (
     write_json,
 )
 
-from lookup_table.client import OptimizerClient
+from lookup_table.client import OptimizerClient, RowReader
 from lookup_table.config import MAX_ROW_FLUSH_PUSHES, load_config
 from lookup_table.store import EmbeddingStore
 from trainer.data.criteo import CATEGORICAL_NAMES
@@ -116,6 +116,7 @@ async def replay(
     pids = {**cluster_pids(run_dir), "client": os.getpid()}
     start: dict[str, Any] = {}
     async with OptimizerClient(config) as client, EmbeddingStore(config) as store:
+        reader = RowReader(store, client)
         params = {
             n: rng.standard_normal(s).astype(np.float32) * 0.05 for n, s in DENSE_SHAPES.items()
         }
@@ -128,14 +129,8 @@ async def replay(
                 name: np.setdiff1d(ids, previous.get(name, ids[:0]), assume_unique=True)
                 for name, ids in batch.items()
             }
-            wanted = {n: ids for n, ids in reads.items() if ids.shape[0]}
-            owned = {n: ids for n, ids in wanted.items() if config.reads_through_owner(n)}
-            rest = {n: ids for n, ids in wanted.items() if n not in owned}
-            # as a trainer's RowReader: rows written behind are read through their owner
-            await asyncio.gather(
-                *([store.lookup_many(rest)] if rest else []),
-                *([client.rows(owned)] if owned else []),
-            )
+            # a trainer's reads: rows written behind through their owner, the rest from memcached
+            await reader.lookup_many({n: ids for n, ids in reads.items() if ids.shape[0]})
             tables = {
                 name: (ids, (rng.standard_normal((ids.shape[0], 16)) * 1e-3).astype(np.float32))
                 for name, ids in batch.items()
