@@ -160,6 +160,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", help="listen address (default: from the replica's URL)")
     parser.add_argument("--port", type=int, help="listen port (default: from the replica's URL)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log every request (aiohttp's access log, at INFO): a line per push and per "
+        "read, so off by default; /metrics counts requests by path and status",
+    )
     return parser
 
 
@@ -189,7 +195,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.info(
         "replica %d of namespace %r listening on %s:%d", args.replica, config.namespace, host, port
     )
-    web.run_app(app, host=host, port=port, print=None, handle_signals=True)
+    web.run_app(
+        app,
+        host=host,
+        port=port,
+        print=None,
+        handle_signals=True,
+        access_log=logging.getLogger("aiohttp.access") if args.access_log else None,
+    )
     return 0
 
 

@@ -50,6 +50,7 @@ class ServiceProcess:
         log_level: str = "INFO",
         replica: int = 0,
         name: str = "service",
+        access_log: bool = True,  # the kill tests audit every push's status in it
     ) -> None:
         self.cmd = [
             sys.executable,
@@ -63,6 +64,7 @@ class ServiceProcess:
             str(port),
             "--log-level",
             log_level,
+            *(["--access-log"] if access_log else []),
         ]
         self.url = f"http://127.0.0.1:{port}"
         self.stdout_path = log_dir / f"{name}.stdout.log"

@@ -1022,6 +1022,48 @@ async def _raw_get(port: int, path: str, header_lines: bytes) -> int:
 
 
 @pytest.mark.timeout(60)
+async def test_requests_are_not_logged_without_access_log(
+    memcached_nodes: list[str], tmp_path: Path
+) -> None:
+    """Without `--access-log` a request writes no log line (a trainer makes one or two a
+    step), and /metrics still counts it; with it, each request has its line."""
+    port = free_port()
+    path = cluster_file(tmp_path, memcached_nodes, port)
+    config = load_config(path)
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+    logs = {}
+    for access_log in (False, True):
+        service = ServiceProcess(
+            path, port, tmp_path, access_log=access_log, name=f"service-{access_log}"
+        )
+        try:
+            service.start()
+            await wait_healthy(service)
+            async with OptimizerClient(config) as client:
+                for _ in range(3):
+                    ids = np.array([1, 2])
+                    assert (await client.push({"user": (ids, np.ones((2, 8), np.float32))}))[
+                        "applied"
+                    ]
+            async with aiohttp.ClientSession() as http:
+                async with http.get(service.url + "/metrics") as resp:
+                    metrics = await resp.text()
+        finally:
+            service.terminate()
+            service.kill()
+        logs[access_log] = service.log()
+        pushed = [
+            ln
+            for ln in metrics.splitlines()
+            if ln.startswith("lookup_table_http_requests_total") and "/v1/gradients" in ln
+        ]
+        assert pushed and pushed[0].endswith(" 3.0"), pushed
+    assert "listening on" in logs[False], logs[False][-2000:]
+    assert "/v1/gradients" not in logs[False] and "aiohttp.access" not in logs[False]
+    assert logs[True].count('"POST /v1/gradients HTTP/1.1" 200') == 3, logs[True][-2000:]
+
+
 async def test_auth_token_never_logged(memcached_nodes: list[str], tmp_path: Path) -> None:
     """Wrong tokens (near misses, other schemes, non-UTF-8 bytes) get 401, the right one
     works, and the token appears nowhere in the service's stdout/stderr, even at DEBUG."""
