@@ -80,7 +80,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig
-from lookup_table.core.initializers import initial_rows
+from lookup_table.core.initializers import initial_rows_many
 from lookup_table.core.keys import IdArray
 from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id, version_id
 from lookup_table.core.optimizers import Optimizer, make_optimizer
@@ -114,6 +114,8 @@ _OFFLOAD_FLOATS = 1 << 16  # above this many floats per batch (`_computed`), mat
 
 Stepped = tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.int64]]
 """New rows (n, dim), new slots (n, slot width), and each item's change witness (n,)."""
+# (table, ids, rows, slots, known): what a step starts from, filled in where not known
+Unwritten = tuple[str, IdArray, NDArray[np.float32], NDArray[np.float32], NDArray[np.bool_]]
 
 
 def _step_sync(
@@ -622,21 +624,27 @@ class Updater:
         got = await self.store.get_many(
             [TableRead(reads[k][0], reads[k][1][miss]) for k, miss in misses], unique=True
         )
-        remember: list[tuple[str, IdArray, NDArray[np.float32], NDArray[np.float32]]] = []
+        fresh: list[tuple[int, NDArray[np.intp]]] = []  # no row anywhere: initial values
         for (k, miss), (rows_m, found_m) in zip(misses, got, strict=True):
-            table, ids = reads[k]
             rows, found = out[k]
             at = np.flatnonzero(miss)
             rows[at], found[at] = rows_m, found_m
-            new = at[~found_m]  # no row anywhere: its initial value
-            if new.size:
-                spec = self.config.table(table)
-                rows[new] = initial_rows(
-                    spec.initializer, seed=spec.seed, ids=ids[new], dim=spec.dim
-                )
-                if use[k] and self.config.reads_through_owner(table):
-                    slots = self.optimizers[table].initial_slots(new.size, spec.dim)
-                    remember.append((table, ids[new], rows[new], slots))
+            if not found_m.all():
+                fresh.append((k, at[~found_m]))
+        specs = [self.config.table(reads[k][0]) for k, _ in fresh]
+        starting = initial_rows_many(
+            [
+                (s.initializer, s.seed, reads[k][1][new], s.dim)
+                for s, (k, new) in zip(specs, fresh, strict=True)
+            ]
+        )
+        remember: list[tuple[str, IdArray, NDArray[np.float32], NDArray[np.float32]]] = []
+        for spec, (k, new), values in zip(specs, fresh, starting, strict=True):
+            table, ids = reads[k]
+            out[k][0][new] = values
+            if use[k] and self.config.reads_through_owner(table):
+                slots = self.optimizers[table].initial_slots(new.size, spec.dim)
+                remember.append((table, ids[new], values, slots))
         if remember:  # only where the cache holds nothing newer since the read
             self.cache.put_many(remember, initial=True)
         return out
@@ -712,7 +720,8 @@ class Updater:
                 return await self._prepared(tables)
         else:
             values = await read
-        out: list[_Prepared] = []
+        starts: list[tuple[TableGrads, NDArray[np.float32], NDArray[np.bool_], Any]] = []
+        unknown: list[Unwritten] = []
         for grads, (hit, rows_c, slots_c), read, initial in zip(
             tables, cached, values, initials, strict=True
         ):
@@ -733,8 +742,10 @@ class Updater:
                 found = stored.copy()
                 rows[hit], slots[hit] = rows_c[hit], slots_c[hit]
                 rows[miss], slots[miss], found[miss] = read
-            out.append(self._prepare(grads, rows, found, slots))
-        return out
+            starts.append((grads, rows, found, slots))
+            unknown.append((grads.table, grads.ids, rows, slots, found | hit))
+        self._fill_unwritten(unknown)
+        return [self._prepare(*start) for start in starts]
 
     async def _read(
         self, tables: Sequence[TableGrads | TableRedo], wanted: Sequence[NDArray[np.bool_]]
@@ -775,7 +786,6 @@ class Updater:
         """One table's step: the rows and slots it starts from (slots (n, 0) for an
         optimizer without)."""
         spec = self.config.table(grads.table)
-        self._fill_unwritten(grads.table, grads.ids, rows, found, slots)
         if spec.admit_after > 1 and not found.all():
             # not admitted yet (no row: lookups saw the id fewer than admit_after times):
             # its gradients are dropped, its row stays the initial value, nothing is written
@@ -849,25 +859,26 @@ class Updater:
             witness=every,
         )
 
-    def _fill_unwritten(
-        self,
-        table: str,
-        ids: IdArray,
-        rows: NDArray[np.float32],
-        found: NDArray[np.bool_],
-        slots: NDArray[np.float32],
-    ) -> None:
-        """In place: a row never created (or expired: TTL) takes its initial value and
-        the optimizer's initial slots, exactly what a lookup would have created (a lost
-        node is caught by the sentinel read: DataLossError, never re-initialized here).
-        The push and the replay of its journal start from the same values so."""
-        if not found.all():
-            spec = self.config.table(table)
-            missing = np.flatnonzero(~found)
-            rows[missing] = initial_rows(
-                spec.initializer, seed=spec.seed, ids=ids[missing], dim=spec.dim
-            )
-            slots[missing] = self.optimizers[table].initial_slots(missing.size, spec.dim)
+    def _fill_unwritten(self, parts: Sequence[Unwritten]) -> None:
+        """In place, for each (table, ids, rows, slots, known): a row not known (never
+        created, or expired: TTL) takes its initial value and the optimizer's initial
+        slots, exactly what a lookup would have created (a lost node is caught by the
+        sentinel read: DataLossError, never re-initialized here). The push and the replay
+        of its journal start from the same values so. The row cache's initial entries
+        are known: they hold these values already. One batch of initial values for all
+        the tables (`initial_rows_many`)."""
+        todo = [
+            (table, ids, rows, slots, np.flatnonzero(~known))
+            for table, ids, rows, slots, known in parts
+            if not known.all()
+        ]
+        specs = [self.config.table(t[0]) for t in todo]
+        initial = initial_rows_many(
+            [(s.initializer, s.seed, t[1][t[4]], s.dim) for s, t in zip(specs, todo, strict=True)]
+        )
+        for spec, (table, _, rows, slots, at), values in zip(specs, todo, initial, strict=True):
+            rows[at] = values
+            slots[at] = self.optimizers[table].initial_slots(at.size, spec.dim)
 
     async def _redone(self, redo: Sequence[TableRedo]) -> list[TableUpdate]:
         """What a journal's tables still need written: the items the push did not write,
@@ -879,10 +890,15 @@ class Updater:
         values' hashes (recompute the items that do not have them yet).
         """
         got = await self._read(redo, [np.ones(r.ids.shape[0], dtype=bool) for r in redo])
+        self._fill_unwritten(
+            [
+                (r.table, r.ids, rows, slots, found)
+                for r, (rows, slots, found) in zip(redo, got, strict=True)
+            ]
+        )
         out: list[TableUpdate] = []
-        for r, (rows, slots, found) in zip(redo, got, strict=True):
+        for r, (rows, slots, _) in zip(redo, got, strict=True):
             optimizer = self.optimizers[r.table]
-            self._fill_unwritten(r.table, r.ids, rows, found, slots)
             # a row and its slots are one item: both written, or neither
             if r.witness is not None:
                 todo = np.flatnonzero(still_old(r.witness, rows, slots))

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import decimal
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -44,7 +44,7 @@ from numpy.typing import NDArray
 from lookup_table.core.hashing import combine, id_hashes, mix64, stable_hash
 from lookup_table.core.keys import IdArray
 
-__all__ = ["INITIALIZER_DEFAULTS", "InitializerSpec", "initial_rows"]
+__all__ = ["INITIALIZER_DEFAULTS", "InitializerSpec", "initial_rows", "initial_rows_many"]
 
 INITIALIZER_DEFAULTS: Mapping[str, Mapping[str, float]] = {
     "zeros": {},
@@ -239,13 +239,52 @@ def initial_rows(
     spec: InitializerSpec, *, seed: int, ids: IdArray, dim: int
 ) -> NDArray[np.float32]:
     """The initial rows of `ids`, float32 (n, dim); row i depends only on (seed, ids[i])."""
-    n = ids.shape[0]
+    if spec.name in ("zeros", "constant"):
+        return _rows_from(spec, None, ids.shape[0], dim)
+    base = combine(id_hashes(ids), stable_hash(f"init-seed:{seed}"))
+    return _rows_from(spec, base, ids.shape[0], dim)
+
+
+def initial_rows_many(
+    parts: Sequence[tuple[InitializerSpec, int, IdArray, int]],
+) -> list[NDArray[np.float32]]:
+    """`initial_rows` of each (spec, seed, ids, dim), bit for bit, computed as one batch
+    per initializer and dim: a push or a read of many small tables (a recommender's
+    categorical columns) costs one pass of numpy calls, not one per table. The int ids
+    of a batch are hashed together, each with its own table's seed."""
+    out: list[NDArray[np.float32] | None] = [None] * len(parts)
+    groups: dict[tuple[str, tuple[tuple[str, float], ...], int], list[int]] = {}
+    for k, (spec, _, ids, dim) in enumerate(parts):
+        if len(parts) == 1 or spec.name in ("zeros", "constant") or ids.dtype != np.int64:
+            out[k] = initial_rows(spec, seed=parts[k][1], ids=ids, dim=dim)
+        else:
+            groups.setdefault((spec.name, tuple(sorted(spec.params.items())), dim), []).append(k)
+    for (_, _, dim), members in groups.items():
+        counts = [parts[k][2].shape[0] for k in members]
+        ids = np.concatenate([parts[k][2] for k in members])
+        salts = np.array(
+            [stable_hash(f"init-seed:{parts[k][1]}") for k in members], dtype=np.uint64
+        )
+        # `combine(id_hashes(ids), salt)` of each table's ids, in one pass
+        base = mix64(id_hashes(ids) ^ np.repeat(salts, counts))
+        rows = _rows_from(parts[members[0]][0], base, ids.shape[0], dim)
+        for k, block in zip(members, np.split(rows, np.cumsum(counts)[:-1]), strict=True):
+            out[k] = block
+    return cast("list[NDArray[np.float32]]", out)
+
+
+def _rows_from(
+    spec: InitializerSpec, base: NDArray[np.uint64] | None, n: int, dim: int
+) -> NDArray[np.float32]:
+    """`n` initial rows of `spec` from each row's counter base (None for `zeros` and
+    `constant`, which need none)."""
     p = spec.params
     if spec.name == "zeros":
         return np.zeros((n, dim), dtype=np.float32)
     if spec.name == "constant":
         return np.full((n, dim), p["value"], dtype=np.float32)
-    base = combine(id_hashes(ids), stable_hash(f"init-seed:{seed}"))
+    if base is None:
+        raise ValueError(f"initializer {spec.name!r} draws from the ids' counter bases: none given")
     if spec.name == "uniform":
         lo, hi = p["minval"], p["maxval"]
         rows = (lo + (hi - lo) * _uniform01(base, 0, dim)).astype(np.float32)

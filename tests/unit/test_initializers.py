@@ -14,7 +14,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lookup_table.core.initializers as initializers
-from lookup_table.core.initializers import INITIALIZER_DEFAULTS, InitializerSpec, initial_rows
+from lookup_table.core.initializers import (
+    INITIALIZER_DEFAULTS,
+    InitializerSpec,
+    initial_rows,
+    initial_rows_many,
+)
 from lookup_table.core.keys import as_ids
 from tests.strategies import int_id_arrays, str_id_lists
 from tests.unit._fresh import fresh_json
@@ -226,6 +231,51 @@ def test_same_str_id_same_row_in_any_batch(name: str, values: list[str]) -> None
     for i, value in enumerate(values):
         alone = initial_rows(spec(name), seed=11, ids=as_ids([value]), dim=4)
         assert alone.tobytes() == rows[i : i + 1].tobytes()
+
+
+@st.composite
+def _parts(draw: st.DrawFn) -> tuple[InitializerSpec, int, np.ndarray, int]:
+    name = draw(st.sampled_from(ALL_NAMES))
+    params = {"value": 0.25} if name == "constant" else {}
+    if name in ("uniform", "random_uniform") and draw(st.booleans()):
+        params = {"minval": -1.0, "maxval": 3.0}
+    ids = (
+        as_ids(draw(str_id_lists(max_size=5)))
+        if draw(st.integers(0, 5)) == 0
+        else draw(int_id_arrays(max_size=30))
+    )
+    return spec(name, **params), draw(st.integers(0, 3)), ids, draw(st.sampled_from([1, 4, 8]))
+
+
+@given(parts=st.lists(_parts(), max_size=8))
+def test_many_tables_at_once_are_each_tables_rows(
+    parts: list[tuple[InitializerSpec, int, np.ndarray, int]],
+) -> None:
+    """Tables of the same initializer and dim computed as one batch (different seeds,
+    int and str ids, empty tables) give each table's rows bit for bit."""
+    got = initial_rows_many(parts)
+    assert len(got) == len(parts)
+    for (init, seed, ids, dim), rows in zip(parts, got, strict=True):
+        alone = initial_rows(init, seed=seed, ids=ids, dim=dim)
+        assert rows.dtype == np.float32 and rows.shape == (ids.shape[0], dim)
+        assert rows.tobytes() == alone.tobytes()
+
+
+def test_many_tables_of_one_initializer_share_one_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """26 tables of one initializer and dim: one pass (one call of the row formula)."""
+    calls = []
+    real = initializers._rows_from
+    monkeypatch.setattr(
+        initializers,
+        "_rows_from",
+        lambda *a: calls.append(a[2]) or real(*a),  # type: ignore[func-returns-value]
+    )
+    parts = [(spec("uniform"), seed, np.arange(seed, seed + 50), 16) for seed in range(26)]
+    got = initial_rows_many(parts)
+    assert calls == [26 * 50]
+    assert (
+        got[3].tobytes() == initial_rows(spec("uniform"), seed=3, ids=parts[3][2], dim=16).tobytes()
+    )
 
 
 def test_truncated_normal_redraws_do_not_depend_on_the_batch() -> None:
