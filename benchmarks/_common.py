@@ -444,22 +444,23 @@ def write_cluster_file(
     workers: int = 1,
     prefix: str = "benchtrain",
     service: Mapping[str, Any] | None = None,
+    replicas: int = 1,
 ) -> dict[str, Any]:
     """deploy/demo.toml with fresh ports, a fresh namespace (`prefix` + 8 hex digits),
     `workers`, `mode` and `service`'s keys set in its `[service]` table: 2 memcached nodes
-    and 1 optimizer replica."""
+    and `replicas` optimizer replicas (the demo's: 1)."""
     from lookup_table.config import load_config
     from lookup_table.ops.localcluster import free_port
 
     raw = tomllib.loads(DEMO_CONFIG.read_text())
     ports: set[int] = set()
-    while len(ports) < 3:  # three distinct ports that were free a moment ago
+    while len(ports) < 2 + replicas:  # distinct ports that were free a moment ago
         ports.add(free_port())
-    mc1, mc2, opt = sorted(ports)
+    mc1, mc2, *opts = sorted(ports)
     raw.update(
         namespace=prefix + uuid.uuid4().hex[:8],
         memcached=[f"127.0.0.1:{mc1}", f"127.0.0.1:{mc2}"],
-        optimizers=[f"http://127.0.0.1:{opt}"],
+        optimizers=[f"http://127.0.0.1:{opt}" for opt in opts],
         workers=workers,
         mode=mode,
     )
@@ -531,14 +532,20 @@ def local_cluster(
     prefix: str = "benchtrain",
     memory_mb: int = MEMCACHED_MEMORY_MB,
     service: Mapping[str, Any] | None = None,
+    replicas: int = 1,
 ) -> Iterator[tuple[Path, Path, dict[str, Any]]]:
-    """2 memcached nodes + 1 optimizer replica from a fresh cluster file (see
+    """2 memcached nodes + `replicas` optimizer replicas from a fresh cluster file (see
     `write_cluster_file`), in a `running_cluster`. Yields the cluster file, the run dir
     (pid files, logs) and a summary of the cluster."""
     work_dir.mkdir(parents=True)
     config_path, run_dir = work_dir / "cluster.toml", work_dir / "run"
     info = write_cluster_file(
-        config_path, mode=mode, workers=workers, prefix=prefix, service=service
+        config_path,
+        mode=mode,
+        workers=workers,
+        prefix=prefix,
+        service=service,
+        replicas=replicas,
     )
     with running_cluster(config_path, run_dir, memory_mb=memory_mb):
         yield config_path, run_dir, info

@@ -5,6 +5,7 @@ Run from the repository root::
     python benchmarks/push_replay.py            # 150 pushes (20 warm-up), 2 rounds
     python benchmarks/push_replay.py --quick    # smoke run: 20 pushes, 1 round
     python benchmarks/push_replay.py --row-flush-pushes 20   # rows written behind
+    python benchmarks/push_replay.py --replicas 2   # the rows split between two replicas
 
 `benchmarks/train.py` measures the infrastructure figure of the throughput work (replica +
 memcached CPU per step against the trainer's), but a run takes minutes and TensorFlow's
@@ -27,7 +28,11 @@ Two cases, side by side in each round (alternating which runs first):
   range of `C1`), so the same reads, optimizer steps and writes: the difference is what
   the service pays per table of a push.
 
-Printed: CPU ms per push of the replica and of each memcached node (utime + stime from
+With `--replicas N` the rows are split between N replicas (their hash partitions; replica
+0 also steps the dense parameters), and the replica column is all of them together: what
+a push costs the service as a whole when each replica gets its share of every table.
+
+Printed: CPU ms per push of the replica(s) and of each memcached node (utime + stime from
 /proc over the timed pushes), the client's own CPU (not infrastructure), and the ratio
 tables / one table. With `benchmarks/results/train.json` present (`train.py`), the
 infrastructure CPU per push is also shown against that run's trainer CPU per step (the
@@ -70,6 +75,7 @@ from trainer.data.criteo import CATEGORICAL_NAMES
 from trainer.data.synthetic import SyntheticSource
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+MAX_REPLICAS = 8  # each a process on this machine
 BATCH = 1024
 DENSE_SHAPES = {  # the demo's `mlp` (13 numeric + 26 x 16 inputs, Dense 256-128-1)
     "dense/kernel": (429, 256),
@@ -143,6 +149,8 @@ async def replay(
             previous = batch
         usage = cpu_usage(start, cpu_snapshot(pids), len(batches) - warmup)
     out: dict[str, float] = dict(usage["cpu_ms_per_step"])
+    out["optimizer-0"] = out["optimizer"]  # `optimizer`: all the replicas together
+    out["optimizer"] = sum(v for k, v in out.items() if k.startswith("optimizer-"))
     out["memcached"] = sum(v for k, v in out.items() if k.startswith("memcached-"))
     out["infrastructure"] = out["optimizer"] + out["memcached"]
     out["other_processes_share"] = usage["other_processes_share"]
@@ -150,11 +158,13 @@ async def replay(
 
 
 def run_case(
-    case: str, batches: list[Batch], warmup: int, service: dict[str, Any]
+    case: str, batches: list[Batch], warmup: int, service: dict[str, Any], replicas: int = 1
 ) -> dict[str, float]:
     pushed = batches if case == "tables" else [as_one_table(b) for b in batches]
     with tempfile.TemporaryDirectory(prefix="push_replay_") as tmp:
-        cluster = local_cluster(Path(tmp) / "w", prefix="benchreplay", service=service)
+        cluster = local_cluster(
+            Path(tmp) / "w", prefix="benchreplay", service=service, replicas=replicas
+        )
         with cluster as (config_path, run_dir, _):
             return asyncio.run(replay(config_path, run_dir, pushed, warmup))
 
@@ -182,10 +192,18 @@ def main() -> None:
         help="the cluster's service.row_flush_pushes (default 1: rows written through; "
         "> 1: written behind, and read through their owner)",
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="optimizer replicas (default 1, the demo's); the replica column is all of them",
+    )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     args = parser.parse_args()
     if not 1 <= args.row_flush_pushes <= MAX_ROW_FLUSH_PUSHES:
         parser.error(f"--row-flush-pushes must be in 1..{MAX_ROW_FLUSH_PUSHES}")
+    if not 1 <= args.replicas <= MAX_REPLICAS:
+        parser.error(f"--replicas must be in 1..{MAX_REPLICAS}")
     service = {"row_flush_pushes": args.row_flush_pushes}
     steps = args.steps or (15 if args.quick else 150)
     warmup = args.warmup if args.warmup is not None else (5 if args.quick else 20)
@@ -195,7 +213,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {case: [] for case in CASES}
     for r in range(rounds):
         for case in CASES if r % 2 == 0 else reversed(CASES):
-            got = run_case(case, batches, warmup, service)
+            got = run_case(case, batches, warmup, service, args.replicas)
             runs[case].append(got)
             print(
                 f"round {r + 1}/{rounds}, {case}: CPU ms per push: replica "
@@ -234,6 +252,7 @@ def main() -> None:
             "rounds": rounds,
             "batch": BATCH,
             "service": service,
+            "replicas": args.replicas,
         },
         "runs": runs,
         "median": median,

@@ -340,15 +340,15 @@ def test_write_coalescing_benchmark_quick_run_counts_every_interval(tmp_path: Pa
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_push_replay_benchmark_quick_run_measures_both_cases(tmp_path: Path) -> None:
-    """`benchmarks/push_replay.py --quick --row-flush-pushes 4`: two fresh clusters
-    writing rows behind (the reads go through the owner), each stopped; every process of
-    each measured."""
+    """`benchmarks/push_replay.py --quick --row-flush-pushes 4 --replicas 2`: two fresh
+    clusters of two replicas writing rows behind (the reads go through the owners), each
+    stopped; every process of each measured, the replicas summed."""
     report = _run_quick(
         "push_replay",
         tmp_path,
         timeout_s=120,
         expect="tables / one table",
-        args=["--row-flush-pushes", "4"],
+        args=["--row-flush-pushes", "4", "--replicas", "2"],
     )
     assert report["benchmark"] == "push_replay"
     assert report["parameters"] == {
@@ -357,11 +357,14 @@ def test_push_replay_benchmark_quick_run_measures_both_cases(tmp_path: Path) -> 
         "rounds": 1,
         "batch": 1024,
         "service": {"row_flush_pushes": 4},
+        "replicas": 2,
     }
     for case in ("tables", "one table"):
         (run,) = report["runs"][case]
-        assert {"optimizer", "memcached-1", "memcached-2", "client"} <= set(run)
-        assert run["optimizer"] > 0 and run["memcached-1"] > 0 and run["memcached-2"] > 0
+        assert {"optimizer-0", "optimizer-1", "memcached-1", "memcached-2", "client"} <= set(run)
+        assert run["optimizer-0"] > 0 and run["optimizer-1"] > 0
+        assert run["memcached-1"] > 0 and run["memcached-2"] > 0
+        assert run["optimizer"] == pytest.approx(run["optimizer-0"] + run["optimizer-1"])
         assert run["memcached"] == pytest.approx(run["memcached-1"] + run["memcached-2"])
         assert run["infrastructure"] == pytest.approx(run["optimizer"] + run["memcached"])
     assert report["tables_over_one_table"] == pytest.approx(
