@@ -107,6 +107,34 @@ def test_everything_put_is_found_while_it_fits_and_memory_stays_bounded() -> Non
     assert not hit.any()
 
 
+def test_the_cache_takes_its_bound_once_and_rotations_allocate_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The young map starts small; once it is half full the cache allocates both
+    generations at the bound, once: no later rotation allocates (and touches) a map."""
+    made: list[int] = []
+    real_init = _IntMap.__init__
+
+    def counted(self: _IntMap, capacity: int, width: int) -> None:
+        made.append(capacity)
+        real_init(self, capacity, width)
+
+    monkeypatch.setattr(_IntMap, "__init__", counted)
+    bound = 1 << 14
+    cache = _TableCache(width=2, max_capacity=bound)
+    assert made == [bound // 16] and cache.nbytes() == (bound // 16) * (2 * 4 + 24)
+    tabs = np.zeros(500, dtype=np.int32)
+    cache.put(np.arange(500, dtype=np.int64), tabs, np.ones((500, 2), np.float32))
+    assert made == [bound // 16]  # 500 of 1,024 slots: no growth yet
+    for k in range(1, 60):  # 30,000 ids: many rotations of 8,192-entry generations
+        ids = np.arange(k * 500, (k + 1) * 500, dtype=np.int64)
+        cache.put(ids, tabs, np.full((500, 2), k, np.float32))
+        assert cache.nbytes() == 2 * bound * (2 * 4 + 24), k  # both generations held
+    assert made == [bound // 16, bound, bound]  # grown once, the second map with it
+    hit, got = cache.get(np.arange(59 * 500, 60 * 500, dtype=np.int64), tabs)
+    assert hit.all() and (got == 59).all()
+
+
 def test_a_batch_that_collides_on_one_slot_is_placed_and_found() -> None:
     m = _IntMap(1024, 1)
     rng = np.random.default_rng(1)
