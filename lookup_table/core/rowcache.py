@@ -307,15 +307,10 @@ class _TableCache:
         stamps: NDArray[np.int64] | int = 0,
     ) -> None:
         """Put values (`stamps` > 0: dirty, see the module's doc; 0: what memcached holds)."""
-        pos = self.young.find(ids, tabs)
-        present = pos >= 0
-        if present.all():  # the usual case of a warm cache: one scatter, no masks
-            self.young.set(pos, values, stamps)
-            return
         each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), ids.shape)
-        self.young.set(pos[present], values[present], each[present])
-        new = np.flatnonzero(~present)
-        self._insert_new(ids[new], tabs[new], values[new], each[new])
+        ids, tabs, values, each = self._set_held(ids, tabs, values, each)
+        if ids.shape[0]:
+            self._insert_new(ids, tabs, values, each)
 
     def _insert_new(
         self,
@@ -352,6 +347,9 @@ class _TableCache:
         """Set the keys the young map holds to these values; the others, to insert."""
         pos = self.young.find(ids, tabs)
         held = pos >= 0
+        if held.all():  # the usual case of a warm cache: one scatter, no masks
+            self.young.set(pos, values, stamps)
+            return ids[:0], tabs[:0], values[:0], stamps[:0]
         if not held.any():
             return ids, tabs, values, stamps
         self.young.set(pos[held], values[held], stamps[held])
