@@ -631,19 +631,13 @@ class Updater:
             rows[at], found[at] = rows_m, found_m
             if not found_m.all():
                 fresh.append((k, at[~found_m]))
-        specs = [self.config.table(reads[k][0]) for k, _ in fresh]
-        starting = initial_rows_many(
-            [
-                (s.initializer, s.seed, reads[k][1][new], s.dim)
-                for s, (k, new) in zip(specs, fresh, strict=True)
-            ]
-        )
+        starting = self._initial_rows([(reads[k][0], reads[k][1][new]) for k, new in fresh])
         remember: list[tuple[str, IdArray, NDArray[np.float32], NDArray[np.float32]]] = []
-        for spec, (k, new), values in zip(specs, fresh, starting, strict=True):
+        for (k, new), values in zip(fresh, starting, strict=True):
             table, ids = reads[k]
             out[k][0][new] = values
             if use[k] and self.config.reads_through_owner(table):
-                slots = self.optimizers[table].initial_slots(new.size, spec.dim)
+                slots = self.optimizers[table].initial_slots(new.size, values.shape[1])
                 remember.append((table, ids[new], values, slots))
         if remember:  # only where the cache holds nothing newer since the read
             self.cache.put_many(remember, initial=True)
@@ -872,13 +866,17 @@ class Updater:
             for table, ids, rows, slots, known in parts
             if not known.all()
         ]
-        specs = [self.config.table(t[0]) for t in todo]
-        initial = initial_rows_many(
-            [(s.initializer, s.seed, t[1][t[4]], s.dim) for s, t in zip(specs, todo, strict=True)]
-        )
-        for spec, (table, _, rows, slots, at), values in zip(specs, todo, initial, strict=True):
+        initial = self._initial_rows([(t[0], t[1][t[4]]) for t in todo])
+        for (table, _, rows, slots, at), values in zip(todo, initial, strict=True):
             rows[at] = values
-            slots[at] = self.optimizers[table].initial_slots(at.size, spec.dim)
+            slots[at] = self.optimizers[table].initial_slots(at.size, values.shape[1])
+
+    def _initial_rows(self, parts: Sequence[tuple[str, IdArray]]) -> list[NDArray[np.float32]]:
+        """The initial rows of each (table, ids): one batch per initializer and dim."""
+        specs = [self.config.table(table) for table, _ in parts]
+        return initial_rows_many(
+            [(s.initializer, s.seed, ids, s.dim) for s, (_, ids) in zip(specs, parts, strict=True)]
+        )
 
     async def _redone(self, redo: Sequence[TableRedo]) -> list[TableUpdate]:
         """What a journal's tables still need written: the items the push did not write,
