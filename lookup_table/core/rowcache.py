@@ -16,11 +16,11 @@ sees a new one). A push whose ids are all cached reads no row from memcached.
 
 One `_IntMap` per value width (dim + slot width) and generation, shared by the tables of
 that width (keys: table number and id): open addressing with linear probing over
-numpy arrays, probed for a whole batch at once (a loop over probe steps, never over
-ids), no deletions. Two generations bound the memory: lookups look in the young map,
-then in the old one (a hit there moves to the young map); when the young map is half
-full it becomes the old one and the old one is dropped, so what was not used for a
-generation is forgotten (an approximate LRU).
+numpy arrays, no deletions; a batch's probes run compiled (`lookup_table.core.probing`),
+the values are gathered and scattered by numpy. Two generations bound the memory:
+lookups look in the young map, then in the old one (a hit there moves to the young
+map); when the young map is half full it becomes the old one and the old one is
+dropped, so what was not used for a generation is forgotten (an approximate LRU).
 
 The caller says which tables to cache. Both users leave out tables of string ids (the
 maps hold int64 keys) and tables with `ttl_s`: memcached expires their rows by itself,
@@ -48,7 +48,6 @@ forgotten): a value put since the caller's read of memcached is newer, and is ke
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
@@ -56,23 +55,20 @@ from typing import Any, cast
 import numpy as np
 from numpy.typing import NDArray
 
-from lookup_table.core.hashing import mix64
+from lookup_table.core import probing
 from lookup_table.core.keys import IdArray
 
 __all__ = ["INITIAL", "RowCache"]
 
 INITIAL = -1  # the stamp of an initial entry (see the module's doc)
 
-_MAX_PROBES = 64  # at load <= 1/2 a probe sequence this long is vanishingly rare
-_WINDOWS = (1, 3, 12, 48)  # slots probed per id in each round of a search: 64 in all
 _MIN_CAPACITY = 1024
 # bytes per slot besides the values: the key row (id, table and flags) and the stamp
 _ENTRY_OVERHEAD = 2 * np.dtype(np.int64).itemsize + np.dtype(np.int64).itemsize
 # a key row's second word: the table number in the low 32 bits, then two flags
-_TAB_BITS = np.int64(0xFFFFFFFF)
-_USED = np.int64(1 << 32)  # the slot holds a key
-_VALID = np.int64(1 << 33)  # its value is known (False: forgotten)
-_MATCH = _TAB_BITS | _USED
+_TAB_BITS = np.int64(probing.TAB_BITS)
+_USED = np.int64(probing.USED)  # the slot holds a key
+_VALID = np.int64(probing.VALID)  # its value is known (False: forgotten)
 
 
 def _int_ids(ids: IdArray) -> NDArray[np.int64]:
@@ -89,15 +85,6 @@ def _items(values: NDArray[np.float32]) -> NDArray[np.void]:
     values = np.ascontiguousarray(values, dtype=np.float32)
     item = np.dtype((np.void, values.shape[1] * values.itemsize))
     return values.view(item).reshape(values.shape[0])
-
-
-_TABLE_SALT = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _positions(ids: NDArray[np.int64], tabs: NDArray[np.int32], mask: int) -> NDArray[np.intp]:
-    with np.errstate(over="ignore"):
-        salt = tabs.astype(np.uint64) * _TABLE_SALT
-    return (mix64(ids.view(np.uint64) ^ salt) & np.uint64(mask)).astype(np.intp)
 
 
 class _IntMap:
@@ -133,38 +120,26 @@ class _IntMap:
     def capacity(self) -> int:
         return self.mask + 1
 
-    def _window(self, p: NDArray[np.intp], width: int) -> tuple[NDArray[np.intp], Any]:
-        """The `width` slots from each of `p` on, and their key rows ((n, width, 2))."""
-        slots = (p[:, None] + np.arange(width)) & self.mask
-        return slots, np.take(self.meta, slots, axis=0)
-
     def find(self, ids: NDArray[np.int64], tabs: NDArray[np.int32]) -> NDArray[np.intp]:
-        """The slot of each id, -1 where it is absent (a slot may hold a forgotten value).
-
-        Probes a window of slots per id at once, wider each round (`_WINDOWS`): most ids
-        are found at their first slot, and the few with long probe sequences take a few
-        rounds, not one per slot."""
-        p = _positions(ids, tabs, self.mask)  # where the ids' probes go on
-        want = tabs.astype(np.int64) | _USED
-        rows = np.take(self.meta, p, axis=0)  # the first slot of each: most ids end there
-        match = (rows[:, 0] == ids) & ((rows[:, 1] & _MATCH) == want)
-        out = np.where(match, p, -1)
-        at = np.flatnonzero(((rows[:, 1] & _USED) != 0) & ~match)  # free: absent
-        ids, want, p = ids[at], want[at], (p[at] + 1) & self.mask
-        for width in _WINDOWS:
-            if not at.size:
-                break
-            slots, rows = self._window(p, width)
-            match = (rows[..., 0] == ids[:, None]) & ((rows[..., 1] & _MATCH) == want[:, None])
-            ends = match | ((rows[..., 1] & _USED) == 0)  # a free slot ends the search
-            first = ends.argmax(axis=1)
-            row = np.arange(first.shape[0])
-            hit = match[row, first]
-            out[at[hit]] = slots[row[hit], first[hit]]
-            more = np.flatnonzero(~ends[row, first])
-            at, ids, want = at[more], ids[more], want[more]
-            p = (p[more] + width) & self.mask
+        """The slot of each id, -1 where it is absent (a slot may hold a forgotten value)."""
+        out = np.empty(ids.shape[0], dtype=np.intp)
+        probing.find(self.meta, self.mask, ids, tabs, out)
         return out
+
+    def lookup(
+        self, ids: NDArray[np.int64], tabs: NDArray[np.int32]
+    ) -> tuple[NDArray[np.intp], NDArray[np.bool_], NDArray[np.float32], NDArray[np.int64]]:
+        """(slot, hit, values, stamps) of each id: `find`'s slot; hit where its value is
+        known; garbage values and stamps where not hit."""
+        n = ids.shape[0]
+        out = np.empty(n, dtype=np.intp)
+        hit = np.empty(n, dtype=bool)
+        probing.find_known(self.meta, self.mask, ids, tabs, out, hit)
+        # one gather of every id's slot, no masks (an absent id reads slot 0: garbage,
+        # which a miss may hold)
+        at = np.maximum(out, 0)
+        values = np.take(self.items, at).view(np.float32).reshape(n, self.values.shape[1])
+        return out, hit, values, np.take(self.stamps, at)
 
     def valid(self, slots: NDArray[np.intp]) -> NDArray[np.bool_]:
         """Whether each slot's value is known."""
@@ -207,39 +182,19 @@ class _IntMap:
         """Put absent, unique keys (`stamps`: each one's, or one for all: 0 clean);
         False where no free slot was found within the probes."""
         each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), ids.shape)
-        flags = tabs.astype(np.int64) | (_USED | _VALID)
-        items = _items(values)
-        placed = np.zeros(ids.shape[0], dtype=bool)
-        todo = np.arange(ids.shape[0])  # the ids still probing
-        p = _positions(ids, tabs, self.mask)  # where their probes go on
-        probed = np.zeros(ids.shape[0], dtype=np.intp)  # how many slots each has passed
-        for width in itertools.chain(_WINDOWS, itertools.repeat(_WINDOWS[-1])):
-            if not todo.size:
-                break
-            slots, rows = self._window(p, width)
-            free = ((rows[..., 1] & _USED) == 0) & (
-                probed[todo][:, None] + np.arange(width) < _MAX_PROBES
-            )
-            first = free.argmax(axis=1)
-            row = np.arange(first.shape[0])
-            has = free[row, first]
-            target = slots[row, first]
-            # of the ids whose first free slot is the same, the first takes it; the others
-            # probe on from there, a slot that is now used (as `find` will)
-            taken, winner = np.unique(target[has], return_index=True)
-            won = np.flatnonzero(has)[winner]
-            mine = todo[won]
-            self.meta[taken, 0] = ids[mine]
-            self.meta[taken, 1] = flags[mine]
-            self.items[taken] = items[mine]
-            self.stamps[taken] = each[mine]
-            placed[mine] = True
-            step = np.where(has, first, width)  # to the contested slot, or past the window
-            probed[todo] += step
-            p = (p + step) & self.mask
-            going = ~placed[todo] & (probed[todo] < _MAX_PROBES)
-            todo, p = todo[going], p[going]
-        self.size += int(placed.sum())
+        placed = np.empty(ids.shape[0], dtype=bool)
+        self.size += probing.insert(
+            self.meta,
+            self.mask,
+            self.values,
+            self.stamps,
+            ids,
+            tabs,
+            values,
+            each,
+            probing.USED | probing.VALID,
+            placed,
+        )
         return placed
 
 
@@ -276,14 +231,8 @@ class _TableCache:
         self, ids: NDArray[np.int64], tabs: NDArray[np.int32]
     ) -> tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.int64]]:
         """(hit, values, stamps) of each key; garbage where not hit."""
-        pos = self.young.find(ids, tabs)
+        pos, hit, values, stamps = self.young.lookup(ids, tabs)
         present = pos >= 0
-        # one gather of every id's slot, no masks (an absent id reads slot 0: garbage,
-        # which a miss may hold)
-        at = np.maximum(pos, 0)
-        hit = present & self.young.valid(at)
-        values = np.take(self.young.values, at, axis=0)
-        stamps = np.take(self.young.stamps, at)
         if self.old is not None and not present.all():  # in the young map: never the old
             miss = np.flatnonzero(~present)
             old_pos = self.old.find(ids[miss], tabs[miss])

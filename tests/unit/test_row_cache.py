@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookup_table.core.rowcache import RowCache, _IntMap, _positions, _TableCache
+from lookup_table.core.hashing import mix64
+from lookup_table.core.rowcache import RowCache, _IntMap, _TableCache
 
 pytestmark = pytest.mark.unit
 
@@ -24,6 +25,52 @@ WIDTH = {"a": (3, 0), "b": (3, 0), "c": (2, 2)}
 
 def _cache(max_bytes: int) -> RowCache:
     return RowCache(WIDTH, max_bytes)
+
+
+def _positions(ids: np.ndarray, tabs: np.ndarray, mask: int) -> np.ndarray:
+    """Where a key's probes start, as `lookup_table.core.probing` documents it: mix64 of
+    the id xor the table number times the salt, masked (numpy, not the compiled code)."""
+    with np.errstate(over="ignore"):
+        salt = tabs.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    return (mix64(ids.view(np.uint64) ^ salt) & np.uint64(mask)).astype(np.intp)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(-(2**63), 2**63 - 1) | st.integers(0, 40), st.integers(0, 2)),
+        unique=True,
+        max_size=150,
+    ),
+    st.integers(0, 6),
+)
+def test_probing_against_a_dict_in_a_crowded_map(keys: list[tuple[int, int]], start: int) -> None:
+    """The compiled probes in a map of 64 slots: up to 150 keys, so chains run long and
+    some inserts find no free slot within the probes. Every key placed is found at its
+    slot with its value and stamp; every key not placed, and every key never inserted,
+    is absent."""
+    m = _IntMap(64, 2)
+    ids = np.array([k for k, _ in keys], dtype=np.int64)
+    tabs = np.array([t for _, t in keys], dtype=np.int32)
+    values = np.arange(2 * len(keys), dtype=np.float32).reshape(-1, 2)
+    stamps = np.arange(len(keys), dtype=np.int64) + 1
+    placed = np.zeros(len(keys), dtype=bool)
+    for lo in range(0, len(keys), 7 + start):  # in a few batches, as the cache puts them
+        hi = min(lo + 7 + start, len(keys))
+        placed[lo:hi] = m.insert(ids[lo:hi], tabs[lo:hi], values[lo:hi], stamps[lo:hi])
+    assert m.size == int(placed.sum()) <= 64
+    pos = m.find(ids, tabs)
+    assert ((pos >= 0) == placed).all()
+    assert len(set(pos[placed].tolist())) == int(placed.sum())  # one slot per key
+    assert (m.values[pos[placed]] == values[placed]).all()
+    assert (m.stamps[pos[placed]] == stamps[placed]).all()
+    got, hit, got_values, got_stamps = m.lookup(ids, tabs)
+    assert (got == pos).all() and (hit == placed).all()
+    assert (got_values[hit] == values[placed]).all() and (got_stamps[hit] == stamps[placed]).all()
+    # the same ids in a table none of them is in, and ids nobody inserted
+    assert (m.find(ids, np.full(len(keys), 3, np.int32)) == -1).all()
+    if not placed.all():  # 64 probes cover the whole map: only a full one refuses a key
+        assert m.size == 64
 
 
 ops = st.lists(
