@@ -10,6 +10,11 @@ last bit or within float32 rounding:
     v    += (g**2 - v) * (1 - beta_2)
     w    -= m * alpha / (sqrt(v) + epsilon)
 
+The per-element work runs compiled (`lookup_table.core.jit`: one pass over the rows
+instead of a dozen numpy calls, ~4x faster on a push's 6,500 rows of dim 16), the same
+float32 operations in the same order, so the same bits as these formulas in numpy
+(tests/unit/test_optimizers.py checks it); only each row's `alpha` is numpy.
+
 Conventions:
 
 * epsilon is Keras' "epsilon hat" (default 1e-7), added after the sqrt; the bias
@@ -54,7 +59,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+from numba import types
 
+from lookup_table.core.jit import A1, A2, C1, C2, compiled
 from lookup_table.core.optimizers.base import Float32Array, step
 
 if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
@@ -131,6 +138,42 @@ def _beta_powers(beta: float, t: Float32Array) -> Float32Array:
     return table[inverse.reshape(-1)].reshape(t.shape)
 
 
+@compiled(
+    [
+        types.void(C2, C2, types.float32, types.float32, C2),
+        types.void(A2, A2, types.float32, types.float32, C2),
+    ]
+)
+def _next_slots(grads, slots, one_minus_beta_1, one_minus_beta_2, out):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """m += (g - m) * (1 - beta_1); v += (g**2 - v) * (1 - beta_2); step += 1, each
+    float32 operation rounded as numpy's and Keras' are (in this order)."""
+    dim = grads.shape[1]
+    for i in range(grads.shape[0]):
+        for j in range(dim):  # m, then v: one stream of stores a loop (it vectorizes)
+            out[i, j] = (grads[i, j] - slots[i, j]) * one_minus_beta_1 + slots[i, j]
+        for j in range(dim):
+            g = grads[i, j]
+            v = slots[i, dim + j]
+            out[i, dim + j] = (g * g - v) * one_minus_beta_2 + v
+        out[i, 2 * dim] = slots[i, 2 * dim] + np.float32(1)
+
+
+@compiled(
+    [
+        types.void(C2, C2, C1, types.float32, C2),
+        types.void(A2, A2, A1, types.float32, C2),
+    ]
+)
+def _moved(weights, new_slots, alpha, epsilon, out):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """w - m * alpha / (sqrt(v) + epsilon), each float32 operation in Keras' order."""
+    dim = weights.shape[1]
+    for i in range(weights.shape[0]):
+        a = alpha[i]
+        for j in range(dim):
+            delta = new_slots[i, j] * a
+            out[i, j] = weights[i, j] - delta / (np.sqrt(new_slots[i, dim + j]) + epsilon)
+
+
 @dataclass(frozen=True, slots=True)
 class Adam:
     """Adam on rows; slots per row: momentum (dim), velocity (dim), step (1)."""
@@ -151,20 +194,8 @@ class Adam:
     def next_slots(self, grads: Float32Array, slots: Float32Array) -> Float32Array:
         """m, v and the step after one step (see module docstring)."""
         c = self.config
-        dim = grads.shape[1]
-        m = slots[:, :dim]
-        v = slots[:, dim : 2 * dim]
         new_slots = np.empty_like(slots)
-        new_m = new_slots[:, :dim]
-        np.subtract(grads, m, out=new_m)
-        new_m *= _F32(1 - c.beta_1)
-        new_m += m
-        new_v = new_slots[:, dim : 2 * dim]
-        np.square(grads, out=new_v)
-        new_v -= v
-        new_v *= _F32(1 - c.beta_2)
-        new_v += v
-        new_slots[:, 2 * dim :] = slots[:, 2 * dim :] + _F32(1)
+        _next_slots(grads, slots, _F32(1 - c.beta_1), _F32(1 - c.beta_2), new_slots)
         return new_slots
 
     def finish(
@@ -173,15 +204,14 @@ class Adam:
         """The rows moved by the new m and v, bias-corrected with the new step `t`."""
         c = self.config
         dim = weights.shape[1]
-        t = new_slots[:, 2 * dim :]  # (n, 1): broadcasts over the row
+        t = new_slots[:, 2 * dim]
         beta_1_power = _beta_powers(c.beta_1, t)
         beta_2_power = _beta_powers(c.beta_2, t)
+        # one alpha a row (its own step): numpy, per row; the rest per element, compiled
         alpha = _F32(c.learning_rate) * np.sqrt(_F32(1) - beta_2_power) / (_F32(1) - beta_1_power)
-        delta: Float32Array = new_slots[:, :dim] * alpha
-        denom = np.sqrt(new_slots[:, dim : 2 * dim])
-        denom += _F32(c.epsilon)
-        delta /= denom
-        return weights - delta
+        out = np.empty_like(weights)
+        _moved(weights, new_slots, alpha, _F32(c.epsilon), out)
+        return out
 
     def update(
         self, weights: Float32Array, grads: Float32Array, slots: Float32Array
