@@ -20,7 +20,17 @@ from numba import types
 
 from lookup_table.core.jit import compiled
 
-__all__ = ["MAX_PROBES", "TAB_BITS", "USED", "VALID", "find", "find_known", "insert"]
+__all__ = [
+    "MAX_PROBES",
+    "TAB_BITS",
+    "USED",
+    "VALID",
+    "clean",
+    "dirty_slots",
+    "find",
+    "find_known",
+    "insert",
+]
 
 MAX_PROBES = 64  # at load <= 1/2 a probe sequence this long is vanishingly rare
 TAB_BITS = 0xFFFFFFFF  # a key row's second word: the table number in the low 32 bits
@@ -120,3 +130,23 @@ def find_known(meta, mask, ids, tabs, out, known):  # type: ignore[no-untyped-de
     for i in range(ids.shape[0]):
         p = out[i]
         known[i] = p >= 0 and (meta[p, 1] & _VALID) != 0
+
+
+@compiled(types.intp(_meta, types.Array(types.int64, 1, "C", readonly=True), _slots))
+def dirty_slots(meta, stamps, out):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The slots whose stamp is > 0 (dirty) and whose value is known, in slot order, into
+    `out` (as long as the map); returns how many."""
+    count = 0
+    for p in range(stamps.shape[0]):
+        if stamps[p] > 0 and (meta[p, 1] & _VALID) != 0:
+            out[count] = p
+            count += 1
+    return count
+
+
+@compiled(types.void(types.Array(types.int64, 1, "C"), types.int64))
+def clean(stamps, upto):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Stamps in 1..`upto` (dirty entries put by then) become 0 (clean)."""
+    for p in range(stamps.shape[0]):
+        if 0 < stamps[p] <= upto:
+            stamps[p] = 0

@@ -138,8 +138,12 @@ class _IntMap:
         # one gather of every id's slot, no masks (an absent id reads slot 0: garbage,
         # which a miss may hold)
         at = np.maximum(out, 0)
-        values = np.take(self.items, at).view(np.float32).reshape(n, self.values.shape[1])
-        return out, hit, values, np.take(self.stamps, at)
+        return out, hit, self.values_at(at), np.take(self.stamps, at)
+
+    def values_at(self, slots: NDArray[np.intp]) -> NDArray[np.float32]:
+        """A copy of the values of these slots (gathered as whole items: see `_items`)."""
+        gathered = np.take(self.items, slots)
+        return gathered.view(np.float32).reshape(slots.shape[0], self.values.shape[1])
 
     def valid(self, slots: NDArray[np.intp]) -> NDArray[np.bool_]:
         """Whether each slot's value is known."""
@@ -169,8 +173,12 @@ class _IntMap:
 
     def dirty_slots(self) -> NDArray[np.intp]:
         """The slots of the dirty entries whose values are known."""
-        at = np.flatnonzero(self.stamps > 0)
-        return at[self.valid(at)]
+        out = np.empty(self.stamps.shape[0], dtype=np.intp)
+        return out[: probing.dirty_slots(self.meta, self.stamps, out)]
+
+    def clean(self, upto: int) -> None:
+        """Mark clean the dirty entries put with a stamp <= `upto`."""
+        probing.clean(self.stamps, upto)
 
     def insert(
         self,
@@ -337,20 +345,20 @@ class _TableCache:
         young map does not hold the key: it has the newer value)."""
         at = self.young.dirty_slots()
         young_ids, young_tabs = self.young.keys_at(at)
-        ids, tabs, values = [young_ids], [young_tabs], [self.young.values[at]]
+        ids, tabs, values = [young_ids], [young_tabs], [self.young.values_at(at)]
         if self.old is not None:
             old_at = self.old.dirty_slots()
             old_ids, old_tabs = self.old.keys_at(old_at)
             newer = self.young.find(old_ids, old_tabs) >= 0
             ids.append(old_ids[~newer])
             tabs.append(old_tabs[~newer])
-            values.append(self.old.values[old_at[~newer]])
+            values.append(self.old.values_at(old_at[~newer]))
         return np.concatenate(ids), np.concatenate(tabs), np.concatenate(values)
 
     def clean(self, upto: int) -> None:
         """Mark clean the dirty entries put with a stamp <= `upto` (they are written)."""
         for m in self._maps():
-            m.stamps[(m.stamps > 0) & (m.stamps <= upto)] = 0
+            m.clean(upto)
 
     def _make_room(self, incoming: int) -> None:
         if self.young.capacity < self.max_capacity:
@@ -364,7 +372,7 @@ class _TableCache:
         old = self.young
         self.young = _IntMap(self.max_capacity, self.width)
         live = old.live_slots()
-        self.young.insert(*old.keys_at(live), old.values[live], old.stamps[live])
+        self.young.insert(*old.keys_at(live), old.values_at(live), old.stamps[live])
         if self.old is None:
             self._spare = _IntMap(self.max_capacity, self.width)
 
@@ -378,7 +386,7 @@ class _TableCache:
             gone = self.old.find(ids, tabs) < 0
             if gone.any():
                 at = at[gone]
-                kept = (ids[gone], tabs[gone], dropped.values[at], dropped.stamps[at])
+                kept = (ids[gone], tabs[gone], dropped.values_at(at), dropped.stamps[at])
         if dropped is not None and dropped.capacity == self.old.capacity:
             dropped.clear()  # its memory becomes the young map
             self.young = dropped
@@ -503,7 +511,7 @@ class RowCache:
             if not ids.shape[0]:
                 continue
             order = np.argsort(tabs, kind="stable")
-            ids, tabs, values = ids[order], tabs[order], values[order]
+            ids, tabs, values = ids[order], tabs[order], np.take(values, order, axis=0)
             numbers, starts = np.unique(tabs, return_index=True)
             bounds = [*starts.tolist(), ids.shape[0]]
             for k, number in enumerate(numbers.tolist()):
