@@ -100,7 +100,8 @@ def test_all_is_sorted_and_complete() -> None:
         assert not missing, f"{module} exports {missing} but the package does not"
 
 
-def test_core_imports_only_numpy_and_stdlib() -> None:
+def test_core_imports_no_asyncio_network_or_tensorflow() -> None:
+    """The core is pure: numpy, numba and the stdlib (docs/architecture.md)."""
     code = (
         "import sys, lookup_table.core.optimizers\n"
         "bad = ('asyncio', 'aiohttp', 'aiomcache', 'tensorflow', 'keras', 'lookup_table.store',\n"

@@ -64,7 +64,7 @@ from numba import types
 from lookup_table.core.jit import A1, A2, C1, C2, compiled
 from lookup_table.core.optimizers.base import Float32Array, step
 
-if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
+if TYPE_CHECKING:  # the runtime imports stay pure (numpy, numba, stdlib)
     from lookup_table.config import AdamConfig
 
 __all__ = ["Adam"]
