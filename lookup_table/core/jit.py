@@ -4,9 +4,9 @@ the core compiles them.
 `compiled(signatures)` compiles a function at import for exactly these signatures (a
 caller never waits for a compiler on a hot path, nor gets another specialization
 silently), with `nogil` (a caller may run it in a thread) and numpy's error model
-(a float division by zero gives inf or nan as in numpy, and the checks Python's
-model adds to every division would keep LLVM from vectorizing the loop), caching the machine code on
-disk where numba finds a writable place: the package's `__pycache__`, else the user's
+(a float division by zero gives inf or nan as in numpy, and the checks Python's model
+adds to every division would keep LLVM from vectorizing the loop), caching the machine
+code on disk where numba finds a writable place: the package's `__pycache__`, else the user's
 cache directory (`NUMBA_CACHE_DIR` overrides both). A process then loads it in tens of
 milliseconds instead of compiling for about half a second. Without such a place (a
 read-only image and home), it compiles in memory.
@@ -21,6 +21,9 @@ for a C-contiguous argument. A kernel that needs the speed is compiled twice (`C
 `A` below): writable C-contiguous arrays take the vectorized one, anything else (a
 strided view, a read-only buffer) the general one. Keep the two kinds distinct
 (writable vs read-only), or numba finds the call ambiguous.
+
+Compiled code does not check bounds: its Python callers check the shapes first (a wrong
+one is a ValueError there, never a read past an array).
 """
 
 from __future__ import annotations

@@ -87,6 +87,12 @@ def _items(values: NDArray[np.float32]) -> NDArray[np.void]:
     return values.view(item).reshape(values.shape[0])
 
 
+def _check_keys(ids: NDArray[np.int64], tabs: NDArray[np.int32]) -> None:
+    """The compiled probes index without bounds checks: one table number per id."""
+    if ids.ndim != 1 or tabs.shape != ids.shape:
+        raise ValueError(f"ids {ids.shape} and table numbers {tabs.shape} must be (n,) each")
+
+
 class _IntMap:
     """(table number, int64 id) -> a float32 value of `width` floats; open addressing,
     no deletions.
@@ -122,6 +128,7 @@ class _IntMap:
 
     def find(self, ids: NDArray[np.int64], tabs: NDArray[np.int32]) -> NDArray[np.intp]:
         """The slot of each id, -1 where it is absent (a slot may hold a forgotten value)."""
+        _check_keys(ids, tabs)
         out = np.empty(ids.shape[0], dtype=np.intp)
         probing.find(self.meta, self.mask, ids, tabs, out)
         return out
@@ -131,6 +138,7 @@ class _IntMap:
     ) -> tuple[NDArray[np.intp], NDArray[np.bool_], NDArray[np.float32], NDArray[np.int64]]:
         """(slot, hit, values, stamps) of each id: `find`'s slot; hit where its value is
         known; garbage values and stamps where not hit."""
+        _check_keys(ids, tabs)
         n = ids.shape[0]
         out = np.empty(n, dtype=np.intp)
         hit = np.empty(n, dtype=bool)
@@ -189,6 +197,11 @@ class _IntMap:
     ) -> NDArray[np.bool_]:
         """Put absent, unique keys (`stamps`: each one's, or one for all: 0 clean);
         False where no free slot was found within the probes."""
+        _check_keys(ids, tabs)
+        if values.shape != (ids.shape[0], self.values.shape[1]):
+            raise ValueError(
+                f"values {values.shape} for {ids.shape[0]} keys of width {self.values.shape[1]}"
+            )
         each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), ids.shape)
         placed = np.empty(ids.shape[0], dtype=bool)
         self.size += probing.insert(

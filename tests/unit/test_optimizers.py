@@ -486,6 +486,19 @@ def test_adam_compiled_equals_numpy_op_for_op(dim: int) -> None:
         assert got_s.tobytes() == want_s.tobytes()
 
 
+def test_adam_steps_check_shapes_before_the_compiled_pass() -> None:
+    """`next_slots` and `finish` are public: slots that do not fit the rows are a
+    ValueError, never a read past an array in the compiled loop."""
+    opt = Adam(AdamConfig())
+    g = np.ones((4, 3), np.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        opt.next_slots(g, np.zeros((4, 6), np.float32))
+    with pytest.raises(ValueError, match="do not fit"):
+        opt.next_slots(g, np.zeros((3, 7), np.float32))
+    with pytest.raises(ValueError, match="do not fit"):
+        opt.finish(g, g, np.zeros((4, 5), np.float32))
+
+
 @pytest.mark.parametrize("beta", [0.8, 0.9, 0.99, 0.999, 0.9999])
 def test_beta_powers_match_tf_scalar_pow(tf: Any, beta: float) -> None:
     """beta**t bit for bit as TF's Pow on 0-d float32 tensors (what Keras' Adam calls).

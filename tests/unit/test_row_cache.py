@@ -405,3 +405,19 @@ def test_a_dirty_entry_moved_up_as_its_generation_is_dropped_keeps_one_slot() ->
     assert sorted(ids.tolist()) == dirty.tolist()  # each dirty key once
     assert (values == 2).all()
     assert cache.young.size == 100
+
+
+def test_the_compiled_probes_get_shapes_checked_first() -> None:
+    """The compiled loops do not check bounds: a table number missing for an id, or
+    values of another width, is a ValueError before any of them runs."""
+    m = _IntMap(1024, 3)
+    ids = np.arange(4, dtype=np.int64)
+    with pytest.raises(ValueError, match="table numbers"):
+        m.find(ids, _tabs(3))
+    with pytest.raises(ValueError, match="table numbers"):
+        m.lookup(ids, _tabs(5))
+    with pytest.raises(ValueError, match="width 3"):
+        m.insert(ids, _tabs(4), np.zeros((4, 2), np.float32))
+    with pytest.raises(ValueError, match="table numbers"):
+        m.insert(ids, _tabs(2), np.zeros((4, 3), np.float32))
+    assert m.size == 0 and not (m.meta[:, 1] != 0).any()  # nothing was written

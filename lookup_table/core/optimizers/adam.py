@@ -194,6 +194,8 @@ class Adam:
     def next_slots(self, grads: Float32Array, slots: Float32Array) -> Float32Array:
         """m, v and the step after one step (see module docstring)."""
         c = self.config
+        if slots.shape != (grads.shape[0], self.slot_width(grads.shape[1])):
+            raise ValueError(f"slots {slots.shape} do not fit grads {grads.shape}")
         new_slots = np.empty_like(slots)
         _next_slots(grads, slots, _F32(1 - c.beta_1), _F32(1 - c.beta_2), new_slots)
         return new_slots
@@ -204,6 +206,8 @@ class Adam:
         """The rows moved by the new m and v, bias-corrected with the new step `t`."""
         c = self.config
         dim = weights.shape[1]
+        if new_slots.shape != (weights.shape[0], self.slot_width(dim)):
+            raise ValueError(f"slots {new_slots.shape} do not fit rows {weights.shape}")
         t = new_slots[:, 2 * dim]
         beta_1_power = _beta_powers(c.beta_1, t)
         beta_2_power = _beta_powers(c.beta_2, t)
