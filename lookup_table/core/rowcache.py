@@ -153,11 +153,6 @@ class _IntMap:
         gathered = np.take(self.items, slots)
         return gathered.view(np.float32).reshape(slots.shape[0], self.values.shape[1])
 
-    def valid(self, slots: NDArray[np.intp]) -> NDArray[np.bool_]:
-        """Whether each slot's value is known."""
-        known: NDArray[np.bool_] = (np.take(self.meta, slots, axis=0)[:, 1] & _VALID) != 0
-        return known
-
     def set(self, slots: NDArray[np.intp], values: NDArray[np.float32], stamps: Any) -> None:
         """New values (and stamps: each one's, or one for all) of the keys these slots
         hold, known from now on."""
@@ -256,13 +251,11 @@ class _TableCache:
         present = pos >= 0
         if self.old is not None and not present.all():  # in the young map: never the old
             miss = np.flatnonzero(~present)
-            old_pos = self.old.find(ids[miss], tabs[miss])
-            found = old_pos >= 0
-            found[found] = self.old.valid(old_pos[found])
+            _, found, old_values, old_stamps = self.old.lookup(ids[miss], tabs[miss])
             if found.any():
                 got = miss[found]
-                values[got] = np.take(self.old.values, old_pos[found], axis=0)
-                stamps[got] = self.old.stamps[old_pos[found]]
+                values[got] = old_values[found]
+                stamps[got] = old_stamps[found]
                 hit[got] = True
                 # used again: keep it young (dirty, initial or not, as it was); the young
                 # map does not hold these keys (they were looked up there first)
