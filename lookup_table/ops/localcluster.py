@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -25,8 +26,10 @@ from typing import Any
 
 __all__ = [
     "REQUESTS_PER_EVENT",
+    "SMALL_ITEM_BYTES",
     "MemcachedProcess",
     "free_port",
+    "hashpower_for",
     "memcached_binary",
     "start_memcached",
     "stop_process",
@@ -40,6 +43,22 @@ __all__ = [
 # about 12 % (mostly system time), and 1000 requests still take well under a millisecond,
 # so no connection waits long behind another.
 REQUESTS_PER_EVENT = 1000
+
+# memcached's hash table starts at 2^16 buckets and doubles whenever it holds 1.5 items a
+# bucket: a background thread moves every item while lookups search both tables, and
+# until then chains grow towards 1.5 items, which every miss walks to its end (most of a
+# training step's reads are of ids with no row yet). Our nodes fill up with small items (a
+# dim-16 row with its Adam slots is ~250 bytes), so each node's table is sized at start
+# for a full node of such items: at most 1.5 a bucket then, as memcached would end up
+# anyway, for 8 bytes a bucket (32 MiB beside `-m 1024`, 3 %). Rows written behind, at
+# the demo's shape, this cut memcached's CPU a push by ~10 % (docs/operations.md).
+SMALL_ITEM_BYTES = 256
+
+
+def hashpower_for(memory_mb: int) -> int:
+    """memcached's `-o hashpower` for a node of `memory_mb` MiB of small items (16-32)."""
+    buckets = memory_mb * 2**20 / SMALL_ITEM_BYTES / 1.5
+    return min(32, max(16, math.ceil(math.log2(max(buckets, 1.0)))))
 
 
 def memcached_binary() -> str:
@@ -129,6 +148,8 @@ class MemcachedProcess:
             "2",
             "-R",
             str(REQUESTS_PER_EVENT),
+            "-o",
+            f"hashpower={hashpower_for(self.memory_mb)}",
             *self.extra_args,
         ]
         if os.geteuid() == 0:

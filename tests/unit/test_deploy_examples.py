@@ -23,7 +23,12 @@ from pathlib import Path
 import pytest
 
 from lookup_table.config import TOKEN_ENV, load_config
-from lookup_table.ops.localcluster import REQUESTS_PER_EVENT, free_port, memcached_binary
+from lookup_table.ops.localcluster import (
+    REQUESTS_PER_EVENT,
+    free_port,
+    hashpower_for,
+    memcached_binary,
+)
 from tests.conftest import memcached_settings
 
 pytestmark = pytest.mark.unit
@@ -165,8 +170,11 @@ def test_memcached_unit_passes_the_no_eviction_flag_and_its_settings() -> None:
     assert pairs["-l"] == "${MEMCACHED_LISTEN}"
     assert pairs["-c"] == "${MEMCACHED_MAX_CONNECTIONS}"
     assert pairs["-R"] == "${MEMCACHED_REQUESTS_PER_EVENT}"
+    assert pairs["-o"] == "hashpower=${MEMCACHED_HASHPOWER}"
     env = _env_file(SYSTEMD / "memcached.env")
     assert int(env["MEMCACHED_MEMORY_MB"]) > 0
+    # the hash table sized for the example's memory, as local nodes are
+    assert env["MEMCACHED_HASHPOWER"] == str(hashpower_for(int(env["MEMCACHED_MEMORY_MB"])))
     assert int(env["MEMCACHED_MAX_CONNECTIONS"]) > 0
     assert int(env["MEMCACHED_THREADS"]) > 0
 
@@ -179,6 +187,7 @@ def test_memcached_accepts_the_unit_arguments_for_real() -> None:
     env = {
         **_env_file(SYSTEMD / "memcached.env"),
         "MEMCACHED_MEMORY_MB": "32",
+        "MEMCACHED_HASHPOWER": str(hashpower_for(32)),
         "MEMCACHED_LISTEN": "127.0.0.1",
     }
     port = free_port()
@@ -193,6 +202,7 @@ def test_memcached_accepts_the_unit_arguments_for_real() -> None:
     assert settings["num_threads"] == env["MEMCACHED_THREADS"]
     assert settings["reqs_per_event"] == env["MEMCACHED_REQUESTS_PER_EVENT"]
     assert env["MEMCACHED_REQUESTS_PER_EVENT"] == str(REQUESTS_PER_EVENT)
+    assert settings["hashpower_init"] == env["MEMCACHED_HASHPOWER"]
 
 
 def test_the_example_cluster_file_loads_and_matches_the_units() -> None:

@@ -36,7 +36,12 @@ import pytest
 import yaml
 
 from lookup_table.config import TOKEN_ENV, ClusterConfig, load_config
-from lookup_table.ops.localcluster import REQUESTS_PER_EVENT, free_port, memcached_binary
+from lookup_table.ops.localcluster import (
+    REQUESTS_PER_EVENT,
+    free_port,
+    hashpower_for,
+    memcached_binary,
+)
 from tests.conftest import memcached_settings
 
 pytestmark = pytest.mark.unit
@@ -517,6 +522,9 @@ def test_memcached_accepts_the_manifest_arguments_for_real() -> None:
     assert settings["num_threads"] == _flag(argv, "-t")
     assert settings["reqs_per_event"] == _flag(argv, "-R") == str(REQUESTS_PER_EVENT)
     assert settings["udpport"] == "0"
+    # the hash table sized at start for the node's -m, as local nodes are
+    assert _flag(argv, "-o") == f"hashpower={hashpower_for(int(_flag(argv, '-m')))}"
+    assert settings["hashpower_init"] == str(hashpower_for(int(_flag(argv, "-m"))))
 
 
 # ---------------------------------------------------------------- the trainers' wait
