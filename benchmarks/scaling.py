@@ -333,6 +333,12 @@ def run(args: argparse.Namespace, n: int, work_dir: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- the model
 
 
+def _ratio(a: float, b: float) -> float | None:
+    """a / b, or None (JSON null) when b is 0: a process that used less than one clock tick
+    of CPU over a short run (`--quick`, a node with nothing to do)."""
+    return a / b if b else None
+
+
 def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Medians per trainer count, the sizing table (from 1 trainer) and the 2-trainer check."""
     by: dict[int, dict[str, Any]] = {}
@@ -402,14 +408,14 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     predicted_rate = min(2 * rate, cores_available / total_s_per_example)
     validation = {
         "per_1000_ratio_2_vs_1": {
-            c: two["cpu_ms_per_1000_examples"][c] / one["cpu_ms_per_1000_examples"][c]
+            c: _ratio(two["cpu_ms_per_1000_examples"][c], one["cpu_ms_per_1000_examples"][c])
             for c in COMPONENTS
         },
         "cores": {
             c: {
                 "predicted": predicted_cores[c],
                 "measured": two["cores_used"][c],
-                "measured/predicted": two["cores_used"][c] / predicted_cores[c],
+                "measured/predicted": _ratio(two["cores_used"][c], predicted_cores[c]),
             }
             for c in predicted_cores
         },
@@ -475,7 +481,7 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
     for c, v in val["cores"].items():
         lines.append(
             f"{c + ' cores':<22} {v['predicted']:>10.2f} {v['measured']:>10.2f} "
-            f"{v['measured/predicted']:>6.2f}"
+            f"{_fixed(v['measured/predicted']):>6}"
         )
     bound = "CPU-bound" if val["cpu_bound"] else "not CPU-bound"
     lines += [
@@ -485,6 +491,10 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
         f"{val['cores_used_total']:.2f} used",
     ]
     return "\n".join(lines)
+
+
+def _fixed(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def plot(summary: Mapping[str, Any], path: Path) -> None:
