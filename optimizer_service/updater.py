@@ -89,6 +89,7 @@ from lookup_table.core.rows import NOT_UPDATED, change_witnesses, still_old, val
 from lookup_table.core.sharding import row_hashes_many
 from lookup_table.core.wire import encode_array, encode_ids, unpack
 from lookup_table.dense import DenseLogError, DenseParams
+from lookup_table.errors import DataLossError
 from lookup_table.store import EmbeddingStore, TableRead, TableWrite
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.journal import JOURNAL_SLOTS, IncompleteJournalError, Journal
@@ -1181,6 +1182,7 @@ class Updater:
         """
         async with self._row_flush_lock:
             self._cancel_row_timer()
+            await self._check_nodes_kept_data()
             listed, self._unflushed = self._unflushed, []
             parts, stamp = self.cache.dirty()
             try:
@@ -1209,6 +1211,26 @@ class Updater:
                 return
             for slot in clear:
                 self.journal.give_back(slot)
+
+    async def _check_nodes_kept_data(self) -> None:
+        """Before a flush writes: DataLossError if a node lost its sentinel (restarted or
+        flushed) and nothing is written. A write batch checks the sentinel in the same
+        pipeline as its writes, which memcached runs whatever it finds; a push's writes
+        are its own rows, but a flush's are every row written behind since the last one,
+        so it asks first (one round trip a flush). A node re-initialized since (a new
+        sentinel) is written: its rows this replica holds come back with their newest
+        values (docs/write-behind.md)."""
+        sentinels = await self.store.sentinels()
+        lost = tuple(node for node, value in sentinels.items() if value is None)
+        if lost:
+            raise DataLossError(
+                f"memcached node(s) {', '.join(lost)} lost their data (the sentinel is gone: "
+                f"the server restarted or was flushed): the rows written behind are not "
+                f"written there, they stay in replica {self.replica}'s memory and journals. "
+                f"Restore a checkpoint (lookup-table-checkpoint restore) or accept the loss "
+                f"(lookup-table-admin reinit --yes)",
+                nodes=lost,
+            )
 
     def _drop_unflushed(self) -> None:
         """A restore replaces every row (and deletes the journals): forget the rows not

@@ -343,6 +343,38 @@ async def test_a_restore_drops_the_rows_not_written_and_frees_their_journal_slot
     updater.resume()
 
 
+async def test_a_flush_writes_nothing_to_a_node_that_lost_its_data(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    """A node restarted empty between pushes: the flush raises DataLossError naming it and
+    writes no row anywhere (a write batch's own sentinel check runs behind its writes;
+    a flush carries every row written behind, so it asks first). The rows stay in the
+    replica and its journals: a reinit then writes them back with their newest values."""
+    from lookup_table.errors import DataLossError
+    from lookup_table.ops.admin import reinit_cluster
+    from tests.conftest import raw_client
+
+    config, _, updater, ref, rng = await _replica(memcached_nodes, aiohttp_server, 7)
+    for _ in range(2):
+        await _push(updater, config, ref, rng)
+    lost = memcached_nodes[1]
+    with raw_client(lost) as raw:
+        raw.flush_all()
+    with pytest.raises(DataLossError, match=lost) as info:
+        await updater._flush_rows()
+    assert info.value.nodes == (lost,)
+    async with EmbeddingStore(config, check_sentinels=False) as store:
+        _, found = await store.get("t", IDS)
+    assert not found.any()  # not one row written, on either node
+    await reinit_cluster(config)
+    await updater.pause()  # the flush: every row at its newest value, on both nodes
+    rows, slots, found = await _stored(config, "t", IDS)
+    assert found.all()
+    np.testing.assert_array_equal(rows, ref.state["t"][0])
+    np.testing.assert_array_equal(slots, ref.state["t"][1])
+    updater.resume()
+
+
 def test_row_flush_pushes_is_bounded_by_the_journal_slots() -> None:
     from lookup_table.errors import ConfigError
 
