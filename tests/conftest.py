@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from pymemcache.client.base import Client as SyncClient
 
+from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, parse_config
 from lookup_table.ops.localcluster import (
     MemcachedProcess,
@@ -109,6 +110,18 @@ def make_config(
     }
     raw.update(overrides)
     return parse_config(raw, env={})
+
+
+async def written(config: ClusterConfig, *, timeout_s: float = 30.0) -> None:
+    """Rows written behind (`service.row_flush_pushes` > 1) reach memcached at a flush:
+    pause every replica (a pause flushes) and resume. Tests that read memcached after
+    pushes call this first; nothing to do when rows are written through."""
+    if config.service.row_flush_pushes <= 1:
+        return
+
+    async with OptimizerClient(config) as client:
+        await client.pause(timeout_s=timeout_s)
+        await client.resume()
 
 
 def sigstop(pid: int, *, timeout_s: float = 5.0) -> None:

@@ -38,7 +38,7 @@ from lookup_table.ops.checkpoint import (
 )
 from lookup_table.ops.localcluster import free_port, memcached_cluster
 from optimizer_service.app import make_app
-from tests.conftest import make_config
+from tests.conftest import make_config, written
 
 pytestmark = pytest.mark.integration
 
@@ -262,6 +262,7 @@ async def test_3_to_1_nodes_gives_the_same_files_and_training_goes_on(
                 dense={n: np.ones_like(v) for n, v in DENSE.items()},
             )
             assert result["applied"] and result["version"] == version + 1
+        await written(served)
         async with EmbeddingStore(one) as store:
             got, _ = await store.get("user", ids, slots=True)
             got_rows, got_slots = got[:, :8], got[:, 8:]
@@ -303,6 +304,7 @@ async def test_restore_pauses_and_reloads_running_replicas(
             {"user": (ids, grads)}, dense={n: np.ones_like(v) for n, v in DENSE.items()}
         )
         assert result["applied"] and result["version"] == saved_version + 1
+    await written(trained)
     async with EmbeddingStore(trained) as store:
         got, _ = await store.get("user", ids, slots=True)
         got_rows, got_slots = got[:, :8], got[:, 8:]

@@ -61,12 +61,14 @@ def _grads(seed: int) -> Params:
     return {n: rng.standard_normal(v.shape).astype(np.float32) for n, v in INIT.items()}
 
 
-def _config(nodes: list[str], *, flush_pushes: int = 20, flush_s: float = 60.0) -> ClusterConfig:
+def _config(
+    nodes: list[str], *, flush_pushes: int = 20, flush_s: float = 60.0, **service: Any
+) -> ClusterConfig:
     return make_config(
         nodes,
         tables=SERVICE_TABLES,
         optimizers=["http://127.0.0.1:1"],
-        service={"dense_flush_pushes": flush_pushes, "dense_flush_s": flush_s},
+        service={"dense_flush_pushes": flush_pushes, "dense_flush_s": flush_s, **service},
     )
 
 
@@ -283,24 +285,31 @@ async def test_a_replica_killed_before_a_flush_rebuilds_the_updates_from_their_l
     _assert_params(params, _adam_steps(config, INIT, *grads)[0])
 
 
+@pytest.mark.parametrize("row_flush_pushes", [1, 20], ids=["rows-through", "rows-behind"])
 async def test_a_log_without_a_journaled_push_does_not_count(
-    memcached_nodes: list[str], aiohttp_server: Any, monkeypatch: pytest.MonkeyPatch
+    memcached_nodes: list[str],
+    aiohttp_server: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    row_flush_pushes: int,
 ) -> None:
     """Push A writes its log, then its journal header fails: A is not applied. B takes
     the same version and writes its own log over A's. After a crash the next replica
-    rebuilds B's update, never A's."""
-    config, server = await _serve(_config(memcached_nodes), aiohttp_server)
+    rebuilds B's update, never A's. (Rows written through end a push's journal with
+    `write_end`; written behind, the journal of values is one `write`.)"""
+    config = _config(memcached_nodes, row_flush_pushes=row_flush_pushes)
+    config, server = await _serve(config, aiohttp_server)
     updater = server.app[UPDATER]
     a, b = _grads(1), _grads(2)
-    write_end = updater.journal.write_end
+    method = "write_end" if row_flush_pushes == 1 else "write"
+    real = getattr(updater.journal, method)
 
     async def failing_end(*args: Any, **kw: Any) -> None:
-        monkeypatch.setattr(updater.journal, "write_end", write_end)  # fails once
+        monkeypatch.setattr(updater.journal, method, real)  # fails once
         raise StoreFullError("memcached node 127.0.0.1:9 is out of memory (simulated)")
 
     async with OptimizerClient(config, max_retries=0) as client:
         await client.dense_init(INIT)
-        monkeypatch.setattr(updater.journal, "write_end", failing_end)
+        monkeypatch.setattr(updater.journal, method, failing_end)
         with pytest.raises(StoreFullError, match="simulated"):
             await client.push({}, dense=a)
         assert await _logs_present(config, range(1, 3)) == [1]  # A's log, not counted

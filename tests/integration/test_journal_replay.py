@@ -7,6 +7,9 @@ id's item written or not: every mix, plus rows never created, must end with the 
 the push computed, bit for bit, and nothing applied twice. Journals of older services
 (each item's hash before the push; the new values' hashes) still replay. Real memcached,
 the real service app.
+
+Rows written through (`service.row_flush_pushes = 1`), the journals of gradients; rows
+written behind journal their new values (tests/integration/test_row_write_behind.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from optimizer_service.plan import TableUpdate, WritePlan
 from optimizer_service.push import parse_push
 from tests.conftest import make_config
 from tests.integration.test_service import _body
+
+THROUGH = {"row_flush_pushes": 1}  # the journal of gradients (the module's docstring)
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +66,9 @@ async def test_a_replay_finishes_a_push_whose_items_were_written_in_part_exactly
         {"name": "t", "dim": 8, "seed": 5, "optimizer": OPTIMIZERS[name]},
         {"name": "s", "dim": 4, "seed": 6, "id_type": "string", "optimizer": OPTIMIZERS[name]},
     ]
-    config = make_config(memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"])
+    config = make_config(
+        memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"], service=THROUGH
+    )
     opt = make_optimizer(config.table("t").optimizer)
     # ids 0..7 exist (0..3 updated by an earlier push), 8..11 were never looked up
     ids = np.arange(12, dtype=np.int64)
@@ -203,7 +210,9 @@ async def test_a_replay_of_an_expired_rows_push_starts_from_fresh_slots_as_the_p
     its initial value and fresh slots; the journal's replay must start from the same values
     as the push it finishes."""
     tables = [{"name": "t", "dim": 8, "seed": 5, "ttl_s": 3600}]  # Adam
-    config = make_config(memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"])
+    config = make_config(
+        memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"], service=THROUGH
+    )
     spec = config.table("t")
     adam = make_optimizer(spec.optimizer)
     ids = np.arange(4, dtype=np.int64)
@@ -261,7 +270,9 @@ async def test_a_journal_of_an_older_service_still_replays(
     from optimizer_service.plan import TableStep
 
     tables = [{"name": "t", "dim": 8, "seed": 5}]  # Adam
-    config = make_config(memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"])
+    config = make_config(
+        memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"], service=THROUGH
+    )
     adam = make_optimizer(config.table("t").optimizer)
     ids = np.arange(8, dtype=np.int64)
     grads = np.random.default_rng(11).standard_normal((8, 8), dtype=np.float32)
@@ -298,7 +309,9 @@ async def test_a_replay_never_steps_an_id_whose_gradient_admission_dropped(
     creates that row before the push's journal is replayed, the replay still leaves it
     alone (its witness is NOT_UPDATED) and finishes the other ids once."""
     tables = [{"name": "t", "dim": 4, "seed": 5, "admit_after": 2}]  # Adam
-    config = make_config(memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"])
+    config = make_config(
+        memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"], service=THROUGH
+    )
     spec = config.table("t")
     adam = make_optimizer(spec.optimizer)
     ids = np.arange(8, dtype=np.int64)
@@ -353,7 +366,7 @@ async def test_a_journal_is_read_back_whatever_parts_went_to_chunks(
     """A small push's journal is one `set` (the header carries it all); a bigger one's
     gradients go to chunks first; a push of more ids than 1 MiB of witnesses holds
     (~130k) has its end in chunks too. Each reads back to the same plan."""
-    config = make_config(memcached_nodes, tables=[{"name": "t", "dim": dim}])
+    config = make_config(memcached_nodes, tables=[{"name": "t", "dim": dim}], service=THROUGH)
     rng = np.random.default_rng(n)
     ids = np.sort(rng.choice(10 * n, size=n, replace=False)).astype(np.int64)
     grads = rng.standard_normal((n, dim), dtype=np.float32)
@@ -388,6 +401,7 @@ async def _torn_journal(memcached_nodes: list[str], push_id: str, *, done: bool)
         memcached_nodes,
         tables=[{"name": "t", "dim": 16, "seed": 5}],
         optimizers=["http://127.0.0.1:1"],
+        service=THROUGH,
     )
     n = JOURNAL_CHUNK_BYTES // (8 + 64 + 16) + 1000  # two chunks
     rows = np.ones((n, 16), np.float32)
@@ -433,6 +447,7 @@ async def test_a_push_whose_optimizer_step_fails_writes_no_journal_header_and_no
         memcached_nodes,
         tables=[{"name": "t", "dim": 8, "seed": 5}],
         optimizers=["http://127.0.0.1:1"],
+        service=THROUGH,
     )
     ids = np.arange(30_000, dtype=np.int64)  # 1.4 MB of journal: chunks
     async with EmbeddingStore(config) as store:

@@ -16,6 +16,7 @@ from lookup_table import EmbeddingStore, load_config
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
 from lookup_table.errors import ConfigError, PushRejectedError, ReplicaUnavailableError
+from tests.conftest import written
 from tests.integration.test_trainer import _cluster_file, _running
 
 pytestmark = pytest.mark.integration
@@ -70,9 +71,11 @@ def _data(n: int, *, seed: int, vocabulary: int = 60) -> tuple[dict[str, Any], A
 def _service_state(
     config: ClusterConfig, ids: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The stored rows of `ids` (create=False) and the service's dense parameters."""
+    """The stored rows of `ids` (create=False; rows written behind: after a flush) and the
+    service's dense parameters."""
 
     async def read() -> tuple[dict[str, Any], dict[str, Any]]:
+        await written(config)
         async with EmbeddingStore(config) as store, OptimizerClient(config) as client:
             rows = {t: await store.lookup(t, i, create=False) for t, i in ids.items()}
             return rows, (await client.dense())[1]
@@ -147,6 +150,7 @@ def test_the_readme_snippet_trains_with_model_fit(tmp_path: Path) -> None:
             assert optimizer.session is not None
             assert [layer.table for layer in optimizer.session.fed_layers] == ["C1", "C2"]
 
+            asyncio.run(written(config))  # no flush of the training's rows in between
             items = _item_count(config)
             unseen = {"C1": np.arange(10_000, 10_512), "C2": np.arange(20_000, 20_512)}
             ev = model.evaluate(xv, yv, batch_size=512, return_dict=True, verbose=0)

@@ -21,7 +21,7 @@ from lookup_table.core.optimizers import make_optimizer
 from lookup_table.core.sharding import node_of
 from lookup_table.ops.admin import reinit_cluster
 from optimizer_service.app import UPDATER, make_app
-from tests.conftest import make_config, node_stat, raw_client
+from tests.conftest import make_config, node_stat, raw_client, written
 
 pytestmark = pytest.mark.integration
 
@@ -37,6 +37,8 @@ async def _serve(config: Any, aiohttp_server: Any) -> Any:
 
 
 async def _state(config: Any, ids: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Rows and slots in memcached (rows written behind: after a flush)."""
+    await written(config)
     async with EmbeddingStore(config) as store:
         items, found = await store.get("t", ids, unique=True, slots=True)
     assert found.all()

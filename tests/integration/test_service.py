@@ -26,7 +26,7 @@ from optimizer_service import updater as updater_module
 from optimizer_service.app import UPDATER, make_app
 from optimizer_service.errors import NotOwnerError
 from optimizer_service.push import parse_push
-from tests.conftest import SERVICE_TABLES, make_config, raw_client
+from tests.conftest import SERVICE_TABLES, make_config, raw_client, written
 
 pytestmark = pytest.mark.integration
 
@@ -48,6 +48,18 @@ async def served(
     memcached_nodes, aiohttp_server
 ) -> AsyncIterator[tuple[ClusterConfig, TestServer]]:
     config = _config(memcached_nodes)
+    server = await _serve(config, aiohttp_server)
+    url = str(server.make_url("")).rstrip("/")
+    yield dataclasses.replace(config, optimizers=(url,)), server
+
+
+@pytest.fixture
+async def served_through(
+    memcached_nodes, aiohttp_server
+) -> AsyncIterator[tuple[ClusterConfig, TestServer]]:
+    """`served` with rows written through (`service.row_flush_pushes = 1`): for tests of
+    what a push itself writes to memcached."""
+    config = _config(memcached_nodes, service={"row_flush_pushes": 1})
     server = await _serve(config, aiohttp_server)
     url = str(server.make_url("")).rstrip("/")
     yield dataclasses.replace(config, optimizers=(url,)), server
@@ -75,7 +87,11 @@ def _body(push_id: str, tables: dict[str, tuple[Any, np.ndarray]], **extra: Any)
     )
 
 
-async def _rows(config: ClusterConfig, table: str, ids: Any) -> np.ndarray:
+async def _rows(config: ClusterConfig, table: str, ids: Any, *, flush: bool = True) -> np.ndarray:
+    """The rows memcached holds (after a flush of the rows written behind, unless the
+    replica is gone: `flush=False`)."""
+    if flush:
+        await written(config)
     async with EmbeddingStore(config) as store:
         values, found = await store.get(table, ids)
         assert found.all()
@@ -150,10 +166,13 @@ async def http(served) -> AsyncIterator[TestClient]:
 
 
 async def test_a_push_reads_and_writes_every_table_in_one_request_per_node(
-    served, monkeypatch: pytest.MonkeyPatch
+    memcached_nodes, aiohttp_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rows and slots of all the tables of a push: one read and one write per node."""
-    config, _ = served
+    """Rows and slots of all the tables of a push: one read and one write per node
+    (written through: rows written behind are written by the flush, not the push)."""
+    config = _config(memcached_nodes, service={"row_flush_pushes": 1})
+    server = await _serve(config, aiohttp_server)
+    config = dataclasses.replace(config, optimizers=(str(server.make_url("")).rstrip("/"),))
     ids = {"user": np.arange(60), "word": [f"w{i}" for i in range(40)], "ads": np.arange(80)}
     async with EmbeddingStore(config) as store:
         await store.lookup_many({t: ids[t] for t in ("user", "ads")})  # words are new
@@ -220,6 +239,8 @@ async def test_tables_with_equal_optimizers_are_stepped_together_bit_for_bit(
             config=config,
         )
     )
+    await updater.pause()  # rows written behind: the pause writes them
+    updater.resume()
     async with EmbeddingStore(config) as store:
         before = {n: await store.get(n, v, slots=True) for n, v in ids.items()}
     grads = {
@@ -238,6 +259,8 @@ async def test_tables_with_equal_optimizers_are_stepped_together_bit_for_bit(
         parse_push(unpack(_body("p", {n: (ids[n], grads[n]) for n in ids})), config=config)
     )
     assert sorted(calls) == sorted([(50 + 60 + 100, 8), (70, 8), (80, 4), (90, 8)])
+    await updater.pause()
+    updater.resume()
     async with EmbeddingStore(config) as store:
         for n, v in ids.items():
             spec = config.table(n)
@@ -416,12 +439,12 @@ async def _restart_and_retry(
     """Start a replica again (its recovery runs before it serves): the "user" rows of
     `ids` are `want`; the client's retry of `push_id` is a duplicate and changes nothing."""
     restarted = await _serve(config, aiohttp_server)
-    np.testing.assert_allclose(await _rows(config, "user", ids), want, rtol=1e-6)
     cfg = dataclasses.replace(config, optimizers=(str(restarted.make_url("")).rstrip("/"),))
+    np.testing.assert_allclose(await _rows(cfg, "user", ids), want, rtol=1e-6)
     async with OptimizerClient(cfg) as client:
         retry = await client.push({"user": (ids, grads)}, push_id=push_id)
     assert retry["duplicate"]
-    np.testing.assert_allclose(await _rows(config, "user", ids), want, rtol=1e-6)
+    np.testing.assert_allclose(await _rows(cfg, "user", ids), want, rtol=1e-6)
 
 
 async def test_journaled_push_is_finished_by_the_next_replica_exactly_once(
@@ -447,19 +470,20 @@ async def test_journaled_push_is_finished_by_the_next_replica_exactly_once(
     for task in list(updater._finishers):
         task.cancel()  # the dead process's background replay never runs
     await server.close()
-    np.testing.assert_array_equal(await _rows(config, "user", ids), before)
+    np.testing.assert_array_equal(await _rows(config, "user", ids, flush=False), before)
 
     await _restart_and_retry(config, aiohttp_server, push_id, ids, grads, want=before - 0.5)
 
 
 async def test_a_push_answered_before_its_done_record_is_still_applied_once(
-    served, aiohttp_server
+    served_through, aiohttp_server
 ) -> None:
     """The done record is written after the push is answered. Until it is stored, a
     retry is a duplicate and the rows stay locked (a push on them waits for it); a
     replica that dies before it is stored leaves the journal, whose replay finds every
-    item written, recomputes none and writes the record: the retry is a duplicate."""
-    config, server = served
+    item written, recomputes none and writes the record: the retry is a duplicate.
+    (Written through; rows written behind: tests/integration/test_row_write_behind.py.)"""
+    config, server = served_through
     updater = server.app[UPDATER]
     ids = np.array([20, 21], dtype=np.int64)
     async with EmbeddingStore(config) as store:

@@ -47,6 +47,7 @@ from lookup_table.ops.admin import init_cluster
 from lookup_table.ops.checkpoint import save_checkpoint
 from lookup_table.ops.localcluster import MemcachedProcess, free_port, start_memcached
 from optimizer_service.journal import JOURNAL_SLOTS
+from tests.conftest import written
 from tests.reliability.harness import (
     REPO,
     ServiceProcess,
@@ -78,9 +79,10 @@ MARGIN_S = 5.0
 
 @contextlib.contextmanager
 def _cluster(
-    tmp_path: Path, nodes: Sequence[MemcachedProcess]
+    tmp_path: Path, nodes: Sequence[MemcachedProcess], **service: Any
 ) -> Iterator[tuple[Path, ClusterConfig, ServiceProcess]]:
-    """Initialize a fresh namespace on `nodes` and run one optimizer replica for it."""
+    """Initialize a fresh namespace on `nodes` and run one optimizer replica for it
+    (`service`: more keys of its [service] section)."""
     port = free_port()
     path = cluster_file(
         tmp_path,
@@ -89,7 +91,7 @@ def _cluster(
         tables=TABLES,
         sections={
             "store": {"timeout_s": TIMEOUT_S},
-            "service": {"request_timeout_s": REQUEST_TIMEOUT_S},
+            "service": {"request_timeout_s": REQUEST_TIMEOUT_S, **service},
         },
     )
     config = load_config(path)
@@ -457,6 +459,7 @@ def test_stopped_node_fails_training_and_pushes_within_the_timeout(tmp_path: Pat
                 asyncio.run(wait_healthy(service, timeout_s=15))
                 error, _ = asyncio.run(_client_push(config, "C1", ids, grads, "stop-1"))
                 assert error is None, repr(error)
+                asyncio.run(written(config))  # rows written behind: written now
                 values, found = asyncio.run(_read(config, "C1", ids))
                 assert found.all()
                 np.testing.assert_allclose(
@@ -529,7 +532,9 @@ def test_full_node_stops_training_with_store_full_and_keeps_rows(tmp_path: Path)
     small = start_memcached(memory_mb=2, extra_args=("-o", "slab_automove=0"))
     loop = asyncio.new_event_loop()
     try:
-        with _cluster(tmp_path, [big, small]) as (_, config, service):
+        # written through: each push writes its rows (rows written behind reach a full node
+        # at a flush: test_full_node_stops_training_written_behind_and_loses_nothing)
+        with _cluster(tmp_path, [big, small], row_flush_pushes=1) as (_, config, service):
             addresses = list(config.node_addresses)
             source = _source()
             reader = EmbeddingStore(config)
@@ -637,7 +642,11 @@ async def test_failed_journaled_write_fails_other_pushes_fast_then_finishes_once
                 break
         small = start_memcached(port=port, memory_mb=2)
         nodes = [big.address, small.address]
-        config = make_config(nodes, tables=TABLES, store={"timeout_s": 2.0})
+        # written through: a push writes its rows (the replay of a journaled push whose
+        # write failed); rows written behind are written by a flush (test_row_write_behind)
+        config = make_config(
+            nodes, tables=TABLES, store={"timeout_s": 2.0}, service={"row_flush_pushes": 1}
+        )
         async with EmbeddingStore(config) as store:
             await store.write_sentinels()
             with pytest.raises(StoreFullError):
@@ -728,7 +737,11 @@ async def test_unfinished_push_blocks_a_save_and_a_restore_drops_it(
         small = start_memcached(port=port, memory_mb=2)
         nodes = [big.address, small.address]
         config = make_config(
-            nodes, tables=TABLES, store={"timeout_s": 2.0}, optimizers=["http://127.0.0.1:1"]
+            nodes,
+            tables=TABLES,
+            store={"timeout_s": 2.0},
+            optimizers=["http://127.0.0.1:1"],
+            service={"row_flush_pushes": 1},  # written through (see the test above)
         )
         async with EmbeddingStore(config) as store:
             await store.write_sentinels()
