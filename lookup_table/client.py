@@ -139,7 +139,8 @@ class OptimizerClient:
         """Push the gradients of one step: `{table: (ids, grads (n, dim))}`.
 
         Returns a summary: `{push_id, applied, duplicate, rows, replicas, version,
-        created}` (`created`: per table, the rows the push created, async mode; a
+        created}` (`created`: per table, the rows the push created; in sync mode the
+        rows its round created, told to the worker whose push applied the round; a
         duplicate creates none).
 
         `answer` asks the replicas to send back what the push changed (read your
@@ -405,8 +406,9 @@ class OptimizerClient:
 
 
 def _created(results: Sequence[Mapping[str, Any]]) -> dict[str, int]:
-    """Per table, the rows the replicas created applying a push (async mode: ids that had
-    no row, which the trainer read as new through their owner)."""
+    """Per table, the rows the replicas created applying a push or, in sync mode, the
+    round it completed (ids that had no row, which the trainer read as new through their
+    owner)."""
     out: dict[str, int] = {}
     for r in results:
         for table, n in r.get("created", {}).items():

@@ -53,7 +53,7 @@ class SyncRounds:
         the round's result; the last worker's push applies the mean with `apply`."""
         recent = self._recent.get(push.push_id)
         if recent is not None:
-            return {**recent, "applied": False, "duplicate": True}
+            return {**_shared(recent), "applied": False, "duplicate": True}
         workers = self.workers
         if push.worker >= workers:
             raise BadRequestError(
@@ -89,7 +89,14 @@ class SyncRounds:
                 self._recent[p.push_id] = result
             while len(self._recent) > 64 * workers:
                 self._recent.pop(next(iter(self._recent)))
-        return dict(await asyncio.shield(done))
+            return dict(result)  # the rows the round created: told to this worker only
+        return _shared(await asyncio.shield(done))
+
+
+def _shared(result: dict[str, Any]) -> dict[str, Any]:
+    """A round's result as the workers that did not apply it get it: without `created`,
+    so that each row the round created is counted once, by the worker that applied it."""
+    return {k: v for k, v in result.items() if k != "created"}
 
 
 def mean_push(push_id: str, pushes: list[Push], workers: int) -> Push:

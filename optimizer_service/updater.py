@@ -531,10 +531,10 @@ class Updater:
             "version": self.version,
             PLAN: plan,
         }
-        if version is None:  # async: rows this push created (a sync round's are everyone's)
-            created = {u.table: u.created for u in plan.updates if u.created}
-            if created:
-                out["created"] = created
+        # rows this push (or sync round: SyncRounds tells the worker that applied it) created
+        created = {u.table: u.created for u in plan.updates if u.created}
+        if created:
+            out["created"] = created
         return out
 
     async def answer(self, push: Push, result: Mapping[str, Any]) -> dict[str, Any]:

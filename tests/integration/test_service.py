@@ -734,6 +734,32 @@ async def test_sync_mode_two_replicas_apply_the_mean_once(memcached_nodes, aioht
             await w0.push({"user": (ids, g0)}, version=0)
 
 
+@pytest.mark.parametrize("row_flush_pushes", [1, 4], ids=["rows-through", "rows-behind"])
+async def test_a_sync_round_tells_the_rows_it_created_to_one_worker(
+    memcached_nodes, aiohttp_server, row_flush_pushes: int
+) -> None:
+    """Rows no lookup created: the round that first pushes them creates them, and its
+    `created` goes to the worker whose push applied the round, so they count once."""
+    config = _config(
+        memcached_nodes, mode="sync", workers=2, service={"row_flush_pushes": row_flush_pushes}
+    )
+    server = await _serve(config, aiohttp_server)
+    config = dataclasses.replace(config, optimizers=(str(server.make_url("")).rstrip("/"),))
+    ids = np.arange(1_000, 1_030, dtype=np.int64)
+    g = np.ones((30, 8), np.float32)
+    async with OptimizerClient(config, worker=0) as w0, OptimizerClient(config, worker=1) as w1:
+        for version in range(2):  # the second round creates nothing
+            r0, r1 = await asyncio.gather(
+                w0.push({"user": (ids, g)}, version=version),
+                w1.push({"user": (ids, g)}, version=version),
+            )
+            assert r0["version"] == r1["version"] == version + 1
+            created = [r0["created"], r1["created"]]
+            assert sorted(created, key=len) == [{}, {"user": 30} if version == 0 else {}], created
+        again = await w0.push({"user": (ids, g)}, version=0, push_id=r0["push_id"])
+        assert again["duplicate"] and again["created"] == {}
+
+
 async def test_pause_holds_new_pushes_until_resume(served) -> None:
     config, _ = served
     async with OptimizerClient(config) as client:

@@ -134,7 +134,9 @@ def test_two_trainer_processes_train_one_model(cluster: Path, tmp_path: Path) ->
     for s in (s0, s1):
         assert s["eval_auc"] > 0.65, s["history"]["evals"]
         assert s["history"]["evals"][-1]["auc"] > s["history"]["evals"][0]["auc"] - 0.02
-        assert sum(s["rows_created"].values()) > 0
+    # rows written through are created by each worker's lookups; written behind, by the
+    # round that first pushes them, counted by the worker whose push applied it
+    assert sum(s0["rows_created"].values()) + sum(s1["rows_created"].values()) > 0
     # both evaluated the same model on the same held-out batches
     assert s0["eval_auc"] == pytest.approx(s1["eval_auc"], abs=1e-6)
 
