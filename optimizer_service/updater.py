@@ -1223,12 +1223,13 @@ class Updater:
         sentinels = await self.store.sentinels()
         lost = tuple(node for node, value in sentinels.items() if value is None)
         if lost:
+            which = f"node {lost[0]} has" if len(lost) == 1 else f"nodes {', '.join(lost)} have"
             raise DataLossError(
-                f"memcached node(s) {', '.join(lost)} lost their data (the sentinel is gone: "
-                f"the server restarted or was flushed): the rows written behind are not "
-                f"written there, they stay in replica {self.replica}'s memory and journals. "
-                f"Restore a checkpoint (lookup-table-checkpoint restore) or accept the loss "
-                f"(lookup-table-admin reinit --yes)",
+                f"memcached {which} lost its data: its sentinel is gone (the server restarted "
+                f"or was flushed). The rows written behind were not written there: they stay "
+                f"in replica {self.replica}'s memory and journals. Restore a checkpoint "
+                f"(lookup-table-checkpoint restore) or accept the loss (lookup-table-admin "
+                f"reinit --yes)",
                 nodes=lost,
             )
 
