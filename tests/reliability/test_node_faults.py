@@ -709,6 +709,94 @@ async def test_failed_journaled_write_fails_other_pushes_fast_then_finishes_once
             small.stop()
 
 
+@pytest.mark.timeout(120)
+async def test_full_node_stops_training_written_behind_and_loses_nothing() -> None:
+    """Rows written behind, a `-M` node with no room for them: pushes are applied, their
+    values kept in the replica and its journals, while the flush fails and retries. Once
+    the flushes lag by the journal slots' margin, every push is refused (StoreFullError
+    naming the node, not applied; a push whose journal would land on the full node is
+    refused so at once): training stops, it does not run on unwritten. Nothing is
+    evicted. With room again, each refused push, retried, applies exactly once, and the
+    next flush writes every row at its newest value."""
+    from lookup_table.core.optimizers import make_optimizer
+    from optimizer_service.push import Push, TableGrads
+    from optimizer_service.updater import Updater
+    from tests.conftest import make_config
+
+    big = start_memcached(memory_mb=64)
+    small = start_memcached(memory_mb=2, extra_args=("-o", "slab_automove=0"))
+    try:
+        nodes = [big.address, small.address]
+        config = make_config(
+            nodes,
+            tables=TABLES,
+            store={"timeout_s": 2.0},
+            service={"row_flush_pushes": 2, "row_flush_s": 600.0},
+        )
+        spec = config.table("C1")
+        ids = np.concatenate(
+            [_ids_on("C1", 0, nodes, 8, start=10**12), _ids_on("C1", 1, nodes, 8, start=10**12)]
+        )
+        sgd = make_optimizer(spec.optimizer)
+        want = initial_rows(spec.initializer, seed=spec.seed, ids=ids, dim=spec.dim)
+        rng = np.random.default_rng(5)
+        async with EmbeddingStore(config) as store:
+            await store.write_sentinels()
+            with pytest.raises(StoreFullError):  # every page of the small node taken
+                for start in range(0, 10**7, 20_000):
+                    await store.lookup("C3", np.arange(start, start + 20_000, dtype=np.int64))
+            updater = Updater(config, store)
+            await updater.recover()
+            try:
+                refused: list[tuple[Push, np.ndarray]] = []
+                applied = 0
+                for i in range(80):
+                    grads = rng.standard_normal((ids.size, spec.dim)).astype(np.float32)
+                    push = Push(
+                        push_id=f"full-{i}",
+                        worker=0,
+                        version=0,
+                        tables=(TableGrads("C1", ids, grads),),
+                    )
+                    try:
+                        await updater.apply(push)
+                    except StoreFullError as exc:
+                        assert exc.node == small.address, exc
+                        assert f"memcached node {small.address} is out of memory" in str(exc)
+                        refused.append((push, grads))
+                        if len(refused) >= 3 and refused[-3][0].push_id == f"full-{i - 2}":
+                            break  # three in a row: the flushes lag, every push refused
+                    else:
+                        applied += 1
+                        want = sgd.update(want, grads, np.empty((ids.size, 0), np.float32))[0]
+                else:
+                    raise AssertionError("pushes never stopped while the node was full")
+                assert applied > 2  # journals on the healthy node kept the rows meanwhile
+                assert node_stats(small.address)["evictions"] == 0
+
+                # room on the full node: the flush lands, every refused push applies once
+                keys = [
+                    k
+                    for k in await metadump_keys(small.address)
+                    if k.startswith(f"{config.namespace}/C3/w/".encode())
+                ]
+                delete_keys(small.address, keys)
+                for push, grads in refused:
+                    assert (await updater.apply(push))["applied"]
+                    assert (await updater.apply(push))["duplicate"]
+                    want = sgd.update(want, grads, np.empty((ids.size, 0), np.float32))[0]
+                await updater.pause()  # the flush: memcached holds the newest rows
+                values, found = await store.get("C1", ids)
+                assert found.all()
+                np.testing.assert_allclose(values, want, rtol=0, atol=1e-5)
+                updater.resume()
+            finally:
+                await updater.close()
+    finally:
+        big.stop()
+        small.stop()
+
+
 async def test_unfinished_push_blocks_a_save_and_a_restore_drops_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, aiohttp_server: Any
 ) -> None:
