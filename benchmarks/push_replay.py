@@ -4,7 +4,7 @@ Run from the repository root::
 
     python benchmarks/push_replay.py            # 150 pushes (20 warm-up), 2 rounds
     python benchmarks/push_replay.py --quick    # smoke run: 20 pushes, 1 round
-    python benchmarks/push_replay.py --row-flush-pushes 20   # rows written behind
+    python benchmarks/push_replay.py --row-flush-pushes 1    # rows written through
     python benchmarks/push_replay.py --replicas 2   # the rows split between two replicas
 
 `benchmarks/train.py` measures the infrastructure figure of the throughput work (replica +
@@ -69,7 +69,7 @@ from _common import (
 )
 
 from lookup_table.client import OptimizerClient, RowReader
-from lookup_table.config import MAX_ROW_FLUSH_PUSHES, load_config
+from lookup_table.config import MAX_ROW_FLUSH_PUSHES, ServiceConfig, load_config
 from lookup_table.store import EmbeddingStore
 from trainer.data.criteo import CATEGORICAL_NAMES
 from trainer.data.synthetic import SyntheticSource
@@ -188,9 +188,10 @@ def main() -> None:
     parser.add_argument(
         "--row-flush-pushes",
         type=int,
-        default=1,
-        help="the cluster's service.row_flush_pushes (default 1: rows written through; "
-        "> 1: written behind, and read through their owner)",
+        default=ServiceConfig.row_flush_pushes,
+        help="the cluster's service.row_flush_pushes (default "
+        f"{ServiceConfig.row_flush_pushes}, the service's: rows written behind and read "
+        "through their owner; 1: written through)",
     )
     parser.add_argument(
         "--replicas",

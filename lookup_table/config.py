@@ -153,8 +153,9 @@ class ServiceConfig:
     cache_mb: int = 256
     dense_flush_pushes: int = 20
     dense_flush_s: float = 10.0
-    # row write-behind (docs/write-behind.md): 1 writes each push's rows at the push
-    row_flush_pushes: int = 1
+    # rows written behind (docs/write-behind.md), every this many pushes; 1 writes each
+    # push's rows at the push (written through)
+    row_flush_pushes: int = 20
     row_flush_s: float = 10.0
 
 

@@ -383,7 +383,7 @@ def test_row_flush_pushes_is_bounded_by_the_journal_slots() -> None:
     for key, bad in [("row_flush_pushes", 0), ("row_flush_pushes", 2.5), ("row_flush_s", 0)]:
         with pytest.raises(ConfigError, match=rf"service\.{key}: expected a positive"):
             make_config(["127.0.0.1:1"], service={key: bad})
-    assert make_config(["127.0.0.1:1"]).service.row_flush_pushes == 1
+    assert make_config(["127.0.0.1:1"]).service.row_flush_pushes == 20  # written behind
 
 
 async def test_only_tables_read_through_the_owner_are_written_behind(
