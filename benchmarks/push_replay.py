@@ -188,9 +188,9 @@ def main() -> None:
     parser.add_argument(
         "--row-flush-pushes",
         type=int,
-        default=ServiceConfig.row_flush_pushes,
+        default=ServiceConfig().row_flush_pushes,
         help="the cluster's service.row_flush_pushes (default "
-        f"{ServiceConfig.row_flush_pushes}, the service's: rows written behind and read "
+        f"{ServiceConfig().row_flush_pushes}, the service's: rows written behind and read "
         "through their owner; 1: written through)",
     )
     parser.add_argument(
