@@ -20,6 +20,7 @@ from lookup_table import (
     PushRejectedError,
     load_config,
 )
+from lookup_table.client import RowReader
 from lookup_table.ops.stats import node_stats
 
 
@@ -62,16 +63,19 @@ async def run(config_path: str) -> None:
         )
 
     # The optimizer service: push gradients, the service reads rows + slots, applies
-    # the table's optimizer and writes them back (exactly once per push_id).
+    # the table's optimizer and keeps them, writing them to memcached behind, every
+    # service.row_flush_pushes pushes (exactly once per push_id). Trainers read such rows
+    # through the replica that owns them (RowReader), which has them first.
     async with OptimizerClient(config, worker=0) as client, EmbeddingStore(config) as store:
+        reader = RowReader(store, client)
         hot = np.unique(ids)[:2000]
-        before = await store.lookup("user", hot)
+        before = await reader.lookup("user", hot)
         grads = rng.standard_normal((hot.shape[0], 16)).astype(np.float32)
         t0 = time.perf_counter()
         result = await client.push({"user": (hot, grads)})
         t1 = time.perf_counter()
         again = await client.push({"user": (hot, grads)}, push_id=result["push_id"])
-        after = await store.lookup("user", hot)
+        after = await reader.lookup("user", hot)
         print(
             f"push 'user' (adam): {result['rows']:,} rows updated in {1e3 * (t1 - t0):.1f} ms; "
             f"mean |change| {float(np.abs(after - before).mean()):.2e}; the same push_id "
