@@ -12,6 +12,7 @@ service), measures every method, writes its report and stops what it started.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -299,7 +300,10 @@ def test_scaling_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
         assert r["examples_total"] == pytest.approx(sum(r["examples"].values()))
         assert all(v > 0 for v in r["examples"].values())
         per_1000 = r["cpu_ms_per_1000_examples"]
-        assert components <= set(per_1000) and all(per_1000[c] > 0 for c in components)
+        assert components <= set(per_1000)
+        assert per_1000["trainer"] > 0 and per_1000["optimizer"] > 0
+        # rows written behind, a node has little to do in a quick run: maybe not one tick
+        assert per_1000["memcached-1"] >= 0 and per_1000["memcached-2"] >= 0
         assert r["service_log_errors"] == []
         # the cluster was stopped: nothing listens on its ports any more
         for address in [*r["cluster"]["memcached"], *r["cluster"]["optimizers"]]:
@@ -313,11 +317,12 @@ def test_scaling_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     for row in sizing.values():
         cores = row["cpu_ms_per_1000_examples"] / 1e3 * rate / 1e3
         assert row["cores_per_trainer"] == pytest.approx(cores)
-        assert row["trainers_per_core"] == pytest.approx(1 / cores)
+        assert row["trainers_per_core"] == (pytest.approx(1 / cores) if cores else math.inf)
     val = summary["validation_2_trainers"]
     assert set(val["per_1000_ratio_2_vs_1"]) == components
     assert set(val["cores"]) == {"optimizer", "memcached-1", "memcached-2"}
-    assert all(v["predicted"] > 0 and v["measured"] > 0 for v in val["cores"].values())
+    assert val["cores"]["optimizer"]["predicted"] > 0 and val["cores"]["optimizer"]["measured"] > 0
+    assert all(v["predicted"] >= 0 and v["measured"] >= 0 for v in val["cores"].values())
     assert val["examples_per_s_total"]["predicted"] > 0
     assert (tmp_path / "scaling.png").stat().st_size > 0
 
