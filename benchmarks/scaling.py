@@ -470,7 +470,7 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
     for c in COMPONENTS:
         one = by["1"]["cpu_ms_per_1000_examples"][c]
         two = by["2"]["cpu_ms_per_1000_examples"][c]
-        lines.append(f"{c:<22} {one:>10.1f} {two:>10.1f} {two / one:>6.2f}")
+        lines.append(f"{c:<22} {one:>10.1f} {two:>10.1f} {_fixed(_ratio(two, one)):>6}")
     ex = val["examples_per_s_total"]
     lines += [
         "",
