@@ -47,10 +47,7 @@ async def _serve(config: ClusterConfig, aiohttp_server: Any, replica: int = 0) -
 async def served(
     memcached_nodes, aiohttp_server
 ) -> AsyncIterator[tuple[ClusterConfig, TestServer]]:
-    config = _config(memcached_nodes)
-    server = await _serve(config, aiohttp_server)
-    url = str(server.make_url("")).rstrip("/")
-    yield dataclasses.replace(config, optimizers=(url,)), server
+    yield await _served(_config(memcached_nodes), aiohttp_server)
 
 
 @pytest.fixture
@@ -59,10 +56,14 @@ async def served_through(
 ) -> AsyncIterator[tuple[ClusterConfig, TestServer]]:
     """`served` with rows written through (`service.row_flush_pushes = 1`): for tests of
     what a push itself writes to memcached."""
-    config = _config(memcached_nodes, service={"row_flush_pushes": 1})
+    yield await _served(_config(memcached_nodes, service={"row_flush_pushes": 1}), aiohttp_server)
+
+
+async def _served(config: ClusterConfig, aiohttp_server: Any) -> tuple[ClusterConfig, TestServer]:
+    """Replica 0 of `config` serving, and `config` pointing at it."""
     server = await _serve(config, aiohttp_server)
     url = str(server.make_url("")).rstrip("/")
-    yield dataclasses.replace(config, optimizers=(url,)), server
+    return dataclasses.replace(config, optimizers=(url,)), server
 
 
 def _ids(ids: Any) -> Any:
@@ -166,13 +167,11 @@ async def http(served) -> AsyncIterator[TestClient]:
 
 
 async def test_a_push_reads_and_writes_every_table_in_one_request_per_node(
-    memcached_nodes, aiohttp_server, monkeypatch: pytest.MonkeyPatch
+    served_through, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rows and slots of all the tables of a push: one read and one write per node
     (written through: rows written behind are written by the flush, not the push)."""
-    config = _config(memcached_nodes, service={"row_flush_pushes": 1})
-    server = await _serve(config, aiohttp_server)
-    config = dataclasses.replace(config, optimizers=(str(server.make_url("")).rstrip("/"),))
+    config, _ = served_through
     ids = {"user": np.arange(60), "word": [f"w{i}" for i in range(40)], "ads": np.arange(80)}
     async with EmbeddingStore(config) as store:
         await store.lookup_many({t: ids[t] for t in ("user", "ads")})  # words are new
@@ -740,11 +739,12 @@ async def test_a_sync_round_tells_the_rows_it_created_to_one_worker(
 ) -> None:
     """Rows no lookup created: the round that first pushes them creates them, and its
     `created` goes to the worker whose push applied the round, so they count once."""
-    config = _config(
-        memcached_nodes, mode="sync", workers=2, service={"row_flush_pushes": row_flush_pushes}
+    config, _ = await _served(
+        _config(
+            memcached_nodes, mode="sync", workers=2, service={"row_flush_pushes": row_flush_pushes}
+        ),
+        aiohttp_server,
     )
-    server = await _serve(config, aiohttp_server)
-    config = dataclasses.replace(config, optimizers=(str(server.make_url("")).rstrip("/"),))
     ids = np.arange(1_000, 1_030, dtype=np.int64)
     g = np.ones((30, 8), np.float32)
     async with OptimizerClient(config, worker=0) as w0, OptimizerClient(config, worker=1) as w1:
