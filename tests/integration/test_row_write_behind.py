@@ -115,12 +115,12 @@ async def _push(updater: Any, config: Any, ref: Reference, rng: Any, push_id: st
 
 
 async def _until(check: Any) -> None:
-    """Wait up to 5 s for the background flush."""
+    """Wait up to 5 s for background work (the flush, the done records)."""
     for _ in range(250):
         if await check():
             return
         await asyncio.sleep(0.02)
-    raise AssertionError("the rows were not flushed within 5 s")
+    raise AssertionError(f"{check.__name__} did not hold within 5 s")
 
 
 async def test_rows_written_behind_train_exactly_and_reach_memcached_once_per_flush(
@@ -343,10 +343,6 @@ async def test_a_restore_drops_the_rows_not_written_and_frees_their_journal_slot
     updater.resume()
 
 
-async def _no_records_on_their_way(updater: Any) -> bool:
-    return not updater._recording
-
-
 async def test_a_flush_writes_nothing_to_a_node_that_lost_its_data(
     memcached_nodes: list[str], aiohttp_server: Any
 ) -> None:
@@ -361,9 +357,13 @@ async def test_a_flush_writes_nothing_to_a_node_that_lost_its_data(
     config, _, updater, ref, rng = await _replica(memcached_nodes, aiohttp_server, 7)
     for _ in range(2):
         await _push(updater, config, ref, rng)
-    # the done records written first: one that fails on the lost node is finished from its
-    # journal, whose replay writes that push's own rows (the store's window, not the flush)
-    await _until(lambda: _no_records_on_their_way(updater))
+
+    async def done_records_written() -> bool:
+        # first: a done record that fails on the lost node is finished from its journal,
+        # whose replay writes that push's own rows (the store's window, not the flush)
+        return not updater._recording
+
+    await _until(done_records_written)
     lost = memcached_nodes[1]
     with raw_client(lost) as raw:
         raw.flush_all()
