@@ -17,10 +17,14 @@ reorders nor fuses a multiply and an add; its SIMD `+ - * / sqrt` round as the s
 ones do), so the results are the same bits on every x86-64 CPU, AVX-512 or not.
 
 Layouts: LLVM vectorizes a loop over an array only if it knows the stride is 1, i.e.
-for a C-contiguous argument. A kernel that needs the speed is compiled twice (`C` and
-`A` below): writable C-contiguous arrays take the vectorized one, anything else (a
-strided view, a read-only buffer) the general one. Keep the two kinds distinct
-(writable vs read-only), or numba finds the call ambiguous.
+for a C-contiguous argument. A kernel that needs the speed is compiled three times
+(`C`, `RC` and `A` below): C-contiguous arrays take a vectorized one, writable (`C`) or
+read-only (`RC`: a frozen array, a buffer read from a socket), anything else (a
+strided view) the general one. numba matches an exact type first, so a writable
+C-contiguous array takes `C`, a read-only one `RC`, and a mix of the two `RC`; only a
+non-contiguous argument falls to `A` (10 times slower for Adam's loops). Inner loops
+vectorize fully when they index 1-D views of a row (`w = weights[i]`, then `w[j]`), not
+the 2-D array (`weights[i, j]`): see `optimizers.adam`.
 
 Compiled code does not check bounds: its Python callers check the shapes first (a wrong
 one is a ValueError there, never a read past an array).
@@ -33,12 +37,14 @@ from typing import Any
 
 from numba import njit, types
 
-__all__ = ["A1", "A2", "C1", "C2", "compiled"]
+__all__ = ["A1", "A2", "C1", "C2", "RC1", "RC2", "compiled"]
 
 
-# float32 arrays: writable C-contiguous (vectorized loops) and any (module doc)
+# float32 arrays: C-contiguous, writable or read-only (vectorized loops), and any (module doc)
 C1 = types.Array(types.float32, 1, "C")
 C2 = types.Array(types.float32, 2, "C")
+RC1 = types.Array(types.float32, 1, "C", readonly=True)
+RC2 = types.Array(types.float32, 2, "C", readonly=True)
 A1 = types.Array(types.float32, 1, "A", readonly=True)
 A2 = types.Array(types.float32, 2, "A", readonly=True)
 

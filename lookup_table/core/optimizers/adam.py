@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numba import types
 
-from lookup_table.core.jit import A1, A2, C1, C2, compiled
+from lookup_table.core.jit import A1, A2, C1, C2, RC1, RC2, compiled
 from lookup_table.core.optimizers.base import Float32Array, step
 
 if TYPE_CHECKING:  # the runtime imports stay pure (numpy, numba, stdlib)
@@ -141,37 +141,50 @@ def _beta_powers(beta: float, t: Float32Array) -> Float32Array:
 @compiled(
     [
         types.void(C2, C2, types.float32, types.float32, C2),
+        types.void(RC2, RC2, types.float32, types.float32, C2),
         types.void(A2, A2, types.float32, types.float32, C2),
     ]
 )
 def _next_slots(grads, slots, one_minus_beta_1, one_minus_beta_2, out):  # type: ignore[no-untyped-def]  # pragma: no cover
     """m += (g - m) * (1 - beta_1); v += (g**2 - v) * (1 - beta_2); step += 1, each
-    float32 operation rounded as numpy's and Keras' are (in this order)."""
+    float32 operation rounded as numpy's and Keras' are (in this order).
+
+    The inner loops index 1-D views of a row (its m, its v), not the 2-D arrays: LLVM
+    then vectorizes them fully (2-D indexing, `slots[i, dim + j]`, ran 2.5-4.5 times
+    slower, and 1 x 109,824 dense parameters the slowest). Same operations, same bits."""
     dim = grads.shape[1]
     for i in range(grads.shape[0]):
+        g = grads[i]
+        m = slots[i, :dim]
+        v = slots[i, dim : 2 * dim]
+        m_out = out[i, :dim]
+        v_out = out[i, dim : 2 * dim]
         for j in range(dim):  # m, then v: one stream of stores a loop (it vectorizes)
-            out[i, j] = (grads[i, j] - slots[i, j]) * one_minus_beta_1 + slots[i, j]
+            m_out[j] = (g[j] - m[j]) * one_minus_beta_1 + m[j]
         for j in range(dim):
-            g = grads[i, j]
-            v = slots[i, dim + j]
-            out[i, dim + j] = (g * g - v) * one_minus_beta_2 + v
+            v_out[j] = (g[j] * g[j] - v[j]) * one_minus_beta_2 + v[j]
         out[i, 2 * dim] = slots[i, 2 * dim] + np.float32(1)
 
 
 @compiled(
     [
         types.void(C2, C2, C1, types.float32, C2),
+        types.void(RC2, RC2, RC1, types.float32, C2),
         types.void(A2, A2, A1, types.float32, C2),
     ]
 )
 def _moved(weights, new_slots, alpha, epsilon, out):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """w - m * alpha / (sqrt(v) + epsilon), each float32 operation in Keras' order."""
+    """w - m * alpha / (sqrt(v) + epsilon), each float32 operation in Keras' order
+    (1-D views of a row, as in `_next_slots`: 2-D indexing ran 2-12 times slower)."""
     dim = weights.shape[1]
     for i in range(weights.shape[0]):
         a = alpha[i]
+        w = weights[i]
+        m = new_slots[i, :dim]
+        v = new_slots[i, dim : 2 * dim]
+        o = out[i]
         for j in range(dim):
-            delta = new_slots[i, j] * a
-            out[i, j] = weights[i, j] - delta / (np.sqrt(new_slots[i, dim + j]) + epsilon)
+            o[j] = w[j] - (m[j] * a) / (np.sqrt(v[j]) + epsilon)
 
 
 @dataclass(frozen=True, slots=True)
