@@ -18,11 +18,23 @@ is an empty header. Journals of older services (one body: the tables with `old_h
 or the new values' hashes, or the values; inside the header as `body` when it fits) are
 still read, and `write` still writes them (for the tests of their replay).
 
-Rows written behind (`service.row_flush_pushes` > 1) journal the push's *new values*
-instead (`write` with `behind=True`: the one-body format of the values, with a per-replica
-sequence number `seq` in the header). Such a journal stays until a flush of the rows
-covers it, done record or not; a restart replays every one, in `seq` order (values:
-the newest wins), before it serves.
+Rows written behind (`service.row_flush_pushes` > 1) are journaled in the one-body
+format instead (`write` with `seq`, a per-replica sequence number, in the header). Such a
+journal stays until a flush of the rows covers it, done record or not; a restart replays
+every one, in `seq` order, before it serves. Per table it keeps (`_encode_behind`):
+
+* for an optimizer that counts a row's steps (Adam: `optimizers.step_slot`), the push's
+  summed gradients and each row's step before the push. A replay reads the rows from
+  memcached and applies the journals in order to the rows whose step is the journaled
+  one; a row with a later step was written by a flush after that push (`Updater._restep`);
+* otherwise (SGD, Adagrad, or a row past float32's exact steps) the new values: the
+  newest wins.
+
+Memcached holds a row written behind from some flush, of any push: the flush may have
+been cut short, and the journals of the pushes before it are not cleared yet. The steps
+tell exactly which of those pushes each row has had, where values would have to be
+written again in full (three times the bytes for Adam: 16 + 33 floats a dim-16 row
+instead of 16 + 1).
 
 A plan whose write failed after it was journaled is replayed from here: in the
 background while the replica lives (`Journal.finish_later`), or by the next replica
@@ -41,7 +53,7 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +62,7 @@ from numpy.typing import NDArray
 
 from lookup_table.core.keys import IdArray
 from lookup_table.core.keyspace import META_TABLE, Kind, journal_id
+from lookup_table.core.optimizers import MAX_EXACT_STEP
 from lookup_table.core.rows import value_hashes
 from lookup_table.core.wire import decode_array, decode_ids, encode_array, encode_ids, pack, unpack
 from lookup_table.errors import DataLossError, StoreError
@@ -193,12 +206,19 @@ class Journal:
             ids = [self._id(slot, first + i) for i in range(len(chunks))]
             await self.store.set_blobs(META_TABLE, ids, chunks, kind=Kind.JOURNAL)
 
-    async def write(self, slot: int, plan: WritePlan, *, seq: int | None = None) -> None:
+    async def write(
+        self,
+        slot: int,
+        plan: WritePlan,
+        *,
+        seq: int | None = None,
+        step_slots: Mapping[str, int | None] | None = None,
+    ) -> None:
         """A plan in the one-body format: chunks first, then the header (with a CRC-32 of
-        the body). With `seq`, the plan's updates are its new values, written behind
-        (see the module's doc); without, the format of older services (for the tests of
-        its replay)."""
-        chunks, header = encode_journal(plan, seq=seq)
+        the body). With `seq`, rows written behind (see the module's doc: gradients and
+        steps where `step_slots` names a table's step column, else new values); without,
+        the format of older services (for the tests of its replay)."""
+        chunks, header = encode_journal(plan, seq=seq, step_slots=step_slots)
         await self._write_chunks(slot, 0, chunks)
         await self.write_header(slot, header)
 
@@ -369,6 +389,31 @@ def _encode_update(u: TableUpdate) -> dict[str, Any]:
     }
 
 
+def _encode_behind(u: TableUpdate, step_slot: int | None) -> dict[str, Any]:
+    """A table of a journal of rows written behind: its gradients and each row's step
+    before the push (`steps`) when its optimizer counts steps (`step_slot`) and every new
+    step is exact (at most `MAX_EXACT_STEP`); else its new values. The steps say at a
+    replay which rows memcached holds from before the push (their step is the journaled
+    one: the push is applied again), and which from after it (a flush wrote them since:
+    skipped). A third as many bytes as the values for Adam (dim 16: 16 + 1 floats a
+    row instead of 16 + 33)."""
+    if step_slot is not None and u.grads is not None and u.ids.shape[0]:
+        new_steps = u.slots[:, step_slot]
+        if bool((new_steps <= MAX_EXACT_STEP).all()) and bool((new_steps >= 1).all()):
+            return {
+                "table": u.table,
+                "ids": encode_ids(u.ids),
+                "grads": encode_array(u.grads),
+                "steps": encode_array(new_steps - np.float32(1)),
+            }
+    return {
+        "table": u.table,
+        "ids": encode_ids(u.ids),
+        "rows": encode_array(u.rows),
+        "slots": encode_array(u.slots),
+    }
+
+
 def _cut(body: bytes) -> list[bytes]:
     return [body[i : i + JOURNAL_CHUNK_BYTES] for i in range(0, len(body), JOURNAL_CHUNK_BYTES)]
 
@@ -428,16 +473,28 @@ def _dense_doc(plan: WritePlan) -> dict[str, Any]:
     return {}
 
 
-def encode_journal(plan: WritePlan, *, seq: int | None = None) -> tuple[list[bytes], bytes]:
+def encode_journal(
+    plan: WritePlan,
+    *,
+    seq: int | None = None,
+    step_slots: Mapping[str, int | None] | None = None,
+) -> tuple[list[bytes], bytes]:
     """A plan in the one-body format, as journal chunks (<= JOURNAL_CHUNK_BYTES) and its
     header (pure, thread-safe; `Journal.write`).
 
-    A body that fits in one item travels inside the header: no chunks. The tables are
-    the plan's `steps` when it has them (with the hashes of the items before the push:
-    sessions 8-10), else its updates: their new values (no gradients: rows written
-    behind, with `seq` in the header), or their new values' hashes (before session 8).
+    A body that fits in one item travels inside the header: no chunks. With `seq` (rows
+    written behind, `seq` in the header) the tables are the plan's updates as
+    `_encode_behind` writes them (`step_slots`: each table's step column, None or absent:
+    its values). Without, the formats of older services: the plan's `steps` when it has
+    them (with the hashes of the items before the push: sessions 8-10), else its updates:
+    their new values (when they have no gradients), or their new values' hashes (before
+    session 8).
     """
-    tables = [_encode_step(s) for s in plan.steps] or [_encode_update(u) for u in plan.updates]
+    if seq is not None:
+        slots_of = step_slots or {}
+        tables = [_encode_behind(u, slots_of.get(u.table)) for u in plan.updates]
+    else:
+        tables = [_encode_step(s) for s in plan.steps] or [_encode_update(u) for u in plan.updates]
     doc: dict[str, Any] = {"push_id": plan.push_id, "version": plan.version, "tables": tables}
     body = pack({**doc, **_dense_doc(plan)})
     header: dict[str, Any] = {
@@ -464,6 +521,14 @@ def _decode_table(t: dict[str, Any]) -> TableUpdate | TableRedo:
             slots=decode_array(t["slots"], field="journal.slots").copy(),
         )
     grads = decode_array(t["grads"], field="journal.grads").copy()
+    if "steps" in t:  # rows written behind: each row's step before the push
+        steps = decode_array(t["steps"], field="journal.steps", dtype="<f4").copy()
+        if steps.shape != ids.shape[:1] or grads.shape[:1] != ids.shape[:1]:
+            raise ValueError(
+                f"journal: table {t['table']!r} has {ids.shape[0]} ids, {grads.shape[0]} "
+                f"gradient rows and {steps.shape[0]} steps"
+            )
+        return TableRedo(table=t["table"], ids=ids, grads=grads, steps=steps)
     if "old_hashes" in t:
         old = decode_array(t["old_hashes"], field="journal.old_hashes").view(np.uint64)
         return TableRedo(table=t["table"], ids=ids, grads=grads, old_hashes=old)

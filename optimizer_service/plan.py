@@ -60,8 +60,10 @@ class TableUpdate:
     ids: IdArray
     rows: NDArray[np.float32]
     slots: NDArray[np.float32]
-    # the summed gradients: journaled with the new values' hashes when the plan has no
-    # `steps` (how an older service journaled a push; tests write such journals)
+    # the summed gradients of `ids`: what a journal of rows written behind keeps (with
+    # each row's step before the push); `Journal.write` without `seq` journals them with
+    # the new values' hashes when the plan has no `steps` (how an older service
+    # journaled a push; tests write such journals)
     grads: NDArray[np.float32] | None = None
     # Admission (`admit_after`): the gradients of ids without a row are dropped, so `ids`
     # lacks them; `answer` is then (every unique id of the push, its row after the push:
@@ -109,12 +111,14 @@ class TableRedo:
     and per id its item's change witness (`witness`, (n,) int64: `rows.change_witnesses`).
     Journals of older services have instead the `value_hashes` of each item before the
     push (`old_hashes`, (n,) uint64), or the hashes of the new rows and of the new slots
-    (`row_hashes`, `slot_hashes`)."""
+    (`row_hashes`, `slot_hashes`). A journal of rows written behind has `steps`: each
+    row's step count before the push ((n,) float32, `optimizers.step_slot`)."""
 
     table: str
     ids: IdArray
     grads: NDArray[np.float32]
     witness: NDArray[np.int64] | None = None
+    steps: NDArray[np.float32] | None = None
     old_hashes: NDArray[np.uint64] | None = None
     row_hashes: NDArray[np.uint64] | None = None
     slot_hashes: NDArray[np.uint64] | None = None

@@ -83,7 +83,7 @@ from lookup_table.config import ClusterConfig
 from lookup_table.core.initializers import initial_rows_many
 from lookup_table.core.keys import IdArray
 from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id, version_id
-from lookup_table.core.optimizers import Optimizer, make_optimizer
+from lookup_table.core.optimizers import Optimizer, make_optimizer, step_slot
 from lookup_table.core.rowcache import RowCache
 from lookup_table.core.rows import NOT_UPDATED, change_witnesses, still_old, value_hashes
 from lookup_table.core.sharding import row_hashes_many
@@ -178,6 +178,13 @@ class Updater:
         self.replica = replica
         self.push_record_ttl_s = push_record_ttl_s
         self.optimizers = {t.name: make_optimizer(t.optimizer) for t in config.tables}
+        # each table's step column (Adam): its journal written behind keeps the gradients
+        # and steps (module journal). Not with `ttl_s`: a row that expired before a replay
+        # would look like a lost update; its values are journaled
+        self._step_slots = {
+            t.name: step_slot(self.optimizers[t.name], t.dim) if t.ttl_s is None else None
+            for t in config.tables
+        }
         self.dense = DenseParams(store, make_optimizer(config.optimizer))
         self.locks = RowLocks()
         # rows written behind (docs/write-behind.md): every row_flush_pushes pushes
@@ -488,7 +495,9 @@ class Updater:
                         raise result
                 if started is None:  # the new values, kept until a flush writes them
                     self._journal_seq += 1
-                    await self.journal.write(slot, plan, seq=self._journal_seq)
+                    await self.journal.write(
+                        slot, plan, seq=self._journal_seq, step_slots=self._step_slots
+                    )
                 else:
                     await self.journal.write_end(slot, started.result(), plan)
                 journaled = True
@@ -841,7 +850,13 @@ class Updater:
         step = p.step
         if p.keep is None or p.all_rows is None:
             return TableUpdate(
-                step.table, step.ids, new_rows, new_slots, witness=witness, created=p.created
+                step.table,
+                step.ids,
+                new_rows,
+                new_slots,
+                grads=step.grads,
+                witness=witness,
+                created=p.created,
             )
         # the push's answer gives the dropped ids their initial rows (`all_rows` holds them)
         answer = p.all_rows.copy()
@@ -853,6 +868,7 @@ class Updater:
             ids=step.ids,
             rows=new_rows,
             slots=new_slots,
+            grads=step.grads,
             answer=(p.grads.ids, answer),
             dropped=int(p.grads.ids.shape[0] - p.keep.size),
             witness=every,
@@ -1286,6 +1302,7 @@ class Updater:
         # rows written behind: every journal, done or not, in their order (the newest
         # value of a row wins); each replay writes its done record
         found.sort(key=lambda sp: sp[1].journal_seq)
+        await self._restep([plan for _, plan in found if plan.journal_seq])
         for _, plan in found:
             if plan.journal_seq or not await self.is_done(plan.push_id):
                 logger.warning(
@@ -1301,6 +1318,80 @@ class Updater:
         await self._set_version(version)
         self._sentinels = await self._cache_sentinels()
         return finished
+
+    async def _restep(self, plans: Sequence[WritePlan]) -> None:
+        """In place, the journals of rows written behind (in their order) that keep
+        gradients and steps (`TableRedo.steps`) get their updates' values back: the rows
+        journaled are read from memcached once, then each journal is applied in order to
+        the rows whose step is its journaled one, i.e. that memcached (or an earlier
+        journal) holds from just before the push. A row with a later step has it already:
+        a flush wrote it after the push. Journals of values set what they hold. The
+        steps go up by exactly one an update, so this is exact, whatever a crash left
+        half-flushed, and bit for bit what the replica computed (a row's step depends on
+        its own values only).
+
+        Raises:
+            RuntimeError: a row's stored step is below a journal's: an update of the row
+                is in neither memcached nor a journal (lost).
+        """
+        stepped = [r for plan in plans for r in plan.redo if r.steps is not None]
+        if not stepped:
+            return
+        union: dict[str, IdArray] = {}
+        for r in stepped:
+            union[r.table] = np.union1d(union.get(r.table, r.ids[:0]), r.ids)
+        reads = [
+            TableRedo(table, ids, np.empty((0, 0), np.float32)) for table, ids in union.items()
+        ]
+        got = await self._read(reads, [np.ones(ids.shape[0], dtype=bool) for ids in union.values()])
+        state: dict[str, tuple[IdArray, NDArray[np.float32], NDArray[np.float32]]] = {}
+        unknown: list[Unwritten] = []
+        for (table, ids), (rows, slots, found) in zip(union.items(), got, strict=True):
+            rows, slots = rows.copy(), slots.copy()
+            state[table] = (ids, rows, slots)
+            unknown.append((table, ids, rows, slots, found))
+        self._fill_unwritten(unknown)  # no row yet: the initial value the push started from
+        for plan in plans:
+            for u in plan.updates:  # values (an optimizer without steps): newest so far
+                if u.table in state:
+                    ids, rows, slots = state[u.table]
+                    at = np.searchsorted(ids, u.ids)
+                    held = at < ids.shape[0]
+                    held[held] = ids[at[held]] == u.ids[held]
+                    rows[at[held]], slots[at[held]] = u.rows[held], u.slots[held]
+            redo = []
+            for r in plan.redo:
+                if r.steps is None:
+                    redo.append(r)
+                    continue
+                ids, rows, slots = state[r.table]
+                column = self._step_slots.get(r.table)
+                if column is None or column != slots.shape[1] - 1:
+                    raise RuntimeError(
+                        f"replica {self.replica}: journaled push {plan.push_id} keeps steps "
+                        f"of table {r.table!r}, whose optimizer counts none now (the config "
+                        f"changed since): start it with the config it was written with"
+                    )
+                at = np.searchsorted(ids, r.ids)
+                now = slots[at, column]
+                lost = np.flatnonzero(now < r.steps)
+                if lost.size:
+                    i = int(lost[0])
+                    raise RuntimeError(
+                        f"replica {self.replica}: journaled push {plan.push_id} updates row "
+                        f"{r.ids[i]!r} of table {r.table!r} from step {int(r.steps[i])}, but "
+                        f"memcached and the earlier journals hold it at step {int(now[i])}: "
+                        f"an update of it is lost; restore a checkpoint "
+                        f"(lookup-table-checkpoint restore)"
+                    )
+                due = now == r.steps  # the others are newer: a flush wrote them since
+                todo = at[due]
+                new_rows, new_slots = self.optimizers[r.table].update(
+                    rows[todo], r.grads[due], slots[todo]
+                )
+                rows[todo], slots[todo] = new_rows, new_slots
+                plan.updates.append(TableUpdate(r.table, ids[todo], new_rows, new_slots))
+            plan.redo = redo
 
     async def _recover_dense(self, version: int) -> None:
         """Rebuild the dense state from the stored generation and the logs of the updates

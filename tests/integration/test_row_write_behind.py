@@ -382,6 +382,115 @@ async def test_a_flush_writes_nothing_to_a_node_that_lost_its_data(
     updater.resume()
 
 
+async def _crashed_after(
+    memcached_nodes: list[str], aiohttp_server: Any, pushes: int, seed: int
+) -> tuple[Any, Reference, list[tuple[np.ndarray, np.ndarray]]]:
+    """`pushes` pushes written behind, then the replica dies (no flush): the config, the
+    reference, and table t's (rows, slots) after each push."""
+    config, server, updater, ref, rng = await _replica(
+        memcached_nodes, aiohttp_server, seed, row_flush_pushes=10
+    )
+    after = []
+    for _ in range(pushes):
+        await _push(updater, config, ref, rng)
+        after.append((ref.state["t"][0].copy(), ref.state["t"][1].copy()))
+    await asyncio.sleep(0.2)  # the done records land
+    updater._cancel_row_timer()
+    await server.runner.shutdown()
+    return config, ref, after
+
+
+async def _journals(config: Any) -> list[Any]:
+    """The replica's journals written behind, in their order."""
+    async with EmbeddingStore(config) as store:
+        journal = Journal(store, replica=0)
+        plans = [await journal.read(s) for s in range(MAX_JOURNAL_SLOTS)]
+    return sorted((p for p in plans if p is not None), key=lambda p: p.journal_seq)
+
+
+async def test_a_replay_after_a_flush_cut_short_gives_each_row_the_pushes_it_lacks(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    """Adam's journal written behind keeps the gradients and each row's step before the
+    push, not the new values. A flush cut short leaves rows of several ages in memcached;
+    the replay applies to each exactly the journaled pushes after its step."""
+    config, ref, after = await _crashed_after(memcached_nodes, aiohttp_server, 5, seed=2)
+    plans = await _journals(config)
+    assert len(plans) == 5
+    for plan, steps in zip(plans, range(5), strict=True):
+        assert [r.table for r in plan.redo] == ["t", "s"] and not plan.updates
+        redo = plan.redo[0]
+        assert redo.steps is not None
+        np.testing.assert_array_equal(redo.steps, np.full(IDS.shape[0], steps, np.float32))
+    # the cut flush: rows 0-99 reached memcached at push 3's values, rows 100-199 at push
+    # 5's (the newest), rows 200-299 not at all
+    async with EmbeddingStore(config) as store:
+        for span, (rows, slots) in ((slice(0, 100), after[2]), (slice(100, 200), after[4])):
+            await store.set("t", IDS[span], rows[span], slots=slots[span])
+    restarted = await _start(config, aiohttp_server, sentinels=False)
+    rows, slots, found = await _stored(config, "t", IDS)
+    assert found.all()
+    np.testing.assert_array_equal(rows, ref.state["t"][0])  # push 5's, bit for bit
+    np.testing.assert_array_equal(slots, ref.state["t"][1])
+    assert not await _journals(config)
+    await restarted.app[UPDATER].close()
+
+
+async def test_a_row_behind_its_journals_stops_the_start_and_says_why(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    """A journal that expects a row at a step neither memcached nor an earlier journal
+    has: an update of the row is lost. The replica does not start (nothing is written),
+    and says which row and what to do. So does a journal of steps for a table whose
+    optimizer counts none any more."""
+    config, _, _ = await _crashed_after(memcached_nodes, aiohttp_server, 3, seed=3)
+    async with EmbeddingStore(config) as store:  # the first push's journal goes missing
+        journal = Journal(store, replica=0)
+        headers = await journal.headers()
+        first = min(
+            (s for s, h in enumerate(headers) if h), key=lambda s: unpack(headers[s])["seq"]
+        )
+        await journal.clear(first)
+    with pytest.raises(RuntimeError, match=r"from step 1, but .* at step 0: an update .*lost"):
+        await _start(config, aiohttp_server, sentinels=False)
+    _, _, found = await _stored(config, "t", IDS)
+    assert not found.any()
+    tables = [{**TABLES[0], "optimizer": {"name": "sgd"}}, TABLES[1]]
+    sgd = dataclasses.replace(config, tables=make_config(["127.0.0.1:1"], tables=tables).tables)
+    with pytest.raises(RuntimeError, match=r"keeps steps of table 't', whose optimizer counts"):
+        await _start(sgd, aiohttp_server, sentinels=False)
+
+
+def test_a_journal_written_behind_keeps_values_where_steps_are_not_exact() -> None:
+    """Per table: gradients and steps for Adam while every new step is exact in float32
+    (at most 2**24); the new values for a row past it, and for optimizers without a step
+    (the newest value wins at a replay)."""
+    from optimizer_service.journal import decode_journal, encode_journal
+    from optimizer_service.plan import TableUpdate, WritePlan
+
+    ids = np.array([3, 5], dtype=np.int64)
+    grads = np.ones((2, 2), np.float32)
+    rows = np.zeros((2, 2), np.float32)
+
+    def update(table: str, steps: list[float]) -> TableUpdate:
+        slots = np.zeros((2, 5), np.float32)
+        slots[:, 4] = steps
+        return TableUpdate(table, ids, rows, slots, grads=grads)
+
+    plan = WritePlan(
+        push_id="p",
+        updates=[update("a", [1, 2**24]), update("b", [2, 2**24 + 2]), update("c", [1, 1])],
+    )
+    chunks, header = encode_journal(plan, seq=1, step_slots={"a": 4, "b": 4, "c": None})
+    back = decode_journal(unpack(header)["body"])
+    (a,) = back.redo
+    assert a.table == "a" and a.steps is not None
+    np.testing.assert_array_equal(a.steps, [0, 2**24 - 1])
+    np.testing.assert_array_equal(a.grads, grads)
+    assert [u.table for u in back.updates] == ["b", "c"]  # values
+    np.testing.assert_array_equal(back.updates[0].slots, plan.updates[1].slots)
+
+
 def test_row_flush_pushes_is_bounded_by_the_journal_slots() -> None:
     from lookup_table.errors import ConfigError
 

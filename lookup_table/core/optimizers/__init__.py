@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
     )
 
 __all__ = [
+    "MAX_EXACT_STEP",
     "SGD",
     "Adagrad",
     "Adam",
@@ -56,6 +57,7 @@ __all__ = [
     "make_optimizer",
     "segment_sum",
     "slot_width",
+    "step_slot",
 ]
 
 
@@ -86,3 +88,20 @@ def make_optimizer(config: OptimizerConfig) -> Optimizer:
 def slot_width(spec: TableSpec) -> int:
     """Floats of one row's slots in table `spec`: its optimizer's `slot_width(spec.dim)`."""
     return make_optimizer(spec.optimizer).slot_width(spec.dim)
+
+
+# float32 counts every whole number up to 2**24 exactly: below it, `step + 1` is the next
+MAX_EXACT_STEP = float(2**24)
+
+
+def step_slot(optimizer: Optimizer, dim: int) -> int | None:
+    """The slot column that counts a row's updates, or None for an optimizer without one.
+
+    Adam's `step` (its last slot) goes up by exactly 1 at every update of the row while it
+    is below `MAX_EXACT_STEP` (float32: above it, `step + 1 == step`). A stored row's step
+    then says exactly which of the updates journaled for it it has already had: the
+    journal of rows written behind keeps the gradients and each row's step before the
+    push instead of the new values (`optimizer_service.journal`).
+    """
+    names = optimizer.slot_names
+    return optimizer.slot_width(dim) - 1 if names and names[-1] == "step" else None
