@@ -1330,9 +1330,15 @@ class Updater:
         half-flushed, and bit for bit what the replica computed (a row's step depends on
         its own values only).
 
+        A row memcached does not hold that a journal steps from a later step than its
+        initial one was written by a flush and then lost with its node: a `reinit` (its
+        node's new sentinel lets the reads through) accepted that. It starts again from
+        its initial value, as the rows of that node the replica did not hold do (a
+        warning counts them); the journals' later pushes skip it.
+
         Raises:
-            RuntimeError: a row's stored step is below a journal's: an update of the row
-                is in neither memcached nor a journal (lost).
+            RuntimeError: a row memcached holds (or an earlier journal made) is at a step
+                below a journal's: an update of the row is in neither (lost).
         """
         stepped = [r for plan in plans for r in plan.redo if r.steps is not None]
         if not stepped:
@@ -1345,11 +1351,14 @@ class Updater:
         ]
         got = await self._read(reads, [np.ones(ids.shape[0], dtype=bool) for ids in union.values()])
         state: dict[str, tuple[IdArray, NDArray[np.float32], NDArray[np.float32]]] = {}
+        known: dict[str, NDArray[np.bool_]] = {}  # in memcached, or made by a journal
         unknown: list[Unwritten] = []
         for (table, ids), (rows, slots, found) in zip(union.items(), got, strict=True):
             rows, slots = rows.copy(), slots.copy()
             state[table] = (ids, rows, slots)
+            known[table] = found.copy()
             unknown.append((table, ids, rows, slots, found))
+        gone: dict[str, int] = {}
         self._fill_unwritten(unknown)  # no row yet: the initial value the push started from
         for plan in plans:
             for u in plan.updates:  # values (an optimizer without steps): newest so far
@@ -1374,7 +1383,10 @@ class Updater:
                     )
                 at = np.searchsorted(ids, r.ids)
                 now = slots[at, column]
-                lost = np.flatnonzero(now < r.steps)
+                behind = now < r.steps
+                lost = np.flatnonzero(behind & known[r.table][at])
+                if behind.any():
+                    gone[r.table] = gone.get(r.table, 0) + int(np.count_nonzero(behind))
                 if lost.size:
                     i = int(lost[0])
                     raise RuntimeError(
@@ -1390,8 +1402,18 @@ class Updater:
                     rows[todo], r.grads[due], slots[todo]
                 )
                 rows[todo], slots[todo] = new_rows, new_slots
+                known[r.table][todo] = True
                 plan.updates.append(TableUpdate(r.table, ids[todo], new_rows, new_slots))
             plan.redo = redo
+        for table, count in gone.items():
+            logger.warning(
+                "replica %d: %d journaled updates of rows of table %r that memcached lost "
+                "(a re-initialized node) are skipped: those rows start again from their "
+                "initial values",
+                self.replica,
+                count,
+                table,
+            )
 
     async def _recover_dense(self, version: int) -> None:
         """Rebuild the dense state from the stored generation and the logs of the updates

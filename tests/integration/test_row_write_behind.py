@@ -436,29 +436,54 @@ async def test_a_replay_after_a_flush_cut_short_gives_each_row_the_pushes_it_lac
     await restarted.app[UPDATER].close()
 
 
+async def _clear_journal(config: Any, nth: int) -> None:
+    """Clear the journal of the `nth` push (0: the first) of those written behind."""
+    async with EmbeddingStore(config) as store:
+        journal = Journal(store, replica=0)
+        headers = await journal.headers()
+        order = sorted(
+            (s for s, h in enumerate(headers) if h), key=lambda s: unpack(headers[s])["seq"]
+        )
+        await journal.clear(order[nth])
+
+
 async def test_a_row_behind_its_journals_stops_the_start_and_says_why(
     memcached_nodes: list[str], aiohttp_server: Any
 ) -> None:
-    """A journal that expects a row at a step neither memcached nor an earlier journal
-    has: an update of the row is lost. The replica does not start (nothing is written),
+    """A journal that expects a row at a later step than memcached holds it: an update
+    of the row is in neither (lost). The replica does not start (nothing is written),
     and says which row and what to do. So does a journal of steps for a table whose
     optimizer counts none any more."""
-    config, _, _ = await _crashed_after(memcached_nodes, aiohttp_server, 3, seed=3)
-    async with EmbeddingStore(config) as store:  # the first push's journal goes missing
-        journal = Journal(store, replica=0)
-        headers = await journal.headers()
-        first = min(
-            (s for s, h in enumerate(headers) if h), key=lambda s: unpack(headers[s])["seq"]
-        )
-        await journal.clear(first)
-    with pytest.raises(RuntimeError, match=r"from step 1, but .* at step 0: an update .*lost"):
-        await _start(config, aiohttp_server, sentinels=False)
-    _, _, found = await _stored(config, "t", IDS)
-    assert not found.any()
+    config, _, after = await _crashed_after(memcached_nodes, aiohttp_server, 3, seed=3)
     tables = [{**TABLES[0], "optimizer": {"name": "sgd"}}, TABLES[1]]
     sgd = dataclasses.replace(config, tables=make_config(["127.0.0.1:1"], tables=tables).tables)
     with pytest.raises(RuntimeError, match=r"keeps steps of table 't', whose optimizer counts"):
         await _start(sgd, aiohttp_server, sentinels=False)
+    # a flush wrote push 1's values, then the second push's journal goes missing
+    async with EmbeddingStore(config) as store:
+        await store.set("t", IDS, after[0][0], slots=after[0][1])
+    await _clear_journal(config, 1)
+    with pytest.raises(RuntimeError, match=r"from step 2, but .* at step 1: an update .*lost"):
+        await _start(config, aiohttp_server, sentinels=False)
+    rows, _, _ = await _stored(config, "t", IDS)
+    np.testing.assert_array_equal(rows, after[0][0])  # nothing written
+
+
+async def test_rows_a_reinitialized_node_lost_restart_from_their_initial_values(
+    memcached_nodes: list[str], aiohttp_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rows memcached does not hold that the journals step from a later step than the
+    initial one: a flush had written them, and their node lost them (a `reinit` accepted
+    that). They start again from their initial values, as the lost node's rows the
+    replica did not hold do, with a warning; the replica starts."""
+    config, _, _ = await _crashed_after(memcached_nodes, aiohttp_server, 3, seed=4)
+    await _clear_journal(config, 0)  # as if push 1's rows had been flushed, then lost
+    with caplog.at_level("WARNING"):
+        restarted = await _start(config, aiohttp_server, sentinels=False)
+    assert "600 journaled updates of rows of table 't' that memcached lost" in caplog.text
+    _, _, found = await _stored(config, "t", IDS)
+    assert not found.any()  # not re-created by the replay: their next push creates them
+    await restarted.app[UPDATER].close()
 
 
 def test_a_journal_written_behind_keeps_values_where_steps_are_not_exact() -> None:
