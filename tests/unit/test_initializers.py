@@ -135,6 +135,34 @@ def test_golden_digest_of_many_normal_rows(name: str) -> None:
     assert hashlib.sha256(rows.tobytes()).hexdigest() == GOLDEN_DIGESTS[name]
 
 
+def _numpy_uniform01(base: np.ndarray, first: int, count: int) -> np.ndarray:
+    """The module's formula for the uniform draws, in plain numpy (what the compiled
+    `_uniform_block` replaces)."""
+    counters = np.arange(first, first + count, dtype=np.uint64)
+    bits = initializers.mix64(
+        base[:, None] + (counters[None, :] + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    )
+    return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+@pytest.mark.parametrize(("minval", "maxval"), [(-0.05, 0.05), (0.0, 1.0), (-3.0, 1e-3)])
+def test_compiled_uniform_draws_and_rows_are_the_numpy_formulas_bits(
+    minval: float, maxval: float
+) -> None:
+    """The uniform draws and uniform rows run compiled (one pass); the same bits as the
+    formula in numpy float64 math, whatever the bases (all 64 bits used)."""
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 2**64, size=3000, dtype=np.uint64, endpoint=False)
+    for first, count in [(0, 16), (32, 64), (5, 3)]:
+        got = initializers._uniform01(base, first, count)
+        assert got.tobytes() == _numpy_uniform01(base, first, count).tobytes()
+    rows = initializers._rows_from(spec("uniform", minval=minval, maxval=maxval), base, 3000, 40)
+    want = (minval + (maxval - minval) * _numpy_uniform01(base, 0, 40)).astype(np.float32)
+    want = np.minimum(want, np.nextafter(np.float32(maxval), np.float32(minval)))
+    assert rows.tobytes() == want.tobytes()
+    assert rows.min() >= np.float32(minval) and rows.max() < np.float32(maxval)
+
+
 @pytest.mark.parametrize(
     ("name", "mean"), [("normal", 0.0), ("normal", 0.3), ("truncated_normal", -1.0)]
 )
