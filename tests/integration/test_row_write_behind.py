@@ -384,16 +384,16 @@ async def test_a_flush_writes_nothing_to_a_node_that_lost_its_data(
 
 async def _crashed_after(
     memcached_nodes: list[str], aiohttp_server: Any, pushes: int, seed: int
-) -> tuple[Any, Reference, list[tuple[np.ndarray, np.ndarray]]]:
+) -> tuple[Any, Reference, list[dict[str, tuple[np.ndarray, np.ndarray]]]]:
     """`pushes` pushes written behind, then the replica dies (no flush): the config, the
-    reference, and table t's (rows, slots) after each push."""
+    reference, and each table's (rows, slots) after each push."""
     config, server, updater, ref, rng = await _replica(
         memcached_nodes, aiohttp_server, seed, row_flush_pushes=10
     )
     after = []
     for _ in range(pushes):
         await _push(updater, config, ref, rng)
-        after.append((ref.state["t"][0].copy(), ref.state["t"][1].copy()))
+        after.append({n: (ref.state[n][0].copy(), ref.state[n][1].copy()) for n in ("t", "s")})
     await asyncio.sleep(0.2)  # the done records land
     updater._cancel_row_timer()
     await server.runner.shutdown()
@@ -423,15 +423,23 @@ async def test_a_replay_after_a_flush_cut_short_gives_each_row_the_pushes_it_lac
         assert redo.steps is not None
         np.testing.assert_array_equal(redo.steps, np.full(IDS.shape[0], steps, np.float32))
     # the cut flush: rows 0-99 reached memcached at push 3's values, rows 100-199 at push
-    # 5's (the newest), rows 200-299 not at all
+    # 5's (the newest), rows 200-299 not at all; and the string ids of table s (written
+    # through by each push) as if push 5's write had stopped after its journal
     async with EmbeddingStore(config) as store:
-        for span, (rows, slots) in ((slice(0, 100), after[2]), (slice(100, 200), after[4])):
+        for span, (rows, slots) in (
+            (slice(0, 100), after[2]["t"]),
+            (slice(100, 200), after[4]["t"]),
+        ):
             await store.set("t", IDS[span], rows[span], slots=slots[span])
+        await store.set("s", WORDS, after[3]["s"][0], slots=after[3]["s"][1])
     restarted = await _start(config, aiohttp_server, sentinels=False)
     rows, slots, found = await _stored(config, "t", IDS)
     assert found.all()
     np.testing.assert_array_equal(rows, ref.state["t"][0])  # push 5's, bit for bit
     np.testing.assert_array_equal(slots, ref.state["t"][1])
+    rows, slots, _ = await _stored(config, "s", WORDS)
+    np.testing.assert_array_equal(rows, ref.state["s"][0])
+    np.testing.assert_array_equal(slots, ref.state["s"][1])
     assert not await _journals(config)
     await restarted.app[UPDATER].close()
 
@@ -461,12 +469,12 @@ async def test_a_row_behind_its_journals_stops_the_start_and_says_why(
         await _start(sgd, aiohttp_server, sentinels=False)
     # a flush wrote push 1's values, then the second push's journal goes missing
     async with EmbeddingStore(config) as store:
-        await store.set("t", IDS, after[0][0], slots=after[0][1])
+        await store.set("t", IDS, after[0]["t"][0], slots=after[0]["t"][1])
     await _clear_journal(config, 1)
     with pytest.raises(RuntimeError, match=r"from step 2, but .* at step 1: an update .*lost"):
         await _start(config, aiohttp_server, sentinels=False)
     rows, _, _ = await _stored(config, "t", IDS)
-    np.testing.assert_array_equal(rows, after[0][0])  # nothing written
+    np.testing.assert_array_equal(rows, after[0]["t"][0])  # nothing written
 
 
 async def test_rows_a_reinitialized_node_lost_restart_from_their_initial_values(
