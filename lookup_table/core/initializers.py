@@ -129,24 +129,27 @@ _U64 = types.Array(types.uint64, 1, "C", readonly=True)
 _F32_OUT = types.Array(types.float32, 2, "C")
 
 
+@compiled(types.float64(types.uint64, types.uint64))
+def _draw(base, counter):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """`_uniform` of one (base, counter): wrapping uint64 operations, as numpy's, and one
+    exact conversion, so the same bits."""
+    z = base + (counter + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return np.float64(z >> np.uint64(11)) * 1.1102230246251565e-16  # 2**-53
+
+
 @compiled(types.void(_U64, types.uint64, types.Array(types.float64, 2, "C")))
 def _uniform_block(base, first_counter, out):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """`_uniform` of (base[i], first_counter + j) into out[i, j], one pass, no
-    temporaries: integer operations (wrapping uint64, as numpy's) and one exact
-    conversion, so the same bits as `_uniform`. numpy's version makes ~10 passes over
-    (n, count) uint64 temporaries (~6 ms per million values)."""
-    golden = np.uint64(0x9E3779B97F4A7C15)
-    m1 = np.uint64(0xBF58476D1CE4E5B9)
-    m2 = np.uint64(0x94D049BB133111EB)
+    """`_uniform` of (base[i], first_counter + j) into out[i, j], in one pass (numpy's
+    version makes ~10 passes over (n, count) uint64 temporaries, ~6 ms per million
+    values)."""
     for i in range(out.shape[0]):
         b = base[i]
         row = out[i]
         for j in range(out.shape[1]):
-            z = b + (first_counter + np.uint64(j) + np.uint64(1)) * golden
-            z = (z ^ (z >> np.uint64(30))) * m1
-            z = (z ^ (z >> np.uint64(27))) * m2
-            z = z ^ (z >> np.uint64(31))
-            row[j] = np.float64(z >> np.uint64(11)) * 1.1102230246251565e-16  # 2**-53
+            row[j] = _draw(b, first_counter + np.uint64(j))
 
 
 @compiled(types.void(_U64, types.float64, types.float64, types.float32, _F32_OUT))
@@ -154,19 +157,11 @@ def _uniform_rows(base, lo, span, top, out):  # type: ignore[no-untyped-def]  # 
     """float32(lo + span * u) capped at `top`, u = `_uniform` of (base[i], j): what
     `_rows_from` computes for `uniform` in float64 numpy, op for op (no fused
     multiply-add: see `lookup_table.core.jit`), in one pass."""
-    golden = np.uint64(0x9E3779B97F4A7C15)
-    m1 = np.uint64(0xBF58476D1CE4E5B9)
-    m2 = np.uint64(0x94D049BB133111EB)
     for i in range(out.shape[0]):
         b = base[i]
         row = out[i]
         for j in range(out.shape[1]):
-            z = b + (np.uint64(j) + np.uint64(1)) * golden
-            z = (z ^ (z >> np.uint64(30))) * m1
-            z = (z ^ (z >> np.uint64(27))) * m2
-            z = z ^ (z >> np.uint64(31))
-            u = np.float64(z >> np.uint64(11)) * 1.1102230246251565e-16
-            value = np.float32(lo + span * u)
+            value = np.float32(lo + span * _draw(b, np.uint64(j)))
             row[j] = value if value < top else top
 
 
