@@ -1299,8 +1299,9 @@ class Updater:
                 continue
             if plan is not None:
                 found.append((slot, plan))
-        # rows written behind: every journal, done or not, in their order (the newest
-        # value of a row wins); each replay writes its done record
+        # rows written behind: every journal, done or not, in their order (values: the
+        # newest wins; gradients and steps: `_restep` gives each row the pushes it lacks);
+        # each replay writes its done record
         found.sort(key=lambda sp: sp[1].journal_seq)
         await self._restep([plan for _, plan in found if plan.journal_seq])
         for _, plan in found:
@@ -1327,8 +1328,8 @@ class Updater:
         journal) holds from just before the push. A row with a later step has it already:
         a flush wrote it after the push. Journals of values set what they hold. The
         steps go up by exactly one an update, so this is exact, whatever a crash left
-        half-flushed, and bit for bit what the replica computed (a row's step depends on
-        its own values only).
+        half-flushed, and bit for bit what the replica computed (a row's update depends
+        on its own values only, not on the rows stepped beside it).
 
         A row memcached does not hold that a journal steps from a later step than its
         initial one was written by a flush and then lost with its node: a `reinit` (its
