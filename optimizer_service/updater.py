@@ -1376,11 +1376,15 @@ class Updater:
                     continue
                 ids, rows, slots = state[r.table]
                 column = self._step_slots.get(r.table)
-                if column is None or column != slots.shape[1] - 1:
+                if column is None or r.grads.shape[1:] != rows.shape[1:]:
+                    spec = self.config.table(r.table)
                     raise RuntimeError(
                         f"replica {self.replica}: journaled push {plan.push_id} keeps steps "
-                        f"of table {r.table!r}, whose optimizer counts none now (the config "
-                        f"changed since): start it with the config it was written with"
+                        f"of table {r.table!r} for rows of dim {r.grads.shape[1]}, but the "
+                        f"config gives it dim {spec.dim} and optimizer "
+                        f"{spec.optimizer.name!r}, which counts "
+                        f"{'no steps' if column is None else 'steps'} (the config changed "
+                        f"since): start it with the config it was written with"
                     )
                 at = np.searchsorted(ids, r.ids)
                 now = slots[at, column]

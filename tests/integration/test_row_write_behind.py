@@ -461,12 +461,16 @@ async def test_a_row_behind_its_journals_stops_the_start_and_says_why(
     """A journal that expects a row at a later step than memcached holds it: an update
     of the row is in neither (lost). The replica does not start (nothing is written),
     and says which row and what to do. So does a journal of steps for a table whose
-    optimizer counts none any more."""
+    optimizer or dim changed in the config."""
     config, _, after = await _crashed_after(memcached_nodes, aiohttp_server, 3, seed=3)
-    tables = [{**TABLES[0], "optimizer": {"name": "sgd"}}, TABLES[1]]
-    sgd = dataclasses.replace(config, tables=make_config(["127.0.0.1:1"], tables=tables).tables)
-    with pytest.raises(RuntimeError, match=r"keeps steps of table 't', whose optimizer counts"):
-        await _start(sgd, aiohttp_server, sentinels=False)
+    for changed, said in [
+        ({"optimizer": {"name": "sgd"}}, "dim 8 and optimizer 'sgd', which counts no steps"),
+        ({"dim": 16}, "dim 16 and optimizer 'adam', which counts steps"),
+    ]:
+        tables = [{**TABLES[0], **changed}, TABLES[1]]
+        other = make_config(["127.0.0.1:1"], tables=tables).tables
+        with pytest.raises(RuntimeError, match=rf"table 't' for rows of dim 8, but .*{said}"):
+            await _start(dataclasses.replace(config, tables=other), aiohttp_server, sentinels=False)
     # a flush wrote push 1's values, then the second push's journal goes missing
     async with EmbeddingStore(config) as store:
         await store.set("t", IDS, after[0]["t"][0], slots=after[0]["t"][1])
