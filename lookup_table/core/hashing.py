@@ -21,10 +21,11 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["combine", "id_hashes", "mix64", "stable_hash"]
+__all__ = ["MIX64_M1", "MIX64_M2", "combine", "id_hashes", "mix64", "stable_hash"]
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+# splitmix64's finalizer constants (also `core.initializers._draw`'s, compiled)
+MIX64_M1 = np.uint64(0xBF58476D1CE4E5B9)
+MIX64_M2 = np.uint64(0x94D049BB133111EB)
 _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)
@@ -39,8 +40,8 @@ def mix64(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
     """
     z = np.asarray(x, dtype=np.uint64)
     with np.errstate(over="ignore"):  # a 0-d input turns into numpy scalars, which warn
-        z = (z ^ (z >> _S30)) * _M1
-        z = (z ^ (z >> _S27)) * _M2
+        z = (z ^ (z >> _S30)) * MIX64_M1
+        z = (z ^ (z >> _S27)) * MIX64_M2
     return z ^ (z >> _S31)
 
 

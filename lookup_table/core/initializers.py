@@ -43,7 +43,14 @@ import numpy as np
 from numba import types
 from numpy.typing import NDArray
 
-from lookup_table.core.hashing import combine, id_hashes, mix64, stable_hash
+from lookup_table.core.hashing import (
+    MIX64_M1,
+    MIX64_M2,
+    combine,
+    id_hashes,
+    mix64,
+    stable_hash,
+)
 from lookup_table.core.jit import compiled
 from lookup_table.core.keys import IdArray
 
@@ -119,12 +126,6 @@ class InitializerSpec:
         return {"name": self.name, **self.params}
 
 
-def _uniform(base: NDArray[np.uint64], counters: NDArray[np.uint64]) -> NDArray[np.float64]:
-    """Uniform [0, 1) float64 of each (base, counter) pair, broadcast (the module's formula)."""
-    bits = mix64(base + (counters + np.uint64(1)) * _GOLDEN)
-    return (bits >> np.uint64(11)).astype(np.float64) * _TWO_POW_M53
-
-
 _U64 = types.Array(types.uint64, 1, "C", readonly=True)
 _F32_OUT = types.Array(types.float32, 2, "C")
 
@@ -133,11 +134,12 @@ _F32_OUT = types.Array(types.float32, 2, "C")
 def _draw(base, counter):  # type: ignore[no-untyped-def]  # pragma: no cover
     """`_uniform` of one (base, counter): wrapping uint64 operations, as numpy's, and one
     exact conversion, so the same bits."""
-    z = base + (counter + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = base + (counter + np.uint64(1)) * _GOLDEN
+    # `hashing.mix64` (numpy, not callable here), step for step
+    z = (z ^ (z >> np.uint64(30))) * MIX64_M1
+    z = (z ^ (z >> np.uint64(27))) * MIX64_M2
     z = z ^ (z >> np.uint64(31))
-    return np.float64(z >> np.uint64(11)) * 1.1102230246251565e-16  # 2**-53
+    return np.float64(z >> np.uint64(11)) * _TWO_POW_M53
 
 
 @compiled(types.void(_U64, types.uint64, types.Array(types.float64, 2, "C")))
@@ -163,6 +165,21 @@ def _uniform_rows(base, lo, span, top, out):  # type: ignore[no-untyped-def]  # 
         for j in range(out.shape[1]):
             value = np.float32(lo + span * _draw(b, np.uint64(j)))
             row[j] = value if value < top else top
+
+
+@compiled(types.void(_U64, _U64, types.Array(types.float64, 1, "C")))
+def _draws(bases, counters, out):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """`_draw` of each (bases[k], counters[k])."""
+    for k in range(out.shape[0]):
+        out[k] = _draw(bases[k], counters[k])
+
+
+def _uniform(base: NDArray[np.uint64], counters: NDArray[np.uint64]) -> NDArray[np.float64]:
+    """Uniform [0, 1) float64 of each (base, counter) pair, broadcast (the module's formula)."""
+    b, c = np.broadcast_arrays(np.asarray(base, np.uint64), np.asarray(counters, np.uint64))
+    out = np.empty(b.shape, dtype=np.float64)
+    _draws(_bases(b.ravel()), _bases(c.ravel()), out.reshape(-1))
+    return out
 
 
 def _bases(base: NDArray[np.uint64]) -> NDArray[np.uint64]:
