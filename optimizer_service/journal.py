@@ -372,14 +372,19 @@ def _encode_step(s: TableStep) -> dict[str, Any]:
     }
 
 
+def _encode_values(u: TableUpdate) -> dict[str, Any]:
+    """A table's new values: replayed by writing them (the newest wins)."""
+    return {
+        "table": u.table,
+        "ids": encode_ids(u.ids),
+        "rows": encode_array(u.rows),
+        "slots": encode_array(u.slots),
+    }
+
+
 def _encode_update(u: TableUpdate) -> dict[str, Any]:
     if u.grads is None:  # absolute values (journals of an older service; tests)
-        return {
-            "table": u.table,
-            "ids": encode_ids(u.ids),
-            "rows": encode_array(u.rows),
-            "slots": encode_array(u.slots),
-        }
+        return _encode_values(u)
     return {
         "table": u.table,
         "ids": encode_ids(u.ids),
@@ -406,12 +411,7 @@ def _encode_behind(u: TableUpdate, step_slot: int | None) -> dict[str, Any]:
                 "grads": encode_array(u.grads),
                 "steps": encode_array(new_steps - np.float32(1)),
             }
-    return {
-        "table": u.table,
-        "ids": encode_ids(u.ids),
-        "rows": encode_array(u.rows),
-        "slots": encode_array(u.slots),
-    }
+    return _encode_values(u)
 
 
 def _cut(body: bytes) -> list[bytes]:

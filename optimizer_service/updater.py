@@ -708,7 +708,7 @@ class Updater:
                 nothing = np.empty((n, 0), dtype=np.float32)
                 cached.append((np.zeros(n, dtype=bool), nothing, nothing))
                 initials.append(None)
-        read = self._read(tables, [~hit for hit, _, _ in cached])
+        read = self._read([(g.table, g.ids) for g in tables], [~hit for hit, _, _ in cached])
         if any(hit.any() for hit, _, _ in cached):
             # cached rows are what this replica wrote, unless a node lost its data since
             # (its sentinel is gone, or new after a reinit): read together with the rest
@@ -756,25 +756,40 @@ class Updater:
         return [self._prepare(*start) for start in starts]
 
     async def _read(
-        self, tables: Sequence[TableGrads | TableRedo], wanted: Sequence[NDArray[np.bool_]]
+        self, tables: Sequence[tuple[str, IdArray]], wanted: Sequence[NDArray[np.bool_]]
     ) -> list[Any]:
-        """Per table, (rows, slots, found) of the ids `wanted` (one request per node for
-        all tables: a row and its slots are one item); None for a table with none wanted."""
+        """Per (table, ids), (rows, slots, found) of the ids `wanted` (one request per
+        node for all tables: a row and its slots are one item); None for a table with
+        none wanted."""
         reads = [
-            TableRead(grads.table, grads.ids if want.all() else grads.ids[want], slots=True)
-            for grads, want in zip(tables, wanted, strict=True)
+            TableRead(table, ids if want.all() else ids[want], slots=True)
+            for (table, ids), want in zip(tables, wanted, strict=True)
             if want.any()
         ]
         values = iter(await self.store.get_many(reads, unique=True) if reads else ())
         out: list[Any] = []
-        for grads, want in zip(tables, wanted, strict=True):
+        for (table, _), want in zip(tables, wanted, strict=True):
             if not want.any():
                 out.append(None)
                 continue
             items, found = next(values)
-            dim = self.config.table(grads.table).dim
+            dim = self.config.table(table).dim
             out.append((items[:, :dim], items[:, dim:], found))
         return out
+
+    async def _read_filled(
+        self, tables: Sequence[tuple[str, IdArray]]
+    ) -> list[tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.bool_]]]:
+        """Per (table, ids), (rows, slots, found) of every id, the ids without a row at
+        their initial values (`_fill_unwritten`): what a replay starts from."""
+        got = await self._read(tables, [np.ones(ids.shape[0], dtype=bool) for _, ids in tables])
+        self._fill_unwritten(
+            [
+                (table, ids, rows, slots, found)
+                for (table, ids), (rows, slots, found) in zip(tables, got, strict=True)
+            ]
+        )
+        return got
 
     async def _cache_sentinels(self) -> dict[str, bytes | None] | None:
         """The nodes' sentinels, which the cache's rows belong to; None (no cache) while
@@ -908,13 +923,7 @@ class Updater:
         the push (`old_hashes`: recompute the items that still have it) or the new
         values' hashes (recompute the items that do not have them yet).
         """
-        got = await self._read(redo, [np.ones(r.ids.shape[0], dtype=bool) for r in redo])
-        self._fill_unwritten(
-            [
-                (r.table, r.ids, rows, slots, found)
-                for r, (rows, slots, found) in zip(redo, got, strict=True)
-            ]
-        )
+        got = await self._read_filled([(r.table, r.ids) for r in redo])
         out: list[TableUpdate] = []
         for r, (rows, slots, _) in zip(redo, got, strict=True):
             optimizer = self.optimizers[r.table]
@@ -1347,20 +1356,14 @@ class Updater:
         union: dict[str, IdArray] = {}
         for r in stepped:
             union[r.table] = np.union1d(union.get(r.table, r.ids[:0]), r.ids)
-        reads = [
-            TableRedo(table, ids, np.empty((0, 0), np.float32)) for table, ids in union.items()
-        ]
-        got = await self._read(reads, [np.ones(ids.shape[0], dtype=bool) for ids in union.values()])
+        # no row yet: the initial value the push started from
+        got = await self._read_filled(list(union.items()))
         state: dict[str, tuple[IdArray, NDArray[np.float32], NDArray[np.float32]]] = {}
         known: dict[str, NDArray[np.bool_]] = {}  # in memcached, or made by a journal
-        unknown: list[Unwritten] = []
         for (table, ids), (rows, slots, found) in zip(union.items(), got, strict=True):
-            rows, slots = rows.copy(), slots.copy()
             state[table] = (ids, rows, slots)
-            known[table] = found.copy()
-            unknown.append((table, ids, rows, slots, found))
+            known[table] = found
         gone: dict[str, int] = {}
-        self._fill_unwritten(unknown)  # no row yet: the initial value the push started from
         for plan in plans:
             for u in plan.updates:  # values (an optimizer without steps): newest so far
                 if u.table in state:
