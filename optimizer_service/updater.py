@@ -1381,13 +1381,18 @@ class Updater:
                 column = self._step_slots.get(r.table)
                 if column is None or r.grads.shape[1:] != rows.shape[1:]:
                     spec = self.config.table(r.table)
+                    if step_slot(self.optimizers[r.table], spec.dim) is None:
+                        counts = "which counts no steps"
+                    elif column is None:  # `ttl_s`: journaled by values
+                        counts = f"and ttl_s {spec.ttl_s} (journaled by values)"
+                    else:
+                        counts = "which counts steps"
                     raise RuntimeError(
                         f"replica {self.replica}: journaled push {plan.push_id} keeps steps "
                         f"of table {r.table!r} for rows of dim {r.grads.shape[1]}, but the "
                         f"config gives it dim {spec.dim} and optimizer "
-                        f"{spec.optimizer.name!r}, which counts "
-                        f"{'no steps' if column is None else 'steps'} (the config changed "
-                        f"since): start it with the config it was written with"
+                        f"{spec.optimizer.name!r}, {counts} (the config changed since): "
+                        f"start it with the config it was written with"
                     )
                 at = np.searchsorted(ids, r.ids)
                 now = slots[at, column]

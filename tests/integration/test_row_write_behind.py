@@ -466,6 +466,7 @@ async def test_a_row_behind_its_journals_stops_the_start_and_says_why(
     for changed, said in [
         ({"optimizer": {"name": "sgd"}}, "dim 8 and optimizer 'sgd', which counts no steps"),
         ({"dim": 16}, "dim 16 and optimizer 'adam', which counts steps"),
+        ({"ttl_s": 3600}, r"dim 8 and optimizer 'adam', and ttl_s 3600 \(journaled by values\)"),
     ]:
         tables = [{**TABLES[0], **changed}, TABLES[1]]
         other = make_config(["127.0.0.1:1"], tables=tables).tables
