@@ -30,6 +30,9 @@ every one, in `seq` order, before it serves. Per table it keeps (`_encode_behind
 * otherwise (SGD, Adagrad, or a row past float32's exact steps) the new values: the
   newest wins.
 
+The tables journaled by steps that have int ids and the same dim are one entry, their
+arrays concatenated (`_encode_behind_all`): a push touches every table of a model.
+
 Memcached holds a row written behind from some flush, of any push: the flush may have
 been cut short, and the journals of the pushes before it are not cleared yet. The steps
 tell exactly which of those pushes each row has had, where values would have to be
@@ -394,6 +397,12 @@ def _encode_update(u: TableUpdate) -> dict[str, Any]:
     }
 
 
+def _exact_steps(new_steps: NDArray[np.float32]) -> bool:
+    """Whether steps after a push can be journaled as steps: each at least 1 and exact in
+    float32 (at most `MAX_EXACT_STEP`)."""
+    return bool((new_steps <= MAX_EXACT_STEP).all()) and bool((new_steps >= 1).all())
+
+
 def _encode_behind(u: TableUpdate, step_slot: int | None) -> dict[str, Any]:
     """A table of a journal of rows written behind: its gradients and each row's step
     before the push (`steps`) when its optimizer counts steps (`step_slot`) and every new
@@ -404,7 +413,7 @@ def _encode_behind(u: TableUpdate, step_slot: int | None) -> dict[str, Any]:
     row instead of 16 + 33)."""
     if step_slot is not None and u.grads is not None and u.ids.shape[0]:
         new_steps = u.slots[:, step_slot]
-        if bool((new_steps <= MAX_EXACT_STEP).all()) and bool((new_steps >= 1).all()):
+        if _exact_steps(new_steps):
             return {
                 "table": u.table,
                 "ids": encode_ids(u.ids),
@@ -412,6 +421,55 @@ def _encode_behind(u: TableUpdate, step_slot: int | None) -> dict[str, Any]:
                 "steps": encode_array(new_steps - np.float32(1)),
             }
     return _encode_values(u)
+
+
+def _encode_behind_all(
+    updates: Sequence[TableUpdate], step_slots: Mapping[str, int | None]
+) -> list[dict[str, Any]]:
+    """The tables of a journal of rows written behind, as `_encode_behind` keeps them,
+    with the tables journaled by steps that have int ids grouped by (dim, step column):
+    one entry `{group: [table], counts: [ids of each], ids, grads, steps}`, each array
+    the tables' concatenated in that order. A push touches every table of a model, and
+    each table's own arrays cost the replica ~4 small encodings and checks a push (26
+    tables: ~0.7 ms of its CPU a step, against ~0.1 ms for the same rows as one table).
+    A group with a row past the exact steps is journaled table by table."""
+    # a group (its step column, its tables) at its first table's place
+    entries: list[TableUpdate | tuple[int, list[TableUpdate]]] = []
+    groups: dict[tuple[int, int], list[TableUpdate]] = {}
+    for u in updates:
+        column = step_slots.get(u.table)
+        if (
+            column is None
+            or u.grads is None
+            or not u.ids.shape[0]
+            or not isinstance(u.ids, np.ndarray)
+            or u.ids.dtype.kind not in "iu"
+        ):
+            entries.append(u)
+        elif (u.grads.shape[1], column) in groups:
+            groups[u.grads.shape[1], column].append(u)
+        else:
+            entries.append((column, groups.setdefault((u.grads.shape[1], column), [u])))
+    out: list[dict[str, Any]] = []
+    for entry in entries:
+        if isinstance(entry, TableUpdate):
+            out.append(_encode_behind(entry, step_slots.get(entry.table)))
+            continue
+        column, members = entry
+        new_steps = np.concatenate([u.slots[:, column] for u in members])
+        if not _exact_steps(new_steps):
+            out.extend(_encode_behind(u, column) for u in members)
+            continue
+        out.append(
+            {
+                "group": [u.table for u in members],
+                "counts": [int(u.ids.shape[0]) for u in members],
+                "ids": encode_array(np.concatenate([u.ids for u in members])),
+                "grads": encode_array(np.concatenate([u.grads for u in members])),
+                "steps": encode_array(new_steps - np.float32(1)),
+            }
+        )
+    return out
 
 
 def _cut(body: bytes) -> list[bytes]:
@@ -491,8 +549,7 @@ def encode_journal(
     session 8).
     """
     if seq is not None:
-        slots_of = step_slots or {}
-        tables = [_encode_behind(u, slots_of.get(u.table)) for u in plan.updates]
+        tables = _encode_behind_all(plan.updates, step_slots or {})
     else:
         tables = [_encode_step(s) for s in plan.steps] or [_encode_update(u) for u in plan.updates]
     doc: dict[str, Any] = {"push_id": plan.push_id, "version": plan.version, "tables": tables}
@@ -541,11 +598,35 @@ def _decode_table(t: dict[str, Any]) -> TableUpdate | TableRedo:
     )
 
 
+def _decode_group(t: dict[str, Any]) -> list[TableRedo]:
+    """The tables of a group of a journal written behind (`_encode_behind_all`)."""
+    names, counts = list(t["group"]), [int(n) for n in t["counts"]]
+    ids = decode_array(t["ids"], field="journal.ids", dtype="<i8", ndim=1)
+    grads = decode_array(t["grads"], field="journal.grads", dtype="<f4", ndim=2).copy()
+    steps = decode_array(t["steps"], field="journal.steps", dtype="<f4", ndim=1).copy()
+    n = sum(counts)
+    if len(names) != len(counts) or not ids.shape[0] == grads.shape[0] == steps.shape[0] == n:
+        raise ValueError(
+            f"journal: a group of tables {names} with counts {counts} has {ids.shape[0]} ids, "
+            f"{grads.shape[0]} gradient rows and {steps.shape[0]} steps"
+        )
+    ends = np.cumsum(counts)
+    return [
+        TableRedo(table=name, ids=ids[a:b].copy(), grads=grads[a:b], steps=steps[a:b])
+        for name, a, b in zip(names, ends - counts, ends, strict=True)
+    ]
+
+
 def decode_journal(body: bytes) -> WritePlan:
     """The plan of a one-body journal (older services) whose size and checksum were
     checked (pure)."""
     doc = unpack(body)
-    tables = [_decode_table(t) for t in doc["tables"]]
+    tables: list[TableUpdate | TableRedo] = []
+    for t in doc["tables"]:
+        if "group" in t:
+            tables.extend(_decode_group(t))
+        else:
+            tables.append(_decode_table(t))
     return _plan_of(
         doc,
         updates=[t for t in tables if isinstance(t, TableUpdate)],

@@ -529,6 +529,58 @@ def test_a_journal_written_behind_keeps_values_where_steps_are_not_exact() -> No
     np.testing.assert_array_equal(back.updates[0].slots, plan.updates[1].slots)
 
 
+def test_a_journal_written_behind_groups_the_tables_of_one_dim() -> None:
+    """Tables journaled by steps with int ids and the same dim are one entry, their arrays
+    concatenated; they decode to each table's own ids, gradients and steps, in the same
+    bits. String ids, values and other dims stay entries of their own; a group whose
+    counts do not add up is refused."""
+    from optimizer_service.journal import decode_journal, encode_journal
+    from optimizer_service.plan import TableUpdate, WritePlan
+
+    rng = np.random.default_rng(5)
+
+    def update(table: str, n: int, dim: int, ids: Any = None) -> TableUpdate:
+        slots = rng.standard_normal((n, 2 * dim + 1)).astype(np.float32)
+        slots[:, 2 * dim] = rng.integers(1, 1000, n)
+        return TableUpdate(
+            table,
+            np.sort(rng.choice(10**12, n, replace=False)).astype(np.int64) if ids is None else ids,
+            rng.standard_normal((n, dim)).astype(np.float32),
+            slots,
+            grads=rng.standard_normal((n, dim)).astype(np.float32),
+        )
+
+    updates = [
+        update("a", 7, 4),
+        update("wide", 3, 8),
+        update("b", 1, 4),
+        update("s", 2, 4, ids=np.array(["x", "y"], dtype=object)),
+        update("c", 5, 4),
+        update("v", 2, 4),
+    ]
+    step_slots = {u.table: 2 * u.rows.shape[1] for u in updates} | {"v": None}
+    plan = WritePlan(push_id="p", updates=updates)
+    _, header = encode_journal(plan, seq=3, step_slots=step_slots)
+    body = unpack(header)["body"]
+    entries = unpack(body)["tables"]
+    names = [e.get("group", e.get("table")) for e in entries]
+    assert names == [["a", "b", "c"], ["wide"], "s", "v"]
+    back = decode_journal(body)
+    assert [u.table for u in back.updates] == ["v"]
+    redo = {r.table: r for r in back.redo}
+    assert sorted(redo) == ["a", "b", "c", "s", "wide"]
+    for u in updates[:5]:
+        r = redo[u.table]
+        np.testing.assert_array_equal(r.ids, u.ids)
+        assert r.grads.tobytes() == u.grads.tobytes()
+        assert r.steps is not None
+        np.testing.assert_array_equal(r.steps, u.slots[:, 2 * u.rows.shape[1]] - 1)
+
+    entries[0]["counts"][0] += 1  # a torn group: its counts name an id it does not have
+    with pytest.raises(ValueError, match=r"a group of tables \['a', 'b', 'c'\] with counts"):
+        decode_journal(pack({**unpack(body), "tables": entries}))
+
+
 def test_row_flush_pushes_is_bounded_by_the_journal_slots() -> None:
     from lookup_table.errors import ConfigError
 
