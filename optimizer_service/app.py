@@ -110,19 +110,13 @@ def make_app(
         store = EmbeddingStore(config)
         metrics = app[METRICS]
 
-        def count_rows(table: str, n: int) -> None:
-            metrics.rows_updated.labels(table=table).inc(n)
-
-        def count_dropped(table: str, n: int) -> None:
-            metrics.gradients_dropped.labels(table=table).inc(n)
-
         updater = Updater(
             config,
             store,
             replica=replica,
             push_record_ttl_s=config.service.push_record_ttl_s,
-            on_rows=count_rows,
-            on_dropped=count_dropped,
+            on_rows=metrics.count_rows_updated,
+            on_dropped=metrics.count_gradients_dropped,
         )
         try:
             finished = await updater.recover()

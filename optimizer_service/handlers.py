@@ -90,9 +90,7 @@ async def post_rows(request: web.Request) -> web.Response:
     for (table, ids), (values, found) in zip(reads, got, strict=True):
         rows[table] = encode_array(values)
         new[table] = int(ids.shape[0] - np.count_nonzero(found))
-        metrics.rows_read.labels(table=table, row="existing").inc(ids.shape[0] - new[table])
-        if new[table]:
-            metrics.rows_read.labels(table=table, row="new").inc(new[table])
+        metrics.count_rows_read(table, ids.shape[0] - new[table], new[table])
     return msgpack_response({"rows": rows, "new": new})
 
 

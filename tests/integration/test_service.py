@@ -409,6 +409,8 @@ async def test_metrics_and_healthz(served, http) -> None:
     async with OptimizerClient(config) as client:
         await client.push({"user": (np.array([1, 2]), np.ones((2, 8), np.float32))})
         await client.push({"ads": (np.array([5]), np.ones((1, 16), np.float32))})
+        await client.rows({"user": np.array([1, 2, 3])})  # 2 rows exist, 3 has none
+        await client.rows({"user": np.array([4])})
         with pytest.raises(PushRejectedError, match="unknown table"):
             await client.push({"nope": (np.array([1]), np.ones((1, 8), np.float32))})
     tc = http
@@ -416,6 +418,8 @@ async def test_metrics_and_healthz(served, http) -> None:
     for needle in (
         'lookup_table_pushes_total{status="applied"} 2.0',
         'lookup_table_rows_updated_total{table="user"} 2.0',
+        'lookup_table_rows_read_total{row="existing",table="user"} 2.0',
+        'lookup_table_rows_read_total{row="new",table="user"} 2.0',
         'lookup_table_rejected_pushes_total{reason="unknown_table"} 1.0',
         "lookup_table_push_latency_seconds_count 2.0",
         "lookup_table_node_fill_ratio{node=",
