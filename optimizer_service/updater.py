@@ -568,7 +568,7 @@ class Updater:
                 u = done.get(t.table)
                 if u is not None:
                     ids, rows = (u.ids, u.rows) if u.answer is None else u.answer
-                    if ids.shape == t.ids.shape and np.array_equal(ids, t.ids):
+                    if ids is t.ids or (ids.shape == t.ids.shape and np.array_equal(ids, t.ids)):
                         updated[t.table] = (t.ids, rows)
                         continue
                 reads.append(t)
