@@ -552,6 +552,18 @@ def test_beta_powers_match_tf_scalar_pow(tf: Any, beta: float) -> None:
     assert np.array(eager, dtype=np.float32).tobytes() == got[::997].tobytes()
 
 
+@pytest.mark.parametrize("beta", [0.9, 0.999])
+def test_beta_powers_of_one_step_are_the_batch_bits(beta: float) -> None:
+    """One row's step (a dense parameter's) takes a scalar path: the same bits as the
+    same step among others, tabulated, past the table, fractional, negative, NaN, inf."""
+    steps = [0, 1, 2, 17, 2**20 - 1, 2**20, 2**20 + 3, 2.5, -1, float("nan"), float("inf")]
+    for t in steps:
+        one = adam_module._beta_powers(beta, np.array([[t]], np.float32))
+        batch = adam_module._beta_powers(beta, np.array([[t], [t], [1.5]], np.float32))
+        assert one.shape == (1, 1)
+        assert one.tobytes() == batch[:1].tobytes(), t
+
+
 # ---------------------------------------------------------------- segment_sum
 
 

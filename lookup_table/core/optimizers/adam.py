@@ -128,6 +128,13 @@ def _beta_powers(beta: float, t: Float32Array) -> Float32Array:
     flat = t.reshape(-1)
     if not flat.size:
         return np.empty(t.shape, dtype=np.float32)
+    if flat.size == 1:  # one row (a dense parameter is one): Python scalars, not 8 numpy calls
+        one = float(flat[0])
+        if one.is_integer() and 0 <= one < _TABLE_STEPS:
+            value = _power_table(beta_32, int(one) + 1)[int(one)]
+        else:
+            value = _F32(_scalar_power(beta_32, one))
+        return np.full(t.shape, value, dtype=np.float32)
     if np.isfinite(flat).all():
         whole = flat.astype(np.intp)
         top = int(whole.max())
