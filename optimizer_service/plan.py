@@ -36,6 +36,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lookup_table.core.keys import IdArray
+from lookup_table.core.rows import blocks
 
 __all__ = [
     "DenseSwitch",
@@ -101,8 +102,7 @@ def stacked(arrays: Sequence[NDArray[Any]]) -> NDArray[Any]:
 
 def shares(values: NDArray[Any], steps: Sequence[TableStep]) -> list[NDArray[Any]]:
     """`values`, a row per id of `steps` stacked, cut back into each step's rows (views)."""
-    bounds = np.cumsum([s.ids.shape[0] for s in steps[:-1]], dtype=np.intp)
-    return np.split(values, bounds)
+    return blocks(values, [s.ids.shape[0] for s in steps])
 
 
 @dataclass(slots=True)

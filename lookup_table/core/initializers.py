@@ -53,6 +53,7 @@ from lookup_table.core.hashing import (
 )
 from lookup_table.core.jit import compiled
 from lookup_table.core.keys import IdArray
+from lookup_table.core.rows import blocks
 
 __all__ = ["INITIALIZER_DEFAULTS", "InitializerSpec", "initial_rows", "initial_rows_many"]
 
@@ -337,7 +338,7 @@ def initial_rows_many(
         # `combine(id_hashes(ids), salt)` of each table's ids, in one pass
         base = mix64(id_hashes(ids) ^ np.repeat(salts, counts))
         rows = _rows_from(parts[members[0]][0], base, ids.shape[0], dim)
-        for k, block in zip(members, np.split(rows, np.cumsum(counts)[:-1]), strict=True):
+        for k, block in zip(members, blocks(rows, counts), strict=True):
             out[k] = block
     return cast("list[NDArray[np.float32]]", out)
 

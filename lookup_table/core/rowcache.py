@@ -579,7 +579,6 @@ class RowCache:
         self, parts: Sequence[tuple[str, IdArray]]
     ) -> tuple[NDArray[np.int64], NDArray[np.int32]]:
         ids = np.concatenate([_int_ids(p[1]) for p in parts])
-        tabs = np.concatenate(
-            [np.full(p[1].shape[0], self._where[p[0]][0], dtype=np.int32) for p in parts]
-        )
+        numbers = np.array([self._where[p[0]][0] for p in parts], dtype=np.int32)
+        tabs = np.repeat(numbers, [p[1].shape[0] for p in parts])
         return ids, tabs
