@@ -141,6 +141,20 @@ class _Conn(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------ one exchange
 
+    def send_now(self, parts: Sequence[protocol.Wire]) -> bool:
+        """Write a request of at most one slice at once, if the transport takes writes:
+        True then (the transport sends what the socket does not take yet by itself, so
+        nothing waits for it); False for a bigger request (`send` it, beside the reads of
+        the reply). Most round trips are small: they need no task of their own."""
+        transport = self.transport
+        if self.closed or transport is None or not self._writable.is_set():
+            return False
+        if sum(len(part) for part in parts) > _WRITE_SLICE:
+            return False
+        for piece in _slices(parts):
+            transport.write(piece)
+        return True
+
     async def send(self, parts: Sequence[protocol.Wire]) -> None:
         """Write a request: small parts joined, big ones in slices (no copy), each slice
         once the transport took the one before (no more than one slice buffered)."""
@@ -255,7 +269,10 @@ class Node:
         # stuck on a stopped node, a call fails after at most 2 x timeout_s, not after
         # one timeout per call queued in front of it.
         try:
-            async with asyncio.timeout(self._cfg.timeout_s):
+            if self._slots.locked():  # else it returns at once: no deadline to set
+                async with asyncio.timeout(self._cfg.timeout_s):
+                    await self._slots.acquire()
+            else:
                 await self._slots.acquire()
         except TimeoutError as exc:
             raise StoreTimeoutError(
@@ -301,7 +318,7 @@ class Node:
             if conn.closed:  # the node closed it while it sat in the pool
                 raise _StaleConnectionError
             conn.reset()
-            sending = asyncio.ensure_future(conn.send(payload))
+            sending = None if conn.send_now(payload) else asyncio.ensure_future(conn.send(payload))
             try:
                 while True:
                     data = await conn.reply()
@@ -316,15 +333,17 @@ class Node:
                     result = parse(data)
                     if result is not None:
                         break
-                await sending  # done: the node answered the last command (`mn`)
+                if sending is not None:
+                    await sending  # done: the node answered the last command (`mn`)
                 reusable = True
                 return result
             finally:
                 # on an error (the connection is then closed) the send may still run: it is
                 # cancelled, not awaited (a cancellation of this call must not be lost),
                 # and its own error is retrieved: the reply's is what is raised
-                sending.cancel()
-                sending.add_done_callback(_retrieve)
+                if sending is not None:
+                    sending.cancel()
+                    sending.add_done_callback(_retrieve)
         except (ConnectionError, OSError) as exc:
             if isinstance(exc, StoreError):
                 raise
