@@ -66,7 +66,7 @@ from numpy.typing import NDArray
 from lookup_table.core.keys import IdArray
 from lookup_table.core.keyspace import META_TABLE, Kind, journal_id
 from lookup_table.core.optimizers import MAX_EXACT_STEP
-from lookup_table.core.rows import value_hashes
+from lookup_table.core.rows import blocks, value_hashes
 from lookup_table.core.wire import decode_array, decode_ids, encode_array, encode_ids, pack, unpack
 from lookup_table.errors import DataLossError, StoreError
 from lookup_table.store import EmbeddingStore
@@ -610,10 +610,11 @@ def _decode_group(t: dict[str, Any]) -> list[TableRedo]:
             f"journal: a group of tables {names} with counts {counts} has {ids.shape[0]} ids, "
             f"{grads.shape[0]} gradient rows and {steps.shape[0]} steps"
         )
-    ends = np.cumsum(counts)
     return [
-        TableRedo(table=name, ids=ids[a:b].copy(), grads=grads[a:b], steps=steps[a:b])
-        for name, a, b in zip(names, ends - counts, ends, strict=True)
+        TableRedo(table=name, ids=i.copy(), grads=g, steps=t)
+        for name, i, g, t in zip(
+            names, blocks(ids, counts), blocks(grads, counts), blocks(steps, counts), strict=True
+        )
     ]
 
 
