@@ -9,6 +9,7 @@ import asyncio
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from lookup_table.config import NodeSpec, StoreConfig
 from lookup_table.errors import NodeUnavailableError
-from lookup_table.memcached.node import _WRITE_SLICE, Node, _slices
+from lookup_table.memcached.node import _WRITE_SLICE, Node, _Conn, _slices
 from lookup_table.memcached.protocol import END, END_REPLY
 
 pytestmark = pytest.mark.unit
@@ -133,6 +134,42 @@ async def test_a_big_request_arrives_whole_and_the_connection_is_reused(peer) ->
     for _ in range(2):
         assert await node.roundtrip(parts, _until_end_or_hd) == b"HD\r\n" * 3 + END_REPLY
     assert got == [b"".join(parts) + END] * 2
+
+
+@pytest.mark.parametrize("size", [1, _WRITE_SLICE - len(END) - 12, _WRITE_SLICE - len(END) + 1])
+async def test_a_request_up_to_a_slice_is_written_at_once_beyond_it_from_a_task(
+    peer, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request of at most one slice (memcached's `mn` included) is written at once,
+    without a task; one byte more goes out from a task, slice by slice. Both arrive whole,
+    in order, byte for byte (a view among the parts too), and the connection is reused."""
+    view = np.frombuffer(b"0123456789ab", np.uint8).data
+    parts = [b"x" * size, view] if size > 1 else [b"x", view, b"y" * 7]
+    got: list[bytes] = []
+    tasks = 0
+    send = _Conn.send
+
+    def counted(conn: _Conn, request: Any) -> Any:
+        nonlocal tasks
+        tasks += 1
+        return send(conn, request)
+
+    monkeypatch.setattr(_Conn, "send", counted)
+
+    async def script(reader, writer, n) -> None:
+        while True:
+            try:
+                got.append(await _read_request(reader))
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HD\r\n" + END_REPLY)
+            await writer.drain()
+
+    node = await peer(script)
+    for _ in range(3):
+        assert await node.roundtrip(parts, _until_end_or_hd) == b"HD\r\n" + END_REPLY
+    assert got == [b"".join(bytes(p) for p in parts) + END] * 3
+    assert tasks == (3 if sum(len(p) for p in parts) + len(END) > _WRITE_SLICE else 0)
 
 
 def _until_end_or_hd(data: bytes) -> bytes | None:
