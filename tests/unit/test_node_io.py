@@ -120,17 +120,7 @@ async def test_a_big_request_arrives_whole_and_the_connection_is_reused(peer) ->
         laid_out[:3].reshape(-1).data,
     ]
     got: list[bytes] = []
-
-    async def script(reader, writer, n) -> None:
-        while True:
-            try:
-                got.append(await _read_request(reader))
-            except asyncio.IncompleteReadError:
-                return
-            writer.write(b"HD\r\n" * 3 + END_REPLY)
-            await writer.drain()
-
-    node = await peer(script)
+    node = await peer(_recording(got, b"HD\r\n" * 3 + END_REPLY))
     for _ in range(2):
         assert await node.roundtrip(parts, _until_end_or_hd) == b"HD\r\n" * 3 + END_REPLY
     assert got == [b"".join(parts) + END] * 2
@@ -155,21 +145,27 @@ async def test_a_request_up_to_a_slice_is_written_at_once_beyond_it_from_a_task(
         return send(conn, request)
 
     monkeypatch.setattr(_Conn, "send", counted)
+    node = await peer(_recording(got, b"HD\r\n" + END_REPLY))
+    for _ in range(3):
+        assert await node.roundtrip(parts, _until_end_or_hd) == b"HD\r\n" + END_REPLY
+    assert got == [b"".join(bytes(p) for p in parts) + END] * 3
+    assert tasks == (3 if sum(len(p) for p in parts) + len(END) > _WRITE_SLICE else 0)
 
-    async def script(reader, writer, n) -> None:
+
+def _recording(got: list[bytes], reply: bytes) -> Script:
+    """A peer that appends each whole request (through its `mn`) to `got` and answers
+    `reply`, until the client closes the connection."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         while True:
             try:
                 got.append(await _read_request(reader))
             except asyncio.IncompleteReadError:
                 return
-            writer.write(b"HD\r\n" + END_REPLY)
+            writer.write(reply)
             await writer.drain()
 
-    node = await peer(script)
-    for _ in range(3):
-        assert await node.roundtrip(parts, _until_end_or_hd) == b"HD\r\n" + END_REPLY
-    assert got == [b"".join(bytes(p) for p in parts) + END] * 3
-    assert tasks == (3 if sum(len(p) for p in parts) + len(END) > _WRITE_SLICE else 0)
+    return script
 
 
 def _until_end_or_hd(data: bytes) -> bytes | None:
