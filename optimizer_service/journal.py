@@ -542,11 +542,11 @@ def encode_journal(
 
     A body that fits in one item travels inside the header: no chunks. With `seq` (rows
     written behind, `seq` in the header) the tables are the plan's updates as
-    `_encode_behind` writes them (`step_slots`: each table's step column, None or absent:
-    its values). Without, the formats of older services: the plan's `steps` when it has
-    them (with the hashes of the items before the push: sessions 8-10), else its updates:
-    their new values (when they have no gradients), or their new values' hashes (before
-    session 8).
+    `_encode_behind_all` writes them (`step_slots`: each table's step column, None or
+    absent: its values; tables of one dim journaled by steps as one group). Without,
+    the formats of older services: the plan's `steps` when it has them (with the hashes
+    of the items before the push: sessions 8-10), else its updates: their new values
+    (when they have no gradients), or their new values' hashes (before session 8).
     """
     if seq is not None:
         tables = _encode_behind_all(plan.updates, step_slots or {})
