@@ -83,8 +83,8 @@ from lookup_table.config import ClusterConfig
 from lookup_table.core.initializers import initial_rows_many
 from lookup_table.core.keys import IdArray
 from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id, version_id
-from lookup_table.core.optimizers import Optimizer, make_optimizer, step_slot
-from lookup_table.core.rowcache import RowCache
+from lookup_table.core.optimizers import Optimizer, items_at, make_optimizer, step_slot
+from lookup_table.core.rowcache import Located, RowCache, Spots
 from lookup_table.core.rows import NOT_UPDATED, change_witnesses, still_old, value_hashes
 from lookup_table.core.sharding import row_hashes_many
 from lookup_table.core.wire import encode_array, encode_ids, unpack
@@ -158,6 +158,53 @@ class _Prepared:
     keep: NDArray[np.intp] | None = None
     all_rows: NDArray[np.float32] | None = None
     created: int = 0  # ids without a row that the step starts from their initial values
+    # rows written behind from the row cache: stepped where they are (`step` has no rows)
+    place: _InPlace | None = None
+
+
+@dataclass(slots=True)
+class _InPlace:
+    """Where a table's rows and slots are, as items (a row, then its slots), when it is
+    stepped where they are (`Optimizer.update_at`): row i's at `at[i]` in the row cache's
+    map (`spots`), or `extra[-1 - at[i]]` (read from memcached, or initial values)."""
+
+    spots: Spots
+    at: NDArray[np.intp]
+    extra: NDArray[np.float32]
+
+
+class _Moved(Exception):
+    """The row cache's map that a push located its rows in was reused since (rotated out
+    twice while the push read the rest): `_apply` reads the push's rows again."""
+
+
+_NO_ROWS = np.empty((0, 0), dtype=np.float32)  # a `TableStep`'s rows stepped in place
+
+
+@dataclass(frozen=True, slots=True)
+class _CachedItems:
+    """New items of tables stepped in place, for `RowCache.put_items`."""
+
+    spots: Spots
+    at: NDArray[np.intp]
+    parts: list[tuple[str, IdArray]]
+    items: NDArray[np.float32]
+
+
+def _joined(places: Sequence[_InPlace]) -> tuple[NDArray[np.intp], NDArray[np.float32]]:
+    """The places of tables stepped as one batch as one: their `at` one after another,
+    each table's `extra` indices shifted past the tables' before it."""
+    if len(places) == 1:
+        return places[0].at, places[0].extra
+    ats = []
+    shift = 0
+    for place in places:
+        at = place.at
+        if place.extra.shape[0]:
+            at = np.where(at < 0, at - shift, at)
+            shift += place.extra.shape[0]
+        ats.append(at)
+    return np.concatenate(ats), np.concatenate([p.extra for p in places])
 
 
 class Updater:
@@ -447,6 +494,7 @@ class Updater:
             )
             writes: list[asyncio.Future[Any]] = []
             plan: WritePlan | None = None
+            cached: list[_CachedItems] = []
             journaled = False
             behind = False
 
@@ -484,7 +532,12 @@ class Updater:
                 if plan.dense_logged and plan.version is not None:  # while it computes
                     log = self.dense.write_log(plan.version, push.dense)
                     writes.append(asyncio.ensure_future(log))
-                plan.updates = await self._computed(prepared)
+                while True:
+                    try:
+                        plan.updates, cached = await self._computed(prepared, behind=behind)
+                        break
+                    except _Moved:  # rare: rotated out twice while the rest was read
+                        prepared = await self._prepared(push.tables)
                 self._changes += 1
                 plan.seq = self._changes
                 if on_plan is not None:
@@ -521,9 +574,17 @@ class Updater:
             self._record_later(slot, plan, keys, behind=behind)
             handed_over = True
             if self._sentinels is not None:
+                placed = {table for c in cached for table, _ in c.parts}
                 self.cache.put_many(
-                    [(u.table, u.ids, u.rows, u.slots) for u in plan.updates], dirty=behind
+                    [
+                        (u.table, u.ids, u.rows, u.slots)
+                        for u in plan.updates
+                        if u.table not in placed
+                    ],
+                    dirty=behind,
                 )
+                for c in cached:
+                    self.cache.put_items(c.spots, c.at, c.parts, c.items, dirty=behind)
         finally:
             if not handed_over:
                 await self.locks.release(keys)
@@ -692,22 +753,39 @@ class Updater:
     async def _prepared(self, tables: Sequence[TableGrads]) -> list[_Prepared]:
         """Read the rows and slots of every table of a push (one request per node; a row
         and its slots are one item), those not in the cache: what each table's optimizer
-        step starts from."""
+        step starts from. The tables written behind are only located in the cache
+        (`_in_place`): their step reads the cached items where they are."""
         use = [self._sentinels is not None and self.cache.caches(g.table) for g in tables]
-        wanted = [(g.table, g.ids) for g, u in zip(tables, use, strict=True) if u]
+        here = [u and self._in_place(g.table) for g, u in zip(tables, use, strict=True)]
+        located = iter(
+            self.cache.locate_many(
+                [(g.table, g.ids) for g, h in zip(tables, here, strict=True) if h]
+            )
+        )
+        wanted = [
+            (g.table, g.ids) for g, u, h in zip(tables, use, here, strict=True) if u and not h
+        ]
         from_cache = iter(self.cache.lookup_many(wanted))
         cached: list[tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.float32]]] = []
         initials: list[NDArray[np.bool_] | None] = []  # hits without a row in memcached
-        for grads, cache_it in zip(tables, use, strict=True):
-            if cache_it:
+        places: list[Any] = []  # the `Located` of a table stepped in place
+        for grads, cache_it, in_place in zip(tables, use, here, strict=True):
+            if in_place:
+                place = next(located)
+                cached.append((place.hit, _NO_ROWS, _NO_ROWS))
+                initials.append(place.initial if place.initial.any() else None)
+                places.append(place)
+            elif cache_it:
                 hit, rows_c, slots_c, unwritten = next(from_cache)
                 cached.append((hit, rows_c, slots_c))
                 initials.append(unwritten if unwritten.any() else None)
+                places.append(None)
             else:
                 n = grads.ids.shape[0]
                 nothing = np.empty((n, 0), dtype=np.float32)
                 cached.append((np.zeros(n, dtype=bool), nothing, nothing))
                 initials.append(None)
+                places.append(None)
         read = self._read([(g.table, g.ids) for g in tables], [~hit for hit, _, _ in cached])
         if any(hit.any() for hit, _, _ in cached):
             # cached rows are what this replica wrote, unless a node lost its data since
@@ -730,59 +808,96 @@ class Updater:
             values = await read
         starts: list[tuple[TableGrads, NDArray[np.float32], NDArray[np.bool_], Any]] = []
         unknown: list[Unwritten] = []
-        for grads, (hit, rows_c, slots_c), read, initial in zip(
-            tables, cached, values, initials, strict=True
+        out: list[_Prepared | None] = []
+        for grads, (hit, rows_c, slots_c), read, initial, place in zip(
+            tables, cached, values, initials, places, strict=True
         ):
             spec = self.config.table(grads.table)
-            width = self.optimizers[grads.table].slot_width(spec.dim)
-            n = grads.ids.shape[0]
             # cached with a row (an initial entry has none: this push creates it, from
             # the initial values the cache holds)
             stored = hit if initial is None else hit & ~initial
+            if place is not None:
+                out.append(self._located(grads, place, stored, read, unknown))
+                continue
+            width = self.optimizers[grads.table].slot_width(spec.dim)
+            n = grads.ids.shape[0]
             if hit.all():
                 rows, found, slots = rows_c, stored, slots_c
             elif not hit.any():  # all read: the read's own arrays, no copy
-                rows, slots, found = read
+                items, found = read
+                rows, slots = items[:, : spec.dim], items[:, spec.dim :]
             else:
                 miss = np.flatnonzero(~hit)
                 rows = np.empty((n, spec.dim), dtype=np.float32)
                 slots = np.empty((n, width), dtype=np.float32)
                 found = stored.copy()
                 rows[hit], slots[hit] = rows_c[hit], slots_c[hit]
-                rows[miss], slots[miss], found[miss] = read
+                items, found[miss] = read
+                rows[miss], slots[miss] = items[:, : spec.dim], items[:, spec.dim :]
             starts.append((grads, rows, found, slots))
             unknown.append((grads.table, grads.ids, rows, slots, found | hit))
+            out.append(None)
         self._fill_unwritten(unknown)
-        return [self._prepare(*start) for start in starts]
+        regular = iter([self._prepare(*start) for start in starts])
+        return [p if p is not None else next(regular) for p in out]
+
+    def _in_place(self, table: str) -> bool:
+        """Whether a table's step reads its rows where the row cache holds them (its rows
+        are written behind, and read through this replica: `reads_through_owner`)."""
+        return self._flush_every > 1 and self.config.reads_through_owner(table)
+
+    def _located(
+        self,
+        grads: TableGrads,
+        place: Located,
+        stored: NDArray[np.bool_],
+        read: tuple[NDArray[np.float32], NDArray[np.bool_]] | None,
+        unknown: list[Unwritten],
+    ) -> _Prepared:
+        """A table stepped in place: the items of the ids the cache lacks are `read`
+        (memcached's; their initial values where it has no row either: `unknown` gets
+        them for `_fill_unwritten`) and go to the step's `extra`."""
+        at = place.at
+        found = stored
+        if read is None:
+            extra = np.empty((0, place.spots.cache.width), dtype=np.float32)
+        else:
+            extra, found_m = read
+            miss = np.flatnonzero(at < 0)
+            at = at.copy()
+            at[miss] = -1 - np.arange(miss.shape[0])
+            found = stored.copy()
+            found[miss] = found_m
+            dim = grads.grads.shape[1]
+            unknown.append((grads.table, grads.ids[miss], extra[:, :dim], extra[:, dim:], found_m))
+        step = TableStep(grads.table, grads.ids, grads.grads, _NO_ROWS, _NO_ROWS)
+        created = int(found.shape[0] - np.count_nonzero(found))
+        return _Prepared(grads, step, created=created, place=_InPlace(place.spots, at, extra))
 
     async def _read(
         self, tables: Sequence[tuple[str, IdArray]], wanted: Sequence[NDArray[np.bool_]]
     ) -> list[Any]:
-        """Per (table, ids), (rows, slots, found) of the ids `wanted` (one request per
-        node for all tables: a row and its slots are one item); None for a table with
-        none wanted."""
+        """Per (table, ids), (items, found) of the ids `wanted`: (n, dim + slot width), a
+        row then its slots (one request per node for all tables: a row and its slots are
+        one item); None for a table with none wanted."""
         reads = [
             TableRead(table, ids if want.all() else ids[want], slots=True)
             for (table, ids), want in zip(tables, wanted, strict=True)
             if want.any()
         ]
         values = iter(await self.store.get_many(reads, unique=True) if reads else ())
-        out: list[Any] = []
-        for (table, _), want in zip(tables, wanted, strict=True):
-            if not want.any():
-                out.append(None)
-                continue
-            items, found = next(values)
-            dim = self.config.table(table).dim
-            out.append((items[:, :dim], items[:, dim:], found))
-        return out
+        return [next(values) if want.any() else None for want in wanted]
 
     async def _read_filled(
         self, tables: Sequence[tuple[str, IdArray]]
     ) -> list[tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.bool_]]]:
         """Per (table, ids), (rows, slots, found) of every id, the ids without a row at
         their initial values (`_fill_unwritten`): what a replay starts from."""
-        got = await self._read(tables, [np.ones(ids.shape[0], dtype=bool) for _, ids in tables])
+        read = await self._read(tables, [np.ones(ids.shape[0], dtype=bool) for _, ids in tables])
+        got = []
+        for (table, _), (items, found) in zip(tables, read, strict=True):
+            dim = self.config.table(table).dim
+            got.append((items[:, :dim], items[:, dim:], found))
         self._fill_unwritten(
             [
                 (table, ids, rows, slots, found)
@@ -821,22 +936,43 @@ class Updater:
         step = TableStep(grads.table, grads.ids, grads.grads, rows, slots)
         return _Prepared(grads, step, created=created)
 
-    async def _computed(self, prepared: Sequence[_Prepared]) -> list[TableUpdate]:
-        """Each table's new rows and slots (its optimizer's step from its `_Prepared`).
+    async def _computed(
+        self, prepared: Sequence[_Prepared], *, behind: bool = True
+    ) -> tuple[list[TableUpdate], list[_CachedItems]]:
+        """Each table's new rows and slots (its optimizer's step from its `_Prepared`),
+        and the new items of the tables stepped in place, for `RowCache.put_items`.
 
         Tables with equal optimizers (same settings) and dims are stepped as one batch:
         the math is row by row, elementwise, so a row's result does not depend on the
         rows beside it (bit for bit what a step of its table alone gives, which is how
         a replay recomputes it), and a push of 26 small tables costs one pass of numpy
-        calls instead of 26.
+        calls instead of 26. Tables located in the row cache are stepped where their
+        items are (`Optimizer.update_at`), unless the rows are not written behind after
+        all (`behind` False: the journal needs change witnesses, of the old values) or
+        the batch is large enough for a thread: then their items are gathered first.
+
+        Raises:
+            _Moved: the cache reused the map the rows were located in (`_apply` reads
+                them again).
         """
-        groups: dict[tuple[Optimizer, int], list[TableStep]] = {}
+        groups: dict[tuple[Optimizer, int], list[_Prepared]] = {}
+        here: dict[tuple[Optimizer, int, Spots], list[_Prepared]] = {}
         for p in prepared:
-            key = (self.optimizers[p.step.table], p.step.rows.shape[1])
-            groups.setdefault(key, []).append(p.step)
+            optimizer, dim = self.optimizers[p.grads.table], p.grads.grads.shape[1]
+            if p.place is None:
+                groups.setdefault((optimizer, dim), []).append(p)
+            else:
+                here.setdefault((optimizer, dim, p.place.spots), []).append(p)
+        for (optimizer, dim, spots), members in list(here.items()):
+            if not behind or sum(p.grads.grads.size for p in members) > _OFFLOAD_FLOATS:
+                del here[optimizer, dim, spots]
+                for p in members:
+                    self._gather(p)
+                groups.setdefault((optimizer, dim), []).extend(members)
         stepped: dict[int, Stepped] = {}
 
-        async def batch(optimizer: Optimizer, steps: list[TableStep]) -> None:
+        async def batch(optimizer: Optimizer, members: list[_Prepared]) -> None:
+            steps = [p.step for p in members]
             new_rows, new_slots, witness = await _step(
                 optimizer,
                 stacked([s.rows for s in steps]),
@@ -852,8 +988,52 @@ class Updater:
             ):
                 stepped[id(s)] = (rows, slots, w)
 
-        await asyncio.gather(*(batch(key[0], steps) for key, steps in groups.items()))
-        return [self._update(p, *stepped[id(p.step)]) for p in prepared]
+        await asyncio.gather(*(batch(key[0], members) for key, members in groups.items()))
+        updates = {
+            id(p): self._update(p, *stepped[id(p.step)]) for p in prepared if id(p.step) in stepped
+        }
+        puts: list[_CachedItems] = []
+        for (optimizer, dim, spots), members in here.items():
+            values = self.cache.values_of(spots)
+            if values is None:
+                raise _Moved(f"the row cache reused the map of {len(members)} tables' rows")
+            at, extra = _joined([p.place for p in members if p.place is not None])
+            grads = stacked([p.grads.grads for p in members])
+            rows, items = optimizer.update_at(values, at, extra, grads)
+            steps = [p.step for p in members]
+            for p, new_rows, new_items in zip(
+                members, shares(rows, steps), shares(items, steps), strict=True
+            ):
+                updates[id(p)] = TableUpdate(
+                    p.step.table,
+                    p.step.ids,
+                    new_rows,
+                    new_items[:, dim:],
+                    grads=p.step.grads,
+                    created=p.created,
+                )
+            puts.append(
+                _CachedItems(spots, at, [(p.step.table, p.step.ids) for p in members], items)
+            )
+        return [updates[id(p)] for p in prepared], puts
+
+    def _gather(self, p: _Prepared) -> None:
+        """A table located in the row cache gets its rows and slots as arrays (the step
+        then runs as for any table).
+
+        Raises:
+            _Moved: the map it was located in was reused since.
+        """
+        place = p.place
+        if place is None:
+            return
+        values = self.cache.values_of(place.spots)
+        if values is None:
+            raise _Moved(f"the row cache reused the map of table {p.step.table!r}'s rows")
+        items = items_at(values, place.at, place.extra)
+        dim = p.grads.grads.shape[1]
+        p.step = TableStep(p.step.table, p.step.ids, p.step.grads, items[:, :dim], items[:, dim:])
+        p.place = None
 
     @staticmethod
     def _update(

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -58,7 +59,7 @@ from numpy.typing import NDArray
 from lookup_table.core import probing
 from lookup_table.core.keys import IdArray
 
-__all__ = ["INITIAL", "RowCache"]
+__all__ = ["INITIAL", "Located", "RowCache", "Spots"]
 
 INITIAL = -1  # the stamp of an initial entry (see the module's doc)
 
@@ -110,6 +111,7 @@ class _IntMap:
         for arr in (self.meta, self.values, self.stamps):
             arr.fill(0)  # touch every page now: `nbytes` is what the cache holds resident
         self.size = 0
+        self.epoch = 0  # how many times it was cleared: a `Spots` of an older epoch is void
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.meta, self.values, self.stamps))
@@ -121,6 +123,7 @@ class _IntMap:
         self.meta[:, 1] = 0
         self.stamps.fill(0)
         self.size = 0
+        self.epoch += 1
 
     @property
     def capacity(self) -> int:
@@ -261,6 +264,35 @@ class _TableCache:
                 # map does not hold these keys (they were looked up there first)
                 self._insert_new(ids[got], tabs[got], values[got], stamps[got])
         return hit, values, stamps
+
+    def locate(
+        self, ids: NDArray[np.int64], tabs: NDArray[np.int32]
+    ) -> tuple[NDArray[np.intp], NDArray[np.bool_], NDArray[np.bool_]]:
+        """(at, hit, initial) of each key: its slot in the young map where its value is
+        known (-1 elsewhere), and whether that is an initial entry. As `lookup`, a key
+        only the old map holds moves to the young one first."""
+        _check_keys(ids, tabs)
+        n = ids.shape[0]
+        at = np.empty(n, dtype=np.intp)
+        hit = np.empty(n, dtype=bool)
+        for _ in range(3):  # a move may rotate: the keys just found move again, once
+            young = self.young
+            probing.find_known(young.meta, young.mask, ids, tabs, at, hit)
+            absent = at < 0  # a forgotten key in the young map is not looked up in the old
+            if self.old is None or not absent.any():
+                break
+            miss = np.flatnonzero(absent)
+            _, found, old_values, old_stamps = self.old.lookup(ids[miss], tabs[miss])
+            if not found.any():
+                break
+            got = miss[found]
+            self._insert_new(ids[got], tabs[got], old_values[found], old_stamps[found])
+        else:
+            young = self.young
+            probing.find_known(young.meta, young.mask, ids, tabs, at, hit)
+        initial = hit & (np.take(young.stamps, np.maximum(at, 0)) == INITIAL)
+        at[~hit] = -1
+        return at, hit, initial
 
     def put(
         self,
@@ -408,6 +440,35 @@ class _TableCache:
                 )
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Spots:
+    """Where `RowCache.locate_many` found a batch of keys of one value width: in `map`
+    (the young map of `cache` then), while the map was at `epoch`.
+
+    Keys never move within a map (no deletions), and a map's memory is reused only after
+    `clear()` (a rotation, `epoch` + 1). So while the epoch is unchanged the slots still
+    hold the values of the keys a caller has locked, even when `map` is no longer the
+    young map or `cache` no longer the cache's (they are then only read: `values_of`);
+    while `map` is still the young map of the cache in use, they are where new values go
+    (`put_items`)."""
+
+    cache: _TableCache
+    map: _IntMap
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """One (table, ids) of `RowCache.locate_many`: `at`, each id's slot in `spots.map`
+    where the cache holds its value (-1 where not: `hit` False); `initial`, the hits that
+    are initial entries (no row in memcached)."""
+
+    spots: Spots
+    at: NDArray[np.intp]
+    hit: NDArray[np.bool_]
+    initial: NDArray[np.bool_]
+
+
 class RowCache:
     """Rows and slots (concatenated: dim + slot width floats) by table and int64 id.
 
@@ -471,6 +532,68 @@ class RowCache:
                 start = stop
         return out
 
+    def locate_many(self, parts: Sequence[tuple[str, IdArray]]) -> list[Located]:
+        """Where the values of each (table, unique ids) of cached tables are (`Located`),
+        for a caller that reads them in place (`values_of`) and puts their new values
+        back there (`put_items`) while it holds the ids' locks: no gather, no second
+        probe. One batch per value width (its tables' `Located` share one `Spots`)."""
+        out: list[Any] = [None] * len(parts)
+        for width, members in self._by_width([t for t, _ in parts]).items():
+            ids, tabs = self._keys([parts[i] for i in members])
+            cache = self._groups[width]
+            at, hit, initial = cache.locate(ids, tabs)
+            spots = Spots(cache, cache.young, cache.young.epoch)
+            start = 0
+            for i in members:
+                stop = start + parts[i][1].shape[0]
+                out[i] = Located(spots, at[start:stop], hit[start:stop], initial[start:stop])
+                start = stop
+        return out
+
+    def values_of(self, spots: Spots) -> NDArray[np.float32] | None:
+        """The values (items of the width) `spots`' slots index; None once its map was
+        cleared since (rotated out twice): the caller locates its keys again."""
+        return spots.map.values if spots.map.epoch == spots.epoch else None
+
+    def put_items(
+        self,
+        spots: Spots,
+        at: NDArray[np.intp],
+        parts: Sequence[tuple[str, IdArray]],
+        items: NDArray[np.float32],
+        *,
+        dirty: bool = False,
+    ) -> None:
+        """Remember new values of the (table, ids) of `parts` (one width, as located
+        together: `spots`), `items` (n, width) in the order of their ids: set at their
+        slots `at` while `spots` is the young map of the cache in use, by key where
+        `at` < 0 or else (`put_many`'s semantics otherwise: `dirty` as there)."""
+        stamp = self._next_stamp(dirty)
+        width = spots.cache.width
+        cache = self._groups.get(width)
+        if cache is None:  # the cache is off
+            return
+        if dirty:
+            self._dirty_puts[width] += items.shape[0]
+        held = at >= 0
+        if cache is spots.cache and cache.young is spots.map and spots.map.epoch == spots.epoch:
+            if held.all():
+                spots.map.set(at, items, stamp)
+                return
+            spots.map.set(at[held], items[held], stamp)
+        else:
+            held[:] = False
+        ids, tabs = self._keys(parts)
+        rest = ~held
+        cache.put(ids[rest], tabs[rest], items[rest], stamp)
+
+    def _next_stamp(self, dirty: bool) -> int:
+        """The stamp of a clean put (0), or of the next dirty one."""
+        if not dirty:
+            return 0
+        self._stamp += 1
+        return self._stamp
+
     def put_many(
         self,
         parts: Sequence[tuple[str, IdArray, NDArray[np.float32], NDArray[np.float32]]],
@@ -484,10 +607,7 @@ class RowCache:
         hold are put (see the module's doc)."""
         if dirty and initial:
             raise ValueError("an initial entry is clean: dirty and initial exclude each other")
-        stamp = INITIAL if initial else 0
-        if dirty:
-            self._stamp += 1
-            stamp = self._stamp
+        stamp = INITIAL if initial else self._next_stamp(dirty)
         for width, members in self._by_width([p[0] for p in parts]).items():
             ids, tabs = self._keys([(parts[i][0], parts[i][1]) for i in members])
             values = np.empty((ids.shape[0], width), dtype=np.float32)

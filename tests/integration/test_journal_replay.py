@@ -457,7 +457,7 @@ async def test_a_push_whose_optimizer_step_fails_writes_no_journal_header_and_no
     server = await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
     updater = server.app[UPDATER]
 
-    async def fails(*_: Any) -> None:
+    async def fails(*_: Any, **__: Any) -> None:
         raise FloatingPointError("simulated: the optimizer's step failed")
 
     updater._computed = fails  # type: ignore[method-assign]

@@ -159,6 +159,50 @@ async def test_rows_written_behind_train_exactly_and_reach_memcached_once_per_fl
     updater.resume()
 
 
+@pytest.mark.parametrize("meanwhile", ["map reused", "cache dropped"])
+async def test_rows_stepped_in_the_row_cache_train_exactly_when_it_changed_meanwhile(
+    memcached_nodes: list[str], aiohttp_server: Any, monkeypatch: pytest.MonkeyPatch, meanwhile: str
+) -> None:
+    """A push locates its cached rows, reads the rest, then steps them where the cache
+    holds them. If the map they were located in was reused meanwhile (rotated out twice),
+    the push reads its rows again; if the whole cache was dropped (a node's sentinel
+    changed: the dirty rows are written first), it steps them in the map it located them
+    in and puts the new values in the new cache by key. Either way, exactly the math."""
+    config, _, updater, ref, rng = await _replica(memcached_nodes, aiohttp_server, 5)
+    for _ in range(2):
+        await _push(updater, config, ref, rng)
+    prepared = updater._prepared
+    calls = []
+
+    async def then_change(tables: Any) -> Any:
+        out = await prepared(tables)
+        calls.append(len(tables))
+        if len(calls) == 1 and meanwhile == "cache dropped":
+            await updater._flush_rows()  # what a sentinel change does before it drops
+            updater._forget_rows()
+        return out
+
+    monkeypatch.setattr(updater, "_prepared", then_change)
+    if meanwhile == "map reused":
+        values_of = updater.cache.values_of
+        first = []
+
+        def reused(spots: Any) -> Any:
+            first.append(spots)
+            return None if len(first) == 1 else values_of(spots)
+
+        monkeypatch.setattr(updater.cache, "values_of", reused)
+    await _push(updater, config, ref, rng)
+    assert len(calls) == (2 if meanwhile == "map reused" else 1)
+    monkeypatch.undo()
+    await _push(updater, config, ref, rng)  # and on from what the cache holds now
+    await updater.pause()
+    rows, slots, _ = await _stored(config, "t", IDS)
+    np.testing.assert_array_equal(rows, ref.state["t"][0])
+    np.testing.assert_array_equal(slots, ref.state["t"][1])
+    updater.resume()
+
+
 async def test_rows_read_through_the_owner_are_its_newest_and_create_nothing(
     memcached_nodes: list[str], aiohttp_server: Any
 ) -> None:

@@ -19,6 +19,8 @@ from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
 from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id, sentinel_key
 from lookup_table.core.optimizers import make_optimizer
+from lookup_table.core.optimizers.adam import Adam
+from lookup_table.core.optimizers.sgd import SGD
 from lookup_table.core.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
 from lookup_table.errors import StoreFullError
 from lookup_table.memcached.node import Node
@@ -250,14 +252,27 @@ async def test_tables_with_equal_optimizers_are_stepped_together_bit_for_bit(
     compute = updater_module._step
 
     async def counted(optimizer: Any, rows: Any, g: Any, slots: Any) -> Any:
-        calls.append(rows.shape)
+        calls.append(("arrays", rows.shape))
         return await compute(optimizer, rows, g, slots)
 
     monkeypatch.setattr(updater_module, "_step", counted)
+
+    def counting(kind: Any) -> Any:
+        original = kind.update_at
+
+        def located(self: Any, values: Any, at: Any, extra: Any, g: Any) -> Any:
+            calls.append(("in place", g.shape))
+            return original(self, values, at, extra, g)
+
+        return located
+
+    for kind in (Adam, SGD):  # rows written behind are stepped where the row cache has them
+        monkeypatch.setattr(kind, "update_at", counting(kind))
     await updater.apply(
         parse_push(unpack(_body("p", {n: (ids[n], grads[n]) for n in ids})), config=config)
     )
-    assert sorted(calls) == sorted([(50 + 60 + 100, 8), (70, 8), (80, 4), (90, 8)])
+    batches = [(50 + 60 + 100, 8), (70, 8), (80, 4), (90, 8)]
+    assert sorted(calls) == sorted(("in place", shape) for shape in batches)
     await updater.pause()
     updater.resume()
     async with EmbeddingStore(config) as store:

@@ -359,6 +359,79 @@ def test_every_array_layout_gives_the_same_bits(
         np.testing.assert_array_equal(got_slots.view(np.uint32), want_slots.view(np.uint32))
 
 
+def _items_with_history(
+    opt: Optimizer, n: int, dim: int, rng: np.random.Generator
+) -> NDArray[np.float32]:
+    """n items (a row, then its slots) after a few steps each, and with Adam steps of
+    every kind: first, late, past the tabulated powers and past float32's exact steps."""
+    w = rng.standard_normal((n, dim), dtype=np.float32)
+    slots = opt.initial_slots(n, dim)
+    for _ in range(2):
+        w, slots = opt.update(w, rng.standard_normal((n, dim), dtype=np.float32), slots)
+    if isinstance(opt, Adam):
+        slots[:, 2 * dim] = rng.choice([0, 1, 7, 4_999, (1 << 20) + 3, 1 << 24], n)
+    return np.concatenate([w, slots], axis=1)
+
+
+@case_params
+@pytest.mark.parametrize("dim", [1, 16, 5])
+def test_update_at_reads_items_where_they_are_and_equals_update_bit_for_bit(
+    config: OptimizerConfig, dim: int
+) -> None:
+    """`update_at` steps items read in place: from a map of items (`values[at]`) or,
+    where `at` < 0, from `extra` (the row cache's map and the rows it lacks). Its new
+    rows and items are `update`'s on the gathered items, bit for bit (Adam's compiled
+    pass, and its grads in every layout), and it writes to neither source."""
+    opt = make_optimizer(config)
+    rng = np.random.default_rng(dim)
+    values = _items_with_history(opt, 300, dim, rng)
+    extra = _items_with_history(opt, 40, dim, rng)
+    at = rng.permutation(300)[:120].astype(np.intp)
+    at[::3] = -1 - rng.permutation(40)[: at[::3].shape[0]]
+    items = np.where((at >= 0)[:, None], values[np.maximum(at, 0)], extra[np.maximum(-1 - at, 0)])
+    g = rng.standard_normal((120, dim), dtype=np.float32)
+    want_rows, want_slots = opt.update(items[:, :dim], g, items[:, dim:])
+    before = values.copy(), extra.copy()
+    wide = np.zeros((120, 2 * dim), dtype=np.float32)
+    wide[:, ::2] = g
+    read_only = g.copy()
+    frozen(read_only)
+    for grads in (g, read_only, wide[:, ::2]):
+        rows, new_items = opt.update_at(values, at, extra, grads)
+        assert rows.tobytes() == want_rows.tobytes()
+        assert new_items[:, :dim].tobytes() == want_rows.tobytes()
+        assert new_items[:, dim:].tobytes() == want_slots.tobytes()
+    assert values.tobytes() == before[0].tobytes() and extra.tobytes() == before[1].tobytes()
+    rows, new_items = opt.update_at(values, np.arange(0, dtype=np.intp), extra, g[:0])
+    assert rows.shape == (0, dim) and new_items.shape == (0, values.shape[1])
+
+
+@case_params
+def test_update_at_refuses_what_its_compiled_pass_could_read_past(config: OptimizerConfig) -> None:
+    opt = make_optimizer(config)
+    dim = 4
+    width = dim + opt.slot_width(dim)
+    values = np.zeros((10, width), np.float32)
+    extra = np.zeros((2, width), np.float32)
+    g = np.zeros((3, dim), np.float32)
+    at = np.array([0, 9, -2], dtype=np.intp)
+    opt.update_at(values, at, extra, g)  # the bounds themselves are fine
+    for bad, match in (
+        (np.array([0, 10, -1], dtype=np.intp), "outside 10 values"),
+        (np.array([0, 1, -3], dtype=np.intp), "and 2 extra"),
+        (np.array([0, 1], dtype=np.intp), "expected 3 intp positions"),
+        (np.array([0, 1, 2], dtype=np.int32), "expected 3 intp positions"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            opt.update_at(values, bad, extra, g)
+    with pytest.raises(ValueError, match=f"items of {width} floats"):
+        opt.update_at(np.zeros((10, width + 1), np.float32), at, extra, g)
+    with pytest.raises(ValueError, match="extra: expected C-contiguous"):
+        opt.update_at(values, at, np.zeros((2, 2 * width), np.float32)[:, ::2], g)
+    with pytest.raises(ValueError, match="grads"):
+        opt.update_at(values, at, extra, g.astype(np.float64))
+
+
 @case_params
 def test_rows_are_independent(config: OptimizerConfig) -> None:
     """Updating rows together gives each row what updating it alone gives."""

@@ -421,3 +421,89 @@ def test_the_compiled_probes_get_shapes_checked_first() -> None:
     with pytest.raises(ValueError, match="table numbers"):
         m.insert(ids, _tabs(2), np.zeros((4, 3), np.float32))
     assert m.size == 0 and not (m.meta[:, 1] != 0).any()  # nothing was written
+
+
+def test_located_keys_are_hits_at_their_young_slots_with_initial_ones_told_apart() -> None:
+    """`locate_many` gives each id its young-map slot where the cache holds its value
+    (-1 where not: never put, or forgotten), moves keys only the old generation holds up
+    first (as a lookup does), and marks initial entries; the tables of one width share
+    one `Spots`."""
+    cache = _cache(1 << 22)
+    ids = np.arange(8, dtype=np.int64)
+    rows, none = np.arange(24, dtype=np.float32).reshape(8, 3), np.zeros((8, 0), np.float32)
+    cache.put_many([("a", ids[:4], rows[:4], none[:4])], dirty=True)
+    cache.put_many([("a", ids[4:6], rows[4:6], none[4:6])], initial=True)
+    cache.put_many([("b", ids[:2], rows[:2] + 100, none[:2])])
+    cache.forget([("a", ids[3:4])])
+    got_a, got_b = cache.locate_many([("a", ids), ("b", ids)])
+    assert got_a.spots is got_b.spots
+    assert got_a.hit.tolist() == [True] * 3 + [False] + [True] * 2 + [False] * 2
+    assert got_a.initial.tolist() == [False] * 4 + [True] * 2 + [False] * 2
+    assert (got_a.at[~got_a.hit] == -1).all() and (got_b.at[2:] == -1).all()
+    values = cache.values_of(got_a.spots)
+    assert values is not None
+    assert (values[got_a.at[got_a.hit]] == rows[got_a.hit]).all()
+    assert (values[got_b.at[:2]] == rows[:2] + 100).all()
+
+    table = _TableCache(width=1, max_capacity=1024)
+    old = np.arange(300, dtype=np.int64)
+    table.put(old, _tabs(300), np.arange(300, dtype=np.float32)[:, None], 3)
+    table.put(np.arange(1000, 1300, dtype=np.int64), _tabs(300), np.zeros((300, 1), np.float32))
+    assert table.old is not None and (table.young.find(old, _tabs(300)) < 0).all()
+    at, hit, initial = table.locate(old[:50], _tabs(50))
+    assert hit.all() and not initial.any()
+    assert (table.young.values[at, 0] == np.arange(50)).all()  # moved up, dirty as it was
+    assert (table.young.stamps[at] == 3).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 700), min_size=0, max_size=6),
+    st.booleans(),
+    st.integers(0, 2),
+)
+def test_items_put_back_where_located_land_on_their_keys_whatever_happened_between(
+    between: list[int], dirty: bool, forget_all: int
+) -> None:
+    """A push locates its ids, reads their items in place and puts new ones back with
+    `put_items`. Meanwhile other pushes put other ids (new generations: the map located
+    in may be the old one, or dropped and reused) or the whole cache is forgotten (a
+    node's sentinel changed). While `values_of` gives the map, the located slots still
+    hold the ids' values; once it gives None they are reused. Either way the new items
+    end up on their own keys, found by the next lookup, and dirty ones are flushed."""
+    cache = RowCache({"a": (1, 1), "b": (1, 1)}, 100_000)  # maps of 1024 slots at most
+    ids = np.arange(60, dtype=np.int64)
+    first = np.stack([ids, ids + 0.5], axis=1).astype(np.float32)
+    cache.put_many([("a", ids[:40], first[:40, :1], first[:40, 1:])])
+    cache.put_many([("b", ids[40:], first[40:, :1], first[40:, 1:])], dirty=True)
+    parts = [("a", ids[:50]), ("b", ids[40:])]
+    la, lb = cache.locate_many(parts)
+    at = np.concatenate([la.at, lb.at])
+    start = 10_000
+    for k, count in enumerate(between):  # other pushes' rows
+        other = np.arange(start, start + count, dtype=np.int64)
+        start += count
+        cache.put_many(
+            [("a", other, np.zeros((count, 1), np.float32), np.zeros((count, 1), np.float32))]
+        )
+        if forget_all == 1 and k == 0:
+            cache.forget()
+    if forget_all == 2:
+        cache.forget()
+    values = cache.values_of(la.spots)
+    want = np.concatenate([first[:50], first[40:]])
+    held = at >= 0
+    if values is not None:
+        assert (values[at[held]] == want[held]).all()
+    new = -np.arange(at.shape[0] * 2, dtype=np.float32).reshape(-1, 2) - 1
+    cache.put_items(la.spots, at, parts, new, dirty=dirty)
+    (ha, ra, sa, _), (hb, rb, sb, _) = cache.lookup_many(parts)
+    assert ha.all() and hb.all()
+    assert (np.concatenate([ra, rb]) == new[:, :1]).all()
+    assert (np.concatenate([sa, sb]) == new[:, 1:]).all()
+    flushed, _ = cache.dirty()
+    keys = {(t, i) for t, got, _, _ in flushed for i in got.tolist()}
+    if dirty:
+        assert keys >= {("a", i) for i in range(50)} | {("b", i) for i in range(40, 60)}
+    else:
+        assert not keys & {("a", i) for i in range(50)}

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, cast
 
 from lookup_table.core.optimizers.adagrad import Adagrad
 from lookup_table.core.optimizers.adam import Adam
-from lookup_table.core.optimizers.base import Float32Array, Optimizer
+from lookup_table.core.optimizers.base import Float32Array, Optimizer, items_at
 from lookup_table.core.optimizers.gradients import check_finite, segment_sum
 from lookup_table.core.optimizers.sgd import SGD
 
@@ -54,6 +54,7 @@ __all__ = [
     "Float32Array",
     "Optimizer",
     "check_finite",
+    "items_at",
     "make_optimizer",
     "segment_sum",
     "slot_width",

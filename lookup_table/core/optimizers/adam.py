@@ -60,9 +60,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import types
+from numpy.typing import NDArray
 
 from lookup_table.core.jit import A1, A2, C1, C2, RC1, RC2, compiled
-from lookup_table.core.optimizers.base import Float32Array, step
+from lookup_table.core.optimizers.base import Float32Array, check_update_at_args, step
 
 if TYPE_CHECKING:  # the runtime imports stay pure (numpy, numba, stdlib)
     from lookup_table.config import AdamConfig
@@ -194,6 +195,55 @@ def _moved(weights, new_slots, alpha, epsilon, out):  # type: ignore[no-untyped-
             o[j] = w[j] - (m[j] * a) / (np.sqrt(v[j]) + epsilon)
 
 
+_AT = types.Array(types.intp, 1, "C")  # `update_at`'s positions (the caller's array)
+
+
+@compiled(types.void(C2, _AT, C2, types.intp, C1))
+def _column_at(values, at, extra, column, out):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """out[i] = column `column` of item i (`values[at[i]]`, or `extra[-1 - at[i]]`)."""
+    for i in range(at.shape[0]):
+        p = at[i]
+        out[i] = values[p, column] if p >= 0 else extra[-1 - p, column]
+
+
+@compiled(
+    [
+        types.void(C2, _AT, C2, grads, C1, types.float32, types.float32, types.float32, C2, C2)
+        for grads in (C2, RC2, A2)
+    ]
+)
+def _stepped_at(  # type: ignore[no-untyped-def]  # pragma: no cover
+    values, at, extra, grads, alpha, one_minus_beta_1, one_minus_beta_2, epsilon, rows, items
+):
+    """`_next_slots` then `_moved` on items (a row, m, v, step) read where they are:
+    `values[at[i]]`, or `extra[-1 - at[i]]` where at[i] < 0; the same float32 operations
+    in the same order (the same bits), one pass. The new items go to `items`, the new
+    rows also to `rows` (what the push's answer sends)."""
+    dim = grads.shape[1]
+    for i in range(at.shape[0]):
+        p = at[i]
+        src = values[p] if p >= 0 else extra[-1 - p]
+        g = grads[i]
+        w = src[:dim]
+        m = src[dim : 2 * dim]
+        v = src[2 * dim : 3 * dim]
+        out = items[i]
+        w_out = out[:dim]
+        m_out = out[dim : 2 * dim]
+        v_out = out[2 * dim : 3 * dim]
+        for j in range(dim):
+            m_out[j] = (g[j] - m[j]) * one_minus_beta_1 + m[j]
+        for j in range(dim):
+            v_out[j] = (g[j] * g[j] - v[j]) * one_minus_beta_2 + v[j]
+        out[3 * dim] = src[3 * dim] + np.float32(1)
+        a = alpha[i]
+        r = rows[i]
+        for j in range(dim):
+            r[j] = w[j] - (m_out[j] * a) / (np.sqrt(v_out[j]) + epsilon)
+        for j in range(dim):
+            w_out[j] = r[j]
+
+
 @dataclass(frozen=True, slots=True)
 class Adam:
     """Adam on rows; slots per row: momentum (dim), velocity (dim), step (1)."""
@@ -242,3 +292,42 @@ class Adam:
     ) -> tuple[Float32Array, Float32Array]:
         """One Adam step per row, each with its own step count (see module docstring)."""
         return step(self, weights, grads, slots)
+
+    def update_at(
+        self,
+        values: Float32Array,
+        at: NDArray[np.intp],
+        extra: Float32Array,
+        grads: Float32Array,
+    ) -> tuple[Float32Array, Float32Array]:
+        """`update` of items read where they are (`Optimizer.update_at`): one compiled
+        pass from the items to the new ones, instead of gathering them, stepping the slots
+        and then the rows into new arrays, and laying those out as items again. Each
+        row's `alpha` comes from its new step as in `finish`: the same bits."""
+        c = self.config
+        dim = check_update_at_args(values, at, extra, grads, self.slot_width)
+        # the compiled pass takes writable arrays (its signatures: one exact match each)
+        values, extra = (a if a.flags.writeable else a.copy() for a in (values, extra))
+        at = at if at.flags.writeable else at.copy()
+        n = at.shape[0]
+        t = np.empty(n, dtype=np.float32)
+        _column_at(values, at, extra, 3 * dim, t)
+        t += _F32(1)
+        beta_1_power = _beta_powers(c.beta_1, t)
+        beta_2_power = _beta_powers(c.beta_2, t)
+        alpha = _F32(c.learning_rate) * np.sqrt(_F32(1) - beta_2_power) / (_F32(1) - beta_1_power)
+        rows = np.empty((n, dim), dtype=np.float32)
+        items = np.empty((n, values.shape[1]), dtype=np.float32)
+        _stepped_at(
+            values,
+            at,
+            extra,
+            grads,
+            alpha,
+            _F32(1 - c.beta_1),
+            _F32(1 - c.beta_2),
+            _F32(c.epsilon),
+            rows,
+            items,
+        )
+        return rows, items

@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 if TYPE_CHECKING:
     from lookup_table.config import OptimizerConfig
 
-__all__ = ["Float32Array", "Optimizer"]
+__all__ = ["Float32Array", "Optimizer", "items_at"]
 
 Float32Array: TypeAlias = NDArray[np.float32]
 
@@ -75,6 +75,26 @@ class Optimizer(Protocol):
         """
         ...
 
+    def update_at(
+        self,
+        values: Float32Array,
+        at: NDArray[np.intp],
+        extra: Float32Array,
+        grads: Float32Array,
+    ) -> tuple[Float32Array, Float32Array]:
+        """`update` of rows laid out as items (a row, then its slots: dim + slot_width
+        floats), read where they are: row i's item is `values[at[i]]`, or `extra[-1 -
+        at[i]]` where `at[i] < 0`. The row cache's map is `values`, the rows it does not
+        hold are `extra` (`optimizer_service.updater`): no gather of the items first.
+
+        Returns the new rows (n, dim) and the new items (n, dim + slot_width), new arrays,
+        bit for bit `update`'s; `values` and `extra` are left untouched.
+
+        Raises:
+            ValueError: as `update`, or an index outside `values` or `extra`.
+        """
+        ...
+
 
 def check_update_args(
     weights: Float32Array,
@@ -118,3 +138,67 @@ def step(
     check_update_args(weights, grads, slots, optimizer.slot_width)
     new_slots = optimizer.next_slots(grads, slots)
     return optimizer.finish(weights, grads, new_slots), new_slots
+
+
+def check_update_at_args(
+    values: Float32Array,
+    at: NDArray[np.intp],
+    extra: Float32Array,
+    grads: Float32Array,
+    slot_width: Callable[[int], int],
+) -> int:
+    """Return dim; ValueError unless `update_at`'s arguments agree (float32 C-contiguous
+    items of dim + slot width floats in `values` and `extra`, grads (n, dim), `at` (n,)
+    intp within them). Compiled loops index without bounds checks: this is their check."""
+    if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.ndim != 2:
+        raise ValueError(f"grads: expected a float32 array of shape (n, dim), got {grads!r:.80}")
+    dim = int(grads.shape[1])
+    width = dim + slot_width(dim)
+    for name, arr in (("values", values), ("extra", extra)):
+        if (
+            not isinstance(arr, np.ndarray)
+            or arr.dtype != np.float32
+            or arr.ndim != 2
+            or arr.shape[1] != width
+            or not arr.flags.c_contiguous
+        ):
+            got = f"{arr.dtype} {arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
+            raise ValueError(
+                f"{name}: expected C-contiguous float32 items of {width} floats (dim {dim} + "
+                f"slots), got {got}"
+            )
+    if not isinstance(at, np.ndarray) or at.dtype != np.intp or at.shape != grads.shape[:1]:
+        raise ValueError(f"at: expected {grads.shape[0]} intp positions, got {at!r:.80}")
+    if at.shape[0] and (int(at.max()) >= values.shape[0] or -1 - int(at.min()) >= extra.shape[0]):
+        raise ValueError(
+            f"at: positions {int(at.min())}..{int(at.max())} outside {values.shape[0]} values "
+            f"and {extra.shape[0]} extra items"
+        )
+    return dim
+
+
+def items_at(values: Float32Array, at: NDArray[np.intp], extra: Float32Array) -> Float32Array:
+    """The items `update_at` reads, gathered into a new (n, width) array: row i's
+    `values[at[i]]`, or `extra[-1 - at[i]]` where at[i] < 0."""
+    held = at >= 0
+    items = np.empty((at.shape[0], values.shape[1]), dtype=np.float32)
+    items[held] = values[at[held]]
+    items[~held] = extra[-1 - at[~held]]
+    return items
+
+
+def gathered_update_at(
+    optimizer: Optimizer,
+    values: Float32Array,
+    at: NDArray[np.intp],
+    extra: Float32Array,
+    grads: Float32Array,
+) -> tuple[Float32Array, Float32Array]:
+    """`update_at` for any optimizer: the items gathered, then `update` (an optimizer
+    with a compiled pass reads them in place instead: Adam)."""
+    dim = check_update_at_args(values, at, extra, grads, optimizer.slot_width)
+    items = items_at(values, at, extra)
+    rows, slots = optimizer.update(items[:, :dim], grads, items[:, dim:])
+    items[:, :dim] = rows
+    items[:, dim:] = slots
+    return rows, items
