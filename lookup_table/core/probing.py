@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import types
 
-from lookup_table.core.jit import compiled
+from lookup_table.core.jit import PREFETCH_AHEAD, compiled, prefetch_row
 
 __all__ = [
     "MAX_PROBES",
@@ -29,7 +29,9 @@ __all__ = [
     "dirty_slots",
     "find",
     "find_known",
+    "gather",
     "insert",
+    "scatter",
 ]
 
 MAX_PROBES = 64  # at load <= 1/2 a probe sequence this long is vanishingly rare
@@ -67,7 +69,11 @@ def _position(key, tab, mask):  # type: ignore[no-untyped-def]  # pragma: no cov
 def find(meta, mask, ids, tabs, out):  # type: ignore[no-untyped-def]  # pragma: no cover
     """`out[i]`: the slot holding (ids[i], tabs[i]), -1 where absent (a free slot, or
     `MAX_PROBES` slots without it, ends the search)."""
-    for i in range(ids.shape[0]):
+    n = ids.shape[0]
+    for i in range(n):
+        if i + PREFETCH_AHEAD < n:  # the slot a later key's probes start at
+            k = i + PREFETCH_AHEAD
+            prefetch_row(meta, _position(ids[k], tabs[k], mask))
         key = ids[i]
         want = np.int64(tabs[i]) | _USED
         p = _position(key, tabs[i], mask)
@@ -104,7 +110,13 @@ def insert(  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     where none was free within `MAX_PROBES` slots. Returns how many were placed."""
     count = 0
     width = values.shape[1]
-    for i in range(ids.shape[0]):
+    n = ids.shape[0]
+    for i in range(n):
+        if i + PREFETCH_AHEAD < n:  # where a later key will most likely go
+            ahead = _position(ids[i + PREFETCH_AHEAD], tabs[i + PREFETCH_AHEAD], mask)
+            prefetch_row(meta, ahead)
+            prefetch_row(values, ahead)
+            prefetch_row(stamps, ahead)
         key = ids[i]
         p = _position(key, tabs[i], mask)
         placed[i] = False
@@ -130,6 +142,59 @@ def find_known(meta, mask, ids, tabs, out, known):  # type: ignore[no-untyped-de
     for i in range(ids.shape[0]):
         p = out[i]
         known[i] = p >= 0 and (meta[p, 1] & _VALID) != 0
+
+
+@compiled(
+    types.void(
+        types.Array(types.float32, 2, "C", readonly=True),
+        types.Array(types.int64, 1, "C", readonly=True),
+        _slots,
+        types.Array(types.float32, 2, "C"),
+        types.Array(types.int64, 1, "C"),
+    )
+)
+def gather(values, stamps, slots, out, out_stamps):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """`out[i]` and `out_stamps[i]`: the value and stamp of slot `slots[i]` (numpy's take,
+    with the rows a few slots ahead asked for early: `jit.prefetch_row`)."""
+    n = slots.shape[0]
+    for i in range(n):
+        if i + PREFETCH_AHEAD < n:
+            prefetch_row(values, slots[i + PREFETCH_AHEAD])
+            prefetch_row(stamps, slots[i + PREFETCH_AHEAD])
+        p = slots[i]
+        row = values[p]
+        o = out[i]
+        for j in range(row.shape[0]):
+            o[j] = row[j]
+        out_stamps[i] = stamps[p]
+
+
+@compiled(
+    types.void(
+        _meta,
+        types.Array(types.float32, 2, "C"),
+        types.Array(types.int64, 1, "C"),
+        _slots,
+        types.Array(types.float32, 2, "A", readonly=True),
+        types.Array(types.int64, 1, "A", readonly=True),
+    )
+)
+def scatter(meta, values, stamps, slots, src, each):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Slot `slots[i]` takes the value `src[i]` and the stamp `each[i]`, and is known
+    (valid) from now on (numpy's fancy assignment, with rows ahead asked for early)."""
+    n = slots.shape[0]
+    for i in range(n):
+        if i + PREFETCH_AHEAD < n:
+            ahead = slots[i + PREFETCH_AHEAD]
+            prefetch_row(values, ahead)
+            prefetch_row(meta, ahead)
+            prefetch_row(stamps, ahead)
+        p = slots[i]
+        row = values[p]
+        for j in range(row.shape[0]):
+            row[j] = src[i, j]
+        meta[p, 1] |= _VALID
+        stamps[p] = each[i]
 
 
 @compiled(types.intp(_meta, types.Array(types.int64, 1, "C", readonly=True), _slots))

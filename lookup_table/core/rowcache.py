@@ -78,14 +78,15 @@ def _int_ids(ids: IdArray) -> NDArray[np.int64]:
     return cast("NDArray[np.int64]", ids)
 
 
-def _items(values: NDArray[np.float32]) -> NDArray[np.void]:
-    """(n, width) float32 values as n items of `width` floats, the same memory (a copy
-    if they were not contiguous). numpy gathers and scatters whole items several times
-    faster than the rows of a 2-D array (`a[idx] = rows` goes element by element): the
-    cache's random access into its maps is that."""
-    values = np.ascontiguousarray(values, dtype=np.float32)
-    item = np.dtype((np.void, values.shape[1] * values.itemsize))
-    return values.view(item).reshape(values.shape[0])
+def _intp(slots: NDArray[np.intp], capacity: int) -> NDArray[np.intp]:
+    """Slots as the compiled loops take them: C-contiguous intp, each within the map
+    (they index without bounds checks)."""
+    slots = np.ascontiguousarray(slots, dtype=np.intp)
+    if slots.shape[0] and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
+        raise ValueError(
+            f"slots {int(slots.min())}..{int(slots.max())} outside a map of {capacity}"
+        )
+    return slots
 
 
 def _check_keys(ids: NDArray[np.int64], tabs: NDArray[np.int32]) -> None:
@@ -106,7 +107,6 @@ class _IntMap:
         self.mask = capacity - 1
         self.meta = np.zeros((capacity, 2), dtype=np.int64)
         self.values = np.zeros((capacity, width), dtype=np.float32)
-        self.items = _items(self.values)  # the same memory, a value an item
         self.stamps = np.zeros(capacity, dtype=np.int64)  # > 0: dirty, put by that stamp
         for arr in (self.meta, self.values, self.stamps):
             arr.fill(0)  # touch every page now: `nbytes` is what the cache holds resident
@@ -148,20 +148,31 @@ class _IntMap:
         probing.find_known(self.meta, self.mask, ids, tabs, out, hit)
         # one gather of every id's slot, no masks (an absent id reads slot 0: garbage,
         # which a miss may hold)
-        at = np.maximum(out, 0)
-        return out, hit, self.values_at(at), np.take(self.stamps, at)
+        values, stamps = self._gathered(np.maximum(out, 0))
+        return out, hit, values, stamps
+
+    def _gathered(self, slots: NDArray[np.intp]) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+        """Copies of the values and stamps of these slots (compiled, the slots ahead asked
+        for early: a batch's slots are random lines of a map far larger than the caches)."""
+        values = np.empty((slots.shape[0], self.values.shape[1]), dtype=np.float32)
+        stamps = np.empty(slots.shape[0], dtype=np.int64)
+        probing.gather(self.values, self.stamps, _intp(slots, self.capacity), values, stamps)
+        return values, stamps
 
     def values_at(self, slots: NDArray[np.intp]) -> NDArray[np.float32]:
-        """A copy of the values of these slots (gathered as whole items: see `_items`)."""
-        gathered = np.take(self.items, slots)
-        return gathered.view(np.float32).reshape(slots.shape[0], self.values.shape[1])
+        """A copy of the values of these slots."""
+        return self._gathered(slots)[0]
 
     def set(self, slots: NDArray[np.intp], values: NDArray[np.float32], stamps: Any) -> None:
         """New values (and stamps: each one's, or one for all) of the keys these slots
-        hold, known from now on."""
-        self.items[slots] = _items(values)
-        self.meta[slots, 1] |= _VALID
-        self.stamps[slots] = stamps
+        hold, known from now on (compiled, as `_gathered`)."""
+        slots = _intp(slots, self.capacity)
+        if values.shape != (slots.shape[0], self.values.shape[1]):
+            raise ValueError(
+                f"values {values.shape} for {slots.shape[0]} slots of width {self.values.shape[1]}"
+            )
+        each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), slots.shape)
+        probing.scatter(self.meta, self.values, self.stamps, slots, values, each)
 
     def forget(self, slots: NDArray[np.intp]) -> None:
         """Forget the values of these slots (their keys stay: no deletions)."""

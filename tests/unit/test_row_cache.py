@@ -418,6 +418,13 @@ def test_the_compiled_probes_get_shapes_checked_first() -> None:
         m.lookup(ids, _tabs(5))
     with pytest.raises(ValueError, match="width 3"):
         m.insert(ids, _tabs(4), np.zeros((4, 2), np.float32))
+    # the compiled gathers and scatters: slots within the map, values of its width
+    with pytest.raises(ValueError, match="outside a map of 1024"):
+        m.values_at(np.array([0, 1024], dtype=np.intp))
+    with pytest.raises(ValueError, match="outside a map of 1024"):
+        m.set(np.array([-1], dtype=np.intp), np.zeros((1, 3), np.float32), 0)
+    with pytest.raises(ValueError, match="width 3"):
+        m.set(np.array([5], dtype=np.intp), np.zeros((1, 4), np.float32), 0)
     with pytest.raises(ValueError, match="table numbers"):
         m.insert(ids, _tabs(2), np.zeros((4, 3), np.float32))
     assert m.size == 0 and not (m.meta[:, 1] != 0).any()  # nothing was written

@@ -62,7 +62,7 @@ import numpy as np
 from numba import types
 from numpy.typing import NDArray
 
-from lookup_table.core.jit import A1, A2, C1, C2, RC1, RC2, compiled
+from lookup_table.core.jit import A1, A2, C1, C2, PREFETCH_AHEAD, RC1, RC2, compiled, prefetch_row
 from lookup_table.core.optimizers.base import Float32Array, check_update_at_args, step
 
 if TYPE_CHECKING:  # the runtime imports stay pure (numpy, numba, stdlib)
@@ -201,7 +201,10 @@ _AT = types.Array(types.intp, 1, "C")  # `update_at`'s positions (the caller's a
 @compiled(types.void(C2, _AT, C2, types.intp, C1))
 def _column_at(values, at, extra, column, out):  # type: ignore[no-untyped-def]  # pragma: no cover
     """out[i] = column `column` of item i (`values[at[i]]`, or `extra[-1 - at[i]]`)."""
-    for i in range(at.shape[0]):
+    n = at.shape[0]
+    for i in range(n):
+        if i + PREFETCH_AHEAD < n and at[i + PREFETCH_AHEAD] >= 0:
+            prefetch_row(values, at[i + PREFETCH_AHEAD])
         p = at[i]
         out[i] = values[p, column] if p >= 0 else extra[-1 - p, column]
 
@@ -220,7 +223,10 @@ def _stepped_at(  # type: ignore[no-untyped-def]  # pragma: no cover
     in the same order (the same bits), one pass. The new items go to `items`, the new
     rows also to `rows` (what the push's answer sends)."""
     dim = grads.shape[1]
-    for i in range(at.shape[0]):
+    n = at.shape[0]
+    for i in range(n):
+        if i + PREFETCH_AHEAD < n and at[i + PREFETCH_AHEAD] >= 0:
+            prefetch_row(values, at[i + PREFETCH_AHEAD])
         p = at[i]
         src = values[p] if p >= 0 else extra[-1 - p]
         g = grads[i]
