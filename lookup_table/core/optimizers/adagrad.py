@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from numpy.typing import NDArray
 
-from lookup_table.core.optimizers.base import Float32Array, gathered_update_at, step
+from lookup_table.core.optimizers.base import Float32Array, GatheredUpdateAt, step
 
 if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
     from lookup_table.config import AdagradConfig
@@ -31,7 +30,7 @@ _F32 = np.float32
 
 
 @dataclass(frozen=True, slots=True)
-class Adagrad:
+class Adagrad(GatheredUpdateAt):
     """Adagrad on rows; slots per row: accumulator (dim)."""
 
     config: AdagradConfig
@@ -69,13 +68,3 @@ class Adagrad:
     ) -> tuple[Float32Array, Float32Array]:
         """One Adagrad step on rows (see module docstring)."""
         return step(self, weights, grads, slots)
-
-    def update_at(
-        self,
-        values: Float32Array,
-        at: NDArray[np.intp],
-        extra: Float32Array,
-        grads: Float32Array,
-    ) -> tuple[Float32Array, Float32Array]:
-        """`update` of items read where they are (`Optimizer.update_at`)."""
-        return gathered_update_at(self, values, at, extra, grads)

@@ -10,7 +10,7 @@ worker thread whose caller was cancelled: the thread "still runs its course"
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Protocol, TypeAlias, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -187,18 +187,23 @@ def items_at(values: Float32Array, at: NDArray[np.intp], extra: Float32Array) ->
     return items
 
 
-def gathered_update_at(
-    optimizer: Optimizer,
-    values: Float32Array,
-    at: NDArray[np.intp],
-    extra: Float32Array,
-    grads: Float32Array,
-) -> tuple[Float32Array, Float32Array]:
-    """`update_at` for any optimizer: the items gathered, then `update` (an optimizer
-    with a compiled pass reads them in place instead: Adam)."""
-    dim = check_update_at_args(values, at, extra, grads, optimizer.slot_width)
-    items = items_at(values, at, extra)
-    rows, slots = optimizer.update(items[:, :dim], grads, items[:, dim:])
-    items[:, :dim] = rows
-    items[:, dim:] = slots
-    return rows, items
+class GatheredUpdateAt:
+    """`Optimizer.update_at` for optimizers without a compiled pass of their own (SGD,
+    Adagrad): the items gathered (`items_at`), then `update`."""
+
+    __slots__ = ()
+
+    def update_at(
+        self,
+        values: Float32Array,
+        at: NDArray[np.intp],
+        extra: Float32Array,
+        grads: Float32Array,
+    ) -> tuple[Float32Array, Float32Array]:
+        optimizer = cast("Optimizer", self)
+        dim = check_update_at_args(values, at, extra, grads, optimizer.slot_width)
+        items = items_at(values, at, extra)
+        rows, slots = optimizer.update(items[:, :dim], grads, items[:, dim:])
+        items[:, :dim] = rows
+        items[:, dim:] = slots
+        return rows, items

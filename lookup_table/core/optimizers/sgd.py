@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from numpy.typing import NDArray
 
-from lookup_table.core.optimizers.base import Float32Array, gathered_update_at, step
+from lookup_table.core.optimizers.base import Float32Array, GatheredUpdateAt, step
 
 if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
     from lookup_table.config import SGDConfig
@@ -33,7 +32,7 @@ _F32 = np.float32
 
 
 @dataclass(frozen=True, slots=True)
-class SGD:
+class SGD(GatheredUpdateAt):
     """SGD on rows; slots per row: momentum (dim) when momentum != 0, else none."""
 
     config: SGDConfig
@@ -77,13 +76,3 @@ class SGD:
     ) -> tuple[Float32Array, Float32Array]:
         """One SGD step on rows (see module docstring)."""
         return step(self, weights, grads, slots)
-
-    def update_at(
-        self,
-        values: Float32Array,
-        at: NDArray[np.intp],
-        extra: Float32Array,
-        grads: Float32Array,
-    ) -> tuple[Float32Array, Float32Array]:
-        """`update` of items read where they are (`Optimizer.update_at`)."""
-        return gathered_update_at(self, values, at, extra, grads)
