@@ -16,11 +16,17 @@ sees a new one). A push whose ids are all cached reads no row from memcached.
 
 One `_IntMap` per value width (dim + slot width) and generation, shared by the tables of
 that width (keys: table number and id): open addressing with linear probing over
-numpy arrays, no deletions; a batch's probes run compiled (`lookup_table.core.probing`),
-the values are gathered and scattered by numpy. Two generations bound the memory:
-lookups look in the young map, then in the old one (a hit there moves to the young
-map); when the young map is half full it becomes the old one and the old one is
-dropped, so what was not used for a generation is forgotten (an approximate LRU).
+numpy arrays, no deletions; a batch's probes, gathers and scatters run compiled
+(`lookup_table.core.probing`), asking for the slots a few keys ahead
+(`jit.prefetch_row`). Two generations bound the memory: lookups look in the young map,
+then in the old one (a hit there moves to the young map); when the young map is half
+full it becomes the old one and the old one is dropped, so what was not used for a
+generation is forgotten (an approximate LRU).
+
+*Located* keys (`locate_many`, the replica's step of rows written behind): their slots
+in the young map, for a caller that holds their locks, reads their values where they are
+(`values_of`: until the map is cleared, see `Spots`) and puts the new ones back there
+(`put_items`: by key if the young map changed meanwhile).
 
 The caller says which tables to cache. Both users leave out tables of string ids (the
 maps hold int64 keys) and tables with `ttl_s`: memcached expires their rows by itself,
