@@ -266,20 +266,12 @@ class _TableCache:
     def lookup(
         self, ids: NDArray[np.int64], tabs: NDArray[np.int32]
     ) -> tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.int64]]:
-        """(hit, values, stamps) of each key; garbage where not hit."""
-        pos, hit, values, stamps = self.young.lookup(ids, tabs)
-        present = pos >= 0
-        if self.old is not None and not present.all():  # in the young map: never the old
-            miss = np.flatnonzero(~present)
-            _, found, old_values, old_stamps = self.old.lookup(ids[miss], tabs[miss])
-            if found.any():
-                got = miss[found]
-                values[got] = old_values[found]
-                stamps[got] = old_stamps[found]
-                hit[got] = True
-                # used again: keep it young (dirty, initial or not, as it was); the young
-                # map does not hold these keys (they were looked up there first)
-                self._insert_new(ids[got], tabs[got], values[got], stamps[got])
+        """(hit, values, stamps) of each key; garbage where not hit. A key only the old
+        map holds moves to the young one first (`_found`)."""
+        at, hit = self._found(ids, tabs)
+        # one gather of every id's slot, no masks (an absent id reads slot 0: garbage,
+        # which a miss may hold)
+        values, stamps = self.young._gathered(np.maximum(at, 0))
         return hit, values, stamps
 
     def locate(
@@ -288,6 +280,18 @@ class _TableCache:
         """(at, hit, initial) of each key: its slot in the young map where its value is
         known (-1 elsewhere), and whether that is an initial entry. As `lookup`, a key
         only the old map holds moves to the young one first."""
+        at, hit = self._found(ids, tabs)
+        initial = hit & (np.take(self.young.stamps, np.maximum(at, 0)) == INITIAL)
+        at[~hit] = -1
+        return at, hit, initial
+
+    def _found(
+        self, ids: NDArray[np.int64], tabs: NDArray[np.int32]
+    ) -> tuple[NDArray[np.intp], NDArray[np.bool_]]:
+        """(slot, hit) of each key in the young map (`find_known`), after the keys only
+        the old map holds moved up to it: used again, they stay young (dirty, initial or
+        not, as they were). A key the young map holds, forgotten, is not looked up in the
+        old one (the young map says its value is unknown)."""
         _check_keys(ids, tabs)
         n = ids.shape[0]
         at = np.empty(n, dtype=np.intp)
@@ -295,21 +299,18 @@ class _TableCache:
         for _ in range(3):  # a move may rotate: the keys just found move again, once
             young = self.young
             probing.find_known(young.meta, young.mask, ids, tabs, at, hit)
-            absent = at < 0  # a forgotten key in the young map is not looked up in the old
+            absent = at < 0
             if self.old is None or not absent.any():
-                break
+                return at, hit
             miss = np.flatnonzero(absent)
             _, found, old_values, old_stamps = self.old.lookup(ids[miss], tabs[miss])
             if not found.any():
-                break
+                return at, hit
             got = miss[found]
             self._insert_new(ids[got], tabs[got], old_values[found], old_stamps[found])
-        else:
-            young = self.young
-            probing.find_known(young.meta, young.mask, ids, tabs, at, hit)
-        initial = hit & (np.take(young.stamps, np.maximum(at, 0)) == INITIAL)
-        at[~hit] = -1
-        return at, hit, initial
+        young = self.young
+        probing.find_known(young.meta, young.mask, ids, tabs, at, hit)
+        return at, hit
 
     def put(
         self,
