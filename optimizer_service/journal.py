@@ -611,8 +611,8 @@ def _decode_group(t: dict[str, Any]) -> list[TableRedo]:
             f"{grads.shape[0]} gradient rows and {steps.shape[0]} steps"
         )
     return [
-        TableRedo(table=name, ids=i.copy(), grads=g, steps=t)
-        for name, i, g, t in zip(
+        TableRedo(table=name, ids=i.copy(), grads=g, steps=s)
+        for name, i, g, s in zip(
             names, blocks(ids, counts), blocks(grads, counts), blocks(steps, counts), strict=True
         )
     ]
