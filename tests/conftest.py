@@ -15,7 +15,7 @@ import subprocess
 import time
 import uuid
 import warnings
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -25,6 +25,7 @@ from pymemcache.client.base import Client as SyncClient
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, parse_config
 from lookup_table.ops.localcluster import (
+    LRU_OPTIONS,
     MemcachedProcess,
     memcached_cluster,
     stop_process,
@@ -175,6 +176,17 @@ def node_stat(address: str, name: str) -> int:
     """One `stats` counter of a memcached node."""
     with raw_client(address) as client:
         return int(client.stats()[name.encode()])
+
+
+def assert_lru_options(settings: Mapping[str, str]) -> None:
+    """A node's `stats settings` show `LRU_OPTIONS`, and the LRU maintainer's other jobs
+    still on: slab rebalancing and the crawler that reclaims expired rows."""
+    for pair in LRU_OPTIONS.split(","):
+        name, value = pair.split("=")
+        assert float(settings[name]) == float(value), (name, settings[name])
+    assert settings["lru_maintainer_thread"] == "yes"
+    assert settings["slab_automove"] == "1"
+    assert settings["lru_crawler"] == "yes"
 
 
 def memcached_settings(argv: list[str], port: int) -> dict[str, str]:

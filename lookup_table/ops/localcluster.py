@@ -25,12 +25,14 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "LRU_OPTIONS",
     "REQUESTS_PER_EVENT",
     "SMALL_ITEM_BYTES",
     "MemcachedProcess",
     "free_port",
     "hashpower_for",
     "memcached_binary",
+    "memcached_options",
     "start_memcached",
     "stop_process",
     "wait_for_port",
@@ -53,6 +55,26 @@ REQUESTS_PER_EVENT = 1000
 # anyway, for 8 bytes a bucket (32 MiB beside `-m 1024`, 3 %). Rows written behind, at
 # the demo's shape, this cut memcached's CPU a push by ~10 % (docs/operations.md).
 SMALL_ITEM_BYTES = 256
+
+
+# memcached's LRU maintainer thread moves items between the HOT, WARM and COLD segments of
+# each slab class's LRU. By default HOT holds at most 20 % of a class's bytes, and items
+# older than 0.2x the COLD tail's age leave it, so nearly every item a replica writes is
+# moved once more by that thread, under the LRU's lock. Our nodes run with -M: nothing is
+# evicted, so the segments choose no victim, and the thread's other jobs (slab page
+# rebalancing, scheduling the crawler that reclaims expired TTL rows) are still needed.
+# A HOT segment of up to 70 % (WARM 5 %: HOT + WARM may not pass 80 %) and ages of 100x
+# the COLD tail's keep most written items where they are. At the demo's shape (rows
+# written behind every 20 pushes) this took memcached's CPU a push from 3.9-4.1 to 3.5
+# ms (benchmarks/push_replay.py, 3 alternating pairs; docs/operations.md). 100x, not
+# more: memcached keeps that age in 32 bits, and 100x a year's COLD age still fits.
+LRU_OPTIONS = "hot_lru_pct=70,warm_lru_pct=5,hot_max_factor=100,warm_max_factor=100"
+
+
+def memcached_options(memory_mb: int) -> str:
+    """memcached's `-o` for a node of `memory_mb` MiB: its hash table's size at start
+    (`hashpower_for`) and the LRU's segments (`LRU_OPTIONS`)."""
+    return f"hashpower={hashpower_for(memory_mb)},{LRU_OPTIONS}"
 
 
 def hashpower_for(memory_mb: int) -> int:
@@ -149,7 +171,7 @@ class MemcachedProcess:
             "-R",
             str(REQUESTS_PER_EVENT),
             "-o",
-            f"hashpower={hashpower_for(self.memory_mb)}",
+            memcached_options(self.memory_mb),
             *self.extra_args,
         ]
         if os.geteuid() == 0:

@@ -17,7 +17,7 @@ from lookup_table.ops.localcluster import (
     hashpower_for,
     start_memcached,
 )
-from tests.conftest import memcached_settings
+from tests.conftest import assert_lru_options, memcached_settings
 
 pytestmark = pytest.mark.integration
 
@@ -86,6 +86,7 @@ def test_local_nodes_run_without_eviction_and_serve_whole_pipelines() -> None:
     assert settings["reqs_per_event"] == str(REQUESTS_PER_EVENT)
     assert settings["udpport"] == "0"
     assert settings["hashpower_init"] == str(hashpower_for(16))
+    assert_lru_options(settings)
 
 
 def test_a_node_removes_its_temporary_log_when_stopped_and_keeps_a_given_one(

@@ -24,12 +24,13 @@ import pytest
 
 from lookup_table.config import TOKEN_ENV, load_config
 from lookup_table.ops.localcluster import (
+    LRU_OPTIONS,
     REQUESTS_PER_EVENT,
     free_port,
     hashpower_for,
     memcached_binary,
 )
-from tests.conftest import memcached_settings
+from tests.conftest import assert_lru_options, memcached_settings
 
 pytestmark = pytest.mark.unit
 
@@ -170,7 +171,7 @@ def test_memcached_unit_passes_the_no_eviction_flag_and_its_settings() -> None:
     assert pairs["-l"] == "${MEMCACHED_LISTEN}"
     assert pairs["-c"] == "${MEMCACHED_MAX_CONNECTIONS}"
     assert pairs["-R"] == "${MEMCACHED_REQUESTS_PER_EVENT}"
-    assert pairs["-o"] == "hashpower=${MEMCACHED_HASHPOWER}"
+    assert pairs["-o"] == f"hashpower=${{MEMCACHED_HASHPOWER}},{LRU_OPTIONS}"
     env = _env_file(SYSTEMD / "memcached.env")
     assert int(env["MEMCACHED_MEMORY_MB"]) > 0
     # the hash table sized for the example's memory, as local nodes are
@@ -203,6 +204,7 @@ def test_memcached_accepts_the_unit_arguments_for_real() -> None:
     assert settings["reqs_per_event"] == env["MEMCACHED_REQUESTS_PER_EVENT"]
     assert env["MEMCACHED_REQUESTS_PER_EVENT"] == str(REQUESTS_PER_EVENT)
     assert settings["hashpower_init"] == env["MEMCACHED_HASHPOWER"]
+    assert_lru_options(settings)
 
 
 def test_the_example_cluster_file_loads_and_matches_the_units() -> None:

@@ -41,8 +41,9 @@ from lookup_table.ops.localcluster import (
     free_port,
     hashpower_for,
     memcached_binary,
+    memcached_options,
 )
-from tests.conftest import memcached_settings
+from tests.conftest import assert_lru_options, memcached_settings
 
 pytestmark = pytest.mark.unit
 
@@ -523,8 +524,9 @@ def test_memcached_accepts_the_manifest_arguments_for_real() -> None:
     assert settings["reqs_per_event"] == _flag(argv, "-R") == str(REQUESTS_PER_EVENT)
     assert settings["udpport"] == "0"
     # the hash table sized at start for the node's -m, as local nodes are
-    assert _flag(argv, "-o") == f"hashpower={hashpower_for(int(_flag(argv, '-m')))}"
+    assert _flag(argv, "-o") == memcached_options(int(_flag(argv, "-m")))
     assert settings["hashpower_init"] == str(hashpower_for(int(_flag(argv, "-m"))))
+    assert_lru_options(settings)
 
 
 # ---------------------------------------------------------------- the trainers' wait
