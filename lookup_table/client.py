@@ -160,7 +160,7 @@ class OptimizerClient:
         """
         push_id = push_id or uuid.uuid4().hex
         n_replicas = len(self.config.optimizers)
-        parts: list[dict[str, Any]] = [{} for _ in range(n_replicas)]
+        split: list[dict[str, tuple[IdArray, NDArray[Any]]]] = [{} for _ in range(n_replicas)]
         for name, (ids, grads) in tables.items():
             id_array = as_ids(ids, table=name)
             g = np.asarray(grads)
@@ -174,18 +174,22 @@ class OptimizerClient:
                 sub_ids = id_array[mine]
                 if sub_ids.shape[0] == 0 and n_replicas > 1:
                     continue
-                parts[k][name] = {"ids": encode_ids(sub_ids), "grads": encode_array(g[mine])}
+                split[k][name] = (sub_ids, g[mine])
+        parts = [self._grouped(mine, grads=True) for mine in split]
         bodies: dict[int, bytes] = {}
         every = self.config.mode == "sync"  # each replica counts every worker's push
         want_dense = "dense" in answer
         for k in range(n_replicas):
-            if every or parts[k] or (k == 0 and (dense or want_dense)):
+            singles, groups = parts[k]
+            if every or singles or groups or (k == 0 and (dense or want_dense)):
                 body: dict[str, Any] = {
                     "push_id": push_id,
                     "worker": self.worker,
                     "version": version,
-                    "tables": parts[k],
+                    "tables": singles,
                 }
+                if groups:
+                    body["groups"] = groups
                 if k == 0 and dense:
                     body["dense"] = {name: encode_array(g) for name, g in dense.items()}
                 asked = [a for a in answer if a != "dense" or k == 0]
@@ -241,7 +245,7 @@ class OptimizerClient:
             ReplicaUnavailableError: a replica stayed unreachable through every retry.
         """
         n_replicas = len(self.config.optimizers)
-        parts: list[dict[str, Any]] = [{} for _ in range(n_replicas)]
+        split: list[dict[str, tuple[IdArray, None]]] = [{} for _ in range(n_replicas)]
         unique: dict[str, tuple[Any, NDArray[np.intp], list[tuple[int, Any]]]] = {}
         for name, ids in tables.items():
             id_array = as_ids(ids, table=name)
@@ -257,26 +261,32 @@ class OptimizerClient:
                 mine = np.flatnonzero(owners == k) if n_replicas > 1 else slice(None)
                 sub = uniq[mine]
                 if sub.shape[0]:
-                    parts[k][name] = {"ids": encode_ids(sub)}
+                    split[k][name] = (sub, None)
                     where.append((k, mine))
             unique[name] = (uniq, inverse, where)
-        ks = [k for k in range(n_replicas) if parts[k]]
+        ks = [k for k in range(n_replicas) if split[k]]
+        requests = {k: self._grouped(split[k], grads=False) for k in ks}
+        bodies = {
+            k: pack({"tables": singles, **({"groups": groups} if groups else {})})
+            for k, (singles, groups) in requests.items()
+        }
         docs = dict(
             zip(
                 ks,
                 await asyncio.gather(
-                    *(self._request(k, "POST", "/v1/rows", pack({"tables": parts[k]})) for k in ks)
+                    *(self._request(k, "POST", "/v1/rows", bodies[k]) for k in ks)
                 ),
                 strict=True,
             )
         )
+        answered = {k: _rows_answer(docs[k], requests[k][1], k) for k in ks}
         out: dict[str, tuple[NDArray[np.float32], int]] = {}
         for name, (uniq, inverse, where) in unique.items():
             dim = self.config.table(name).dim
             rows = np.empty((uniq.shape[0], dim), dtype=np.float32)
             new = 0
             for k, mine in where:
-                got = decode_array(docs[k]["rows"][name], field=f"rows.{name}", dtype="<f4", ndim=2)
+                got, their_new = answered[k][name]
                 n = uniq[mine].shape[0]
                 if got.shape != (n, dim):
                     raise LookupTableError(
@@ -284,9 +294,48 @@ class OptimizerClient:
                         f"of dim {dim}"
                     )
                 rows[mine] = got
-                new += int(docs[k]["new"][name])
+                new += their_new
             out[name] = (rows[inverse], new)
         return out
+
+    def _grouped(
+        self, tables: Mapping[str, tuple[IdArray, NDArray[Any] | None]], *, grads: bool
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The wire form of one request's tables: (`tables`, `groups`). The tables of
+        int64 ids and one dim go as one group (`{tables, counts, ids, grads}`, each array
+        theirs concatenated; `grads` only in a push), so the service decodes and checks
+        one array of each kind, not one per table; the others (string ids, a dim alone)
+        go under `tables` as `{ids[, grads]}`."""
+        by_dim: dict[int, list[str]] = {}
+        for name, (ids, _) in tables.items():
+            # (a table the cluster file lacks goes alone: the service says what is wrong)
+            if (
+                isinstance(ids, np.ndarray)
+                and ids.dtype == np.int64
+                and self.config.has_table(name)
+            ):
+                by_dim.setdefault(self.config.table(name).dim, []).append(name)
+        grouped = {name for names in by_dim.values() if len(names) > 1 for name in names}
+        singles: dict[str, Any] = {}
+        for name, (ids, values) in tables.items():
+            if name not in grouped:
+                singles[name] = {"ids": encode_ids(ids)}
+                if grads:
+                    singles[name]["grads"] = encode_array(np.asarray(values))
+        groups: list[dict[str, Any]] = []
+        for names in by_dim.values():
+            if len(names) > 1:
+                group: dict[str, Any] = {
+                    "tables": names,
+                    "counts": [int(tables[n][0].shape[0]) for n in names],
+                    "ids": encode_array(np.concatenate([tables[n][0] for n in names])),
+                }
+                if grads:
+                    group["grads"] = encode_array(
+                        np.concatenate([np.asarray(tables[n][1], dtype=np.float32) for n in names])
+                    )
+                groups.append(group)
+        return singles, groups
 
     async def tables(self) -> dict[str, Any]:
         """`GET /v1/tables` of replica 0."""
@@ -435,9 +484,16 @@ def _merged_answer(
 
 
 def _updated_rows(results: Sequence[Mapping[str, Any]]) -> dict[str, tuple[Any, Any]]:
-    """Per table, (unique ids sorted, rows) from every replica's `updated` answer."""
+    """Per table, (unique ids sorted, rows) from every replica's `updated` answer (and
+    `updated_groups`: tables that came grouped, their rows as one array)."""
     parts: dict[str, list[tuple[Any, NDArray[np.float32]]]] = {}
     for r in results:
+        for i, group in enumerate(r.get("updated_groups", [])):
+            where = f"updated_groups[{i}]"
+            ids = decode_ids(group["ids"], field=f"{where}.ids")
+            rows = decode_array(group["rows"], field=f"{where}.rows", dtype="<f4", ndim=2)
+            for name, (a, b) in _spans(group["tables"], group["counts"], ids.shape[0], where):
+                parts.setdefault(name, []).append((ids[a:b], rows[a:b]))
         for name, doc in r.get("updated", {}).items():
             ids = decode_ids(doc["ids"], field=f"updated.{name}.ids")
             rows = decode_array(doc["rows"], field=f"updated.{name}.rows", dtype="<f4", ndim=2)
@@ -446,11 +502,59 @@ def _updated_rows(results: Sequence[Mapping[str, Any]]) -> dict[str, tuple[Any, 
     for name, got in parts.items():
         if len(got) == 1:
             ids, rows = got[0]
+            if ids.dtype == np.int64 and bool((ids[1:] > ids[:-1]).all()):
+                out[name] = (ids, rows)  # one replica's: sorted already
+                continue
         else:
             ids = np.concatenate([i for i, _ in got])
             rows = np.concatenate([r for _, r in got])
         order = np.argsort(ids, kind="stable")
         out[name] = (ids[order], rows[order])
+    return out
+
+
+def _spans(names: Any, counts: Any, total: int, where: str) -> list[tuple[str, tuple[int, int]]]:
+    """Each table of a group in an answer, with its (start, end) in the group's arrays."""
+    if (
+        not isinstance(names, list)
+        or not isinstance(counts, list)
+        or len(names) != len(counts)
+        or not all(isinstance(c, int) and c >= 0 for c in counts)
+        or sum(counts) != total
+    ):
+        raise LookupTableError(
+            f"{where}: tables {names!r} with counts {counts!r} do not fit its {total} rows"
+        )
+    bounds = np.cumsum([0, *counts]).tolist()
+    return [(str(n), (a, b)) for n, a, b in zip(names, bounds, bounds[1:], strict=False)]
+
+
+def _rows_answer(
+    doc: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], replica: int
+) -> dict[str, tuple[NDArray[np.float32], int]]:
+    """Per table, (rows, how many had no row) from one replica's `POST /v1/rows` answer,
+    the tables of the request's `groups` taken from its `groups` (one array each)."""
+    out: dict[str, tuple[NDArray[np.float32], int]] = {}
+    answered = doc.get("groups", [])
+    if len(answered) != len(groups):
+        raise LookupTableError(
+            f"replica {replica} answered {len(answered)} groups of rows for {len(groups)}"
+        )
+    for i, (sent, got) in enumerate(zip(groups, answered, strict=True)):
+        where = f"groups[{i}]"
+        rows = decode_array(got["rows"], field=f"{where}.rows", dtype="<f4", ndim=2)
+        new = got["new"]
+        if not isinstance(new, list) or len(new) != len(sent["tables"]):
+            raise LookupTableError(
+                f"replica {replica} answered {where}.new {new!r} for tables {sent['tables']!r}"
+            )
+        for (name, (a, b)), fresh in zip(
+            _spans(sent["tables"], sent["counts"], rows.shape[0], where), new, strict=True
+        ):
+            out[name] = (rows[a:b], int(fresh))
+    for name, value in doc["rows"].items():
+        got = decode_array(value, field=f"rows.{name}", dtype="<f4", ndim=2)
+        out[name] = (got, int(doc["new"][name]))
     return out
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from numpy.typing import NDArray
 from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
@@ -30,7 +31,7 @@ from lookup_table.errors import LookupTableError
 from optimizer_service.appkeys import CONFIG, METRICS, REPLICA, STORE, UPDATER
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.plan import WritePlan
-from optimizer_service.push import Push, parse_push, parse_reads
+from optimizer_service.push import Push, parse_push, parse_rows_request
 from optimizer_service.responses import (
     COUNTED,
     count_answer,
@@ -75,23 +76,35 @@ async def post_gradients(request: web.Request) -> web.StreamResponse:
 
 async def post_rows(request: web.Request) -> web.Response:
     """Rows read through their owner (trainers, while rows are written behind):
-    `{tables: {name: {ids}}}` -> `{rows: {name: rows in the order of the unique sorted
-    ids}, new: {name: how many had no row}}`; nothing is created (docs/service.md)."""
+    `{tables: {name: {ids}}, groups: [{tables, counts, ids}]}` -> `{rows: {name: rows in
+    the order of the unique sorted ids}, new: {name: how many had no row}, groups:
+    [{rows, new: [per table]}]}`; nothing is created (docs/service.md)."""
     app = request.app
     try:
         obj = unpack(await request.read())
     except WireError as exc:
         raise BadRequestError(str(exc), reason="malformed") from None
-    reads = parse_reads(obj, config=app[CONFIG], replica=app[REPLICA])
-    got = await app[UPDATER].read_rows(reads)
+    parsed = parse_rows_request(obj, config=app[CONFIG], replica=app[REPLICA])
+    got = await app[UPDATER].read_rows(parsed.reads)
     metrics = app[METRICS]
-    rows: dict[str, Any] = {}
+    values_of: dict[str, NDArray[np.float32]] = {}
     new: dict[str, int] = {}
-    for (table, ids), (values, found) in zip(reads, got, strict=True):
-        rows[table] = encode_array(values)
+    for (table, ids), (values, found) in zip(parsed.reads, got, strict=True):
+        values_of[table] = values
         new[table] = int(ids.shape[0] - np.count_nonzero(found))
         metrics.count_rows_read(table, ids.shape[0] - new[table], new[table])
-    return msgpack_response({"rows": rows, "new": new})
+    doc: dict[str, Any] = {}
+    if parsed.groups:  # rows of grouped tables as one array, in the group's order
+        doc["groups"] = [
+            {
+                "rows": encode_array(np.concatenate([values_of.pop(t) for t in group])),
+                "new": [new.pop(t) for t in group],
+            }
+            for group in parsed.groups
+        ]
+    doc["rows"] = {table: encode_array(values) for table, values in values_of.items()}
+    doc["new"] = new
+    return msgpack_response(doc)
 
 
 async def _apply(

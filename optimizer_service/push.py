@@ -25,10 +25,19 @@ from lookup_table.core.wire import WireError, decode_array, decode_ids, describe
 from lookup_table.errors import KeyEncodingError
 from optimizer_service.errors import BadRequestError, NotOwnerError
 
-__all__ = ["ANSWERS", "PUSH_ID_RE", "Push", "TableGrads", "parse_push", "parse_reads"]
+__all__ = [
+    "ANSWERS",
+    "PUSH_ID_RE",
+    "Push",
+    "RowsRequest",
+    "TableGrads",
+    "parse_push",
+    "parse_reads",
+    "parse_rows_request",
+]
 
 PUSH_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}\Z")
-_PUSH_KEYS = {"push_id", "worker", "version", "tables", "dense", "answer"}
+_PUSH_KEYS = {"push_id", "worker", "version", "tables", "groups", "dense", "answer"}
 ANSWERS = ("rows", "dense")
 """What a push may ask back (`answer`): its tables' updated rows, the dense parameters."""
 
@@ -50,6 +59,9 @@ class Push:
     tables: tuple[TableGrads, ...] = ()
     dense: Mapping[str, NDArray[np.float32]] = field(default_factory=dict)
     answer: frozenset[str] = frozenset()
+    groups: tuple[tuple[str, ...], ...] = ()
+    """The tables that came as `groups` (each group's names, in order): the answer groups
+    their rows the same way."""
 
     @property
     def num_rows(self) -> int:
@@ -94,6 +106,14 @@ def parse_push(obj: Any, *, config: ClusterConfig, replica: int = 0) -> Push:
     tables: list[TableGrads] = []
     for name, entry in tables_raw.items():
         tables.append(_parse_table(config, name, entry, replica, num_replicas))
+    groups: list[tuple[str, ...]] = []
+    seen = {t.table for t in tables}
+    for i, entry in enumerate(_group_list(obj.get("groups", []), "{tables, counts, ids, grads}")):
+        members = _parse_group(config, entry, f"groups[{i}]", seen, replica, num_replicas, True)
+        tables.extend(
+            TableGrads(name, ids, grads) for name, ids, grads in members if grads is not None
+        )
+        groups.append(tuple(name for name, _, _ in members))
     dense_raw = obj.get("dense", {})
     if not isinstance(dense_raw, Mapping):
         raise BadRequestError(
@@ -121,6 +141,7 @@ def parse_push(obj: Any, *, config: ClusterConfig, replica: int = 0) -> Push:
         tables=tuple(tables),
         dense=dense,
         answer=answer,
+        groups=tuple(groups),
     )
 
 
@@ -149,9 +170,30 @@ def parse_reads(obj: Any, *, config: ClusterConfig, replica: int = 0) -> list[tu
         BadRequestError: anything malformed; the message names the field.
         NotOwnerError: some rows belong to another replica.
     """
-    if not isinstance(obj, Mapping) or set(obj) != {"tables"}:
+    return parse_rows_request(obj, config=config, replica=replica).reads
+
+
+@dataclass(frozen=True, slots=True)
+class RowsRequest:
+    """A parsed `POST /v1/rows`: (table, unique sorted ids) per table, and the tables
+    that came as `groups` (each group's names): the answer groups their rows the same
+    way."""
+
+    reads: list[tuple[str, IdArray]]
+    groups: tuple[tuple[str, ...], ...] = ()
+
+
+def parse_rows_request(obj: Any, *, config: ClusterConfig, replica: int = 0) -> RowsRequest:
+    """`parse_reads`, with the tables that came grouped (`{tables: {name: {ids}},
+    groups: [{tables, counts, ids}]}`: `groups` optional).
+
+    Raises:
+        BadRequestError: anything malformed; the message names the field.
+        NotOwnerError: some rows belong to another replica.
+    """
+    if not isinstance(obj, Mapping) or "tables" not in obj or not set(obj) <= {"tables", "groups"}:
         got = sorted(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
-        raise BadRequestError(f"body: expected a msgpack map with exactly tables, got {got}")
+        raise BadRequestError(f"body: expected a msgpack map with tables (and groups), got {got}")
     tables_raw = obj["tables"]
     if not isinstance(tables_raw, Mapping):
         raise BadRequestError(
@@ -173,6 +215,119 @@ def parse_reads(obj: Any, *, config: ClusterConfig, replica: int = 0) -> list[tu
         ascending = ids.dtype == np.int64 and bool((ids[1:] > ids[:-1]).all())
         # OptimizerClient.rows sends them sorted and distinct: no sort then
         out.append((name, ids if ascending else cast(IdArray, np.unique(ids))))
+    groups: list[tuple[str, ...]] = []
+    seen = {name for name, _ in out}
+    for i, entry in enumerate(_group_list(obj.get("groups", []), "{tables, counts, ids}")):
+        members = _parse_group(config, entry, f"groups[{i}]", seen, replica, num_replicas, False)
+        out.extend((name, ids) for name, ids, _ in members)
+        groups.append(tuple(name for name, _, _ in members))
+    return RowsRequest(out, tuple(groups))
+
+
+def _group_list(raw: Any, shape: str) -> list[Any]:
+    if not isinstance(raw, list):
+        raise BadRequestError(f"groups: expected a list of {shape}, got {describe(raw)}")
+    return raw
+
+
+def _parse_group(
+    config: ClusterConfig,
+    entry: Any,
+    where: str,
+    seen: set[str],
+    replica: int,
+    num_replicas: int,
+    pushed: bool,
+) -> list[tuple[str, IdArray, NDArray[np.float32] | None]]:
+    """One group of tables (int64 ids, one dim) sent as one: `{tables: [name], counts:
+    [ids of each], ids, grads}` (`grads` in a push, not in a read), each array the
+    tables' concatenated in that order. Returns (table, unique sorted ids, their summed
+    gradients or None) per table: views of one copy of the group's arrays. A push of
+    26 tables so costs the service one decode and one check of each kind, not 26.
+    `seen`: the tables parsed so far (a table may come once), updated. `pushed`: a
+    push's group (with grads), else a read's."""
+    keys = ["tables", "counts", "ids", "grads"] if pushed else ["tables", "counts", "ids"]
+    if not isinstance(entry, Mapping) or set(entry) != set(keys):
+        got = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
+        raise BadRequestError(f"{where}: expected a map with exactly {', '.join(keys)}, got {got}")
+    names, counts = entry["tables"], entry["counts"]
+    if not isinstance(names, list) or not names:
+        raise BadRequestError(f"{where}.tables: expected a non-empty list of table names")
+    for name in names:
+        _check_table(config, name)
+        if name in seen:
+            raise BadRequestError(f"{where}.tables: table {name!r} comes twice in the request")
+        seen.add(name)
+    specs = [config.table(name) for name in names]
+    for spec in specs:
+        if spec.id_type != "int64":
+            raise BadRequestError(
+                f"{where}.tables: table {spec.name!r} has string ids; a group holds tables "
+                f"of int64 ids (send it under tables)",
+                reason="id_type",
+            )
+        if spec.dim != specs[0].dim:
+            raise BadRequestError(
+                f"{where}.tables: a group's tables have one dim; {specs[0].name!r} has "
+                f"{specs[0].dim}, {spec.name!r} has {spec.dim}",
+                reason="shape",
+            )
+    if (
+        not isinstance(counts, list)
+        or len(counts) != len(names)
+        or not all(type(c) is int and c >= 0 for c in counts)
+    ):
+        raise BadRequestError(
+            f"{where}.counts: expected {len(names)} non-negative ints (the ids of each "
+            f"table), got {describe(counts)}"
+        )
+    try:
+        ids = decode_array(entry["ids"], field=f"{where}.ids", dtype="<i8", ndim=1)
+        grads = (
+            decode_array(entry["grads"], field=f"{where}.grads", dtype="<f4", ndim=2)
+            if pushed
+            else None
+        )
+    except WireError as exc:
+        raise BadRequestError(str(exc)) from None
+    n, dim = ids.shape[0], specs[0].dim
+    if sum(counts) != n:
+        raise BadRequestError(f"{where}.counts: they sum to {sum(counts)}, but ids has {n}")
+    bounds = np.cumsum([0, *counts]).tolist()
+    if grads is not None:
+        if grads.shape != (n, dim):
+            raise BadRequestError(
+                f"{where}.grads: expected shape ({n}, {dim}) for {n} ids of dim {dim}, got "
+                f"{tuple(grads.shape)}",
+                reason="shape",
+            )
+        if not np.isfinite(grads).all():
+            for name, a, b in zip(names, bounds, bounds[1:], strict=False):
+                try:
+                    check_finite(grads[a:b], f"tables.{name}")
+                except ValueError as exc:
+                    raise BadRequestError(str(exc), reason="nan") from None
+        grads = grads.copy()
+    ids = ids.astype(np.int64)  # a copy: the body's bytes are read-only
+    # each table's ids ascending and distinct (what trainers send) but for a table boundary
+    descents = np.flatnonzero(ids[1:] <= ids[:-1]) + 1
+    inside = descents[~np.isin(descents, bounds)] if descents.size else descents
+    unsorted = set(np.searchsorted(bounds, inside, side="right").tolist())  # table k + 1
+    out: list[tuple[str, IdArray, NDArray[np.float32] | None]] = []
+    for k, (name, a, b) in enumerate(zip(names, bounds, bounds[1:], strict=False)):
+        t_ids, t_grads = ids[a:b], None if grads is None else grads[a:b]
+        if num_replicas > 1:
+            _check_ids(config, name, t_ids, replica, num_replicas)
+        if k + 1 in unsorted:  # rare: a client that sends duplicates or unsorted ids
+            if t_grads is None:
+                t_ids = cast(IdArray, np.unique(t_ids))
+            else:
+                t_ids, t_grads = segment_sum(t_ids, t_grads)
+                try:
+                    check_finite(t_grads, f"tables.{name} (summed over duplicate ids)")
+                except ValueError as exc:
+                    raise BadRequestError(str(exc), reason="nan") from None
+        out.append((name, t_ids, t_grads))
     return out
 
 

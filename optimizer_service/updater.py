@@ -637,6 +637,20 @@ class Updater:
                 got = await self._rows_now([(t.table, t.ids) for t in reads])
                 for t, (rows, _) in zip(reads, got, strict=True):
                     updated[t.table] = (t.ids, rows)
+            grouped = []
+            for group in push.groups:  # as the push came: one array each, in its order
+                if all(name in updated for name in group):
+                    parts = [updated.pop(name) for name in group]
+                    grouped.append(
+                        {
+                            "tables": list(group),
+                            "counts": [int(ids.shape[0]) for ids, _ in parts],
+                            "ids": encode_array(np.concatenate([ids for ids, _ in parts])),
+                            "rows": encode_array(np.concatenate([rows for _, rows in parts])),
+                        }
+                    )
+            if grouped:
+                out["updated_groups"] = grouped
             out["updated"] = {
                 name: {"ids": encode_ids(ids), "rows": encode_array(rows)}
                 for name, (ids, rows) in updated.items()

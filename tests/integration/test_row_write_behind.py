@@ -247,7 +247,10 @@ async def test_rows_read_through_the_owner_are_its_newest_and_create_nothing(
             ({"tables": {"nope": {"ids": encode_ids(IDS)}}}, "unknown table 'nope'"),
             ({"tables": {"t": {"ids": ["a", "b"]}}}, "has id_type='int64' but the request"),
             ({"tables": {"t": {"ids": encode_ids(IDS), "grads": 1}}}, "exactly ids"),
-            ({"tables": {}, "push_id": "x"}, "exactly tables"),
+            (
+                {"tables": {}, "push_id": "x"},
+                r"with tables \(and groups\), got \[.push_id., .tables.\]",
+            ),
             ({"tables": [1]}, "expected a map of table name"),
         ]:
             with pytest.raises(PushRejectedError, match=pattern) as info:
