@@ -310,8 +310,8 @@ def _parse_group(
         grads = grads.copy()
     ids = ids.astype(np.int64)  # a copy: the body's bytes are read-only
     # each table's ids ascending and distinct (what trainers send) but for a table boundary
-    descents = np.flatnonzero(ids[1:] <= ids[:-1]) + 1
-    inside = descents[~np.isin(descents, bounds)] if descents.size else descents
+    starts = set(bounds)
+    inside = [p for p in (np.flatnonzero(ids[1:] <= ids[:-1]) + 1).tolist() if p not in starts]
     unsorted = set(np.searchsorted(bounds, inside, side="right").tolist())  # table k + 1
     out: list[tuple[str, IdArray, NDArray[np.float32] | None]] = []
     for k, (name, a, b) in enumerate(zip(names, bounds, bounds[1:], strict=False)):
