@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 __all__ = ["ServiceMetrics"]
 
@@ -21,11 +22,11 @@ class ServiceMetrics:
         self.pushes = Counter(
             "lookup_table_pushes", "Gradient pushes by outcome", ["status"], registry=registry
         )
-        self.rows_updated = Counter(
+        self.rows_updated = _TableCounter(
             "lookup_table_rows_updated",
             "Rows updated by the optimizer",
-            ["table"],
-            registry=registry,
+            ("table",),
+            registry,
         )
         self.gradients_dropped = Counter(
             "lookup_table_gradients_dropped",
@@ -33,12 +34,12 @@ class ServiceMetrics:
             ["table"],
             registry=registry,
         )
-        self.rows_read = Counter(
+        self.rows_read = _TableCounter(
             "lookup_table_rows_read",
             "Rows trainers read through this replica (POST /v1/rows), by table and whether "
             "they existed (new: no row yet, answered with its initial value)",
-            ["table", "row"],
-            registry=registry,
+            ("table", "row"),
+            registry,
         )
         self.rejected = Counter(
             "lookup_table_rejected_pushes",
@@ -112,12 +113,43 @@ class ServiceMetrics:
         return child
 
     def count_rows_updated(self, table: str, n: int) -> None:
-        self._child(self.rows_updated, table).inc(n)
+        self.rows_updated.add((table,), n)
 
     def count_gradients_dropped(self, table: str, n: int) -> None:
         self._child(self.gradients_dropped, table).inc(n)
 
     def count_rows_read(self, table: str, existing: int, new: int) -> None:
-        self._child(self.rows_read, table, "existing").inc(existing)
+        self.rows_read.add((table, "existing"), existing)
         if new:
-            self._child(self.rows_read, table, "new").inc(new)
+            self.rows_read.add((table, "new"), new)
+
+
+class _TableCounter:
+    """A counter per table (and row kind) counted at every push and read: a plain dict
+    added to, published at scrape time as a Prometheus counter family of the same name and
+    labels. A `Counter` child's `inc` takes a lock and checks its amount (~2 us), and a
+    push and read of 26 tables made ~60 of them."""
+
+    def __init__(
+        self, name: str, documentation: str, labels: tuple[str, ...], registry: CollectorRegistry
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labels = labels
+        self.counts: dict[tuple[str, ...], float] = {}
+        registry.register(self)
+
+    def add(self, key: tuple[str, ...], amount: float) -> None:
+        self.counts[key] = self.counts.get(key, 0) + amount
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.name, self.documentation, labels=list(self.labels))
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [self._family()]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        family = self._family()
+        for key, value in self.counts.items():
+            family.add_metric(list(key), value)
+        return [family]
