@@ -65,7 +65,12 @@ def unpack(body: bytes) -> Any:
 
 
 def encode_array(array: NDArray[Any]) -> dict[str, Any]:
-    """An int64 or float32 array as its wire map (little-endian, C order)."""
+    """An int64 or float32 array as its wire map (little-endian, C order).
+
+    `data` is a memoryview of the array's bytes, not a copy (msgpack packs it as bin,
+    the same bytes as `tobytes()`): pack the map before changing the array. The answers,
+    journals and logs of a push are megabytes, and their one copy is the packing's.
+    """
     arr = np.asarray(array)
     if arr.dtype.kind == "f":
         arr = np.ascontiguousarray(arr, dtype="<f4")
@@ -73,7 +78,8 @@ def encode_array(array: NDArray[Any]) -> dict[str, Any]:
         arr = np.ascontiguousarray(arr, dtype="<i8")
     else:
         raise TypeError(f"cannot send an array of dtype {arr.dtype} (only float32 / int64)")
-    return {"dtype": arr.dtype.str, "shape": list(arr.shape), "data": arr.tobytes()}
+    data = arr.reshape(-1).data.cast("B") if arr.size else b""
+    return {"dtype": arr.dtype.str, "shape": list(arr.shape), "data": data}
 
 
 def encode_ids(ids: NDArray[Any] | list[str]) -> dict[str, Any] | list[str]:
@@ -121,14 +127,19 @@ def decode_array(
         )
     if ndim is not None and len(shape) != ndim:
         raise WireError(f"{field}.shape: expected {ndim} dimensions, got {describe(shape)}")
-    if not isinstance(data, bytes):
+    # bytes off the wire; a memoryview (`encode_array`'s) where a map is decoded unpacked
+    if isinstance(data, memoryview):
+        size = data.nbytes
+    elif isinstance(data, bytes):
+        size = len(data)
+    else:
         raise WireError(f"{field}.data: expected binary data, got {type(data).__name__}")
     np_dtype = _ALLOWED_DTYPES[dt]
     count = math.prod(shape)
-    if count * np_dtype.itemsize != len(data):
+    if count * np_dtype.itemsize != size:
         raise WireError(
             f"{field}: shape {shape} of {dt} needs {count * np_dtype.itemsize} bytes, "
-            f"data has {len(data)}"
+            f"data has {size}"
         )
     try:
         return np.frombuffer(data, dtype=np_dtype).reshape(shape)

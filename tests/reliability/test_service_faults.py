@@ -527,9 +527,9 @@ class _Corpus:
                 ("data as nil", None),
                 ("data as ext", msgpack.ExtType(3, b"\0" * full)),
                 ("data empty", b""),
-                ("data one byte short", arr["data"][:-1]),
-                ("data one byte long", arr["data"] + b"\0"),
-                ("data one item long", arr["data"] + b"\0" * itemsize),
+                ("data one byte short", bytes(arr["data"])[:-1]),
+                ("data one byte long", bytes(arr["data"]) + b"\0"),
+                ("data one item long", bytes(arr["data"]) + b"\0" * itemsize),
             ]:
                 emit(label, {**arr, "data": data})
 
@@ -661,7 +661,8 @@ class _Corpus:
             arr["data"] = self.rng.randbytes(count * itemsize if 0 <= count <= 10**6 else itemsize)
         elif what == "data":
             cut = self.rng.choice([-3, -1, 1, 5])
-            arr["data"] = arr["data"][:cut] if cut < 0 else arr["data"] + self.rng.randbytes(cut)
+            data = bytes(arr["data"])
+            arr["data"] = data[:cut] if cut < 0 else data + self.rng.randbytes(cut)
         else:
             arr[self.rng.choice(["Dtype", "size", "strides", "order"])] = 1
         self.add(

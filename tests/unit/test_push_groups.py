@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookup_table.config import ClusterConfig, parse_config
-from lookup_table.core.wire import encode_array, encode_ids
+from lookup_table.core.wire import encode_array, encode_ids, pack, unpack
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.push import Push, parse_push, parse_rows_request
 
@@ -48,11 +48,17 @@ def _group(tables: dict[str, tuple[np.ndarray, np.ndarray]], *, grads: bool = Tr
     return group
 
 
-def _push(singles: dict[str, Any] | None = None, groups: list[dict] | None = None) -> dict:
+def _push(singles: dict[str, Any] | None = None, groups: Any = None) -> dict:
+    """A push body as the service gets it (packed and unpacked, as on the wire)."""
     body: dict[str, Any] = {"push_id": "p", "tables": singles or {}}
     if groups is not None:
         body["groups"] = groups
-    return body
+    return _wire(body)
+
+
+def _wire(body: dict) -> dict:
+    decoded: dict = unpack(pack(body))
+    return decoded
 
 
 def _one_by_one(tables: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
@@ -94,7 +100,7 @@ def test_a_group_parses_to_what_its_tables_one_by_one_give(raw: list, unique: bo
     _same(grouped, alone)
     assert grouped.groups == (NAMES,) and alone.groups == ()
     read = parse_rows_request(
-        {"tables": {}, "groups": [_group(tables, grads=False)]}, config=config
+        _wire({"tables": {}, "groups": [_group(tables, grads=False)]}), config=config
     )
     assert read.groups == (NAMES,)
     for (name, ids), t in zip(read.reads, alone.tables, strict=True):
@@ -128,7 +134,7 @@ def test_malformed_groups_are_refused_naming_what_is_wrong() -> None:
     ids = np.array([1, 2, 3], dtype=np.int64)
     g4 = np.ones((3, 4), np.float32)
     ok = {"a": (ids, g4), "b": (ids, g4)}
-    _bad(_push(groups={"a": 1}), "groups: expected a list")  # type: ignore[arg-type]
+    _bad(_push(groups={"a": 1}), "groups: expected a list")
     _bad(
         _push(groups=[[1]]), r"groups\[0\]: expected a map with exactly tables, counts, ids, grads"
     )
@@ -198,6 +204,6 @@ def test_a_read_group_takes_no_grads() -> None:
     with pytest.raises(
         BadRequestError, match=r"groups\[0\]: expected a map with exactly tables, counts, ids, got"
     ):
-        parse_rows_request({"tables": {}, "groups": [group]}, config=_config())
+        parse_rows_request(_wire({"tables": {}, "groups": [group]}), config=_config())
     with pytest.raises(BadRequestError, match="with tables \\(and groups\\)"):
         parse_rows_request({"groups": []}, config=_config())
