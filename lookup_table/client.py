@@ -307,14 +307,20 @@ class OptimizerClient:
         one array of each kind, not one per table; the others (string ids, a dim alone)
         go under `tables` as `{ids[, grads]}`."""
         by_dim: dict[int, list[str]] = {}
-        for name, (ids, _) in tables.items():
-            # (a table the cluster file lacks goes alone: the service says what is wrong)
-            if (
+        for name, (ids, values) in tables.items():
+            # a table the cluster file lacks, or grads of another shape, go alone: the
+            # service's answer then names the table and what is wrong
+            if not (
                 isinstance(ids, np.ndarray)
                 and ids.dtype == np.int64
+                and ids.ndim == 1
                 and self.config.has_table(name)
             ):
-                by_dim.setdefault(self.config.table(name).dim, []).append(name)
+                continue
+            dim = self.config.table(name).dim
+            if grads and (values is None or np.shape(values) != (ids.shape[0], dim)):
+                continue
+            by_dim.setdefault(dim, []).append(name)
         grouped = {name for names in by_dim.values() if len(names) > 1 for name in names}
         singles: dict[str, Any] = {}
         for name, (ids, values) in tables.items():

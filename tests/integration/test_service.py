@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
 from lookup_table import EmbeddingStore, PushRejectedError, StorageFormatError, initial_rows
-from lookup_table.client import OptimizerClient
+from lookup_table.client import OptimizerClient, _updated_rows
 from lookup_table.config import ClusterConfig
 from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id, sentinel_key
 from lookup_table.core.optimizers import make_optimizer
@@ -803,3 +803,88 @@ async def test_a_replica_refuses_to_start_on_a_namespace_of_storage_format_1(
             client.set(sentinel_key(config.namespace), old, noreply=False)
     with pytest.raises(StorageFormatError, match="storage format 1.*restore --force"):
         await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
+
+
+# Three Adam tables of one dim (sent as a group), one of another dim and one of string ids
+# (sent alone): the shapes of a model's features.
+GROUPED_TABLES: list[dict[str, Any]] = [
+    {"name": "c1", "dim": 4, "seed": 1},
+    {"name": "c2", "dim": 4, "seed": 2},
+    {"name": "c3", "dim": 4, "seed": 3},
+    {"name": "wide", "dim": 8, "seed": 4},
+    {"name": "word", "dim": 4, "seed": 5, "id_type": "string"},
+]
+
+
+async def test_tables_sent_as_a_group_train_bit_for_bit_as_one_by_one(
+    memcached_nodes, aiohttp_server
+) -> None:
+    """Two services of the same tables: one gets OptimizerClient's pushes and reads (the
+    int64 tables of one dim as a group), the other the same pushes one table at a time.
+    Every answer's rows, every read and the rows in memcached are the same bits; a bad
+    table among them is refused naming it."""
+    configs = []
+    for _ in range(2):
+        config = make_config(memcached_nodes, tables=GROUPED_TABLES, optimizers=["http://x:1"])
+        configs.append((await _served(config, aiohttp_server))[0])
+    rng = np.random.default_rng(7)
+    async with OptimizerClient(configs[0]) as grouped, OptimizerClient(configs[1]) as alone:
+        for step in range(4):
+            tables: dict[str, Any] = {}
+            for spec in GROUPED_TABLES:
+                ids: Any = np.unique(rng.integers(0, 60, size=25))
+                if spec["name"] == "word":
+                    ids = [f"w{int(i)}" for i in ids]
+                dim = spec["dim"]
+                tables[spec["name"]] = (ids, rng.standard_normal((len(ids), dim), np.float32))
+            singles, groups = grouped._grouped(
+                {n: (_ids(i), g) for n, (i, g) in tables.items()}, grads=True
+            )
+            assert [g["tables"] for g in groups] == [["c1", "c2", "c3"]]
+            assert set(singles) == {"wide", "word"}
+            raw: list[dict[str, Any]] = []
+            for client, body in (
+                (grouped, {"tables": singles, "groups": groups}),
+                (alone, {"tables": {**singles, **_one_by_one(tables, ("c1", "c2", "c3"))}}),
+            ):
+                body.update(push_id=f"s{step}", answer=["rows"])
+                await client._request(0, "POST", "/v1/gradients", pack(body), first=raw.append)
+            assert [g["tables"] for g in raw[0]["updated_groups"]] == [["c1", "c2", "c3"]]
+            assert "updated_groups" not in raw[1]
+            a, b = _updated_rows([raw[0]]), _updated_rows([raw[1]])
+            assert set(a) == set(b) == set(tables)
+            for name, (ids, rows) in a.items():
+                np.testing.assert_array_equal(ids, b[name][0])
+                np.testing.assert_array_equal(rows, b[name][1])
+            for reads in (
+                {n: _ids(i) for n, (i, _) in tables.items()},
+                {"c1": np.arange(70), "c3": np.arange(5), "wide": np.arange(3)},
+            ):
+                got = await grouped.rows(reads)  # c1..c3 (or c1, c3) as a group
+                body = {"tables": {n: {"ids": encode_ids(np.unique(i))} for n, i in reads.items()}}
+                want = await alone._request(0, "POST", "/v1/rows", pack(body))
+                assert "groups" not in want
+                for name, ids in reads.items():
+                    order = np.argsort(np.argsort(np.asarray(ids)))  # unique ids' order
+                    rows = np.frombuffer(want["rows"][name]["data"], np.float32)
+                    np.testing.assert_array_equal(got[name][0], rows.reshape(len(ids), -1)[order])
+                    assert got[name][1] == want["new"][name]
+        bad = {
+            "c1": (np.array([1, 2]), np.ones((2, 4), np.float32)),
+            "c2": (np.array([1, 2]), np.ones((2, 5), np.float32)),  # not dim 4: sent alone
+            "c3": (np.array([3]), np.ones((1, 4), np.float32)),
+        }
+        with pytest.raises(PushRejectedError, match=r"tables.c2.grads: expected shape \(2, 4\)"):
+            await grouped.push(bad)
+        nan = dict(
+            bad, c2=(np.array([1, 2]), np.array([[0, 0, 0, 0], [0, np.nan, 0, 0]], np.float32))
+        )
+        with pytest.raises(PushRejectedError, match="tables.c2: gradient is not finite"):
+            await grouped.push(nan)
+
+
+def _one_by_one(tables: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        n: {"ids": encode_ids(_ids(tables[n][0])), "grads": encode_array(tables[n][1])}
+        for n in names
+    }
