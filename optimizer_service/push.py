@@ -20,6 +20,7 @@ from numpy.typing import NDArray
 from lookup_table.config import ClusterConfig
 from lookup_table.core.keys import IdArray, encode_keys
 from lookup_table.core.optimizers import check_finite, segment_sum
+from lookup_table.core.rows import blocks
 from lookup_table.core.sharding import owner_of
 from lookup_table.core.wire import WireError, decode_array, decode_ids, describe
 from lookup_table.errors import KeyEncodingError
@@ -301,12 +302,9 @@ def _parse_group(
                 f"{tuple(grads.shape)}",
                 reason="shape",
             )
-        if not np.isfinite(grads).all():
-            for name, a, b in zip(names, bounds, bounds[1:], strict=False):
-                try:
-                    check_finite(grads[a:b], f"tables.{name}")
-                except ValueError as exc:
-                    raise BadRequestError(str(exc), reason="nan") from None
+        if not np.isfinite(grads).all():  # name the table
+            for name, table_grads in zip(names, blocks(grads, counts), strict=True):
+                _finite(table_grads, f"tables.{name}")
         grads = grads.copy()
     ids = ids.astype(np.int64)  # a copy: the body's bytes are read-only
     # each table's ids ascending and distinct (what trainers send) but for a table boundary
@@ -314,19 +312,17 @@ def _parse_group(
     inside = [p for p in (np.flatnonzero(ids[1:] <= ids[:-1]) + 1).tolist() if p not in starts]
     unsorted = set(np.searchsorted(bounds, inside, side="right").tolist())  # table k + 1
     out: list[tuple[str, IdArray, NDArray[np.float32] | None]] = []
-    for k, (name, a, b) in enumerate(zip(names, bounds, bounds[1:], strict=False)):
-        t_ids, t_grads = ids[a:b], None if grads is None else grads[a:b]
+    each_grads = [None] * len(names) if grads is None else blocks(grads, counts)
+    for k, (name, t_ids, t_grads) in enumerate(
+        zip(names, blocks(ids, counts), each_grads, strict=True)
+    ):
         if num_replicas > 1:
             _check_ids(config, name, t_ids, replica, num_replicas)
         if k + 1 in unsorted:  # rare: a client that sends duplicates or unsorted ids
             if t_grads is None:
                 t_ids = cast(IdArray, np.unique(t_ids))
             else:
-                t_ids, t_grads = segment_sum(t_ids, t_grads)
-                try:
-                    check_finite(t_grads, f"tables.{name} (summed over duplicate ids)")
-                except ValueError as exc:
-                    raise BadRequestError(str(exc), reason="nan") from None
+                t_ids, t_grads = _summed(t_ids, t_grads, f"tables.{name}")
         out.append((name, t_ids, t_grads))
     return out
 
@@ -389,15 +385,27 @@ def _parse_table(
             f"of dim {spec.dim}, got {tuple(grads.shape)}",
             reason="shape",
         )
+    _finite(grads, where)
+    _check_ids(config, name, ids, replica, num_replicas)
+    uniq, summed = _summed(ids, grads, where)
+    return TableGrads(table=name, ids=uniq, grads=summed)
+
+
+def _finite(grads: NDArray[np.float32], where: str) -> None:
+    """`check_finite` as a 400 (`reason` nan) naming `where`."""
     try:
         check_finite(grads, where)
     except ValueError as exc:
         raise BadRequestError(str(exc), reason="nan") from None
-    _check_ids(config, name, ids, replica, num_replicas)
+
+
+def _summed(
+    ids: IdArray, grads: NDArray[np.float32], where: str
+) -> tuple[IdArray, NDArray[np.float32]]:
+    """A table's gradients summed per unique id (`segment_sum`), the sums checked where ids
+    repeated (finite gradients can sum to an Inf; without duplicates the sums are the
+    checked gradients)."""
     uniq, summed = segment_sum(ids, grads)
-    if uniq.shape[0] != ids.shape[0]:  # without duplicates the sums are the checked grads
-        try:
-            check_finite(summed, where + " (summed over duplicate ids)")
-        except ValueError as exc:
-            raise BadRequestError(str(exc), reason="nan") from None
-    return TableGrads(table=name, ids=uniq, grads=summed)
+    if uniq.shape[0] != ids.shape[0]:
+        _finite(summed, where + " (summed over duplicate ids)")
+    return uniq, summed
