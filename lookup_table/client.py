@@ -32,6 +32,7 @@ from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig
 from lookup_table.core.keys import IdArray, as_ids
+from lookup_table.core.rows import blocks
 from lookup_table.core.sharding import owner_of
 from lookup_table.core.wire import (
     CONTENT_TYPE,
@@ -498,8 +499,10 @@ def _updated_rows(results: Sequence[Mapping[str, Any]]) -> dict[str, tuple[Any, 
             where = f"updated_groups[{i}]"
             ids = decode_ids(group["ids"], field=f"{where}.ids")
             rows = decode_array(group["rows"], field=f"{where}.rows", dtype="<f4", ndim=2)
-            for name, (a, b) in _spans(group["tables"], group["counts"], ids.shape[0], where):
-                parts.setdefault(name, []).append((ids[a:b], rows[a:b]))
+            for name, (table_ids, table_rows) in _cut(
+                group["tables"], group["counts"], [ids, rows], where
+            ):
+                parts.setdefault(name, []).append((table_ids, table_rows))
         for name, doc in r.get("updated", {}).items():
             ids = decode_ids(doc["ids"], field=f"updated.{name}.ids")
             rows = decode_array(doc["rows"], field=f"updated.{name}.rows", dtype="<f4", ndim=2)
@@ -519,20 +522,25 @@ def _updated_rows(results: Sequence[Mapping[str, Any]]) -> dict[str, tuple[Any, 
     return out
 
 
-def _spans(names: Any, counts: Any, total: int, where: str) -> list[tuple[str, tuple[int, int]]]:
-    """Each table of a group in an answer, with its (start, end) in the group's arrays."""
+def _cut(
+    names: Any, counts: Any, arrays: Sequence[NDArray[Any]], where: str
+) -> list[tuple[str, list[NDArray[Any]]]]:
+    """Each table of a group in an answer with its block of each of the group's `arrays`
+    (`rows.blocks`); LookupTableError where the tables and counts do not fit them."""
+    total = arrays[0].shape[0]
     if (
         not isinstance(names, list)
         or not isinstance(counts, list)
         or len(names) != len(counts)
         or not all(isinstance(c, int) and c >= 0 for c in counts)
         or sum(counts) != total
+        or any(a.shape[0] != total for a in arrays)
     ):
         raise LookupTableError(
             f"{where}: tables {names!r} with counts {counts!r} do not fit its {total} rows"
         )
-    bounds = np.cumsum([0, *counts]).tolist()
-    return [(str(n), (a, b)) for n, a, b in zip(names, bounds, bounds[1:], strict=False)]
+    cut = [blocks(a, counts) for a in arrays]
+    return [(str(n), [c[k] for c in cut]) for k, n in enumerate(names)]
 
 
 def _rows_answer(
@@ -554,10 +562,10 @@ def _rows_answer(
             raise LookupTableError(
                 f"replica {replica} answered {where}.new {new!r} for tables {sent['tables']!r}"
             )
-        for (name, (a, b)), fresh in zip(
-            _spans(sent["tables"], sent["counts"], rows.shape[0], where), new, strict=True
+        for (name, (table_rows,)), fresh in zip(
+            _cut(sent["tables"], sent["counts"], [rows], where), new, strict=True
         ):
-            out[name] = (rows[a:b], int(fresh))
+            out[name] = (table_rows, int(fresh))
     for name, value in doc["rows"].items():
         got = decode_array(value, field=f"rows.{name}", dtype="<f4", ndim=2)
         out[name] = (got, int(doc["new"][name]))
