@@ -507,7 +507,8 @@ class DenseParams:
                 "grads": {n: encode_array(np.asarray(g, dtype="<f4")) for n, g in grads.items()},
             }
         )
-        parts = [body[i : i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES)]
+        view = memoryview(body)
+        parts = [view[i : i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES)]
         index = pack(
             {
                 "version": int(version),

@@ -101,7 +101,7 @@ from lookup_table.errors import (
 )
 from lookup_table.memcached import commands, protocol
 from lookup_table.memcached.node import Node
-from lookup_table.memcached.protocol import Keys
+from lookup_table.memcached.protocol import Keys, Wire
 
 __all__ = ["EmbeddingStore", "TableRead", "TableWrite"]
 
@@ -716,7 +716,7 @@ class EmbeddingStore:
         self,
         table: str,
         ids: Any,
-        values: Sequence[bytes],
+        values: Sequence[Wire],
         *,
         kind: str,
         add: bool = False,
@@ -1398,8 +1398,11 @@ class EmbeddingStore:
 
         ttls = [0] * len(segments) if exptimes is None else exptimes
         commands = [
-            protocol.build_ms(k, v, add=add, ttl_s=t, quiet=True, first=b, total=bounds[-1])
+            part
             for (k, v), t, b in zip(segments, ttls, bounds, strict=False)
+            for part in protocol.build_ms_parts(
+                k, v, add=add, ttl_s=t, quiet=True, first=b, total=bounds[-1]
+            )
         ]
         if counts:  # the quiet sets end at this mn; the counts' replies follow it
             commands.append(protocol.END)

@@ -42,6 +42,7 @@ per key (`parse_ms`), checked as one uint32 comparison when all are `HD`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -68,6 +69,7 @@ __all__ = [
     "build_mg",
     "build_mg_quiet",
     "build_ms",
+    "build_ms_parts",
     "gather_values",
     "parse_mg",
     "parse_ma",
@@ -198,7 +200,7 @@ def build_mg_quiet(
 
 def build_ms(
     keys: Keys,
-    values: NDArray[np.uint8] | list[bytes],
+    values: NDArray[np.uint8] | Sequence[Wire],
     *,
     add: bool = False,
     ttl_s: int = 0,
@@ -206,6 +208,23 @@ def build_ms(
     first: int = 0,
     total: int | None = None,
 ) -> Wire:
+    """`build_ms_parts` as one buffer."""
+    parts = build_ms_parts(
+        keys, values, add=add, ttl_s=ttl_s, quiet=quiet, first=first, total=total
+    )
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def build_ms_parts(
+    keys: Keys,
+    values: NDArray[np.uint8] | Sequence[Wire],
+    *,
+    add: bool = False,
+    ttl_s: int = 0,
+    quiet: bool = False,
+    first: int = 0,
+    total: int | None = None,
+) -> list[Wire]:
     """`ms <key> <len> [ME] [T<ttl>] [q [O<i>]]\\r\\n<value>\\r\\n` for every key.
 
     `add` (mode E) stores only if the key is absent; `ttl_s` > 0 makes the item
@@ -215,8 +234,10 @@ def build_ms(
     position i, zero-padded to `token_width(total)` digits as quiet reads do (the keys
     of one piece of a batch of `total` get `first` .. `first + len(keys) - 1`;
     `parse_ms_quiet_add`). Fixed-width keys with a fixed-width value matrix (n,
-    nbytes) are laid out with numpy and handed out as a view of that buffer (`Wire`);
-    anything else is joined in Python.
+    nbytes) are laid out with numpy and handed out as a view of that buffer (one part).
+    Anything else is each key's command line, its value and the value's end: parts of
+    the request that the connection joins into writes (`node._slices`), but for big
+    values, sent from where they are (a journal's or dense log's chunks: not copied).
     """
     n = _num_keys(keys)
     tokens = quiet and add
@@ -250,18 +271,18 @@ def build_ms(
             col += ends
         out[:, col : col + nbytes] = values
         out[:, col + nbytes :] = _CRLF
-        return out.reshape(-1).data
+        return [out.reshape(-1).data]
     key_list = [bytes(k) for k in keys] if isinstance(keys, np.ndarray) else keys
     value_list = [v.tobytes() for v in values] if isinstance(values, np.ndarray) else values
     if len(key_list) != len(value_list):
         raise ValueError(f"{len(key_list)} keys but {len(value_list)} values")
     ends = [b""] * len(key_list) if tail is None else [bytes(row) for row in tail]
-    parts: list[bytes] = []
+    parts: list[Wire] = []
     for key, value, end in zip(key_list, value_list, ends, strict=True):
         parts.append(b"ms %s %d%s%s" % (key, len(value), mode, end))
         parts.append(value)
         parts.append(b"\r\n")
-    return b"".join(parts)
+    return parts
 
 
 @dataclass(slots=True)

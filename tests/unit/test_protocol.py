@@ -26,6 +26,7 @@ from lookup_table.memcached.protocol import (
     build_mg,
     build_mg_quiet,
     build_ms,
+    build_ms_parts,
     gather_values,
     parse_ma,
     parse_mg,
@@ -188,6 +189,32 @@ def test_build_ms_golden_quiet_adds_and_overwrites() -> None:
     assert build_ms([b"a"], [b"x"], add=True) == b"ms a 1 ME\r\nx\r\n"
     with pytest.raises(ValueError, match="not in a batch of 2"):
         build_ms([b"a", b"b"], [b"x", b"y"], add=True, quiet=True, first=1, total=2)
+
+
+def test_build_ms_parts_send_each_value_from_where_it_is() -> None:
+    """A journal's or dense log's chunk (a view of the buffer it was encoded into) is a
+    part of the request itself, not copied into a joined one; joined, the parts are
+    `build_ms`'s request."""
+    body = bytes(range(256)) * 4096  # 1 MiB
+    chunks = [memoryview(body)[:600_000], memoryview(body)[600_000:]]
+    keys = [b"j/0", b"j/1"]
+    parts = build_ms_parts(keys, chunks, quiet=True)
+    assert any(part is chunks[0] for part in parts)
+    assert any(part is chunks[1] for part in parts)
+    assert (
+        b"".join(parts)
+        == build_ms(keys, chunks, quiet=True)
+        == (
+            b"ms j/0 600000 q\r\n"
+            + body[:600_000]
+            + b"\r\nms j/1 448576 q\r\n"
+            + body[600_000:]
+            + b"\r\n"
+        )
+    )
+    matrix = np.frombuffer(body[:64], dtype=np.uint8).reshape(4, 16)
+    (one,) = build_ms_parts(key_matrix(np.arange(4, dtype=np.int64)), matrix)
+    assert bytes(one) == build_ms(key_matrix(np.arange(4, dtype=np.int64)), matrix)
 
 
 def test_build_ms_refuses_mismatched_lengths() -> None:
