@@ -221,10 +221,18 @@ class DenseParams:
 
     # ------------------------------------------------------------ reading
 
+    CURRENT_READ: tuple[str, list[str], str] = (DENSE_TABLE, [DENSE_CURRENT_ID], Kind.META)
+    """The `current` pointer's read, for `EmbeddingStore.peek` (then `pointer`)."""
+
+    @staticmethod
+    def pointer(raw: bytes | None) -> dict[str, Any] | None:
+        """The `current` pointer from its stored value (None: not written yet)."""
+        return None if raw is None else dict(unpack(raw))
+
     async def meta(self) -> dict[str, Any] | None:
         """The `current` pointer (one small get), or None before `init`."""
         (raw,) = await self.store.get_blobs(DENSE_TABLE, [DENSE_CURRENT_ID], kind=Kind.META)
-        return None if raw is None else dict(unpack(raw))
+        return self.pointer(raw)
 
     async def read(
         self, *, with_slots: bool = False, current: Mapping[str, Any] | None = None

@@ -766,6 +766,47 @@ class EmbeddingStore:
         values = await _gather([read(node) for node in self._nodes])
         return dict(zip(self.nodes, values, strict=True))
 
+    async def peek(
+        self, reads: Sequence[tuple[str, Any, str]]
+    ) -> tuple[dict[str, bytes | None], list[list[bytes | None]]]:
+        """Every node's sentinel (`sentinels`) and the blobs of each (table, unique ids,
+        kind) of `reads` (`get_blobs`), in one round trip per node: its sentinel read,
+        then its keys. A push's bookkeeping reads (its done record, the dense pointer)
+        ride on the sentinel reads it makes anyway.
+
+        Raises:
+            DataLossError: a node that lost its sentinel holds some of the keys (a
+                batch's sentinel in front refuses its reads the same way).
+        """
+        out: list[list[bytes | None]] = [
+            [None] * as_ids(ids, table=table).shape[0] for table, ids, _ in reads
+        ]
+        wanted: list[list[tuple[int, NDArray[np.intp]]]] = [[] for _ in self._nodes]
+        keys: list[list[bytes]] = [[self._sentinel_key] for _ in self._nodes]
+        for r, (table, ids, kind) in enumerate(reads):
+            placed = self._place(table, as_ids(ids, table=table))
+            part = _Part(placed, self._prefix(placed, kind), placed.by_node)
+            for j, index in enumerate(placed.by_node):
+                if index.shape[0]:
+                    body = prefixed_keys(part.prefix, placed.bodies.bodies, index)
+                    keys[j] += [bytes(k) for k in body] if isinstance(body, np.ndarray) else body
+                    wanted[j].append((r, index))
+
+        async def read(j: int, node: Node) -> bytes | None:
+            sentinel, *values = await self._mg_blobs(node, keys[j], check=False)
+            if wanted[j] and self._check_sentinels:
+                if sentinel is None:
+                    raise self._lost(node, writes=False)
+                self._accept_sentinel(node.address, sentinel)
+            got = iter(values)
+            for r, index in wanted[j]:
+                for i in index.tolist():
+                    out[r][i] = next(got)
+            return sentinel
+
+        sentinels = await _gather([read(j, node) for j, node in enumerate(self._nodes)])
+        return dict(zip(self.nodes, sentinels, strict=True)), out
+
     async def write_sentinels(self, nodes: Sequence[str] | None = None) -> dict[str, bool]:
         """`add` the sentinel on `nodes` (default: all); returns which nodes got a new one.
 
@@ -1165,22 +1206,25 @@ class EmbeddingStore:
                 f"memcached node {node.address} answered {reply.errors[0]!r}", node=node.address
             )
         if not reply.found[0]:
-            done = (
-                "This batch's writes may have reached it, but nothing is read from it until "
-                "you restore"
-                if writes
-                else "Nothing was created on it. Restore"
-            )
-            raise DataLossError(
-                f"memcached node {node.address} has lost its data: its sentinel "
-                f"{self._sentinel_key.decode()!r} is gone (the server restarted or was "
-                f"flushed). {done} a checkpoint (lookup-table-checkpoint restore) or accept "
-                f"the loss (lookup-table-admin reinit --yes)",
-                nodes=(node.address,),
-            )
+            raise self._lost(node, writes=writes)
         start, size = int(reply.starts[0]), int(reply.sizes[0])
         self._accept_sentinel(node.address, bytes(data[start : start + size]))
         return reply.end
+
+    def _lost(self, node: Node, *, writes: bool) -> DataLossError:
+        """What a batch raises that found `node`'s sentinel gone."""
+        done = (
+            "This batch's writes may have reached it, but nothing is read from it until you restore"
+            if writes
+            else "Nothing was created on it. Restore"
+        )
+        return DataLossError(
+            f"memcached node {node.address} has lost its data: its sentinel "
+            f"{self._sentinel_key.decode()!r} is gone (the server restarted or was "
+            f"flushed). {done} a checkpoint (lookup-table-checkpoint restore) or accept "
+            f"the loss (lookup-table-admin reinit --yes)",
+            nodes=(node.address,),
+        )
 
     def _accept_sentinel(self, address: str, value: bytes) -> None:
         """`check_format` of a node's sentinel (once per sentinel value); the node is then

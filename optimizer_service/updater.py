@@ -182,6 +182,17 @@ _NO_ROWS = np.empty((0, 0), dtype=np.float32)  # a `TableStep`'s rows stepped in
 
 
 @dataclass(frozen=True, slots=True)
+class _Peek:
+    """What a push reads of memcached before its rows (`Updater._peek`, one round trip
+    per node): every node's sentinel, whether its done record exists, and the dense
+    `current` pointer (None when the push does not read it, or before `init`)."""
+
+    sentinels: dict[str, bytes | None]
+    done: bool
+    current: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
 class _CachedItems:
     """New items of tables stepped in place, for `RowCache.put_items`."""
 
@@ -189,6 +200,10 @@ class _CachedItems:
     at: NDArray[np.intp]
     parts: list[tuple[str, IdArray]]
     items: NDArray[np.float32]
+
+
+async def _sentinels_of(peek: asyncio.Future[_Peek]) -> dict[str, bytes | None]:
+    return (await peek).sentinels
 
 
 def _joined(places: Sequence[_InPlace]) -> tuple[NDArray[np.intp], NDArray[np.float32]]:
@@ -488,10 +503,10 @@ class Updater:
         handed_over = False
         try:
             slot = await self.journal.take()
-            # the done record is read together with the rows (one round trip, not two)
-            reading = asyncio.gather(
-                self.is_done(push.push_id), self._plan(push, version), return_exceptions=True
-            )
+            # the done record, the nodes' sentinels and the dense pointer: one round trip
+            # per node, while the push's rows are located
+            peek = asyncio.ensure_future(self._peek(push, version))
+            reading = asyncio.gather(peek, self._plan(push, version, peek), return_exceptions=True)
             writes: list[asyncio.Future[Any]] = []
             plan: WritePlan | None = None
             cached: list[_CachedItems] = []
@@ -506,10 +521,10 @@ class Updater:
                         w.exception()  # retrieved: the error that stopped the push is raised
 
             try:
-                done, planned = await reading
-                if isinstance(done, BaseException):
-                    raise done
-                if done:
+                peeked, planned = await reading
+                if isinstance(peeked, BaseException):
+                    raise peeked
+                if peeked.done or push.push_id in self._recording:
                     self.journal.give_back(slot)
                     return {"applied": False, "duplicate": True, "rows": 0, "version": self.version}
                 if isinstance(planned, BaseException):
@@ -732,16 +747,31 @@ class Updater:
             self.cache.put_many(remember, initial=True)
         return out
 
-    async def _plan(self, push: Push, version: int | None) -> tuple[WritePlan, list[_Prepared]]:
+    def _reads_dense(self, push: Push, version: int | None) -> bool:
+        return bool(push.dense) or (version is not None and self.replica == 0)
+
+    async def _peek(self, push: Push, version: int | None) -> _Peek:
+        """The nodes' sentinels, the push's done record and (a dense update) the dense
+        `current` pointer, in one round trip per node (`EmbeddingStore.peek`)."""
+        reads: list[tuple[str, Any, str]] = [
+            (META_TABLE, [self._record_id(push.push_id)], Kind.PUSH_RECORD)
+        ]
+        if self._reads_dense(push, version):
+            reads.append(DenseParams.CURRENT_READ)
+        sentinels, values = await self.store.peek(reads)
+        current = DenseParams.pointer(values[1][0]) if len(values) > 1 else None
+        return _Peek(sentinels, done=values[0][0] is not None, current=current)
+
+    async def _plan(
+        self, push: Push, version: int | None, peek: asyncio.Future[_Peek]
+    ) -> tuple[WritePlan, list[_Prepared]]:
         """Read what the push updates; compute the dense update. The plan's `steps` (what
         is journaled) are set, its `updates` are `_computed` from the tables returned."""
-        rows = self._prepared(push.tables)
-        dense = push.dense or (version is not None and self.replica == 0)
-        # the dense `current` pointer is read with the rows: the in-memory copy is used
-        # when it still names it (one small get instead of the whole generation)
-        prepared, current = (
-            await asyncio.gather(rows, self.dense.meta()) if dense else (await rows, None)
-        )
+        prepared = await self._prepared(push.tables, peek)
+        dense = self._reads_dense(push, version)
+        # the dense `current` pointer is read with the sentinels: the in-memory copy is
+        # used when it still names it (no read of the whole generation)
+        current = (await peek).current
         plan = WritePlan(push_id=push.push_id, updates=[], version=version)
         if not dense:
             return plan, prepared
@@ -764,7 +794,9 @@ class Updater:
         plan.dense_logged = True
         return plan, prepared
 
-    async def _prepared(self, tables: Sequence[TableGrads]) -> list[_Prepared]:
+    async def _prepared(
+        self, tables: Sequence[TableGrads], peek: asyncio.Future[_Peek] | None = None
+    ) -> list[_Prepared]:
         """Read the rows and slots of every table of a push (one request per node; a row
         and its slots are one item), those not in the cache: what each table's optimizer
         step starts from. The tables written behind are only located in the cache
@@ -803,8 +835,11 @@ class Updater:
         read = self._read([(g.table, g.ids) for g in tables], [~hit for hit, _, _ in cached])
         if any(hit.any() for hit, _, _ in cached):
             # cached rows are what this replica wrote, unless a node lost its data since
-            # (its sentinel is gone, or new after a reinit): read together with the rest
-            sentinels, values = await asyncio.gather(self.store.sentinels(), read)
+            # (its sentinel is gone, or new after a reinit): read together with the rest,
+            # or with the push's done record (`peek`)
+            sentinels, values = await asyncio.gather(
+                self.store.sentinels() if peek is None else _sentinels_of(peek), read
+            )
             if sentinels != self._sentinels:
                 logger.warning(
                     "replica %d: a node's sentinel changed (lost data, reinit): the row "

@@ -169,11 +169,15 @@ class _Recorder:
     def __init__(self, store: EmbeddingStore, monkeypatch: pytest.MonkeyPatch) -> None:
         self.reads: list[tuple[str, int]] = []
         self.written: dict[str, int] = {}
-        get_blobs, set_blobs = store.get_blobs, store.set_blobs
+        get_blobs, set_blobs, peek = store.get_blobs, store.set_blobs, store.peek
 
         async def counted_get(table: str, ids: Any, *, kind: str) -> list[bytes | None]:
             self.reads.append((kind, len(ids)))
             return await get_blobs(table, ids, kind=kind)
+
+        async def counted_peek(reads: Any) -> Any:  # a push's bookkeeping reads
+            self.reads += [(kind, len(ids)) for _, ids, kind in reads]
+            return await peek(reads)
 
         async def counted_set(table: str, ids: Any, values: Any, **kw: Any) -> Any:
             kind = kw["kind"]
@@ -182,6 +186,7 @@ class _Recorder:
 
         monkeypatch.setattr(store, "get_blobs", counted_get)
         monkeypatch.setattr(store, "set_blobs", counted_set)
+        monkeypatch.setattr(store, "peek", counted_peek)
 
     def clear(self) -> None:
         self.reads.clear()

@@ -174,8 +174,8 @@ async def test_rows_stepped_in_the_row_cache_train_exactly_when_it_changed_meanw
     prepared = updater._prepared
     calls = []
 
-    async def then_change(tables: Any) -> Any:
-        out = await prepared(tables)
+    async def then_change(tables: Any, *peek: Any) -> Any:
+        out = await prepared(tables, *peek)
         calls.append(len(tables))
         if len(calls) == 1 and meanwhile == "cache dropped":
             await updater._flush_rows()  # what a sentinel change does before it drops

@@ -513,6 +513,38 @@ async def test_lost_node_raises_data_loss_and_nothing_is_created_anywhere(own_no
                 await call()
 
 
+async def test_peek_reads_every_sentinel_and_the_blobs_in_one_round_trip_per_node(
+    own_nodes: Any, round_trips: RoundTrips
+) -> None:
+    """A push's bookkeeping reads ride on the sentinel reads: each node's sentinel, then
+    the keys it holds. A node that lost its data fails the peek only if it holds keys."""
+    config = make_config([s.address for s in own_nodes])
+    async with EmbeddingStore(config) as s:
+        await s.write_sentinels()
+        ids = _ids_on_every_node("_meta", s.nodes, 12)
+        await s.set_blobs("_meta", ids[:8], [b"v%d" % i for i in range(8)], kind="p")
+        await s.set_blobs("_dense", ["current"], [b"pointer"], kind="m")
+        sentinels = await s.sentinels()
+        round_trips.clear()
+        got, blobs = await s.peek([("_meta", ids, "p"), ("_dense", ["current"], "m")])
+        assert round_trips.per_node() == dict.fromkeys(s.nodes, 1)
+        assert all(r.startswith(b"mg " + s._sentinel_key) for r in round_trips.requests[s.nodes[0]])
+        assert got == sentinels and all(got.values())
+        assert blobs == [[b"v%d" % i for i in range(8)] + [None] * 4, [b"pointer"]]
+        assert await s.peek([]) == (sentinels, [])
+
+        lost = own_nodes[1]
+        lost.restart_empty()
+        placed = node_of("_meta", ids, s.nodes)
+        kept_only = ids[placed == 0]
+        got, (blobs,) = await s.peek([("_meta", kept_only, "p")])  # reported, not raised
+        assert got[lost.address] is None and got[own_nodes[0].address] == sentinels[s.nodes[0]]
+        assert blobs == [b"v%d" % i if i < 8 else None for i in ids[placed == 0].tolist()]
+        with pytest.raises(DataLossError, match=lost.address) as info:
+            await s.peek([("_meta", ids, "p")])
+        assert info.value.nodes == (lost.address,)
+
+
 async def test_full_node_raises_store_full_naming_it() -> None:
     server = start_memcached(memory_mb=2)
     try:
