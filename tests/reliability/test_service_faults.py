@@ -175,9 +175,12 @@ class _Corpus:
             self.random_nan,
             self.random_bad_string_ids,
             self.random_count_mismatch,
+            self.random_bad_group,
         ]
         for _ in range(n_random):
             self.rng.choice(makers)()
+        for _ in range(n_random // 5):  # tables sent as groups: more of them
+            self.random_bad_group()
         return self.cases
 
     def fixed(self) -> None:
@@ -714,6 +717,72 @@ class _Corpus:
             f"{n} ids but {m} grads rows in {table}", {**self.push(), "tables": {table: entry}}
         )
 
+    def group(self, table: str, n: int) -> dict[str, Any]:
+        """A valid group (`groups: [...]`, as OptimizerClient sends int64 tables of one
+        dim) of one table's n ids."""
+        return {
+            "tables": [table],
+            "counts": [n],
+            "ids": encode_array(self.ids(table, n)),
+            "grads": encode_array(self.grads(n, DIMS[table])),
+        }
+
+    def random_bad_group(self) -> None:
+        """A push whose tables come as a group, each group broken in one way."""
+        table = self.rng.choice(["user", "ads"])  # the int64 tables (each its own dim)
+        n = self.rng.randint(1, 6)
+        group = self.group(table, n)
+        dim = DIMS[table]
+        what = self.rng.choice(
+            ["junk", "element", "keys", "tables", "counts", "ids", "grads", "twice"]
+        )
+        singles: dict[str, Any] = {}
+        groups: Any = [group]
+        if what == "junk":
+            groups = self.junk()
+            groups = [None] if groups == [] else groups  # an empty list is valid
+        elif what == "element":
+            groups = [group, self.rng.choice([None, 7, "g", [group], b"g", self.junk()])]
+        elif what == "keys":
+            if self.rng.random() < 0.5:
+                del group[self.rng.choice(sorted(group))]  # a read's group lacks grads
+            else:
+                group[self.rng.choice(["table", "Grads", "rows", "n"])] = 1
+        elif what == "tables":
+            group["tables"] = self.rng.choice(
+                [[], [table, table], ["nope"], ["word"], ["user", "ads"], "user", None, [7]]
+            )
+            if group["tables"] == ["user", "ads"]:  # two dims (and counts to match)
+                group["counts"] = [n, 0]
+        elif what == "counts":
+            group["counts"] = self.rng.choice(
+                [[n + 1], [n - 1], [-1], [True], [n, 0], [], [float(n)], None, str(n)]
+            )
+        elif what == "ids":
+            ids = dict(group["ids"])
+            mutation = self.rng.choice(["dtype", "2-D", "data"])
+            if mutation == "dtype":
+                ids["dtype"] = self.rng.choice(["<f8", "<i4", ">i8", "<u8"])
+            elif mutation == "2-D":
+                ids["shape"] = [n, 1]
+            else:
+                ids["data"] = bytes(ids["data"])[:-1]
+            group["ids"] = ids
+        elif what == "grads":
+            shape = self.rng.choice([(n, dim + 1), (n + 1, dim), (n, dim - 1), (n * dim,)])
+            grads = self.grads(math.prod(shape), 1).reshape(shape)
+            if self.rng.random() < 0.3:  # the right shape, one value not finite
+                grads = self.grads(n, dim)
+                grads[self.rng.randrange(n), self.rng.randrange(dim)] = self.rng.choice(
+                    [math.nan, math.inf, -math.inf]
+                )
+            group["grads"] = encode_array(grads)
+        else:  # the table also sent alone
+            singles = {table: self.entry(table)}
+        self.add(
+            f"a group broken in its {what}", {**self.push(), "tables": singles, "groups": groups}
+        )
+
 
 def _payload(body: bytes) -> bytes | io.BytesIO:
     """Large bodies as a stream (aiohttp's client warns about raw bytes over 1 MiB)."""
@@ -734,7 +803,7 @@ def _minimal_repro(body: bytes) -> str:
 async def test_fuzzed_bodies_never_5xx_and_leave_the_store_unchanged(
     own_nodes: list[MemcachedProcess], aiohttp_server: Any
 ) -> None:
-    """About 1,100 invalid bodies (seeded): each a 4xx JSON error, the service stays healthy, and
+    """About 1,200 invalid bodies (seeded): each a 4xx JSON error, the service stays healthy, and
     not one byte changes in memcached (rows, slots, and the item counters)."""
     nodes = [s.address for s in own_nodes]
     config = make_config(
