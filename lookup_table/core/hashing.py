@@ -21,7 +21,16 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["MIX64_M1", "MIX64_M2", "combine", "id_hashes", "mix64", "stable_hash"]
+__all__ = [
+    "INT_TAG",
+    "MIX64_M1",
+    "MIX64_M2",
+    "combine",
+    "id_hashes",
+    "id_words",
+    "mix64",
+    "stable_hash",
+]
 
 # splitmix64's finalizer constants (also `core.initializers._draw`'s, compiled)
 MIX64_M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -29,7 +38,7 @@ MIX64_M2 = np.uint64(0x94D049BB133111EB)
 _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)
-_INT_TAG = np.uint64(0x6C6F6F6B75702D69)  # "lookup-i"
+INT_TAG = np.uint64(0x6C6F6F6B75702D69)  # "lookup-i": an int id's tag (the str "7" is not 7)
 
 
 def mix64(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
@@ -58,17 +67,23 @@ def combine(hashes: NDArray[np.uint64], salt: int) -> NDArray[np.uint64]:
 
 
 def id_hashes(ids: NDArray[np.int64] | NDArray[np.object_] | Sequence[str]) -> NDArray[np.uint64]:
-    """Hash a batch of ids, shape (n,) -> uint64 (n,).
+    """Hash a batch of ids, shape (n,) -> uint64 (n,): `mix64(id_words(ids))`.
 
     Int ids are hashed fully vectorized; str ids need one blake2b call each
     (a str has no fixed-width representation to vectorize over).
     """
+    return mix64(id_words(ids))
+
+
+def id_words(ids: NDArray[np.int64] | NDArray[np.object_] | Sequence[str]) -> NDArray[np.uint64]:
+    """What `id_hashes` mixes: an int id's bits ^ INT_TAG, a str id's blake2b word."""
     arr = np.asarray(ids)
     if arr.dtype == np.int64:
-        return mix64(arr.view(np.uint64) ^ _INT_TAG)
+        words: NDArray[np.uint64] = arr.view(np.uint64) ^ INT_TAG
+        return words
     # Not arr.tolist() for a list: numpy's str dtype strips trailing NULs ("a\x00" -> "a").
     values = arr.tolist() if isinstance(ids, np.ndarray) else list(ids)
-    out = np.fromiter(
+    return np.fromiter(
         (
             int.from_bytes(
                 hashlib.blake2b(b"s" + s.encode("utf-8"), digest_size=8).digest(), "little"
@@ -78,4 +93,3 @@ def id_hashes(ids: NDArray[np.int64] | NDArray[np.object_] | Sequence[str]) -> N
         dtype=np.uint64,
         count=len(values),
     )
-    return mix64(out)

@@ -18,13 +18,21 @@ are independent.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
+from numba import njit, types
 from numpy.typing import NDArray
 
-from lookup_table.core.hashing import combine, id_hashes, mix64, stable_hash
+from lookup_table.core.hashing import (
+    MIX64_M1,
+    MIX64_M2,
+    id_words,
+    stable_hash,
+)
+from lookup_table.core.jit import compiled
 from lookup_table.core.keys import IdArray
 
 __all__ = ["assign", "node_of", "node_of_many", "owner_of", "row_hashes", "row_hashes_many"]
@@ -39,7 +47,9 @@ def _table_salt(table: str) -> int:
 
 def row_hashes(table: str, ids: IdArray) -> NDArray[np.uint64]:
     """Placement hash of each row of `table`, uint64 (n,)."""
-    return combine(id_hashes(ids), _table_salt(table))
+    salt = np.full(1, _table_salt(table) & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64)
+    hashes: NDArray[np.uint64] = _salted(np.ascontiguousarray(id_words(ids)).reshape(-1), salt)
+    return hashes
 
 
 def row_hashes_many(tables: Sequence[str], ids: Sequence[IdArray]) -> NDArray[np.uint64]:
@@ -56,8 +66,55 @@ def row_hashes_many(tables: Sequence[str], ids: Sequence[IdArray]) -> NDArray[np
         salts = np.array([_table_salt(t) for t in tables], dtype=np.uint64)
         # combine's mix64(h ^ salt), one salt per id
         every = cast("NDArray[np.int64]", np.concatenate(ids))
-        return mix64(id_hashes(every) ^ np.repeat(salts, sizes))
+        hashes: NDArray[np.uint64] = _salted(id_words(every), np.repeat(salts, sizes))
+        return hashes
     return np.concatenate([row_hashes(t, a) for t, a in zip(tables, ids, strict=True)])
+
+
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_U64 = types.Array(types.uint64, 1, "C")
+_RU64 = types.Array(types.uint64, 1, "C", readonly=True)
+_WINNERS = types.Array(types.intp, 1, "C")
+
+
+@njit(inline="always")
+def _mix(z):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """`hashing.mix64` of one uint64 (compiled: wraps as numpy's arrays do)."""
+    z = (z ^ (z >> _S30)) * MIX64_M1
+    z = (z ^ (z >> _S27)) * MIX64_M2
+    return z ^ (z >> _S31)
+
+
+@compiled([_U64(_U64, _U64), _U64(_RU64, _U64)])
+def _salted(words, salts):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """`combine(id_hashes(ids), salt)` in one pass: `mix64(mix64(words[i]) ^ salt)` of
+    each id's `hashing.id_words`, with salts[i] for id i (or salts[0] for all)."""
+    n = words.shape[0]
+    out = np.empty(n, dtype=np.uint64)
+    one = salts.shape[0] == 1
+    for i in range(n):
+        salt = salts[0] if one else salts[i]
+        out[i] = _mix(_mix(words[i]) ^ salt)
+    return out
+
+
+@compiled([_WINNERS(_U64, _RU64), _WINNERS(_RU64, _RU64)])
+def _rendezvous(hashes, salts):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """`argmax_j mix64(hashes[i] ^ salts[j])` for every i (the first j of the highest
+    score, as numpy's argmax): one pass, no (n, k) array of scores."""
+    n = hashes.shape[0]
+    out = np.empty(n, dtype=np.intp)
+    for i in range(n):
+        h = hashes[i]
+        best = 0
+        top = _mix(h ^ salts[0])
+        for j in range(1, salts.shape[0]):
+            score = _mix(h ^ salts[j])
+            if score > top:
+                top = score
+                best = j
+        out[i] = best
+    return out
 
 
 def assign(hashes: NDArray[np.uint64], members: Sequence[str], *, seed: int) -> NDArray[np.intp]:
@@ -66,19 +123,25 @@ def assign(hashes: NDArray[np.uint64], members: Sequence[str], *, seed: int) -> 
     Raises:
         ValueError: no members, or the same member twice.
     """
+    salts = _salts(tuple(members), seed)
+    if salts.shape[0] == 1:
+        return np.zeros(hashes.shape[0], dtype=np.intp)
+    winners: NDArray[np.intp] = _rendezvous(np.ascontiguousarray(hashes, dtype=np.uint64), salts)
+    return winners
+
+
+@functools.lru_cache(maxsize=256)
+def _salts(members: tuple[str, ...], seed: int) -> NDArray[np.uint64]:
+    """Each member's salt (read-only; a member list is checked once)."""
     if not members:
         raise ValueError("cannot place rows on an empty list")
     if len(set(members)) != len(members):
         raise ValueError(f"the same member appears twice in {list(members)}")
-    n = hashes.shape[0]
-    if len(members) == 1:
-        return np.zeros(n, dtype=np.intp)
     salts = np.array(
         [(stable_hash(m) ^ seed) & 0xFFFFFFFFFFFFFFFF for m in members], dtype=np.uint64
     )
-    scores = mix64(np.asarray(hashes, dtype=np.uint64)[:, None] ^ salts[None, :])
-    winners: NDArray[np.intp] = scores.argmax(axis=1)  # numpy types argmax(axis=...) as Any
-    return winners
+    salts.setflags(write=False)
+    return salts
 
 
 def _node_members(nodes: Sequence[str]) -> list[str]:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lookup_table.core.hashing import id_hashes
+from lookup_table.core.hashing import combine, id_hashes, mix64, stable_hash
 from lookup_table.core.sharding import (
     assign,
     node_of,
@@ -284,3 +284,41 @@ def test_row_hashes_many_is_row_hashes_per_table(parts: list[tuple[str, np.ndarr
     np.testing.assert_array_equal(
         got, np.concatenate(expected) if expected else np.zeros(0, dtype=np.uint64)
     )
+
+
+def _placement_in_numpy(table: str, ids: object, members: list[str], seed: int) -> np.ndarray:
+    """The placement as it was written in numpy before it was compiled (the definition:
+    `argmax_j mix64(combine(id_hashes(ids), table salt) ^ salt_j)`, first j of a tie)."""
+    hashes = combine(id_hashes(ids), stable_hash("table:" + table))
+    salts = np.array(
+        [(stable_hash(m) ^ seed) & 0xFFFFFFFFFFFFFFFF for m in members], dtype=np.uint64
+    )
+    return mix64(hashes[:, None] ^ salts[None, :]).argmax(axis=1)
+
+
+@given(
+    table=table_names,
+    ints=int_id_arrays(max_size=40),
+    strs=st.lists(st.text(max_size=12), max_size=20),
+    k=st.integers(1, 9),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_compiled_placement_is_the_numpy_definition_bit_for_bit(
+    table: str, ints: np.ndarray, strs: list[str], k: int, seed: int
+) -> None:
+    members = [f"node:10.0.0.{i}:11211" for i in range(k)]
+    for ids in (ints, strs, ints[::-2]):  # a strided view too
+        salt = stable_hash("table:" + table)
+        expected = combine(id_hashes(ids), salt)
+        np.testing.assert_array_equal(row_hashes(table, ids), expected)
+        np.testing.assert_array_equal(
+            assign(expected, members, seed=seed), _placement_in_numpy(table, ids, members, seed)
+        )
+    if ints.size:
+        many = row_hashes_many([table, table + "x"], [ints, ints[::-1].copy()])
+        np.testing.assert_array_equal(
+            many,
+            np.concatenate(
+                [combine(id_hashes(ints), salt), row_hashes(table + "x", ints[::-1].copy())]
+            ),
+        )
