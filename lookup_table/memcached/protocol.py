@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
 from numpy.typing import NDArray
@@ -198,20 +198,9 @@ def build_mg_quiet(
     return b"mg " + b"".join(parts)[:-3]
 
 
-def build_ms(
-    keys: Keys,
-    values: NDArray[np.uint8] | Sequence[Wire],
-    *,
-    add: bool = False,
-    ttl_s: int = 0,
-    quiet: bool = False,
-    first: int = 0,
-    total: int | None = None,
-) -> Wire:
-    """`build_ms_parts` as one buffer."""
-    parts = build_ms_parts(
-        keys, values, add=add, ttl_s=ttl_s, quiet=quiet, first=first, total=total
-    )
+def build_ms(keys: Keys, values: NDArray[np.uint8] | Sequence[Wire], **how: Any) -> Wire:
+    """`build_ms_parts(keys, values, **how)` as one buffer."""
+    parts = build_ms_parts(keys, values, **how)
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
