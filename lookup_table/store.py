@@ -803,33 +803,32 @@ class EmbeddingStore:
             DataLossError: a node that lost its sentinel holds some of the keys (a
                 batch's sentinel in front refuses its reads the same way).
         """
-        out: list[list[bytes | None]] = [
-            [None] * as_ids(ids, table=table).shape[0] for table, ids, _ in reads
+        placed = self._place_many([(table, as_ids(ids, table=table)) for table, ids, _ in reads])
+        parts = [
+            _Part(p, self._prefix(p, kind), p.by_node)
+            for p, (_, _, kind) in zip(placed, reads, strict=True)
         ]
-        wanted: list[list[tuple[int, NDArray[np.intp]]]] = [[] for _ in self._nodes]
-        keys: list[list[bytes]] = [[self._sentinel_key] for _ in self._nodes]
-        for r, (table, ids, kind) in enumerate(reads):
-            placed = self._place(table, as_ids(ids, table=table))
-            part = _Part(placed, self._prefix(placed, kind), placed.by_node)
-            for j, index in enumerate(placed.by_node):
-                if index.shape[0]:
-                    body = prefixed_keys(part.prefix, placed.bodies.bodies, index)
-                    keys[j] += [bytes(k) for k in body] if isinstance(body, np.ndarray) else body
-                    wanted[j].append((r, index))
+        out: list[list[bytes | None]] = [[None] * p.ids.shape[0] for p in placed]
+        segments: dict[Node, list[_Segment]] = {node: [] for node in self._nodes}
+        for node, chunk in self._chunks(parts):  # a node's keys: one request, however many
+            segments[node] += chunk
 
-        async def read(j: int, node: Node) -> bytes | None:
-            sentinel, *values = await self._mg_blobs(node, keys[j], check=False)
-            if wanted[j] and self._check_sentinels:
+        async def read(node: Node) -> bytes | None:
+            keys = [self._sentinel_key]
+            for s in segments[node]:
+                keys += [bytes(k) for k in s.keys] if isinstance(s.keys, np.ndarray) else s.keys
+            sentinel, *values = await self._mg_blobs(node, keys, check=False)
+            if segments[node] and self._check_sentinels:
                 if sentinel is None:
                     raise self._lost(node, writes=False)
                 self._accept_sentinel(node.address, sentinel)
             got = iter(values)
-            for r, index in wanted[j]:
-                for i in index.tolist():
-                    out[r][i] = next(got)
+            for s in segments[node]:
+                for i in s.index.tolist():
+                    out[s.part][i] = next(got)
             return sentinel
 
-        sentinels = await _gather([read(j, node) for j, node in enumerate(self._nodes)])
+        sentinels = await _gather([read(node) for node in self._nodes])
         return dict(zip(self.nodes, sentinels, strict=True)), out
 
     async def write_sentinels(self, nodes: Sequence[str] | None = None) -> dict[str, bool]:
