@@ -3,7 +3,7 @@
 `parse_push(obj, config=..., replica=K)` turns the unpacked msgpack body of
 `POST /v1/gradients` into a `Push` whose table gradients are already summed per
 unique id (IndexedSlices semantics), or raises `BadRequestError` /
-`NotOwnerError` with a message naming the field; `parse_reads` does the same for
+`NotOwnerError` with a message naming the field; `parse_rows_request` does the same for
 the body of `POST /v1/rows`. No I/O here.
 """
 
@@ -33,7 +33,6 @@ __all__ = [
     "RowsRequest",
     "TableGrads",
     "parse_push",
-    "parse_reads",
     "parse_rows_request",
 ]
 
@@ -163,17 +162,6 @@ def _parse_answer(raw: Any, replica: int) -> frozenset[str]:
     return frozenset(raw)
 
 
-def parse_reads(obj: Any, *, config: ClusterConfig, replica: int = 0) -> list[tuple[str, IdArray]]:
-    """Validate an unpacked `POST /v1/rows` body (`{tables: {name: {ids}}}`) for replica
-    `replica`: (table, unique sorted ids) per table, each id one this replica owns.
-
-    Raises:
-        BadRequestError: anything malformed; the message names the field.
-        NotOwnerError: some rows belong to another replica.
-    """
-    return parse_rows_request(obj, config=config, replica=replica).reads
-
-
 @dataclass(frozen=True, slots=True)
 class RowsRequest:
     """A parsed `POST /v1/rows`: (table, unique sorted ids) per table, and the tables
@@ -185,8 +173,10 @@ class RowsRequest:
 
 
 def parse_rows_request(obj: Any, *, config: ClusterConfig, replica: int = 0) -> RowsRequest:
-    """`parse_reads`, with the tables that came grouped (`{tables: {name: {ids}},
-    groups: [{tables, counts, ids}]}`: `groups` optional).
+    """Validate an unpacked `POST /v1/rows` body (`{tables: {name: {ids}}, groups:
+    [{tables, counts, ids}]}`, `groups` optional) for replica `replica`: (table, unique
+    sorted ids) per table, each id one this replica owns, and the tables that came
+    grouped.
 
     Raises:
         BadRequestError: anything malformed; the message names the field.

@@ -31,7 +31,7 @@ from lookup_table.errors import PushRejectedError
 from optimizer_service.app import UPDATER, make_app
 from optimizer_service.errors import NotOwnerError
 from optimizer_service.journal import MAX_JOURNAL_SLOTS, Journal
-from optimizer_service.push import parse_push, parse_reads
+from optimizer_service.push import parse_push, parse_rows_request
 from optimizer_service.updater import Updater
 from tests.conftest import make_config, node_stat
 from tests.integration.test_service import _body
@@ -268,7 +268,7 @@ async def test_rows_read_through_the_owner_are_its_newest_and_create_nothing(
         np.testing.assert_array_equal(answered, ref.state["t"][0][[1, 5]])
     two = dataclasses.replace(config, optimizers=("http://a:1", "http://b:1"))
     with pytest.raises(NotOwnerError, match="rows belong to other replicas"):
-        parse_reads({"tables": {"t": {"ids": encode_ids(IDS)}}}, config=two, replica=1)
+        parse_rows_request({"tables": {"t": {"ids": encode_ids(IDS)}}}, config=two, replica=1)
 
 
 async def test_a_new_id_is_read_from_memcached_once_then_known_until_its_push_creates_it(
