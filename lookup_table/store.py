@@ -782,14 +782,10 @@ class EmbeddingStore:
     # ------------------------------------------------------------ sentinels
 
     async def sentinels(self) -> dict[str, bytes | None]:
-        """Each node's sentinel value (None where it is missing), one round trip per node."""
-        key = [self._sentinel_key]
-
-        async def read(node: Node) -> bytes | None:
-            return (await self._mg_blobs(node, key, check=False))[0]
-
-        values = await _gather([read(node) for node in self._nodes])
-        return dict(zip(self.nodes, values, strict=True))
+        """Each node's sentinel value (None where it is missing), one round trip per node
+        (`peek` of nothing else)."""
+        sentinels, _ = await self.peek([])
+        return sentinels
 
     async def peek(
         self, reads: Sequence[tuple[str, Any, str]]
