@@ -67,7 +67,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeAlias, TypeVar, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -160,6 +160,10 @@ class TableWrite:
     slots: NDArray[np.float32] | None = None
 
 
+_Values: TypeAlias = "tuple[NDArray[np.uint8], NDArray[np.intp]] | Sequence[Wire]"
+"""A write segment's values: rows `index` of a value matrix (matrix, index), or blobs."""
+
+
 @dataclass(slots=True, eq=False)
 class _Placed:
     """Ids of one table, encoded (without the kind's prefix) and placed on nodes once."""
@@ -196,11 +200,13 @@ class _Part:
         """Bytes of each value a read keeps."""
         return self.take or self.nbytes
 
-    def values_at(self, index: NDArray[np.intp]) -> NDArray[np.uint8] | list[bytes]:
+    def values_at(self, index: NDArray[np.intp]) -> _Values:
+        """The values of the ids at positions `index`: a value matrix with the rows of
+        theirs in it (not gathered: `_ms` lays them out from there), or the blobs."""
         if self.rank is not None:
             index = self.rank[index]
         if isinstance(self.values, np.ndarray):
-            return self.values[index]
+            return self.values, index
         if self.values is None:
             raise ValueError("a read part has no values")
         return [self.values[i] for i in index.tolist()]
@@ -1400,7 +1406,7 @@ class EmbeddingStore:
     async def _ms(
         self,
         node: Node,
-        segments: Sequence[tuple[Keys, NDArray[np.uint8] | list[bytes]]],
+        segments: Sequence[tuple[Keys, _Values]],
         *,
         add: bool,
         check: bool = True,
@@ -1461,13 +1467,18 @@ class EmbeddingStore:
             )
 
         ttls = [0] * len(segments) if exptimes is None else exptimes
-        commands = [
-            part
-            for (k, v), t, b in zip(segments, ttls, bounds, strict=False)
-            for part in protocol.build_ms_parts(
-                k, v, add=add, ttl_s=t, quiet=True, first=b, total=bounds[-1]
-            )
-        ]
+        commands: list[protocol.Wire] = []
+        rows = [(k, *v) for k, v in segments if isinstance(k, np.ndarray) and isinstance(v, tuple)]
+        if rows and len(rows) == len(segments) and not add:
+            # fixed-width keys and rows of value matrices: laid out from where the values
+            # are, in one buffer (protocol.build_ms_rows)
+            commands.append(protocol.build_ms_rows(rows, ttls=ttls))
+        else:
+            for (k, v), t, b in zip(segments, ttls, bounds, strict=False):
+                values = v[0][v[1]] if isinstance(v, tuple) else v
+                commands += protocol.build_ms_parts(
+                    k, values, add=add, ttl_s=t, quiet=True, first=b, total=bounds[-1]
+                )
         if counts:  # the quiet sets end at this mn; the counts' replies follow it
             commands.append(protocol.END)
             commands += [protocol.build_ma_count(k, t) for k, t in counts]

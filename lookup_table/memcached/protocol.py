@@ -47,8 +47,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import numpy as np
+from numba import types
 from numpy.typing import NDArray
 
+from lookup_table.core.jit import compiled
 from lookup_table.errors import ProtocolError
 
 __all__ = [
@@ -70,6 +72,7 @@ __all__ = [
     "build_mg_quiet",
     "build_ms",
     "build_ms_parts",
+    "build_ms_rows",
     "gather_values",
     "parse_mg",
     "parse_ma",
@@ -272,6 +275,93 @@ def build_ms_parts(
         parts.append(value)
         parts.append(b"\r\n")
     return parts
+
+
+_BYTES_C = types.Array(types.uint8, 2, "C", readonly=True)
+_INDEX_C = types.Array(types.intp, 1, "C", readonly=True)
+
+
+@compiled(
+    types.void(
+        types.Array(types.uint8, 2, "C"),
+        _BYTES_C,
+        types.Array(types.uint8, 1, "C", readonly=True),
+        _BYTES_C,
+        _INDEX_C,
+    )
+)
+def _lay_ms(out, keys, head, values, index):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Row i of `out`: `ms ` + keys[i] + head + values[index[i]] + CRLF (bytes copied)."""
+    key_width = keys.shape[1]
+    head_width = head.shape[0]
+    nbytes = values.shape[1]
+    for i in range(index.shape[0]):
+        line = out[i]
+        key = keys[i]
+        value = values[index[i]]
+        line[0] = 109  # m
+        line[1] = 115  # s
+        line[2] = 32
+        for j in range(key_width):
+            line[3 + j] = key[j]
+        at = 3 + key_width
+        for j in range(head_width):
+            line[at + j] = head[j]
+        at += head_width
+        for j in range(nbytes):
+            line[at + j] = value[j]
+        line[at + nbytes] = 13  # CR
+        line[at + nbytes + 1] = 10  # LF
+
+
+def build_ms_rows(
+    segments: Sequence[tuple[NDArray[np.uint8], NDArray[np.uint8], NDArray[np.intp]]],
+    *,
+    ttls: Sequence[int] | None = None,
+) -> memoryview:
+    """Quiet overwrites of fixed-width keys and values as one buffer: for each segment
+    (keys (m, key width), values (N, nbytes), index (m,)), `ms <key> <nbytes> [T<ttl>]
+    q\r\n<value>\r\n` of key i with row `index[i]` of values.
+
+    The same bytes as `build_ms_parts(keys, values[index], quiet=True, ttl_s=ttl)` of
+    every segment, joined, in one compiled pass: each value is copied once, from where
+    it is, into the request (a flush of rows written behind is megabytes, which the
+    gather, the layout and the join each copied before).
+
+    Raises:
+        ValueError: index and keys of different lengths, or an index out of range.
+    """
+    ttl_of = [0] * len(segments) if ttls is None else list(ttls)
+    if len(ttl_of) != len(segments):
+        raise ValueError(f"{len(segments)} segments but {len(ttl_of)} ttls")
+    laid: list[tuple[NDArray[np.uint8], NDArray[np.uint8], NDArray[np.uint8], NDArray[np.intp]]]
+    laid = []
+    sizes: list[int] = []
+    for (keys, values, index), ttl_s in zip(segments, ttl_of, strict=True):
+        if keys.shape[0] != index.shape[0]:
+            raise ValueError(f"{keys.shape[0]} keys but {index.shape[0]} value rows")
+        if index.shape[0] and not 0 <= int(index.min()) <= int(index.max()) < values.shape[0]:
+            raise ValueError(f"value rows {index.min()}..{index.max()} of {values.shape[0]}")
+        mode = (b" T%d" % ttl_s if ttl_s > 0 else b"") + b" q\r\n"
+        head = np.frombuffer(b" %d%s" % (values.shape[1], mode), dtype=np.uint8)
+        laid.append(
+            (
+                np.ascontiguousarray(keys, dtype=np.uint8),
+                head,
+                np.ascontiguousarray(values, dtype=np.uint8),
+                np.ascontiguousarray(index, dtype=np.intp),
+            )
+        )
+        sizes.append(index.shape[0] * (3 + keys.shape[1] + head.shape[0] + values.shape[1] + 2))
+    out = np.empty(sum(sizes), dtype=np.uint8)
+    start = 0
+    for (keys, head, values, index), size in zip(laid, sizes, strict=True):
+        if size:
+            _lay_ms(
+                out[start : start + size].reshape(index.shape[0], -1), keys, head, values, index
+            )
+        start += size
+    return out.data
 
 
 @dataclass(slots=True)

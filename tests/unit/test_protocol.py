@@ -27,6 +27,7 @@ from lookup_table.memcached.protocol import (
     build_mg_quiet,
     build_ms,
     build_ms_parts,
+    build_ms_rows,
     gather_values,
     parse_ma,
     parse_mg,
@@ -216,6 +217,55 @@ def test_build_ms_parts_send_each_value_from_where_it_is() -> None:
     matrix = np.frombuffer(body[:64], dtype=np.uint8).reshape(4, 16)
     (one,) = build_ms_parts(key_matrix(np.arange(4, dtype=np.int64)), matrix)
     assert bytes(one) == build_ms(key_matrix(np.arange(4, dtype=np.int64)), matrix)
+
+
+@given(
+    data=st.data(),
+    widths=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 40)), min_size=1, max_size=4),
+    ttl_s=st.sampled_from([0, 60, 86_400]),
+)
+def test_build_ms_rows_equals_building_each_segment(
+    data: st.DataObject, widths: list[tuple[int, int]], ttl_s: int
+) -> None:
+    """A flush's request laid out from the value matrices (rows picked by index, in any
+    order, repeated or not, key widths and value sizes of each segment its own) is the
+    quiet overwrites `build_ms_parts` builds from the gathered values, joined."""
+    segments = []
+    expected = b""
+    for extra, nbytes in widths:
+        n = data.draw(st.integers(0, 12))
+        keys = data.draw(arrays(np.uint8, (n, 17 + extra)))
+        values = data.draw(arrays(np.uint8, (data.draw(st.integers(max(n, 1), 20)), nbytes)))
+        index = np.asarray(
+            data.draw(st.lists(st.integers(0, values.shape[0] - 1), min_size=n, max_size=n)),
+            dtype=np.intp,
+        )
+        segments.append((keys, values, index))
+        expected += b"".join(
+            bytes(p) for p in build_ms_parts(keys, values[index], quiet=True, ttl_s=ttl_s)
+        )
+    got = build_ms_rows(segments, ttls=[ttl_s] * len(segments))
+    assert bytes(got) == expected
+    strided = [(k, v[:, ::-1], i) for k, v, i in segments]  # not contiguous: copied first
+    assert bytes(build_ms_rows(strided, ttls=[ttl_s] * len(segments))) == b"".join(
+        bytes(p)
+        for k, v, i in strided
+        for p in build_ms_parts(k, np.ascontiguousarray(v[i]), quiet=True, ttl_s=ttl_s)
+    )
+
+
+def test_build_ms_rows_refuses_what_would_read_past_its_arrays() -> None:
+    keys = key_matrix(np.arange(3, dtype=np.int64))
+    values = np.zeros((3, 8), dtype=np.uint8)
+    assert bytes(build_ms_rows([(keys, values, np.array([2, 0, 1]))], ttls=[0])).count(b"ms ") == 3
+    with pytest.raises(ValueError, match="value rows 0..3 of 3"):
+        build_ms_rows([(keys, values, np.array([0, 1, 3]))])
+    with pytest.raises(ValueError, match="value rows -1..1 of 3"):
+        build_ms_rows([(keys, values, np.array([-1, 0, 1]))])
+    with pytest.raises(ValueError, match="3 keys but 2 value rows"):
+        build_ms_rows([(keys, values, np.array([0, 1]))])
+    with pytest.raises(ValueError, match="1 segments but 2 ttls"):
+        build_ms_rows([(keys, values, np.array([0, 1, 2]))], ttls=[0, 0])
 
 
 def test_build_ms_refuses_mismatched_lengths() -> None:
