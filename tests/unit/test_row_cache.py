@@ -407,6 +407,31 @@ def test_a_dirty_entry_moved_up_as_its_generation_is_dropped_keeps_one_slot() ->
     assert cache.young.size == 100
 
 
+def test_dirty_entries_of_both_generations_come_by_table_each_with_its_value() -> None:
+    """`dirty()` orders the dirty entries of both maps by table number (a flush splits
+    them by table without sorting their values again), each key once, with its own
+    value gathered from the map that holds it."""
+    cache = _TableCache(width=2, max_capacity=1024)
+    old_ids = np.arange(300, dtype=np.int64)
+    old_tabs = (old_ids % 3).astype(np.int32)
+    cache.put(old_ids, old_tabs, np.stack([old_ids, old_tabs], 1).astype(np.float32), 1)
+    cache.put(np.arange(1000, 1300, dtype=np.int64), _tabs(300), np.zeros((300, 2), np.float32))
+    assert cache.old is not None and (cache.old.find(old_ids, old_tabs) >= 0).all()
+    young_ids = np.arange(5000, 5100, dtype=np.int64)
+    young_tabs = (young_ids % 4).astype(np.int32)
+    cache.put(young_ids, young_tabs, np.stack([young_ids, young_tabs], 1).astype(np.float32), 2)
+    newer = old_ids[:50]  # written again since: the young map's value counts
+    cache.put(newer, old_tabs[:50], np.full((50, 2), -1, np.float32), 3)
+    ids, tabs, values = cache.dirty()
+    assert (np.diff(tabs) >= 0).all()
+    expected = {(int(i), int(t)) for i, t in zip(old_ids, old_tabs, strict=True)}
+    expected |= {(int(i), int(t)) for i, t in zip(young_ids, young_tabs, strict=True)}
+    assert sorted(zip(ids.tolist(), tabs.tolist(), strict=True)) == sorted(expected)
+    again = np.isin(ids, newer)
+    assert (values[again] == -1).all()
+    assert (values[~again, 0] == ids[~again]).all() and (values[~again, 1] == tabs[~again]).all()
+
+
 def test_the_compiled_probes_get_shapes_checked_first() -> None:
     """The compiled loops do not check bounds: a table number missing for an id, or
     values of another width, is a ValueError before any of them runs."""
