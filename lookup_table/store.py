@@ -65,6 +65,7 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias, TypeVar, cast
@@ -172,10 +173,20 @@ class _Placed:
     ids: IdArray
     bodies: IdBodies
     by_node: list[NDArray[np.intp]]  # positions in `ids` of each node's ids, ascending
+    # several tables' ids one after another (`EmbeddingStore._place_wide`): table k's
+    # start at starts[k]; `table` is the first
+    tables: tuple[str, ...] = ()
+    starts: NDArray[np.intp] | None = None
 
     def only(self, mask: NDArray[np.bool_]) -> list[NDArray[np.intp]]:
         """`by_node` restricted to the positions where `mask` is true."""
         return [positions[mask[positions]] for positions in self.by_node]
+
+    def table_at(self, position: int) -> str:
+        """The table of the id at `position`."""
+        if self.starts is None:
+            return self.table
+        return self.tables[int(np.searchsorted(self.starts, position, side="right")) - 1]
 
 
 @dataclass(slots=True, eq=False)
@@ -186,7 +197,9 @@ class _Part:
     """
 
     placed: _Placed
-    prefix: bytes  # `{namespace}/{table}/{kind}/`
+    # `{namespace}/{table}/{kind}/`; of several tables' ids (a wide read): each id's
+    # prefix, a uint8 matrix (n, prefix length)
+    prefix: bytes | NDArray[np.uint8]
     by_node: list[NDArray[np.intp]]
     nbytes: int = 0  # fixed-width reads: the value size
     take: int = 0  # fixed-width reads: the leading bytes of each value kept (0: all)
@@ -624,8 +637,10 @@ class EmbeddingStore:
         """
         rows_of = {_group_key(r.table, r.ids) for r in reads if r.kind == Kind.ROW}
         todo: dict[tuple[str, int], tuple[str, IdArray, NDArray[np.intp] | None]] = {}
+        uses: Counter[tuple[str, int]] = Counter()
         for read in reads:
             key = _group_key(read.table, read.ids)
+            uses[key] += 1
             if key in todo:
                 continue
             id_array = self._ids_of(read.table, read.ids, rows=key in rows_of)
@@ -635,15 +650,32 @@ class EmbeddingStore:
                 if uniq.shape[0] != id_array.shape[0]:
                     id_array, inverse = uniq, inv
             todo[key] = (read.table, id_array, inverse)
-        placements = self._place_many([(table, a) for table, a, _ in todo.values()])
-        groups = {
-            key: (placed, inverse)
-            for (key, (_, _, inverse)), placed in zip(todo.items(), placements, strict=True)
-        }
         parts: list[_Part] = []
-        for read in reads:
-            placed, _ = groups[_group_key(read.table, read.ids)]
+        spans: list[tuple[int, int, int] | None] = [None] * len(reads)  # part, ids' span
+        for (_, nbytes, take, ttl), members in self._wide_layouts(reads, todo, uses).items():
+            part = self._wide_part(
+                [todo[_group_key(reads[m].table, reads[m].ids)] for m in members],
+                nbytes=nbytes,
+                take=take,
+                exptime=ttl,
+            )
+            starts = cast("NDArray[np.intp]", part.placed.starts).tolist()
+            bounds = [*starts, part.placed.ids.shape[0]]
+            for k, m in enumerate(members):
+                spans[m] = (len(parts), bounds[k], bounds[k + 1])
+            parts.append(part)
+        narrow = {
+            _group_key(read.table, read.ids): todo[_group_key(read.table, read.ids)][:2]
+            for r, read in enumerate(reads)
+            if spans[r] is None
+        }
+        placed_of = dict(zip(narrow, self._place_many(list(narrow.values())), strict=True))
+        for r, read in enumerate(reads):
+            if spans[r] is not None:
+                continue
+            placed = placed_of[_group_key(read.table, read.ids)]
             nbytes, take = self._read_bytes(read)
+            spans[r] = (len(parts), 0, placed.ids.shape[0])
             parts.append(
                 _Part(
                     placed,
@@ -656,10 +688,62 @@ class EmbeddingStore:
             )
         results = await self._read(parts)
         out: list[tuple[NDArray[np.float32], NDArray[np.bool_]]] = []
-        for read, (values, found) in zip(reads, results, strict=True):
-            _, inverse = groups[_group_key(read.table, read.ids)]
+        for read, span in zip(reads, spans, strict=True):
+            p, start, stop = cast("tuple[int, int, int]", span)
+            values, found = results[p][0][start:stop], results[p][1][start:stop]
+            _, _, inverse = todo[_group_key(read.table, read.ids)]
             out.append((values, found) if inverse is None else (values[inverse], found[inverse]))
         return out
+
+    def _wide_layouts(
+        self,
+        reads: Sequence[TableRead],
+        todo: Mapping[tuple[str, int], tuple[str, IdArray, NDArray[np.intp] | None]],
+        uses: Mapping[tuple[str, int], int],
+    ) -> dict[tuple[int, int, int, int], list[int]]:
+        """The reads `get_many` sends as wide parts, by layout (key prefix length, value
+        size, bytes kept, TTL): reads of rows of int64 ids, each its own ids, two or
+        more of one layout."""
+        layouts: dict[tuple[int, int, int, int], list[int]] = {}
+        for r, read in enumerate(reads):
+            key = _group_key(read.table, read.ids)
+            if read.kind != Kind.ROW or uses[key] != 1 or todo[key][1].dtype != np.int64:
+                continue
+            nbytes, take = self._read_bytes(read)
+            layout = (
+                len(key_prefix(self.namespace, read.table, Kind.ROW)),
+                nbytes,
+                take,
+                self._exptime(read.table, write=False),
+            )
+            layouts.setdefault(layout, []).append(r)
+        return {layout: members for layout, members in layouts.items() if len(members) > 1}
+
+    def _wide_part(
+        self,
+        items: Sequence[tuple[str, IdArray, NDArray[np.intp] | None]],
+        *,
+        nbytes: int,
+        take: int,
+        exptime: int,
+    ) -> _Part:
+        """One read of the rows of several int64 tables of one layout (`_wide_layouts`):
+        their ids one table after another, each key with its table's prefix."""
+        placed = self._place_wide([(table, ids) for table, ids, _ in items])
+        prefixes = np.stack(
+            [
+                np.frombuffer(key_prefix(self.namespace, table, Kind.ROW), dtype=np.uint8)
+                for table, _, _ in items
+            ]
+        )
+        return _Part(
+            placed,
+            np.repeat(prefixes, [ids.shape[0] for _, ids, _ in items], axis=0),
+            placed.by_node,
+            nbytes=nbytes,
+            take=take,
+            exptime=exptime,
+        )
 
     async def set(
         self,
@@ -931,10 +1015,7 @@ class EmbeddingStore:
         placement: list[NDArray[np.intp]] = [np.zeros(0, dtype=np.intp)] * len(items)
         ints = [i for i, (_, ids) in enumerate(items) if ids.dtype == np.int64]
         if ints:
-            arrays = [cast("NDArray[np.int64]", items[i][1]) for i in ints]
-            starts = np.cumsum([0, *(a.shape[0] for a in arrays)]).tolist()
-            encoded = id_bodies(items[ints[0]][0], np.concatenate(arrays)).bodies
-            where = node_of_many([items[i][0] for i in ints], arrays, self.nodes) if k > 1 else None
+            encoded, where, starts = self._encode_ints([items[i] for i in ints])
             for n, i in enumerate(ints):
                 a, b = starts[n], starts[n + 1]
                 table, ids = items[i]
@@ -968,6 +1049,42 @@ class EmbeddingStore:
             )
             for i, (table, ids) in enumerate(items)
         ]
+
+    def _encode_ints(
+        self, items: Sequence[tuple[str, IdArray]]
+    ) -> tuple[NDArray[np.uint8], NDArray[np.intp] | None, list[int]]:
+        """The key bodies and nodes (None: one node) of several tables' int64 ids,
+        concatenated, in one pass of numpy operations (`node_of_many`), and where each
+        table's start."""
+        arrays = [cast("NDArray[np.int64]", ids) for _, ids in items]
+        starts = np.cumsum([0, *(a.shape[0] for a in arrays)]).tolist()
+        encoded = id_bodies(items[0][0], np.concatenate(arrays)).bodies
+        where = (
+            node_of_many([table for table, _ in items], arrays, self.nodes)
+            if len(self._nodes) > 1
+            else None
+        )
+        return cast("NDArray[np.uint8]", encoded), where, starts
+
+    def _place_wide(self, items: Sequence[tuple[str, IdArray]]) -> _Placed:
+        """Several tables' int64 ids as one: one after another, encoded and placed
+        together, each node's positions ascending (a wide read, `get_many`)."""
+        encoded, where, starts = self._encode_ints(items)
+        ids = cast("IdArray", np.concatenate([ids for _, ids in items]))
+        if where is None:
+            by_node = [np.arange(ids.shape[0], dtype=np.intp)]
+        else:
+            order = np.argsort(where, kind="stable")
+            bounds = np.searchsorted(where[order], np.arange(len(self._nodes) + 1)).tolist()
+            by_node = [order[bounds[j] : bounds[j + 1]] for j in range(len(self._nodes))]
+        return _Placed(
+            items[0][0],
+            ids,
+            IdBodies(ids=ids, table=items[0][0], bodies=encoded, longest=INT_ID_BYTES),
+            by_node,
+            tables=tuple(table for table, _ in items),
+            starts=np.asarray(starts[:-1], dtype=np.intp),
+        )
 
     def _prefix(self, placed: _Placed, kind: str) -> bytes:
         """The key prefix of `kind`, checked against the longest id of `placed`."""
@@ -1346,11 +1463,13 @@ class EmbeddingStore:
                 bad = np.flatnonzero(reply.found & (reply.sizes != group.nbytes))
                 if bad.size:
                     i = int(bad[0])
-                    part = parts[group.segment_at(i)[0].part]
+                    segment, local = group.segment_at(i)
+                    part = parts[segment.part]
+                    table = part.placed.table_at(int(segment.index[local]))
                     raise CorruptValueError(
-                        f"value of key {group.key_text(i)!r} of table {part.placed.table!r} "
+                        f"value of key {group.key_text(i)!r} of table {table!r} "
                         f"on memcached node {node.address} has {int(reply.sizes[i])} bytes, "
-                        f"expected {self._layout_text(part)}: the table's dim or optimizer "
+                        f"expected {self._layout_text(part, table)}: the table's dim or optimizer "
                         f"changed or the value is corrupt; restore the table's dim and "
                         f"optimizer or use a new table name",
                         node=node.address,
@@ -1373,10 +1492,11 @@ class EmbeddingStore:
             commands.extend(group.request())
         await self._batch(node, commands, parse_reply, finish)
 
-    def _layout_text(self, part: _Part) -> str:
-        """What a value of a fixed-width read should hold, for a CorruptValueError."""
-        table = part.placed.table
-        if part.prefix != key_prefix(self.namespace, table, Kind.ROW):
+    def _layout_text(self, part: _Part, table: str) -> str:
+        """What a value of `table` in a fixed-width read should hold, for a
+        CorruptValueError."""
+        wide = isinstance(part.prefix, np.ndarray)  # a wide part reads rows only
+        if not wide and part.prefix != key_prefix(self.namespace, table, Kind.ROW):
             return f"{part.nbytes} ({part.nbytes // 4} float32)"
         spec = self.config.table(table)
         width = self._optimizers[table].slot_width(spec.dim)

@@ -272,15 +272,26 @@ def id_bodies(table: str, ids: IdArray) -> IdBodies:
 
 
 def prefixed_keys(
-    prefix: bytes,
+    prefix: bytes | NDArray[np.uint8],
     bodies: NDArray[np.uint8] | list[bytes],
     index: NDArray[np.intp] | None = None,
 ) -> NDArray[np.uint8] | list[bytes]:
     """Keys `prefix + body` of the bodies at `index` (default: all), in that order.
 
     A uint8 matrix (m, len(prefix) + 17) for int bodies, a list of bytes for str
-    bodies. The caller has checked the lengths (`IdBodies.check_prefix`).
+    bodies. `prefix` may be each body's own, a uint8 matrix (n, prefix length) aligned
+    with the bodies (int bodies only: the ids of several tables of one prefix length).
+    The caller has checked the lengths (`IdBodies.check_prefix`).
     """
+    if isinstance(prefix, np.ndarray):
+        if not isinstance(bodies, np.ndarray):
+            raise ValueError("each body's own prefix: int bodies only")
+        width = prefix.shape[1]
+        rows = bodies if index is None else bodies[index]
+        out = np.empty((rows.shape[0], width + rows.shape[1]), dtype=np.uint8)
+        out[:, :width] = prefix if index is None else prefix[index]
+        out[:, width:] = rows
+        return out
     if isinstance(bodies, np.ndarray):
         picked = bodies if index is None else bodies[index]
         out = np.empty((picked.shape[0], len(prefix) + picked.shape[1]), dtype=np.uint8)

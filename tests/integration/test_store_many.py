@@ -189,6 +189,60 @@ def test_get_many_equals_get_per_read(
     asyncio.run(scenario())
 
 
+WIDE_TABLES: list[dict[str, Any]] = [
+    {"name": f"C{i}", "dim": 16 if i % 3 else 8, "seed": i} for i in range(1, 13)
+]
+wide_reads_st = st.lists(
+    st.tuples(
+        st.integers(1, 12),  # the table: C1..C12, two key prefix lengths, dims 16 and 8
+        st.booleans(),  # each row with its slots
+        st.lists(st.integers(0, 150), max_size=30),
+    ),
+    max_size=14,
+)
+
+
+@given(reads=wide_reads_st, unique=st.booleans(), seed=st.integers(0, 3))
+def test_get_many_of_many_tables_equals_get_per_read(
+    memcached_nodes: list[str], reads: list[tuple[int, bool, list[int]]], unique: bool, seed: int
+) -> None:
+    """Reads of rows of int tables of one layout (key prefix length, dim, slots or not)
+    go as one wide part, their keys built, placed and scattered together: the values are
+    a get's per read, whatever the mix of layouts, repeated tables and missing rows."""
+
+    async def scenario() -> None:
+        config = make_config(memcached_nodes, tables=WIDE_TABLES)
+        async with EmbeddingStore(config) as store:
+            await store.write_sentinels()
+            rng = np.random.default_rng(seed)
+            made = {
+                f"C{i}": np.flatnonzero(rng.random(150) < 0.5).astype(np.int64)
+                for i in range(1, 13)
+            }
+            await store.lookup_many(made)
+            for table in ("C2", "C11"):
+                ids = made[table]
+                rows = rng.standard_normal((ids.shape[0], 16)).astype(np.float32)
+                slots = rng.standard_normal((ids.shape[0], ADAM_SLOTS)).astype(np.float32)
+                await store.set(table, ids, rows, slots=slots)
+            requests = []
+            for number, with_slots, raw in reads:
+                ids = np.array(raw, np.int64)
+                requests.append(
+                    TableRead(f"C{number}", np.unique(ids) if unique else ids, slots=with_slots)
+                )
+            results = await store.get_many(requests, unique=unique)
+            for r, (values, found) in zip(requests, results, strict=True):
+                want_values, want_found = await store.get(
+                    r.table, r.ids, unique=unique, slots=r.slots
+                )
+                assert values.dtype == np.float32 and values.shape == want_values.shape
+                np.testing.assert_array_equal(values, want_values)
+                np.testing.assert_array_equal(found, want_found)
+
+    asyncio.run(scenario())
+
+
 async def test_set_many_writes_what_set_writes(store: EmbeddingStore) -> None:
     rng = np.random.default_rng(5)
     user = np.arange(100, 400, dtype=np.int64)

@@ -336,6 +336,35 @@ def test_id_bodies_with_any_prefix_are_encode_keys(ids: object, data: st.DataObj
         assert picked == [everything[i] for i in index.tolist()]
 
 
+@given(st.lists(int_id_arrays(max_size=12), min_size=1, max_size=4), st.data())
+def test_each_bodys_own_prefix_gives_each_tables_keys(
+    arrays: list[np.ndarray], data: st.DataObject
+) -> None:
+    """Several tables' int ids one after another, each with its table's prefix (a
+    matrix, one row per body): the keys `encode_keys` gives each table."""
+    tables = [f"t{k}" for k in range(len(arrays))]  # names of one length: one key width
+    ids = np.concatenate(arrays).astype(np.int64)
+    bodies = id_bodies(tables[0], ids).bodies
+    prefixes = np.repeat(
+        np.stack([np.frombuffer(key_prefix("demo", t, "w"), dtype=np.uint8) for t in tables]),
+        [a.shape[0] for a in arrays],
+        axis=0,
+    )
+    everything = [
+        k for t, a in zip(tables, arrays, strict=True) for k in encode_keys("demo", t, "w", a)
+    ]
+    assert _as_list(prefixed_keys(prefixes, bodies)) == everything
+    index = np.array(
+        data.draw(st.lists(st.integers(0, max(0, ids.shape[0] - 1)), max_size=10))
+        if ids.shape[0]
+        else [],
+        dtype=np.intp,
+    )
+    assert _as_list(prefixed_keys(prefixes, bodies, index)) == [everything[i] for i in index]
+    with pytest.raises(ValueError, match="int bodies only"):
+        prefixed_keys(prefixes, [b"sx"])
+
+
 def test_id_bodies_refuse_too_long_ids_per_prefix() -> None:
     """A body that fits one kind's prefix may not fit a longer one: checked per prefix."""
     short = key_prefix("demo", "user", "w")
