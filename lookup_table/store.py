@@ -765,12 +765,13 @@ class EmbeddingStore:
         """
         await self.set_many([TableWrite(table, ids, values, kind, slots)])
 
-    async def set_many(self, writes: Sequence[TableWrite]) -> None:
+    async def set_many(self, writes: Sequence[TableWrite], *, unique: bool = False) -> None:
         """`set` of many (table, kind) parts in one request per node (overwrite).
 
         Writes of one table that pass the same `ids` object are checked, encoded and
         placed once. Each (table, kind) may appear once. A row and its slots
-        (`TableWrite.slots`) are one item: one `ms`.
+        (`TableWrite.slots`) are one item: one `ms`. `unique=True`: the caller
+        guarantees every write's ids are unique (skips the check, a sort of each).
 
         Raises:
             ValueError: duplicate ids, a shape mismatch, or one (table, kind) twice
@@ -779,7 +780,7 @@ class EmbeddingStore:
             StoreFullError: a node is out of memory (some values may be written).
             DataLossError, NodeUnavailableError: see errors.py.
         """
-        await self._write(self._write_parts(writes, unique=False), add=False)
+        await self._write(self._write_parts(writes, unique=unique), add=False)
 
     async def add(
         self,

@@ -1173,10 +1173,12 @@ class Updater:
 
     async def _write_updates(self, updates: Iterable[TableUpdate]) -> None:
         """Write the rows and slots of every table in one request per node (a row and
-        its slots are one item: one `ms`)."""
+        its slots are one item: one `ms`). Each update's ids are unique: a push's are
+        summed per id when it is parsed, a journal's as they were, the row cache holds
+        a key once."""
         writes = [TableWrite(u.table, u.ids, u.rows, slots=u.slots) for u in updates]
         if writes:
-            await self.store.set_many(writes)
+            await self.store.set_many(writes, unique=True)
 
     async def _write_plan(
         self, plan: WritePlan, *, replay: bool = False, record: bool = True, behind: bool = False
