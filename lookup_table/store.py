@@ -431,6 +431,11 @@ class EmbeddingStore:
         self.refresh_ttl = refresh_ttl
         self._ttls = {t.name: t.ttl_s for t in config.tables if t.ttl_s is not None}
         self._optimizers = {t.name: make_optimizer(t.optimizer) for t in config.tables}
+        # each table's dim and bytes of a stored row (the row, then its optimizer's slots)
+        self._layouts = {
+            t.name: (t.dim, row_bytes(t.dim + self._optimizers[t.name].slot_width(t.dim)))
+            for t in config.tables
+        }
         self._formats_ok: set[bytes] = set()  # sentinel values whose storage format is ours
         self._verified: set[str] = set()  # nodes whose sentinel was checked before a batch
 
@@ -635,12 +640,11 @@ class EmbeddingStore:
             CorruptValueError: a value of another length, naming its table and key.
             DataLossError, StoreFullError, NodeUnavailableError: see errors.py.
         """
-        rows_of = {_group_key(r.table, r.ids) for r in reads if r.kind == Kind.ROW}
+        keys = [_group_key(r.table, r.ids) for r in reads]
+        rows_of = {key for key, r in zip(keys, reads, strict=True) if r.kind == Kind.ROW}
         todo: dict[tuple[str, int], tuple[str, IdArray, NDArray[np.intp] | None]] = {}
-        uses: Counter[tuple[str, int]] = Counter()
-        for read in reads:
-            key = _group_key(read.table, read.ids)
-            uses[key] += 1
+        uses = Counter(keys)
+        for key, read in zip(keys, reads, strict=True):
             if key in todo:
                 continue
             id_array = self._ids_of(read.table, read.ids, rows=key in rows_of)
@@ -652,9 +656,10 @@ class EmbeddingStore:
             todo[key] = (read.table, id_array, inverse)
         parts: list[_Part] = []
         spans: list[tuple[int, int, int] | None] = [None] * len(reads)  # part, ids' span
-        for (_, nbytes, take, ttl), members in self._wide_layouts(reads, todo, uses).items():
+        layouts = self._wide_layouts(reads, keys, todo, uses)
+        for (_, nbytes, take, ttl), members in layouts.items():
             part = self._wide_part(
-                [todo[_group_key(reads[m].table, reads[m].ids)] for m in members],
+                [todo[keys[m]] for m in members],
                 nbytes=nbytes,
                 take=take,
                 exptime=ttl,
@@ -664,16 +669,12 @@ class EmbeddingStore:
             for k, m in enumerate(members):
                 spans[m] = (len(parts), bounds[k], bounds[k + 1])
             parts.append(part)
-        narrow = {
-            _group_key(read.table, read.ids): todo[_group_key(read.table, read.ids)][:2]
-            for r, read in enumerate(reads)
-            if spans[r] is None
-        }
+        narrow = {keys[r]: todo[keys[r]][:2] for r in range(len(reads)) if spans[r] is None}
         placed_of = dict(zip(narrow, self._place_many(list(narrow.values())), strict=True))
         for r, read in enumerate(reads):
             if spans[r] is not None:
                 continue
-            placed = placed_of[_group_key(read.table, read.ids)]
+            placed = placed_of[keys[r]]
             nbytes, take = self._read_bytes(read)
             spans[r] = (len(parts), 0, placed.ids.shape[0])
             parts.append(
@@ -688,16 +689,17 @@ class EmbeddingStore:
             )
         results = await self._read(parts)
         out: list[tuple[NDArray[np.float32], NDArray[np.bool_]]] = []
-        for read, span in zip(reads, spans, strict=True):
+        for key, span in zip(keys, spans, strict=True):
             p, start, stop = cast("tuple[int, int, int]", span)
             values, found = results[p][0][start:stop], results[p][1][start:stop]
-            _, _, inverse = todo[_group_key(read.table, read.ids)]
+            _, _, inverse = todo[key]
             out.append((values, found) if inverse is None else (values[inverse], found[inverse]))
         return out
 
     def _wide_layouts(
         self,
         reads: Sequence[TableRead],
+        keys: Sequence[tuple[str, int]],
         todo: Mapping[tuple[str, int], tuple[str, IdArray, NDArray[np.intp] | None]],
         uses: Mapping[tuple[str, int], int],
     ) -> dict[tuple[int, int, int, int], list[int]]:
@@ -705,8 +707,7 @@ class EmbeddingStore:
         size, bytes kept, TTL): reads of rows of int64 ids, each its own ids, two or
         more of one layout."""
         layouts: dict[tuple[int, int, int, int], list[int]] = {}
-        for r, read in enumerate(reads):
-            key = _group_key(read.table, read.ids)
+        for r, (key, read) in enumerate(zip(keys, reads, strict=True)):
             if read.kind != Kind.ROW or uses[key] != 1 or todo[key][1].dtype != np.int64:
                 continue
             nbytes, take = self._read_bytes(read)
@@ -1149,10 +1150,15 @@ class EmbeddingStore:
 
     # ------------------------------------------------------------ internals: row items
 
+    def _layout(self, table: str) -> tuple[int, int]:
+        """(dim, bytes of one stored row) of `table`; ConfigError if there is no such table."""
+        layout = self._layouts.get(table)
+        # config.table raises ConfigError for a table it does not have, naming those it has
+        return layout if layout is not None else self._layouts[self.config.table(table).name]
+
     def _item_bytes(self, table: str) -> int:
         """Bytes of one stored row of `table`: its dim, then its optimizer's slots."""
-        spec = self.config.table(table)
-        return row_bytes(spec.dim + self._optimizers[table].slot_width(spec.dim))
+        return self._layout(table)[1]
 
     def _read_bytes(self, read: TableRead) -> tuple[int, int]:
         """(value bytes, bytes kept of each) of a fixed-width read."""
@@ -1162,13 +1168,13 @@ class EmbeddingStore:
             if read.width is None:
                 raise ValueError(f"a read of kind {str(read.kind)!r} needs its width")
             return row_bytes(read.width), 0
-        dim = self.config.table(read.table).dim
+        dim, nbytes = self._layout(read.table)
         if read.width is not None and read.width != dim:
             raise ValueError(
                 f"table {read.table!r} has dim={dim}; a read of its rows cannot have "
                 f"width={read.width} (slots=True reads each row with its slots)"
             )
-        return self._item_bytes(read.table), 0 if read.slots else row_bytes(dim)
+        return nbytes, 0 if read.slots else row_bytes(dim)
 
     def _items(
         self, table: str, rows: NDArray[np.float32], slots: NDArray[np.float32] | None
