@@ -176,17 +176,22 @@ def test_get_many_equals_get_per_read(
                 if share and requests and requests[-1].table == table:
                     ids = requests[-1].ids  # the same ids object
                 requests.append(TableRead(table, ids, slots=with_slots))
-            results = await store.get_many(requests, unique=unique)
-            assert len(results) == len(requests)
-            for r, (values, found) in zip(requests, results, strict=True):
-                want_values, want_found = await store.get(
-                    r.table, r.ids, unique=unique, slots=r.slots
-                )
-                assert values.dtype == np.float32 and values.shape == want_values.shape
-                np.testing.assert_array_equal(values, want_values)
-                np.testing.assert_array_equal(found, want_found)
+            await _get_many_is_get_per_read(store, requests, unique=unique)
 
     asyncio.run(scenario())
+
+
+async def _get_many_is_get_per_read(
+    store: EmbeddingStore, requests: list[TableRead], *, unique: bool
+) -> None:
+    """get_many of `requests` returns, for each, what a get of it alone returns."""
+    results = await store.get_many(requests, unique=unique)
+    assert len(results) == len(requests)
+    for r, (values, found) in zip(requests, results, strict=True):
+        want_values, want_found = await store.get(r.table, r.ids, unique=unique, slots=r.slots)
+        assert values.dtype == np.float32 and values.shape == want_values.shape
+        np.testing.assert_array_equal(values, want_values)
+        np.testing.assert_array_equal(found, want_found)
 
 
 WIDE_TABLES: list[dict[str, Any]] = [
@@ -231,14 +236,7 @@ def test_get_many_of_many_tables_equals_get_per_read(
                 requests.append(
                     TableRead(f"C{number}", np.unique(ids) if unique else ids, slots=with_slots)
                 )
-            results = await store.get_many(requests, unique=unique)
-            for r, (values, found) in zip(requests, results, strict=True):
-                want_values, want_found = await store.get(
-                    r.table, r.ids, unique=unique, slots=r.slots
-                )
-                assert values.dtype == np.float32 and values.shape == want_values.shape
-                np.testing.assert_array_equal(values, want_values)
-                np.testing.assert_array_equal(found, want_found)
+            await _get_many_is_get_per_read(store, requests, unique=unique)
 
     asyncio.run(scenario())
 
