@@ -524,8 +524,12 @@ class RowCache:
         self._names: dict[int, str] = {}  # table number -> name
         self._groups: dict[int, _TableCache] = {}
         self._stamp = 0  # of the last dirty put_many
-        self._dirty_puts: Counter[int] = Counter()  # rows put dirty since `dirty()`, by width
+        # entries made dirty since `dirty()`, by width: a put of a key dirty already since
+        # then (its stamp after `_since`) takes no new room
+        self._dirty_puts: Counter[int] = Counter()
         self._taken: Counter[int] = Counter()  # the last `dirty()`'s, until written
+        self._since = 0  # the stamp `dirty()` was taken at (its entries: stamps up to it)
+        self._since_before = 0  # the one before it, back if its copy is not written
         if max_bytes <= 0 or not widths:
             return
         width_of = {name: dim + slot_width for name, (dim, slot_width) in widths.items()}
@@ -613,16 +617,19 @@ class RowCache:
         cache = self._groups.get(width)
         if cache is None:  # the cache is off
             return
-        if dirty:
-            self._dirty_puts[width] += items.shape[0]
         held = at >= 0
         if cache is spots.cache and cache.young is spots.map and spots.map.epoch == spots.epoch:
+            if dirty:  # the keys held dirty since the last `dirty()` are counted already
+                again = np.count_nonzero(spots.map.stamps[at[held]] > self._since)
+                self._dirty_puts[width] += items.shape[0] - again
             if held.all():
                 spots.map.set(at, items, stamp)
                 return
             spots.map.set(at[held], items[held], stamp)
         else:
             held[:] = False
+            if dirty:
+                self._dirty_puts[width] += items.shape[0]
         ids, tabs = self._keys(parts)
         rest = ~held
         cache.put(ids[rest], tabs[rest], items[rest], stamp)
@@ -671,6 +678,7 @@ class RowCache:
         """Copies of every dirty entry, as (table, ids, rows, slots), and the stamp they
         were taken at (for `clean`, once they are written; `undo_dirty`, if not)."""
         self._taken, self._dirty_puts = self._dirty_puts, Counter()
+        self._since_before, self._since = self._since, self._stamp
         out: list[tuple[str, IdArray, NDArray[np.float32], NDArray[np.float32]]] = []
         for cache in self._groups.values():
             ids, tabs, values = cache.dirty()  # by table number
@@ -695,11 +703,14 @@ class RowCache:
         against `room_for`."""
         self._dirty_puts.update(self._taken)
         self._taken = Counter()
+        self._since = self._since_before
 
     def room_for(self, parts: Sequence[tuple[str, int]]) -> bool:
-        """Whether (table, rows) more dirty rows fit: per value width, the rows put dirty
-        since the last `dirty()` stay within a quarter of a map's bound (a young map
-        rotates at half full, and takes the dirty ones along)."""
+        """Whether (table, rows) more dirty rows fit: per value width, the entries made
+        dirty since the last `dirty()` stay within a quarter of a map's bound (a young map
+        rotates at half full, and takes the dirty ones along). A key put dirty again
+        (`put_items` at its slot) counts once: a push's popular ids, dirty since the last
+        flush already, do not bring the next flush forward."""
         incoming: Counter[int] = Counter()
         for name, rows in parts:
             where = self._where.get(name)

@@ -488,6 +488,40 @@ def test_located_keys_are_hits_at_their_young_slots_with_initial_ones_told_apart
     assert (table.young.stamps[at] == 3).all()
 
 
+def test_keys_made_dirty_again_take_no_more_of_the_flush_budget() -> None:
+    """`room_for` bounds the entries made dirty since the last `dirty()` by a quarter of
+    a map's slots. A push puts back its ids where it located them (`put_items`): the ids
+    dirty since the last flush already (a popular id, in push after push) take no new
+    room; ids put dirty for the first time since then do, and so do all of them again
+    once a flush took them (written or not: an unwritten copy gives its count back)."""
+    cache = RowCache({"a": (1, 1)}, 100_000)  # maps of 1024 slots at most: a budget of 256
+    budget = 1024 // 4
+
+    def push(ids: np.ndarray) -> None:
+        (located,) = cache.locate_many([("a", ids)])
+        items = np.ones((ids.shape[0], 2), dtype=np.float32)
+        cache.put_items(located.spots, located.at, [("a", ids)], items, dirty=True)
+
+    popular = np.arange(200, dtype=np.int64)
+    cache.put_many([("a", popular, np.zeros((200, 1), np.float32), np.zeros((200, 1), np.float32))])
+    for _ in range(10):  # 2,000 puts of 200 keys: room left for 56 more
+        push(popular)
+    assert cache.room_for([("a", budget - 200)]) and not cache.room_for([("a", budget - 199)])
+    push(np.arange(1000, 1050, dtype=np.int64))  # new keys, by key: they count
+    assert cache.room_for([("a", budget - 250)]) and not cache.room_for([("a", budget - 249)])
+    taken, stamp = cache.dirty()
+    assert sum(ids.shape[0] for _, ids, _, _ in taken) == 250
+    assert cache.room_for([("a", budget)])
+    push(popular)  # dirty again after the copy was taken: they count in the new window
+    assert not cache.room_for([("a", budget - 199)])
+    cache.undo_dirty()  # the copy was not written: its 250 count again
+    assert cache.room_for([("a", budget - 450)]) and not cache.room_for([("a", budget - 449)])
+    taken, stamp = cache.dirty()
+    cache.clean(stamp)
+    push(popular)
+    assert not cache.room_for([("a", budget - 199)]) and cache.room_for([("a", budget - 200)])
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(st.integers(0, 700), min_size=0, max_size=6),
