@@ -19,6 +19,7 @@ import hashlib
 from collections.abc import Sequence
 
 import numpy as np
+from numba import njit
 from numpy.typing import NDArray
 
 __all__ = [
@@ -29,10 +30,11 @@ __all__ = [
     "id_hashes",
     "id_words",
     "mix64",
+    "mix64_one",
     "stable_hash",
 ]
 
-# splitmix64's finalizer constants (also `core.initializers._draw`'s, compiled)
+# splitmix64's finalizer constants
 MIX64_M1 = np.uint64(0xBF58476D1CE4E5B9)
 MIX64_M2 = np.uint64(0x94D049BB133111EB)
 _S30 = np.uint64(30)
@@ -51,6 +53,16 @@ def mix64(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
     with np.errstate(over="ignore"):  # a 0-d input turns into numpy scalars, which warn
         z = (z ^ (z >> _S30)) * MIX64_M1
         z = (z ^ (z >> _S27)) * MIX64_M2
+    return z ^ (z >> _S31)
+
+
+@njit(inline="always")
+def mix64_one(z):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """`mix64` of one uint64, for compiled loops (inlined where it is called; wraps as
+    numpy's arrays do): the placement, the row cache's probes and the initializers'
+    draws use the same finalizer."""
+    z = (z ^ (z >> _S30)) * MIX64_M1
+    z = (z ^ (z >> _S27)) * MIX64_M2
     return z ^ (z >> _S31)
 
 

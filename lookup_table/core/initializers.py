@@ -44,11 +44,10 @@ from numba import types
 from numpy.typing import NDArray
 
 from lookup_table.core.hashing import (
-    MIX64_M1,
-    MIX64_M2,
     combine,
     id_hashes,
     mix64,
+    mix64_one,
     stable_hash,
 )
 from lookup_table.core.jit import compiled
@@ -135,11 +134,7 @@ _F32_OUT = types.Array(types.float32, 2, "C")
 def _draw(base, counter):  # type: ignore[no-untyped-def]  # pragma: no cover
     """`_uniform` of one (base, counter): wrapping uint64 operations, as numpy's, and one
     exact conversion, so the same bits."""
-    z = base + (counter + np.uint64(1)) * _GOLDEN
-    # `hashing.mix64` (numpy, not callable here), step for step
-    z = (z ^ (z >> np.uint64(30))) * MIX64_M1
-    z = (z ^ (z >> np.uint64(27))) * MIX64_M2
-    z = z ^ (z >> np.uint64(31))
+    z = mix64_one(base + (counter + np.uint64(1)) * _GOLDEN)
     return np.float64(z >> np.uint64(11)) * _TWO_POW_M53
 
 

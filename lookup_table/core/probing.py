@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import types
 
+from lookup_table.core.hashing import mix64_one
 from lookup_table.core.jit import PREFETCH_AHEAD, compiled, prefetch_row
 
 __all__ = [
@@ -43,11 +44,6 @@ _MATCH = np.int64(TAB_BITS | USED)
 _USED = np.int64(USED)
 _VALID = np.int64(VALID)
 _SALT = np.uint64(0x9E3779B97F4A7C15)  # the table number's, mixed into the position
-_M1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finalizer (`hashing.mix64`)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
 
 
 _ids = types.Array(types.int64, 1, "A", readonly=True)
@@ -58,10 +54,7 @@ _slots = types.Array(types.intp, 1, "C")
 
 @compiled(types.intp(types.int64, types.int32, types.intp))
 def _position(key, tab, mask):  # type: ignore[no-untyped-def]  # pragma: no cover
-    z = np.uint64(key) ^ (np.uint64(tab) * _SALT)
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    z = z ^ (z >> _S31)
+    z = mix64_one(np.uint64(key) ^ (np.uint64(tab) * _SALT))  # splitmix64's finalizer
     return np.intp(z & np.uint64(mask))
 
 

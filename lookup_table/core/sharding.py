@@ -23,15 +23,10 @@ from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
-from numba import njit, types
+from numba import types
 from numpy.typing import NDArray
 
-from lookup_table.core.hashing import (
-    MIX64_M1,
-    MIX64_M2,
-    id_words,
-    stable_hash,
-)
+from lookup_table.core.hashing import id_words, mix64_one, stable_hash
 from lookup_table.core.jit import compiled
 from lookup_table.core.keys import IdArray
 
@@ -71,18 +66,9 @@ def row_hashes_many(tables: Sequence[str], ids: Sequence[IdArray]) -> NDArray[np
     return np.concatenate([row_hashes(t, a) for t, a in zip(tables, ids, strict=True)])
 
 
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _U64 = types.Array(types.uint64, 1, "C")
 _RU64 = types.Array(types.uint64, 1, "C", readonly=True)
 _WINNERS = types.Array(types.intp, 1, "C")
-
-
-@njit(inline="always")
-def _mix(z):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """`hashing.mix64` of one uint64 (compiled: wraps as numpy's arrays do)."""
-    z = (z ^ (z >> _S30)) * MIX64_M1
-    z = (z ^ (z >> _S27)) * MIX64_M2
-    return z ^ (z >> _S31)
 
 
 @compiled([_U64(_U64, _U64), _U64(_RU64, _U64)])
@@ -94,7 +80,7 @@ def _salted(words, salts):  # type: ignore[no-untyped-def]  # pragma: no cover
     one = salts.shape[0] == 1
     for i in range(n):
         salt = salts[0] if one else salts[i]
-        out[i] = _mix(_mix(words[i]) ^ salt)
+        out[i] = mix64_one(mix64_one(words[i]) ^ salt)
     return out
 
 
@@ -107,9 +93,9 @@ def _rendezvous(hashes, salts):  # type: ignore[no-untyped-def]  # pragma: no co
     for i in range(n):
         h = hashes[i]
         best = 0
-        top = _mix(h ^ salts[0])
+        top = mix64_one(h ^ salts[0])
         for j in range(1, salts.shape[0]):
-            score = _mix(h ^ salts[j])
+            score = mix64_one(h ^ salts[j])
             if score > top:
                 top = score
                 best = j
