@@ -368,6 +368,14 @@ def _unique(ids: IdArray) -> tuple[IdArray, NDArray[np.intp]]:
     return cast("IdArray", uniq), inverse.reshape(-1)
 
 
+def _positions_by(group: NDArray[np.intp], count: int) -> list[NDArray[np.intp]]:
+    """For each group number 0 .. count - 1, the positions of `group` that have it,
+    ascending (one stable sort)."""
+    order = np.argsort(group, kind="stable")
+    bounds = np.searchsorted(group[order], np.arange(count + 1)).tolist()
+    return [order[bounds[g] : bounds[g + 1]] for g in range(count)]
+
+
 def _group_key(table: str, ids: Any) -> tuple[str, int]:
     """Parts of one table that pass the same ids object share their encoding and placement."""
     return table, id(ids)
@@ -1040,15 +1048,9 @@ class EmbeddingStore:
         sizes = [ids.shape[0] for _, ids in items]
         firsts = np.cumsum([0, *sizes]).tolist()
         group = np.repeat(np.arange(len(items)) * k, sizes) + np.concatenate(placement)
-        order = np.argsort(group, kind="stable")
-        bounds = np.searchsorted(group[order], np.arange(len(items) * k + 1)).tolist()
+        each = _positions_by(group, len(items) * k)  # item i's on node j: each[i * k + j]
         return [
-            _Placed(
-                table,
-                ids,
-                done[i],
-                [order[bounds[i * k + j] : bounds[i * k + j + 1]] - firsts[i] for j in range(k)],
-            )
+            _Placed(table, ids, done[i], [each[i * k + j] - firsts[i] for j in range(k)])
             for i, (table, ids) in enumerate(items)
         ]
 
@@ -1076,9 +1078,7 @@ class EmbeddingStore:
         if where is None:
             by_node = [np.arange(ids.shape[0], dtype=np.intp)]
         else:
-            order = np.argsort(where, kind="stable")
-            bounds = np.searchsorted(where[order], np.arange(len(self._nodes) + 1)).tolist()
-            by_node = [order[bounds[j] : bounds[j + 1]] for j in range(len(self._nodes))]
+            by_node = _positions_by(where, len(self._nodes))
         return _Placed(
             items[0][0],
             ids,
