@@ -275,13 +275,21 @@ _LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1"}
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether `pid` still runs. A zombie does not: it has exited and waits for its parent
+    to reap it, which for the processes `up` started (their parent has exited) is init,
+    and init may take seconds (`down` waited ~1.5 s per process for that)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:  # gone meanwhile, or no /proc (not Linux): kill() said alive
+        return not os.path.isdir("/proc/self")
+    return state not in ("Z", "X")
 
 
 def _read_pid(path: Path) -> int | None:

@@ -34,11 +34,14 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def _alive(pid: int) -> bool:
+    """Running: neither gone nor a zombie (exited; init reaps the processes `up` started,
+    whose parent has exited, in its own time)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    return True
 
 
 @pytest.mark.timeout(180)
