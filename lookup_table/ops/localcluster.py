@@ -292,6 +292,16 @@ def _pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def _port_taken(host: str, port: int) -> bool:
+    """Whether something accepts on host:port now: one attempt (a free port refuses at
+    once; `wait_for_port` would retry it for its whole timeout)."""
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
 def _read_pid(path: Path) -> int | None:
     try:
         pid = int(path.read_text().strip())
@@ -344,7 +354,7 @@ def _start_optimizers(config_path: str, config: Any, run_dir: Path) -> int:
         if host not in _LOCAL_HOSTS:
             print(f"optimizer {k} {url}: not a local address, expecting it to be running")
             continue
-        if wait_for_port(host, port, timeout_s=0.2):
+        if _port_taken(host, port):
             print(
                 f"optimizer {k} {url}: the port is taken by a process we did not start",
                 file=sys.stderr,
@@ -416,7 +426,7 @@ def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
         if node.host not in _LOCAL_HOSTS:
             print(f"memcached {node.address}: not a local address, expecting it to be running")
             continue
-        if wait_for_port(node.host, node.port, timeout_s=0.2):
+        if _port_taken(node.host, node.port):
             print(
                 f"memcached {node.address}: the port is taken by a process we did not start; "
                 f"stop it or change the address in {config_path}",

@@ -68,6 +68,13 @@ def test_up_twice_status_down_leaves_no_process(tmp_path: Path) -> None:
         assert second.stdout.count("already running") == 3
         assert sorted(int(p.read_text()) for p in run.glob("*.pid")) == pids
 
+        # another run dir (no pid files): the nodes' ports are taken by processes it did
+        # not start, and it says so rather than starting anything
+        other = ["--config", str(config), "--run-dir", str(tmp_path / "other")]
+        taken = _cli("up", *other, "--memory-mb", "16", cwd=tmp_path)
+        assert taken.returncode == 1 and "the port is taken" in taken.stderr, taken.stderr
+        assert not list((tmp_path / "other").glob("*.pid"))
+
         status = _cli("status", *args, cwd=tmp_path)
         assert status.returncode == 0, status.stdout + status.stderr
         assert "sentinel ok" in status.stdout and "healthy" in status.stdout
