@@ -174,6 +174,9 @@ def test_trainer_in_process_learns_and_evaluation_writes_nothing(cluster: Path) 
     assert set(created) == {f"C{i}" for i in range(1, 27)}
 
 
+TrainedRun = tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray], int, dict[str, int]]
+
+
 def _train_fresh(
     tmp_path: Path,
     tag: str,
@@ -183,7 +186,7 @@ def _train_fresh(
     store: str = "",
     flush_pushes: int = 1,
     **trainer_kwargs: Any,
-) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray], int, dict[str, int]]:
+) -> TrainedRun:
     """Train 14 batches on a new cluster from fixed weights; returns the losses, the
     service's dense weights and rows afterwards, how many layers were fed rows and the
     rows the trainer created. `in_graph` drops the layers' `feature`, so every lookup
@@ -250,22 +253,39 @@ def _assert_same_training(a: Any, b: Any) -> None:
         np.testing.assert_allclose(rows_b[table], rows_a[table], atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
+    """`_train_fresh` with its defaults (rows written through, every layer fed, answered
+    rows kept, one replica): the run each variant below must train exactly as. It is the
+    same run for every test (same data, weights and seeds on a fresh cluster), so it runs
+    once per module."""
+    return _train_fresh(tmp_path_factory.mktemp("default"), "default")
+
+
+@pytest.fixture(scope="module")
+def read_after_every_push(tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
+    """`_train_fresh` reading every row and the dense weights after each push
+    (`read_your_writes=False`): nothing taken from a push's answer."""
+    return _train_fresh(tmp_path_factory.mktemp("fresh"), "fresh", read_your_writes=False)
+
+
 @pytest.mark.timeout(420)
-def test_read_your_writes_trains_exactly_as_reading_after_every_push(tmp_path: Path) -> None:
+def test_read_your_writes_trains_exactly_as_reading_after_every_push(
+    default_run: TrainedRun, read_after_every_push: TrainedRun
+) -> None:
     """One worker, async: the default (the push answers with its rows and the dense
     weights before its writes land; the next batch's rows are fetched during the step
     and patched from the answers) gives the same losses, dense weights and rows as
     reading everything after each push (`read_your_writes=False`), on the same data from
     the same weights. A stale row or weight would differ by a whole Adam step (~0.02)."""
-    fresh = _train_fresh(tmp_path, "fresh", read_your_writes=False)
-    answered = _train_fresh(tmp_path, "answered")
+    fresh, answered = read_after_every_push, default_run
     assert fresh[3] == answered[3] == 26  # every layer's rows fed to the graph step
     _assert_same_training(fresh, answered)
 
 
 @pytest.mark.timeout(420)
 def test_rows_written_behind_and_read_through_their_owner_train_as_written_through(
-    tmp_path: Path,
+    tmp_path: Path, default_run: TrainedRun
 ) -> None:
     """One worker, rows written behind every 5 pushes (`service.row_flush_pushes`): the
     trainer reads them through their owner (`POST /v1/rows`: the replica's memory, where
@@ -274,7 +294,7 @@ def test_rows_written_behind_and_read_through_their_owner_train_as_written_throu
     writes them); the rows it counts as created (read as new from their owner, not
     `add`ed) are the same too. A row read from memcached while written behind would be
     up to four Adam steps (~0.08) behind."""
-    through = _train_fresh(tmp_path, "through")
+    through = default_run
     behind = _train_fresh(tmp_path, "behind", flush_pushes=5)
     _assert_same_training(through, behind)
     assert behind[4] == through[4] and sum(through[4].values()) > 0
@@ -346,21 +366,26 @@ def test_answered_rows_are_read_again_after_another_workers_pushes(tmp_path: Pat
 
 
 @pytest.mark.timeout(420)
-def test_answered_rows_with_two_replicas_train_as_reading_them(tmp_path: Path) -> None:
+def test_answered_rows_with_two_replicas_train_as_reading_them(
+    tmp_path: Path, read_after_every_push: TrainedRun
+) -> None:
     """Two replicas each stamp their share of every push; one worker keeps the rows of
-    both shares (the test inside `_train_fresh`) and trains as with none kept."""
+    both shares (the test inside `_train_fresh`) and trains exactly as reading every row
+    after each push with one replica (nothing taken from any answer; each row is updated
+    by the one replica that owns it, so the number of replicas changes no value)."""
     kept = _train_fresh(tmp_path, "kept", replicas=2)
-    plain = _train_fresh(tmp_path, "plain", replicas=2, store="[store]\ntrainer_cache_mb = 0\n")
-    _assert_same_training(plain, kept)
+    _assert_same_training(read_after_every_push, kept)
 
 
 @pytest.mark.timeout(420)
-def test_rows_fed_to_the_graph_step_train_as_lookups_inside_it(tmp_path: Path) -> None:
+def test_rows_fed_to_the_graph_step_train_as_lookups_inside_it(
+    tmp_path: Path, default_run: TrainedRun
+) -> None:
     """Layers that name their batch column get their rows as arguments of the step's
     tf.function (looked up and deduplicated outside it); without `feature` every layer
     looks up inside the graph (a py_function each, reading after the last push's answer
     patched in): both train the same."""
-    fed = _train_fresh(tmp_path, "fed")
+    fed = default_run
     in_graph = _train_fresh(tmp_path, "in-graph", in_graph=True)
     assert (fed[3], in_graph[3]) == (26, 0)
     _assert_same_training(fed, in_graph)
