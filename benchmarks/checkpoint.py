@@ -3,7 +3,7 @@
 Run from the repository root::
 
     python benchmarks/checkpoint.py            # 1,000,000 rows of dim 16, 2 nodes, 3 rounds
-    python benchmarks/checkpoint.py --quick    # smoke run: 50,000 rows, 2 rounds
+    python benchmarks/checkpoint.py --quick    # smoke run: 50,000 rows, 2 rounds, -m 64
 
 It starts 2 local memcached nodes (`-M`) and fills two cases, each in its own
 namespace (untimed, through `EmbeddingStore.set`):
@@ -77,6 +77,12 @@ from _common import (
 NODES = 2
 DIM = 16
 MEMORY_MB = 3072
+# --quick: `lru_crawler metadump hash` (the ceiling's read, every save's enumeration and
+# every clear) walks the node's whole hash table, whose size follows -m (`hashpower_for`:
+# 2^24 buckets at 3 GiB, ~1.7 s a walk however few the rows). 64 MiB (2^18 buckets) holds
+# the quick run's data with room to spare: at most a case's 50,000 rows and one restored
+# copy live at once, ~300 bytes an item with Adam slots, ~15 MiB a node.
+QUICK_MEMORY_MB = 64
 SEED = 20240611
 CHUNK = 65_536
 METHODS = ("ceiling_read", "save", "restore", "ceiling_write")
@@ -392,18 +398,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=None, help="rows (default 1,000,000)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 50,000 rows, 2 rounds")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 50,000 rows, 2 rounds, nodes of 64 MiB"
+    )
     parser.add_argument("--no-adam", action="store_true", help="skip the case with Adam slots")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     args = parser.parse_args(argv)
     n = args.rows or (50_000 if args.quick else 1_000_000)
     rounds = args.rounds or (2 if args.quick else 3)
     cases = ["rows"] if args.no_adam else ["rows", "adam"]
+    memory_mb = QUICK_MEMORY_MB if args.quick and n <= 50_000 else MEMORY_MB
     machine = machine_info(cpu=False, nproc_usable=False)
     started = time.time()
     summary: dict[str, Any] = {}
     with (
-        memcached_cluster(NODES, memory_mb=MEMORY_MB) as servers,
+        memcached_cluster(NODES, memory_mb=memory_mb) as servers,
         tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as work,
     ):
         addresses = [s.address for s in servers]
@@ -421,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": rounds,
             "quick": args.quick,
             "nodes": NODES,
-            "memcached_memory_mb": MEMORY_MB,
+            "memcached_memory_mb": memory_mb,
             "cases": cases,
             "raw_chunk_keys": CHUNK,
             "checkpoint_batch_ids": checkpoint.DEFAULT_BATCH_IDS,
