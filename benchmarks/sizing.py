@@ -3,7 +3,7 @@
 Run from the repository root::
 
     python benchmarks/sizing.py            # 500,000 rows per case, dims 8, 16, 64
-    python benchmarks/sizing.py --quick    # smoke run: 10,000 rows per case
+    python benchmarks/sizing.py --quick    # smoke run: 10,000 rows per case, -m 256
 
 Per case (dim x optimizer: `sgd`, rows only; `adam`, rows and slots) it starts a
 fresh local memcached (`-M`, one node: a row's size does not depend on the node
@@ -71,6 +71,11 @@ OPTIMIZERS = ("sgd", "adam")
 NAMESPACE = "demo"  # the key length depends on the names: see "key_bytes" in the report
 TABLE = "user"
 MEMORY_MB = 2048
+# --quick: `table_stats` lists the keys with `lru_crawler metadump`, which walks the
+# node's whole hash table, sized by -m (`hashpower_for`: 2^23 buckets at 2 GiB, ~1.5 s
+# a case however few the rows). 256 MiB (2^20 buckets) holds a quick case (10,000 rows
+# and the journals of its pushes) many times over; no per-row figure depends on -m.
+QUICK_MEMORY_MB = 256
 BATCH_IDS = 16_384
 SEED = 20240611
 HEADROOM = 0.15
@@ -257,10 +262,10 @@ async def run_case(server: MemcachedProcess, dim: int, optimizer: str, n: int) -
 # ---------------------------------------------------------------- report
 
 
-def render(results: list[dict[str, Any]], n: int) -> str:
+def render(results: list[dict[str, Any]], n: int, memory_mb: int) -> str:
     r0 = results[0]
     lines = [
-        f"{n:,} rows per case, a fresh memcached each (-M -m {MEMORY_MB}), namespace "
+        f"{n:,} rows per case, a fresh memcached each (-M -m {memory_mb}), namespace "
         f"{NAMESPACE!r}, table {TABLE!r}: keys of {r0['key_bytes']['row']} bytes",
         "",
         "bytes per row    item: memcached's item size (header + key + the row and its slots)",
@@ -330,25 +335,28 @@ def render(results: list[dict[str, Any]], n: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=None, help="rows per case (default 500,000)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 10,000 rows per case")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 10,000 rows per case, -m 256"
+    )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     args = parser.parse_args(argv)
     n = args.rows or (10_000 if args.quick else 500_000)
     if n < 2:
         parser.error("--rows must be at least 2")
+    memory_mb = QUICK_MEMORY_MB if args.quick and n <= 10_000 else MEMORY_MB
     machine = machine_info(cpu=False, nproc_usable=False)
     started = time.time()
     results = []
     for dim in DIMS:
         for optimizer in OPTIMIZERS:
-            with memcached_cluster(1, memory_mb=MEMORY_MB) as (server,):
+            with memcached_cluster(1, memory_mb=memory_mb) as (server,):
                 result = asyncio.run(run_case(server, dim, optimizer, n))
             print(
                 f"  dim {dim} {optimizer}: {n:,} rows in {result['fill_seconds']:.1f} s",
                 file=sys.stderr,
             )
             results.append(result)
-    print(render(results, n))
+    print(render(results, n, memory_mb))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         **report_head("sizing", started, machine),
@@ -360,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             "optimizers": list(OPTIMIZERS),
             "namespace": NAMESPACE,
             "table": TABLE,
-            "memcached_memory_mb": MEMORY_MB,
+            "memcached_memory_mb": memory_mb,
             "memcached_nodes": 1,
             "push_batch_ids": BATCH_IDS,
             "headroom": HEADROOM,
