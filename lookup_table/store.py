@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import json
 import logging
 import time
@@ -1046,7 +1047,7 @@ class EmbeddingStore:
                 for i, (table, ids) in enumerate(items)
             ]
         sizes = [ids.shape[0] for _, ids in items]
-        firsts = np.cumsum([0, *sizes]).tolist()
+        firsts = list(itertools.accumulate(sizes, initial=0))
         group = np.repeat(np.arange(len(items)) * k, sizes) + np.concatenate(placement)
         each = _positions_by(group, len(items) * k)  # item i's on node j: each[i * k + j]
         return [
@@ -1061,7 +1062,7 @@ class EmbeddingStore:
         concatenated, in one pass of numpy operations (`node_of_many`), and where each
         table's start."""
         arrays = [cast("NDArray[np.int64]", ids) for _, ids in items]
-        starts = np.cumsum([0, *(a.shape[0] for a in arrays)]).tolist()
+        starts = list(itertools.accumulate((a.shape[0] for a in arrays), initial=0))
         encoded = id_bodies(items[0][0], np.concatenate(arrays)).bodies
         where = (
             node_of_many([table for table, _ in items], arrays, self.nodes)
@@ -1552,9 +1553,9 @@ class EmbeddingStore:
         items that TTL (memcached's T flag, `core.expiry.exptime`).
         """
         sizes = [_num_keys(keys) for keys, _ in segments]
-        bounds = np.cumsum([0, *sizes]).tolist()
+        bounds = list(itertools.accumulate(sizes, initial=0))
         count_sizes = [_num_keys(keys) for keys, _ in counts]
-        count_bounds = np.cumsum([0, *count_sizes]).tolist()
+        count_bounds = list(itertools.accumulate(count_sizes, initial=0))
 
         def key_text(i: int) -> str:
             k = int(np.searchsorted(bounds, i, side="right")) - 1

@@ -9,6 +9,7 @@ the body of `POST /v1/rows`. No I/O here.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -284,7 +285,7 @@ def _parse_group(
     n, dim = ids.shape[0], specs[0].dim
     if sum(counts) != n:
         raise BadRequestError(f"{where}.counts: they sum to {sum(counts)}, but ids has {n}")
-    bounds = np.cumsum([0, *counts]).tolist()
+    bounds = list(itertools.accumulate(counts, initial=0))
     if grads is not None:
         if grads.shape != (n, dim):
             raise BadRequestError(
