@@ -129,6 +129,25 @@ def wait_for_port(
     return False
 
 
+def _server_pid(host: str, port: int) -> int | None:
+    """The pid the memcached on host:port reports (`stats`), None if it does not answer."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0) as sock:
+            sock.sendall(b"stats\r\n")
+            data = b""
+            while not data.endswith(b"END\r\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return None
+                data += chunk
+    except OSError:
+        return None
+    for line in data.split(b"\r\n"):
+        if line.startswith(b"STAT pid "):
+            return int(line.split()[2])
+    return None
+
+
 @dataclass
 class MemcachedProcess:
     """One memcached server we started; `stop()` always cleans up.
@@ -197,15 +216,26 @@ class MemcachedProcess:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        if not wait_for_port(self.host, self.port, timeout_s=timeout_s, proc=self.proc):
-            code = self.proc.poll()
-            self.kill()
-            tail = self.log_path.read_text(errors="replace")[-500:].strip()
-            self.stop()
-            raise RuntimeError(
-                f"memcached on {self.address} did not start (exit code {code}): "
-                f"{tail or 'no output; is the port taken?'}"
-            )
+        deadline = time.monotonic() + timeout_s
+        other = None
+        while wait_for_port(
+            self.host, self.port, timeout_s=deadline - time.monotonic(), proc=self.proc
+        ):
+            # something accepts: ours, or a server that held the port before ours (which
+            # then exits, unable to bind): memcached's `stats` tells its pid
+            other = _server_pid(self.host, self.port)
+            if other == self.proc.pid:
+                return
+            time.sleep(0.02)
+        code = self.proc.poll()
+        self.kill()
+        tail = self.log_path.read_text(errors="replace")[-500:].strip()
+        self.stop()
+        taken = f"the port is taken by another process (pid {other})" if other else ""
+        raise RuntimeError(
+            f"memcached on {self.address} did not start (exit code {code}): "
+            f"{'; '.join(filter(None, [taken, tail])) or 'no output; is the port taken?'}"
+        )
 
     def kill(self) -> None:
         """SIGKILL: the server and all its data are gone at once."""

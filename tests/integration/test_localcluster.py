@@ -13,6 +13,7 @@ import pytest
 from lookup_table.ops.localcluster import (
     REQUESTS_PER_EVENT,
     MemcachedProcess,
+    _server_pid,
     free_port,
     hashpower_for,
     start_memcached,
@@ -116,3 +117,17 @@ def test_a_node_removes_its_temporary_log_when_stopped_and_keeps_a_given_one(
     node = start_memcached(memory_mb=16, log_path=given)
     node.stop()
     assert given.exists()  # a log the caller named is the caller's
+
+
+def test_a_node_on_a_taken_port_fails_naming_the_holder_and_leaves_it_serving() -> None:
+    """Another memcached accepting on the port is not taken for ours (which cannot bind it
+    and exits): `start` raises naming the holder's pid, and the holder keeps serving."""
+    holder = start_memcached(memory_mb=16)
+    try:
+        node = MemcachedProcess(host=holder.host, port=holder.port, memory_mb=16)
+        with pytest.raises(RuntimeError, match=rf"taken by another process \(pid {holder.pid}\)"):
+            node.start(timeout_s=5.0)
+        assert node.proc is None or node.proc.poll() is not None
+        assert _server_pid(holder.host, holder.port) == holder.pid
+    finally:
+        holder.stop()
