@@ -115,6 +115,16 @@ def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> None:
             proc.wait(timeout=10)
 
 
+def _port_taken(host: str, port: int) -> bool:
+    """Whether something accepts on host:port now: one attempt (a free port refuses at
+    once; `wait_for_port` would retry it for its whole timeout)."""
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
 def wait_for_port(
     host: str, port: int, *, timeout_s: float, proc: subprocess.Popen[bytes] | None = None
 ) -> bool:
@@ -123,7 +133,7 @@ def wait_for_port(
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             return False
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+        if _port_taken(host, port):
             return True
         time.sleep(0.02)
     return False
@@ -320,16 +330,6 @@ def _pid_alive(pid: int) -> bool:
     except FileNotFoundError:  # gone meanwhile, or no /proc (not Linux): kill() said alive
         return not os.path.isdir("/proc/self")
     return state not in ("Z", "X")
-
-
-def _port_taken(host: str, port: int) -> bool:
-    """Whether something accepts on host:port now: one attempt (a free port refuses at
-    once; `wait_for_port` would retry it for its whole timeout)."""
-    try:
-        with socket.create_connection((host, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
 
 
 def _read_pid(path: Path) -> int | None:
