@@ -183,7 +183,6 @@ def _train_fresh(
     *,
     in_graph: bool = False,
     replicas: int = 1,
-    store: str = "",
     flush_pushes: int = 1,
     **trainer_kwargs: Any,
 ) -> TrainedRun:
@@ -200,8 +199,9 @@ def _train_fresh(
 
     source = SyntheticSource(20_000, seed=5)
     batches = list(source.batches(256))[:14]  # consecutive batches share hot ids
+    store = ""
     if flush_pushes > 1:
-        store += f"[service]\nrow_flush_pushes = {flush_pushes}\nrow_flush_s = 600\n"
+        store = f"[service]\nrow_flush_pushes = {flush_pushes}\nrow_flush_s = 600\n"
     path = _cluster_file(
         tmp_path / f"{tag}.toml", mode="async", workers=1, replicas=replicas, store=store
     )
