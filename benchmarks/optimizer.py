@@ -685,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "event_loop": "asyncio default (both processes)",
             "malloc": {
-                "service": "tune_malloc + trim every 2 s (optimizer_service/malloc.py)",
+                "service": "tune_malloc + trim every 30 s (optimizer_service/malloc.py)",
                 "this process (client and in-process baseline)": baseline_malloc,
             },
             "notes": [

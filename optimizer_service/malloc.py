@@ -17,11 +17,18 @@ Two costs pull against each other:
 the blocks of a push come from the heap and stay mapped for the next push; the service
 then calls `trim` (`malloc_trim(0)`) every `TRIM_INTERVAL_S` seconds, which gives back
 every free page of every arena, holes included. The RSS so stays at what is in use plus
-what the last seconds left free, and a push pays no page faults but for the pages a
+what the last half minute left free, and a push pays no page faults but for the pages a
 trim gave back. (With the trim threshold at 64 MiB, what glibc pairs with a 32 MiB mmap
 threshold, a push of 16,384 dim-64 Adam rows, ~60 MB of blocks, left more than that
 free at the heap's top: free() gave it back and the next push faulted it in again,
 ~11,500 minor faults and 86 -> 108 ms a push.)
+
+Each trim gives back the pushes' working set too (their temporaries, freed between
+pushes), and the pushes after it fault it in again. Every 2 s (until session 35), that
+was ~140 minor faults a push at the demo's shape (~560 KB of pages zeroed again), ~1 ms
+of system time in a replica's ~18 ms a push; every 30 s it is one such burst per ~900
+pushes. The holes that trims are for grow ~600 bytes a push (docs/guarantees.md):
+~0.5 MB in 30 s; the 2-minute soak's RSS grew 0.2 % after warm-up.
 """
 
 from __future__ import annotations
@@ -48,8 +55,8 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1  # mallopt(3) parameter numbers in glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's own upper bound for its dynamic threshold
-TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024  # free() never trims: `trim` does, every 2 s
-TRIM_INTERVAL_S = 2.0
+TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024  # free() never trims: `trim` does, every 30 s
+TRIM_INTERVAL_S = 30.0
 
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 _USER_TUNABLES = ("mmap_threshold", "trim_threshold")
