@@ -63,7 +63,7 @@ from lookup_table.core.keyspace import (
     dense_log_id,
 )
 from lookup_table.core.optimizers import Optimizer
-from lookup_table.core.wire import decode_array, encode_array, pack, unpack
+from lookup_table.core.wire import decode_array, encode_array, pack, pack_view, unpack
 from lookup_table.errors import DenseParamError, WireError
 from lookup_table.store import EmbeddingStore
 
@@ -509,14 +509,13 @@ class DenseParams:
         """Write the log of the update to `version` (its gradients; none for an update of
         the version only), over any earlier log of that version (one whose push was not
         journaled). One request per node."""
-        body = pack(
+        body = pack_view(
             {
                 "version": int(version),
                 "grads": {n: encode_array(np.asarray(g, dtype="<f4")) for n, g in grads.items()},
             }
         )
-        view = memoryview(body)
-        parts = [view[i : i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES)]
+        parts = [body[i : i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES)]
         index = pack(
             {
                 "version": int(version),

@@ -25,6 +25,7 @@ from lookup_table.core.wire import (
     describe,
     encode_array,
     pack,
+    pack_view,
     unpack,
 )
 from lookup_table.errors import LookupTableError
@@ -146,7 +147,7 @@ async def _answered(request: web.Request, push: Push) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
     response[COUNTED] = True
     await response.prepare(request)
-    await response.write(pack(first))
+    await response.write(pack_view(first))
     try:
         result = await asyncio.shield(applying)
         outcome = {k: v for k, v in result.items() if k != PLAN}

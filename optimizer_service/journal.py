@@ -67,8 +67,17 @@ from lookup_table.core.keys import IdArray
 from lookup_table.core.keyspace import META_TABLE, Kind, journal_id
 from lookup_table.core.optimizers import MAX_EXACT_STEP
 from lookup_table.core.rows import blocks, value_hashes
-from lookup_table.core.wire import decode_array, decode_ids, encode_array, encode_ids, pack, unpack
+from lookup_table.core.wire import (
+    decode_array,
+    decode_ids,
+    encode_array,
+    encode_ids,
+    pack,
+    pack_view,
+    unpack,
+)
 from lookup_table.errors import DataLossError, StoreError
+from lookup_table.memcached.protocol import Wire
 from lookup_table.store import EmbeddingStore
 from optimizer_service.errors import UnavailableError
 from optimizer_service.locks import LockSet, RowLocks
@@ -204,7 +213,7 @@ class Journal:
             header["chunks"] = start.chunks + len(more)
         await self.write_header(slot, pack(header))
 
-    async def _write_chunks(self, slot: int, first: int, chunks: Sequence[bytes]) -> None:
+    async def _write_chunks(self, slot: int, first: int, chunks: Sequence[Wire]) -> None:
         if chunks:
             ids = [self._id(slot, first + i) for i in range(len(chunks))]
             await self.store.set_blobs(META_TABLE, ids, chunks, kind=Kind.JOURNAL)
@@ -225,7 +234,7 @@ class Journal:
         await self._write_chunks(slot, 0, chunks)
         await self.write_header(slot, header)
 
-    async def write_header(self, slot: int, header: bytes) -> None:
+    async def write_header(self, slot: int, header: Wire) -> None:
         """The last write of a journal: from here on the plan is journaled (a failure of
         this write may have stored it all the same)."""
         await self.store.set_blobs(META_TABLE, [self._id(slot)], [header], kind=Kind.JOURNAL)
@@ -472,7 +481,7 @@ def _encode_behind_all(
     return out
 
 
-def _cut(body: bytes) -> list[bytes]:
+def _cut(body: Wire) -> list[Wire]:
     return [body[i : i + JOURNAL_CHUNK_BYTES] for i in range(0, len(body), JOURNAL_CHUNK_BYTES)]
 
 
@@ -536,7 +545,7 @@ def encode_journal(
     *,
     seq: int | None = None,
     step_slots: Mapping[str, int | None] | None = None,
-) -> tuple[list[bytes], bytes]:
+) -> tuple[list[Wire], Wire]:
     """A plan in the one-body format, as journal chunks (<= JOURNAL_CHUNK_BYTES) and its
     header (pure, thread-safe; `Journal.write`).
 
@@ -553,7 +562,7 @@ def encode_journal(
     else:
         tables = [_encode_step(s) for s in plan.steps] or [_encode_update(u) for u in plan.updates]
     doc: dict[str, Any] = {"push_id": plan.push_id, "version": plan.version, "tables": tables}
-    body = pack({**doc, **_dense_doc(plan)})
+    body = pack_view({**doc, **_dense_doc(plan)})
     header: dict[str, Any] = {
         "push_id": plan.push_id,
         "bytes": len(body),
@@ -563,7 +572,7 @@ def encode_journal(
     if seq is not None:
         header["seq"] = seq
     if len(body) <= JOURNAL_CHUNK_BYTES:
-        return [], pack({**header, "chunks": 0, "body": body})
+        return [], pack_view({**header, "chunks": 0, "body": body})
     chunks = _cut(body)
     return chunks, pack({**header, "chunks": len(chunks)})
 

@@ -32,6 +32,7 @@ __all__ = [
     "encode_array",
     "encode_ids",
     "pack",
+    "pack_view",
     "unpack",
 ]
 
@@ -54,7 +55,18 @@ def pack(obj: Any) -> bytes:
     return packed
 
 
-def unpack(body: bytes) -> Any:
+def pack_view(obj: Any) -> memoryview:
+    """`pack` without its last copy: a read-only view of the packer's own buffer, for the
+    megabyte bodies (a push's answer, journal and dense log) that are sent or cut into
+    chunks, not kept. `packb` packs into that buffer too, then copies it into a bytes
+    object: ~0.25 ms a push of the demo's replica, in copies and fresh pages."""
+    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+    packer.pack(obj)
+    view: memoryview = packer.getbuffer().toreadonly()
+    return view
+
+
+def unpack(body: bytes | memoryview) -> Any:
     """Decode a msgpack body; WireError if it is not exactly one valid msgpack object."""
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
