@@ -406,6 +406,45 @@ def test_update_at_reads_items_where_they_are_and_equals_update_bit_for_bit(
     assert rows.shape == (0, dim) and new_items.shape == (0, values.shape[1])
 
 
+@pytest.mark.parametrize("dim", [1, 16])
+def test_adam_update_at_takes_alpha_from_the_tabled_powers_bit_for_bit(dim: int) -> None:
+    """Adam's one-pass `update_at` looks each row's beta powers up in the tables as they
+    are; a step past them (or not whole) hands the call to the general path, which
+    grows them. Both give `update`'s bits; the one pass covers every row of a table's
+    steps, and stops at the first it cannot."""
+    opt = Adam(AdamConfig(learning_rate=0.01, beta_1=0.81, beta_2=0.97, epsilon=1e-6))
+    rng = np.random.default_rng(7 + dim)
+    values = _items_with_history(opt, 200, dim, rng)
+    have = adam_module._power_table(float(np.float32(0.81)), 1).shape[0]
+    values[:, 3 * dim] = rng.integers(0, min(have, adam_module._power_table(
+        float(np.float32(0.97)), 1).shape[0]) - 1, 200)  # fmt: skip
+    extra = values[150:].copy()
+    at = rng.permutation(150)[:100].astype(np.intp)
+    at[::4] = -1 - rng.permutation(50)[: at[::4].shape[0]]
+    g = rng.standard_normal((100, dim), dtype=np.float32)
+    c = opt.config
+    grown = have + 5  # past the table now, within what the general path tabulates
+    for past in (None, grown, 1 << 21, 2.5, np.nan):
+        if past is not None:
+            values[at[37], 3 * dim] = past
+        items = np.where(
+            (at >= 0)[:, None], values[np.maximum(at, 0)], extra[np.maximum(-1 - at, 0)]
+        )
+        want_rows, want_slots = opt.update(items[:, :dim], g, items[:, dim:])
+        rows, new_items = opt.update_at(values, at, extra, g)
+        assert rows.tobytes() == want_rows.tobytes()
+        assert new_items[:, dim:].tobytes() == want_slots.tobytes()
+        stopped = adam_module._stepped_tabled(
+            values, at, extra, g,
+            adam_module._power_table(float(np.float32(c.beta_1)), 1),
+            adam_module._power_table(float(np.float32(c.beta_2)), 1),
+            np.float32(c.learning_rate), np.float32(1 - c.beta_1), np.float32(1 - c.beta_2),
+            np.float32(c.epsilon), np.empty_like(rows), np.empty_like(new_items),
+        )  # fmt: skip
+        # the general path grew the tables past `grown`; 1 << 21 is past what they hold
+        assert stopped == (-1 if past is None or past == grown else 37)
+
+
 @case_params
 def test_update_at_refuses_what_its_compiled_pass_could_read_past(config: OptimizerConfig) -> None:
     opt = make_optimizer(config)

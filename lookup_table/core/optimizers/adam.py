@@ -250,6 +250,81 @@ def _stepped_at(  # type: ignore[no-untyped-def]  # pragma: no cover
             w_out[j] = r[j]
 
 
+@compiled(
+    [
+        types.intp(
+            C2,
+            _AT,
+            C2,
+            grads,
+            C1,
+            C1,
+            types.float32,
+            types.float32,
+            types.float32,
+            types.float32,
+            C2,
+            C2,
+        )  # fmt: skip
+        for grads in (C2, RC2, A2)
+    ]
+)
+def _stepped_tabled(  # type: ignore[no-untyped-def]  # pragma: no cover
+    values,
+    at,
+    extra,
+    grads,
+    powers_1,
+    powers_2,
+    learning_rate,
+    one_minus_beta_1,
+    one_minus_beta_2,
+    epsilon,
+    rows,
+    items,
+):
+    """`_stepped_at` with each row's alpha computed in the pass: its new step's powers
+    looked up in `powers_1`/`powers_2` (beta_1**t and beta_2**t for whole t below their
+    lengths: `_power_table`), then `finish`'s numpy expression, the same float32
+    operations in the same order (the same bits). Returns -1 when every row is done,
+    else the first row whose new step the tables do not hold (that row and those after
+    it are not written: the caller takes the general path)."""
+    dim = grads.shape[1]
+    n = at.shape[0]
+    size_1 = powers_1.shape[0]
+    size_2 = powers_2.shape[0]
+    one = np.float32(1)
+    for i in range(n):
+        if i + PREFETCH_AHEAD < n and at[i + PREFETCH_AHEAD] >= 0:
+            prefetch_row(values, at[i + PREFETCH_AHEAD])
+        p = at[i]
+        src = values[p] if p >= 0 else extra[-1 - p]
+        t = src[3 * dim] + one
+        if not (t >= 0 and t < size_1 and t < size_2) or t != np.floor(t):  # NaN: not >= 0
+            return i
+        k = np.intp(t)
+        a = learning_rate * np.sqrt(one - powers_2[k]) / (one - powers_1[k])
+        g = grads[i]
+        w = src[:dim]
+        m = src[dim : 2 * dim]
+        v = src[2 * dim : 3 * dim]
+        out = items[i]
+        w_out = out[:dim]
+        m_out = out[dim : 2 * dim]
+        v_out = out[2 * dim : 3 * dim]
+        for j in range(dim):
+            m_out[j] = (g[j] - m[j]) * one_minus_beta_1 + m[j]
+        for j in range(dim):
+            v_out[j] = (g[j] * g[j] - v[j]) * one_minus_beta_2 + v[j]
+        out[3 * dim] = t
+        r = rows[i]
+        for j in range(dim):
+            r[j] = w[j] - (m_out[j] * a) / (np.sqrt(v_out[j]) + epsilon)
+        for j in range(dim):
+            w_out[j] = r[j]
+    return -1
+
+
 @dataclass(frozen=True, slots=True)
 class Adam:
     """Adam on rows; slots per row: momentum (dim), velocity (dim), step (1)."""
@@ -316,14 +391,26 @@ class Adam:
         values, extra = (a if a.flags.writeable else a.copy() for a in (values, extra))
         at = at if at.flags.writeable else at.copy()
         n = at.shape[0]
+        rows = np.empty((n, dim), dtype=np.float32)
+        items = np.empty((n, values.shape[1]), dtype=np.float32)
+        # alpha in the pass, from the powers' tables as they are (not grown here): one
+        # pass over the items instead of two, and no numpy calls per row's alpha
+        powers_1 = _power_table(float(_F32(c.beta_1)), 1)
+        powers_2 = _power_table(float(_F32(c.beta_2)), 1)
+        # fmt: off
+        if _stepped_tabled(
+            values, at, extra, grads, powers_1, powers_2, _F32(c.learning_rate),
+            _F32(1 - c.beta_1), _F32(1 - c.beta_2), _F32(c.epsilon), rows, items,
+        ) < 0:
+            return rows, items
+        # fmt: on
+        # a step past the tables (or not a whole number): their general lookup grows them
         t = np.empty(n, dtype=np.float32)
         _column_at(values, at, extra, 3 * dim, t)
         t += _F32(1)
         beta_1_power = _beta_powers(c.beta_1, t)
         beta_2_power = _beta_powers(c.beta_2, t)
         alpha = _F32(c.learning_rate) * np.sqrt(_F32(1) - beta_2_power) / (_F32(1) - beta_1_power)
-        rows = np.empty((n, dim), dtype=np.float32)
-        items = np.empty((n, values.shape[1]), dtype=np.float32)
         _stepped_at(
             values,
             at,
