@@ -35,7 +35,11 @@ same `SyntheticSource` batches (seed 0, batch 1024, eval fraction 0.2) two ways:
 Timing: both sides time steps `warmup+1 .. steps` (the first `--warmup`, default
 10, are not timed: tracing, first connections, first rows). A step ends when its
 loss is back in Python; the distributed window also includes the final drain of
-pushes in flight and the dense-weight read before evaluation. examples/s =
+pushes in flight and the dense-weight read before evaluation, and then the writes the
+replicas still hold behind (a pause writes every row and the dense parameters to
+memcached; then they resume): the window pays for every write its pushes deferred,
+whatever `--row-flush-pushes` is (without it, a longer flush interval left more of
+them out of a 150-step window). examples/s =
 timed steps x batch / window seconds. Every round of each method builds a new
 model (and a new cluster and namespace); rounds run in ABBA order (local,
 distributed, distributed, local, ...) so a drift of the machine's load hits both.
@@ -84,6 +88,7 @@ exits non-zero; the cluster is always stopped.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import hashlib
 import itertools
@@ -393,6 +398,20 @@ def _stop_py_spy(spy: subprocess.Popen[bytes]) -> None:
         raise RuntimeError(f"py-spy failed ({spy.returncode}): {err.decode(errors='replace')}")
 
 
+async def _write_behind_now(config: Any) -> None:
+    """What the replicas hold written behind (rows, dense parameters) goes to memcached:
+    a pause writes it all, then they resume."""
+    from lookup_table import OptimizerClient
+
+    async with OptimizerClient(config) as client:
+        unfinished = await client.pause(timeout_s=60.0)
+        await client.resume()
+    if any(unfinished.values()):
+        raise RuntimeError(
+            f"writing behind at the window's end left pushes unwritten: {unfinished}"
+        )
+
+
 def trainer_role(args: argparse.Namespace) -> int:
     """The distributed side, in its own process: Trainer.fit with per-step timestamps."""
     from lookup_table.config import load_config
@@ -430,6 +449,7 @@ def trainer_role(args: argparse.Namespace) -> int:
 
         def evaluate(self, batches: Any) -> dict[str, float]:
             if "end" not in marks:
+                asyncio.run(_write_behind_now(config))
                 marks["end"] = time.perf_counter()
                 marks["cpu_end"] = cpu_snapshot(pids, nodes)
                 for spy in spies.values():
@@ -927,7 +947,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 + ") in its own process",
             },
             "timing": "steps warmup+1..steps; a step ends when its loss is back in Python; the "
-            "distributed window also covers the final push drain and dense read",
+            "distributed window also covers the final push drain and dense read, and the "
+            "replicas' writes behind (a pause, then resume)",
         },
         "acceptance_targets": {
             "distributed/local examples/s": TARGET_RATIO,
