@@ -155,7 +155,7 @@ class ServiceConfig:
     dense_flush_s: float = 10.0
     # rows written behind (docs/write-behind.md), every this many pushes; 1 writes each
     # push's rows at the push (written through)
-    row_flush_pushes: int = 20
+    row_flush_pushes: int = 56
     row_flush_s: float = 10.0
 
 

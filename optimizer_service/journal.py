@@ -225,14 +225,16 @@ class Journal:
         *,
         seq: int | None = None,
         step_slots: Mapping[str, int | None] | None = None,
-    ) -> None:
+    ) -> int:
         """A plan in the one-body format: chunks first, then the header (with a CRC-32 of
         the body). With `seq`, rows written behind (see the module's doc: gradients and
         steps where `step_slots` names a table's step column, else new values); without,
-        the format of older services (for the tests of its replay)."""
+        the format of older services (for the tests of its replay). Returns the bytes
+        written (the chunks' and the header's)."""
         chunks, header = encode_journal(plan, seq=seq, step_slots=step_slots)
         await self._write_chunks(slot, 0, chunks)
         await self.write_header(slot, header)
+        return len(header) + sum(len(c) for c in chunks)
 
     async def write_header(self, slot: int, header: Wire) -> None:
         """The last write of a journal: from here on the plan is journaled (a failure of

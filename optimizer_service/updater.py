@@ -115,6 +115,12 @@ PLAN = "_plan"  # in `apply`'s result: the write plan of the push this call appl
 # thread costs the replica below that (the demo's pushes, 104,000 floats: ~0.35 ms of
 # CPU a push, in-process, session 26)
 _OFFLOAD_FLOATS = 1 << 18
+# Rows written behind: a flush also comes once the journals it would clear hold this
+# many bytes, whatever `service.row_flush_pushes` says. They wait in memcached until the
+# flush: big pushes of the same rows (a few distinct rows, so the row cache's budget does
+# not call the flush) must not fill a node with journals (the demo's ~0.5 MB a push:
+# ~28 MB at 56 pushes).
+KEPT_JOURNAL_BYTES = 64 << 20
 
 
 Stepped = tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.int64]]
@@ -291,6 +297,7 @@ class Updater:
         # not written yet (in the order they were done), slots to clear, the journals'
         # sequence
         self._unflushed: list[int] = []
+        self._journal_bytes: dict[int, int] = {}  # slot -> bytes of its journal
         self._to_clear: list[int] = []
         self._journal_seq = 0
         self._row_flush_lock = asyncio.Lock()
@@ -563,7 +570,7 @@ class Updater:
                         raise result
                 if started is None:  # the new values, kept until a flush writes them
                     self._journal_seq += 1
-                    await self.journal.write(
+                    self._journal_bytes[slot] = await self.journal.write(
                         slot, plan, seq=self._journal_seq, step_slots=self._step_slots
                     )
                 else:
@@ -1383,11 +1390,16 @@ class Updater:
 
     def _flush_rows_when_due(self) -> None:
         """Flush the rows written behind now if `service.row_flush_pushes` pushes are not
-        written yet; else within `service.row_flush_s` seconds. Not while paused (the
-        pause flushed; a restore must not get a flush of the rows before it)."""
+        written yet, or their journals hold `KEPT_JOURNAL_BYTES`; else within
+        `service.row_flush_s` seconds. Not while paused (the pause flushed; a restore
+        must not get a flush of the rows before it)."""
         if self.paused or not self._unflushed:
             return
-        if len(self._unflushed) >= self._flush_every:
+        if (
+            len(self._unflushed) >= self._flush_every
+            or sum(self._journal_bytes.get(slot, 0) for slot in self._unflushed)
+            >= KEPT_JOURNAL_BYTES
+        ):
             self._flush_rows_later()
         elif self._row_timer is None:
             self._row_timer = asyncio.get_running_loop().call_later(

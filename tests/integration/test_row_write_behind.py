@@ -159,6 +159,40 @@ async def test_rows_written_behind_train_exactly_and_reach_memcached_once_per_fl
     updater.resume()
 
 
+async def test_a_flush_comes_early_once_the_journals_waiting_for_it_hold_their_byte_budget(
+    memcached_nodes: list[str], aiohttp_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journals of pushes written behind wait in memcached until a flush: however many
+    pushes `row_flush_pushes` allows, once they hold `KEPT_JOURNAL_BYTES` the push that
+    took them there starts the flush, which writes the rows and clears them."""
+    import optimizer_service.updater as updater_module
+
+    config, _, updater, ref, rng = await _replica(
+        memcached_nodes, aiohttp_server, 2, row_flush_pushes=50
+    )
+    await _push(updater, config, ref, rng)
+    one = sum(updater._journal_bytes.values())
+    assert one > IDS.shape[0] * 8 * 4  # the summed gradients at least
+    await asyncio.sleep(0.1)
+    assert not (await _stored(config, "t", IDS))[2].any()  # 1 of 50 pushes: no flush
+    monkeypatch.setattr(updater_module, "KEPT_JOURNAL_BYTES", one + one // 2)
+    await _push(updater, config, ref, rng)  # two journals: past the budget
+
+    async def flushed() -> bool:
+        return bool((await _stored(config, "t", IDS))[2].all())
+
+    await _until(flushed)
+    rows, slots, _ = await _stored(config, "t", IDS)
+    np.testing.assert_array_equal(rows, ref.state["t"][0])
+    np.testing.assert_array_equal(slots, ref.state["t"][1])
+
+    async def cleared() -> bool:
+        async with EmbeddingStore(config) as store:
+            return not any(await Journal(store, replica=0).headers())
+
+    await _until(cleared)
+
+
 @pytest.mark.parametrize("meanwhile", ["map reused", "cache dropped"])
 async def test_rows_stepped_in_the_row_cache_train_exactly_when_it_changed_meanwhile(
     memcached_nodes: list[str], aiohttp_server: Any, monkeypatch: pytest.MonkeyPatch, meanwhile: str
@@ -643,7 +677,7 @@ def test_row_flush_pushes_is_bounded_by_the_journal_slots() -> None:
     for key, bad in [("row_flush_pushes", 0), ("row_flush_pushes", 2.5), ("row_flush_s", 0)]:
         with pytest.raises(ConfigError, match=rf"service\.{key}: expected a positive"):
             make_config(["127.0.0.1:1"], service={key: bad})
-    assert make_config(["127.0.0.1:1"]).service.row_flush_pushes == 20  # written behind
+    assert make_config(["127.0.0.1:1"]).service.row_flush_pushes == 56  # written behind
 
 
 async def test_only_tables_read_through_the_owner_are_written_behind(
