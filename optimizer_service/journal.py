@@ -272,13 +272,18 @@ class Journal:
         push_id = header["push_id"]
         where = f"journal slot {slot} of replica {self.replica} (push {push_id})"
         body = header.get("body")
+        # a body in the header is one item with it (written whole): since session 35 its
+        # header has no checksum (crc32 None); chunks joined always have one
+        crc = header["crc32"]
         if body is None:
             ids = [self._id(slot, i) for i in range(int(header["chunks"]))]
             chunks = await self.store.get_blobs(META_TABLE, ids, kind=Kind.JOURNAL)
             if any(c is None for c in chunks):
                 raise IncompleteJournalError(f"{where} is missing chunks", push_id)
             body = b"".join(c for c in chunks if c is not None) + header.get("tail", b"")
-        if len(body) != header["bytes"] or zlib.crc32(body) != header["crc32"]:
+            if crc is None:
+                raise IncompleteJournalError(f"{where} has chunks and no checksum", push_id)
+        if len(body) != header["bytes"] or (crc is not None and zlib.crc32(body) != crc):
             raise IncompleteJournalError(f"{where} fails its checksum", push_id)
         if "split" in header:  # a start and an end
             split = int(header["split"])
@@ -565,18 +570,15 @@ def encode_journal(
         tables = [_encode_step(s) for s in plan.steps] or [_encode_update(u) for u in plan.updates]
     doc: dict[str, Any] = {"push_id": plan.push_id, "version": plan.version, "tables": tables}
     body = pack_view({**doc, **_dense_doc(plan)})
-    header: dict[str, Any] = {
-        "push_id": plan.push_id,
-        "bytes": len(body),
-        "crc32": zlib.crc32(body),
-        "time": time.time(),
-    }
+    header: dict[str, Any] = {"push_id": plan.push_id, "bytes": len(body), "time": time.time()}
     if seq is not None:
         header["seq"] = seq
     if len(body) <= JOURNAL_CHUNK_BYTES:
-        return [], pack_view({**header, "chunks": 0, "body": body})
+        # one item, which memcached stores whole or not at all: no checksum to compute
+        # (~0.15 ms a push of the demo's ~0.5 MB)
+        return [], pack_view({**header, "crc32": None, "chunks": 0, "body": body})
     chunks = _cut(body)
-    return chunks, pack({**header, "chunks": len(chunks)})
+    return chunks, pack({**header, "crc32": zlib.crc32(body), "chunks": len(chunks)})
 
 
 def _decode_table(t: dict[str, Any]) -> TableUpdate | TableRedo:

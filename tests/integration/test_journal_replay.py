@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+import zlib
 from typing import Any
 
 import numpy as np
@@ -160,11 +161,13 @@ def test_a_small_journal_is_one_item_and_a_big_one_is_chunked() -> None:
 
     chunks, header = encode_journal(plan(1000))
     assert chunks == [] and unpack(header)["chunks"] == 0
+    assert unpack(header)["crc32"] is None  # one item: memcached stores it whole
     back = decode_journal(unpack(header)["body"])
     assert back.redo[0].grads.tolist() == (np.ones((1000, 16)) * 2).tolist()
     big = JOURNAL_CHUNK_BYTES // (8 + 64 + 16) + 1000  # ids, grads, two hashes per id
     chunks, header = encode_journal(plan(big))
     assert len(chunks) == 2 and "body" not in unpack(header)
+    assert unpack(header)["crc32"] == zlib.crc32(b"".join(chunks))  # chunks: checked
     assert decode_journal(b"".join(chunks)).redo[0].ids.shape == (big,)
 
 
