@@ -355,6 +355,51 @@ async def test_a_missing_log_of_a_journaled_update_stops_the_replica_with_a_clea
     assert await _logs_present(config, range(1, 4)) == [1, 3]
 
 
+async def test_a_log_that_fits_one_item_goes_in_its_index_and_a_bigger_one_is_checked(
+    memcached_nodes: list[str],
+) -> None:
+    """A dense log of at most `INLINE_LOG_BYTES` is one item (its index carries the body:
+    stored whole, no checksum); a bigger one is cut into chunks with a CRC-32, and a
+    chunk of another write (a torn log), or chunks without a checksum, stop its read."""
+    from lookup_table.core.wire import pack, unpack
+    from lookup_table.dense import CHUNK_BYTES, INLINE_LOG_BYTES, DenseLogError
+
+    config = _config(memcached_nodes)
+    rng = np.random.default_rng(3)
+    small = {"w": rng.standard_normal(1000, dtype=np.float32)}
+    big = {"w": rng.standard_normal(INLINE_LOG_BYTES // 4 + 10, dtype=np.float32)}
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        dense = DenseParams(store, make_optimizer(config.optimizer))
+        await dense.write_log(1, small)
+        await dense.write_log(2, big)
+        raw1, raw2 = await store.get_blobs(
+            DENSE_TABLE, [dense_log_id(1), dense_log_id(2)], kind=Kind.DENSE_LOG
+        )
+        assert raw1 is not None and raw2 is not None
+        one, two = unpack(raw1), unpack(raw2)
+        assert one["chunks"] == 0 and one["crc32"] is None and "body" in one
+        assert two["chunks"] == 2 and isinstance(two["crc32"], int) and "body" not in two
+        got = await DenseParams(store, make_optimizer(config.optimizer)).read_logs([1, 2])
+        np.testing.assert_array_equal(got[0]["w"], small["w"])
+        np.testing.assert_array_equal(got[1]["w"], big["w"])
+        # a torn log: its first chunk from another write (of the same size: the CRC-32
+        # tells them apart)
+        other = bytes(CHUNK_BYTES)
+        await store.set_blobs(DENSE_TABLE, [dense_log_id(2, 0)], [other], kind=Kind.DENSE_LOG)
+        with pytest.raises(DenseLogError, match="version 2 does not check out"):
+            await dense.read_logs([2])
+        # chunks, and an index without their checksum
+        await store.set_blobs(
+            DENSE_TABLE,
+            [dense_log_id(2)],
+            [pack({**two, "crc32": None})],
+            kind=Kind.DENSE_LOG,
+        )
+        with pytest.raises(DenseLogError, match="version 2 does not check out"):
+            await dense.read_logs([2])
+
+
 async def test_values_handed_out_never_change_under_their_holder(
     memcached_nodes: list[str], aiohttp_server: Any
 ) -> None:
