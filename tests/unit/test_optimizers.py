@@ -434,8 +434,8 @@ def test_adam_update_at_takes_alpha_from_the_tabled_powers_bit_for_bit(dim: int)
         rows, new_items = opt.update_at(values, at, extra, g)
         assert rows.tobytes() == want_rows.tobytes()
         assert new_items[:, dim:].tobytes() == want_slots.tobytes()
-        stopped = adam_module._stepped_tabled(
-            values, at, extra, g,
+        stopped = adam_module._stepped_at(
+            values, at, extra, g, np.empty(0, np.float32),
             adam_module._power_table(float(np.float32(c.beta_1)), 1),
             adam_module._power_table(float(np.float32(c.beta_2)), 1),
             np.float32(c.learning_rate), np.float32(1 - c.beta_1), np.float32(1 - c.beta_2),

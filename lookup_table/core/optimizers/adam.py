@@ -209,45 +209,7 @@ def _column_at(values, at, extra, column, out):  # type: ignore[no-untyped-def] 
         out[i] = values[p, column] if p >= 0 else extra[-1 - p, column]
 
 
-@compiled(
-    [
-        types.void(C2, _AT, C2, grads, C1, types.float32, types.float32, types.float32, C2, C2)
-        for grads in (C2, RC2, A2)
-    ]
-)
-def _stepped_at(  # type: ignore[no-untyped-def]  # pragma: no cover
-    values, at, extra, grads, alpha, one_minus_beta_1, one_minus_beta_2, epsilon, rows, items
-):
-    """`_next_slots` then `_moved` on items (a row, m, v, step) read where they are:
-    `values[at[i]]`, or `extra[-1 - at[i]]` where at[i] < 0; the same float32 operations
-    in the same order (the same bits), one pass. The new items go to `items`, the new
-    rows also to `rows` (what the push's answer sends)."""
-    dim = grads.shape[1]
-    n = at.shape[0]
-    for i in range(n):
-        if i + PREFETCH_AHEAD < n and at[i + PREFETCH_AHEAD] >= 0:
-            prefetch_row(values, at[i + PREFETCH_AHEAD])
-        p = at[i]
-        src = values[p] if p >= 0 else extra[-1 - p]
-        g = grads[i]
-        w = src[:dim]
-        m = src[dim : 2 * dim]
-        v = src[2 * dim : 3 * dim]
-        out = items[i]
-        w_out = out[:dim]
-        m_out = out[dim : 2 * dim]
-        v_out = out[2 * dim : 3 * dim]
-        for j in range(dim):
-            m_out[j] = (g[j] - m[j]) * one_minus_beta_1 + m[j]
-        for j in range(dim):
-            v_out[j] = (g[j] * g[j] - v[j]) * one_minus_beta_2 + v[j]
-        out[3 * dim] = src[3 * dim] + np.float32(1)
-        a = alpha[i]
-        r = rows[i]
-        for j in range(dim):
-            r[j] = w[j] - (m_out[j] * a) / (np.sqrt(v_out[j]) + epsilon)
-        for j in range(dim):
-            w_out[j] = r[j]
+_EMPTY = np.empty(0, dtype=np.float32)  # `_stepped_at` without an alpha or tables
 
 
 @compiled(
@@ -257,6 +219,7 @@ def _stepped_at(  # type: ignore[no-untyped-def]  # pragma: no cover
             _AT,
             C2,
             grads,
+            C1,
             C1,
             C1,
             types.float32,
@@ -269,11 +232,12 @@ def _stepped_at(  # type: ignore[no-untyped-def]  # pragma: no cover
         for grads in (C2, RC2, A2)
     ]
 )
-def _stepped_tabled(  # type: ignore[no-untyped-def]  # pragma: no cover
+def _stepped_at(  # type: ignore[no-untyped-def]  # pragma: no cover
     values,
     at,
     extra,
     grads,
+    alpha,
     powers_1,
     powers_2,
     learning_rate,
@@ -283,14 +247,20 @@ def _stepped_tabled(  # type: ignore[no-untyped-def]  # pragma: no cover
     rows,
     items,
 ):
-    """`_stepped_at` with each row's alpha computed in the pass: its new step's powers
-    looked up in `powers_1`/`powers_2` (beta_1**t and beta_2**t for whole t below their
-    lengths: `_power_table`), then `finish`'s numpy expression, the same float32
-    operations in the same order (the same bits). Returns -1 when every row is done,
-    else the first row whose new step the tables do not hold (that row and those after
-    it are not written: the caller takes the general path)."""
+    """`_next_slots` then `_moved` on items (a row, m, v, step) read where they are:
+    `values[at[i]]`, or `extra[-1 - at[i]]` where at[i] < 0; the same float32 operations
+    in the same order (the same bits), one pass. The new items go to `items`, the new
+    rows also to `rows` (what the push's answer sends).
+
+    Row i's `alpha` is `alpha[i]`; with `alpha` empty the pass computes it: its new
+    step's powers looked up in `powers_1`/`powers_2` (beta_1**t and beta_2**t for whole
+    t below their lengths: `_power_table`), then `finish`'s numpy expression, the same
+    float32 operations in the same order. Returns -1 when every row is done, else the
+    first row whose new step the tables do not hold (that row and those after it are not
+    written: the caller computes `alpha` and passes it)."""
     dim = grads.shape[1]
     n = at.shape[0]
+    given = alpha.shape[0] > 0
     size_1 = powers_1.shape[0]
     size_2 = powers_2.shape[0]
     one = np.float32(1)
@@ -300,10 +270,13 @@ def _stepped_tabled(  # type: ignore[no-untyped-def]  # pragma: no cover
         p = at[i]
         src = values[p] if p >= 0 else extra[-1 - p]
         t = src[3 * dim] + one
-        if not (t >= 0 and t < size_1 and t < size_2) or t != np.floor(t):  # NaN: not >= 0
-            return i
-        k = np.intp(t)
-        a = learning_rate * np.sqrt(one - powers_2[k]) / (one - powers_1[k])
+        if given:
+            a = alpha[i]
+        else:
+            if not (t >= 0 and t < size_1 and t < size_2) or t != np.floor(t):  # NaN: no
+                return i
+            k = np.intp(t)
+            a = learning_rate * np.sqrt(one - powers_2[k]) / (one - powers_1[k])
         g = grads[i]
         w = src[:dim]
         m = src[dim : 2 * dim]
@@ -397,10 +370,15 @@ class Adam:
         # pass over the items instead of two, and no numpy calls per row's alpha
         powers_1 = _power_table(float(_F32(c.beta_1)), 1)
         powers_2 = _power_table(float(_F32(c.beta_2)), 1)
+        constants = (
+            _F32(c.learning_rate),
+            _F32(1 - c.beta_1),
+            _F32(1 - c.beta_2),
+            _F32(c.epsilon),
+        )
         # fmt: off
-        if _stepped_tabled(
-            values, at, extra, grads, powers_1, powers_2, _F32(c.learning_rate),
-            _F32(1 - c.beta_1), _F32(1 - c.beta_2), _F32(c.epsilon), rows, items,
+        if _stepped_at(
+            values, at, extra, grads, _EMPTY, powers_1, powers_2, *constants, rows, items
         ) < 0:
             return rows, items
         # fmt: on
@@ -411,16 +389,5 @@ class Adam:
         beta_1_power = _beta_powers(c.beta_1, t)
         beta_2_power = _beta_powers(c.beta_2, t)
         alpha = _F32(c.learning_rate) * np.sqrt(_F32(1) - beta_2_power) / (_F32(1) - beta_1_power)
-        _stepped_at(
-            values,
-            at,
-            extra,
-            grads,
-            alpha,
-            _F32(1 - c.beta_1),
-            _F32(1 - c.beta_2),
-            _F32(c.epsilon),
-            rows,
-            items,
-        )
+        _stepped_at(values, at, extra, grads, alpha, _EMPTY, _EMPTY, *constants, rows, items)
         return rows, items
