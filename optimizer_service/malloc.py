@@ -25,8 +25,8 @@ free at the heap's top: free() gave it back and the next push faulted it in agai
 
 Each trim gives back the pushes' working set too (their temporaries, freed between
 pushes), and the pushes after it fault it in again. Every 2 s (until session 35), that
-was ~140 minor faults a push at the demo's shape (~560 KB of pages zeroed again), ~1 ms
-of system time in a replica's ~18 ms a push; every 30 s it is one such burst per ~900
+was 106-179 minor faults a push at the demo's shape (~0.4-0.7 MB of pages zeroed again),
+0.5-0.9 ms of a replica's system time a push; every 30 s it is one such burst per ~900
 pushes. The holes that trims are for grow ~600 bytes a push (docs/guarantees.md):
 ~0.5 MB in 30 s; the 2-minute soak's RSS grew 0.2 % after warm-up.
 """
