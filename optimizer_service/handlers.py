@@ -193,7 +193,7 @@ async def post_dense_init(request: web.Request) -> web.Response:
     """First writer wins: every trainer starts from the same dense weights."""
     _replica0(request, "POST /v1/dense/init")
     try:
-        obj = unpack(await request.read())
+        obj = unpack(await _body(request))
         if (
             not isinstance(obj, dict)
             or set(obj) != {"params"}
