@@ -82,19 +82,45 @@ async def test_create_false_writes_nothing(store: EmbeddingStore) -> None:
     assert not found.any()
 
 
-async def test_lost_add_race_rereads_the_winner(config, store: EmbeddingStore) -> None:
-    """A trainer whose `add` loses to another writer returns the winner's row."""
+@pytest.fixture(params=["inline", "thread"])
+def in_order(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a creating lookup puts its rows in order: after its adds, or in a thread
+    while they are in flight (every batch, whatever its size)."""
+    import lookup_table.store
+
+    monkeypatch.setattr(
+        lookup_table.store, "_OVERLAP_FLOATS", 1 << 62 if request.param == "inline" else 0
+    )
+    return str(request.param)
+
+
+async def test_lost_add_race_rereads_the_winner(config, store: EmbeddingStore, in_order) -> None:
+    """A trainer whose `add` loses to another writer returns the winner's row; the rows it
+    did create, and the existing ones, come back in the ids' order with duplicates."""
+    spec = config.table("user")
     ids = np.arange(100, 200, dtype=np.int64)
-    winner = np.full((100, 16), 7.0, dtype=np.float32)
+    old = ids[:20]
+    stored = np.random.default_rng(5).standard_normal((20, 16)).astype(np.float32)
+    await store.set("user", old, stored)
+    won = ids[20::2]  # another writer creates half of the new rows between read and add
+    winner = np.full((won.shape[0], 16), 7.0, dtype=np.float32)
 
     class RacingStore(EmbeddingStore):
         async def add(self, table, ids, values, *, kind="w", unique=False):  # type: ignore[no-untyped-def]
-            await store.set(table, ids, winner[: len(ids)])  # another writer gets there first
+            await store.set(table, won, winner)  # another writer gets there first
             return await super().add(table, ids, values, kind=kind, unique=unique)
 
+    asked = np.random.default_rng(6).permutation(np.concatenate([ids, ids[::3]]))
     async with RacingStore(config) as racer:
-        rows = await racer.lookup("user", ids)
-    np.testing.assert_array_equal(rows, winner)
+        rows = await racer.lookup("user", asked)
+        assert racer.created == {"user": 40}
+    expected = {int(i): r for i, r in zip(old, stored, strict=True)}
+    expected |= {int(i): r for i, r in zip(won, winner, strict=True)}
+    mine = ids[21::2]
+    fresh = initial_rows(spec.initializer, seed=spec.seed, ids=mine, dim=16)
+    expected |= {int(i): r for i, r in zip(mine, fresh, strict=True)}
+    np.testing.assert_array_equal(rows, np.stack([expected[int(i)] for i in asked]))
+    np.testing.assert_array_equal(await store.lookup("user", asked, create=False), rows)
 
 
 async def test_concurrent_trainers_agree(config, store: EmbeddingStore) -> None:
