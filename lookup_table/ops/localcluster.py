@@ -31,6 +31,7 @@ __all__ = [
     "MemcachedProcess",
     "free_port",
     "hashpower_for",
+    "local_threads",
     "memcached_binary",
     "memcached_options",
     "start_memcached",
@@ -69,6 +70,26 @@ SMALL_ITEM_BYTES = 256
 # ms (benchmarks/push_replay.py, 3 alternating pairs; docs/operations.md). 100x, not
 # more: memcached keeps that age in 32 bits, and 100x a year's COLD age still fits.
 LRU_OPTIONS = "hot_lru_pct=70,warm_lru_pct=5,hot_max_factor=100,warm_max_factor=100"
+
+
+def local_threads(nodes: int) -> int:
+    """memcached's `-t` (worker threads) for each of `nodes` nodes sharing this machine
+    with the replicas and trainers: half of the usable cores split between the nodes, at
+    least 1, at most 4.
+
+    A node's worker threads share its hash table's and LRU's locks; where they outnumber
+    the cores the node can have, they wait on each other instead of working. On a
+    2-core machine with 2 nodes (the demo's), -t 1 instead of 2 took memcached's CPU a push
+    from 3.9 / 3.6 to 3.2 / 3.1 ms (benchmarks/push_replay.py, 2 alternating pairs) and a
+    train.py step from 6.5 / 7.1 to 5.7 / 5.7 ms for both nodes (2 alternating pairs);
+    `store.py` read 65,536 rows the same within its noise. A dedicated memcached host
+    takes `-t` about its cores (deploy/systemd/memcached.env, deploy/k8s).
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores // (2 * max(1, nodes))))
 
 
 def memcached_options(memory_mb: int) -> str:
@@ -170,6 +191,7 @@ class MemcachedProcess:
     memory_mb: int
     extra_args: Sequence[str] = ()
     log_path: Path | None = None
+    threads: int = 1  # -t: `local_threads` for the nodes of a local cluster
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _temporary_log: bool = field(default=False, repr=False)
 
@@ -196,7 +218,7 @@ class MemcachedProcess:
             "-c",
             "4096",
             "-t",
-            "2",
+            str(self.threads),
             "-R",
             str(REQUESTS_PER_EVENT),
             "-o",
@@ -276,6 +298,7 @@ def start_memcached(
     extra_args: Sequence[str] = (),
     log_path: Path | None = None,
     attempts: int = 5,
+    threads: int = 1,
 ) -> MemcachedProcess:
     """Start one memcached with `-M`; with no port, pick a free one (retrying if taken)."""
     last: Exception | None = None
@@ -286,6 +309,7 @@ def start_memcached(
             memory_mb=memory_mb,
             extra_args=extra_args,
             log_path=log_path,
+            threads=threads,
         )
         try:
             server.start()
@@ -302,7 +326,9 @@ def memcached_cluster(count: int, *, memory_mb: int = 64) -> Iterator[list[Memca
     try:
         for _ in range(count):
             # one at a time, so the ones started are stopped if a later one fails
-            servers.append(start_memcached(memory_mb=memory_mb))  # noqa: PERF401
+            servers.append(  # noqa: PERF401
+                start_memcached(memory_mb=memory_mb, threads=local_threads(count))
+            )
         yield servers
     finally:
         for server in servers:
@@ -447,6 +473,8 @@ def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
 
     config = load_config(config_path)
     run_dir.mkdir(parents=True, exist_ok=True)
+    local = [node for node in config.memcached if node.host in _LOCAL_HOSTS]
+    threads = local_threads(len(local))
     for node in config.memcached:
         pid_path, log_path = _node_files(run_dir, node.address)
         pid = _read_pid(pid_path)
@@ -464,7 +492,7 @@ def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
             )
             return 1
         server = MemcachedProcess(
-            host=node.host, port=node.port, memory_mb=memory_mb, log_path=log_path
+            host=node.host, port=node.port, memory_mb=memory_mb, log_path=log_path, threads=threads
         )
         try:
             server.start()
@@ -474,6 +502,7 @@ def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
         pid_path.write_text(f"{server.pid}\n")
         print(
             f"memcached {node.address}: started (pid {server.pid}, {memory_mb} MiB, -M, "
+            f"-t {threads}, "
             f"log {log_path})"
         )
     states = asyncio.run(init_cluster(config))

@@ -16,6 +16,7 @@ from lookup_table.ops.localcluster import (
     _server_pid,
     free_port,
     hashpower_for,
+    local_threads,
     start_memcached,
 )
 from tests.conftest import assert_lru_options, memcached_settings
@@ -91,13 +92,25 @@ def test_up_twice_status_down_leaves_no_process(tmp_path: Path) -> None:
 @pytest.mark.timeout(30)
 def test_local_nodes_run_without_eviction_and_serve_whole_pipelines() -> None:
     """The command line a local node really runs with (memcached's own `stats settings`)."""
-    node = MemcachedProcess(host="127.0.0.1", port=free_port(), memory_mb=16)
+    node = MemcachedProcess(host="127.0.0.1", port=free_port(), memory_mb=16, threads=3)
     settings = memcached_settings(node.command(), node.port)
     assert settings["evictions"] == "off"  # -M
+    assert settings["num_threads"] == "3"
     assert settings["reqs_per_event"] == str(REQUESTS_PER_EVENT)
     assert settings["udpport"] == "0"
     assert settings["hashpower_init"] == str(hashpower_for(16))
     assert_lru_options(settings)
+
+
+@pytest.mark.parametrize(
+    ("cores", "nodes", "threads"),
+    [(1, 1, 1), (2, 2, 1), (2, 1, 1), (4, 2, 1), (8, 2, 2), (16, 2, 4), (64, 2, 4), (8, 0, 4)],
+)
+def test_local_nodes_get_half_the_cores_between_them(
+    monkeypatch: pytest.MonkeyPatch, cores: int, nodes: int, threads: int
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    assert local_threads(nodes) == threads
 
 
 def test_a_node_removes_its_temporary_log_when_stopped_and_keeps_a_given_one(
