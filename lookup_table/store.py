@@ -373,8 +373,9 @@ _OVERLAP_FLOATS = 1 << 18
 """From this many floats, a lookup that creates rows puts them in the caller's order in a
 thread while its adds are in flight (`_in_order_during`). `benchmarks/store.py`, 65,536 ids
 with 10 % new (1M floats at dim 16): the gather took 1-4 ms after the adds' round trip,
-on the critical path; beside it, the mixed lookup took 2.5-5 ms less. Below, a thread's
-start costs about what it saves."""
+on the critical path; beside it, the mixed lookup took 2.5-5 ms less. The bound is the
+service's for its optimizer steps (`optimizer_service.updater._OFFLOAD_FLOATS`); smaller
+gathers were not measured here and stay inline, as before."""
 
 
 def _in_order(

@@ -158,6 +158,19 @@ async def store(config: ClusterConfig) -> AsyncIterator[EmbeddingStore]:
         yield s
 
 
+@pytest.fixture(params=["inline", "thread"])
+def in_order(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a creating lookup puts its rows in the ids' order: after its adds, or in
+    a thread while they are in flight (`lookup_table.store._OVERLAP_FLOATS`), for every
+    batch whatever its size."""
+    import lookup_table.store
+
+    monkeypatch.setattr(
+        lookup_table.store, "_OVERLAP_FLOATS", 1 << 62 if request.param == "inline" else 0
+    )
+    return str(request.param)
+
+
 @contextlib.contextmanager
 def raw_client(address: str) -> Iterator[SyncClient]:
     """A plain pymemcache client of one node, to look at what is really stored.

@@ -82,18 +82,6 @@ async def test_create_false_writes_nothing(store: EmbeddingStore) -> None:
     assert not found.any()
 
 
-@pytest.fixture(params=["inline", "thread"])
-def in_order(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both ways a creating lookup puts its rows in order: after its adds, or in a thread
-    while they are in flight (every batch, whatever its size)."""
-    import lookup_table.store
-
-    monkeypatch.setattr(
-        lookup_table.store, "_OVERLAP_FLOATS", 1 << 62 if request.param == "inline" else 0
-    )
-    return str(request.param)
-
-
 async def test_lost_add_race_rereads_the_winner(config, store: EmbeddingStore, in_order) -> None:
     """A trainer whose `add` loses to another writer returns the winner's row; the rows it
     did create, and the existing ones, come back in the ids' order with duplicates."""

@@ -375,19 +375,12 @@ async def test_batches_over_max_batch_keys_are_split_each_with_its_sentinel(
 # ------------------------------------------------------------------ creation semantics
 
 
-@pytest.mark.parametrize("overlap_floats", [1 << 62, 0], ids=["inline", "thread"])
 async def test_lookup_many_creates_like_lookup_and_rereads_lost_races(
-    config: ClusterConfig,
-    store: EmbeddingStore,
-    monkeypatch: pytest.MonkeyPatch,
-    overlap_floats: int,
+    config: ClusterConfig, store: EmbeddingStore, in_order: str
 ) -> None:
     """A trainer whose adds lose to another writer returns the winner's rows, per table,
     and counts only the rows it created: with the rows put in order after the adds, or in a
-    thread while they are in flight."""
-    import lookup_table.store
-
-    monkeypatch.setattr(lookup_table.store, "_OVERLAP_FLOATS", overlap_floats)
+    thread while they are in flight (`in_order`)."""
     user, words = np.arange(100, 200, dtype=np.int64), [f"r{i}" for i in range(40)]
     winner_user = np.full((50, 16), 7.0, dtype=np.float32)  # the other writer got half
     winner_word = np.full((40, 8), 9.0, dtype=np.float32)  # and every word
