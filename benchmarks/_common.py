@@ -344,6 +344,20 @@ def memcached_counters(addresses: Sequence[str]) -> dict[str, int]:
     return total
 
 
+def memcached_work(per_step: Mapping[str, float], cpu_ms: float, unit: str = "step") -> str:
+    """memcached's key operations per `unit` (`stats` deltas summed over the nodes, as
+    `cpu_usage` gives them) and its CPU per key operation: the figure that says whether
+    the same work cost memcached more in one run than in another, whatever else changed."""
+    ops = per_step.get("cmd_get", 0.0) + per_step.get("cmd_set", 0.0)
+    per_op = f"{cpu_ms * 1e3 / ops:.2f} us" if ops else "n/a"
+    return (
+        f"memcached, all nodes, per {unit}: {per_step.get('cmd_get', 0.0):,.0f} keys read "
+        f"({per_step.get('get_misses', 0.0):,.0f} missing), {per_step.get('cmd_set', 0.0):,.0f} "
+        f"written, {per_step.get('bytes_read', 0.0) / 1e6:.2f} MB received; "
+        f"its CPU per key operation {per_op}"
+    )
+
+
 def cpu_snapshot(pids: Mapping[str, int], nodes: Sequence[str] = ()) -> dict[str, Any]:
     return {
         "time": time.perf_counter(),

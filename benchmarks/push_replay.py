@@ -33,10 +33,15 @@ With `--replicas N` the rows are split between N replicas (their hash partitions
 a push costs the service as a whole when each replica gets its share of every table.
 
 Printed: CPU ms per push of the replica(s) and of each memcached node (utime + stime from
-/proc over the timed pushes), the client's own CPU (not infrastructure), and the ratio
-tables / one table. With `benchmarks/results/train.json` present (`train.py`), the
-infrastructure CPU per push is also shown against that run's trainer CPU per step (the
-issue's figure, from another run: an estimate). Results go to
+/proc over the timed pushes), the client's own CPU (not infrastructure), the ratio
+tables / one table, and memcached's key operations per push (`stats` of the nodes over the
+same pushes) with its CPU per key operation. `train.py` prints the same line: the same
+operations cost memcached 1.0-1.9 us each in training within one hour of one machine
+(session 37) against 1.05-1.2 here, so the line tells which phase of the machine a run
+saw. With
+`benchmarks/results/train.json` present (`train.py`), the infrastructure CPU per push is
+also shown against that run's trainer CPU per step (the issue's figure, from another run:
+an estimate). Results go to
 `<out-dir>/push_replay.json` (default `benchmarks/results/`).
 """
 
@@ -64,6 +69,7 @@ from _common import (
     cpu_usage,
     local_cluster,
     machine_info,
+    memcached_work,
     report_head,
     write_json,
 )
@@ -120,6 +126,7 @@ async def replay(
     config = load_config(config_path)
     rng = np.random.default_rng(0)
     pids = {**cluster_pids(run_dir), "client": os.getpid()}
+    nodes = list(config.node_addresses)
     start: dict[str, Any] = {}
     async with OptimizerClient(config) as client, EmbeddingStore(config) as store:
         reader = RowReader(store, client)
@@ -130,7 +137,7 @@ async def replay(
         previous: Batch = {}
         for i, batch in enumerate(batches):
             if i == warmup:
-                start = cpu_snapshot(pids)
+                start = cpu_snapshot(pids, nodes)
             reads = {
                 name: np.setdiff1d(ids, previous.get(name, ids[:0]), assume_unique=True)
                 for name, ids in batch.items()
@@ -147,13 +154,14 @@ async def replay(
             }
             await client.push(tables, dense=dense, answer=("rows", "dense"))
             previous = batch
-        usage = cpu_usage(start, cpu_snapshot(pids), len(batches) - warmup)
+        usage = cpu_usage(start, cpu_snapshot(pids, nodes), len(batches) - warmup)
     out: dict[str, float] = dict(usage["cpu_ms_per_step"])
     out["optimizer-0"] = out["optimizer"]  # `optimizer`: all the replicas together
     out["optimizer"] = sum(v for k, v in out.items() if k.startswith("optimizer-"))
     out["memcached"] = sum(v for k, v in out.items() if k.startswith("memcached-"))
     out["infrastructure"] = out["optimizer"] + out["memcached"]
     out["other_processes_share"] = usage["other_processes_share"]
+    out.update({f"memcached_{k}": v for k, v in usage["memcached_per_step"].items()})
     return out
 
 
@@ -238,6 +246,13 @@ def main() -> None:
         )
     per_table = tables["infrastructure"] / one["infrastructure"]
     print(f"tables / one table, infrastructure CPU: {per_table:.2f}")
+    for case in CASES:
+        counters = {
+            k.removeprefix("memcached_"): v
+            for k, v in median[case].items()
+            if k.startswith("memcached_")
+        }
+        print(f"{case}: {memcached_work(counters, median[case]['memcached'], 'push')}")
     trainer = trainer_cpu_ms(args.out_dir / "train.json")
     if trainer is not None:
         cpu, when = trainer

@@ -71,7 +71,8 @@ so a thread's figures are wall time, not CPU time; `waiting_ms_per_step` counts
 the samples spent in an idle event loop or waiting on another thread.
 
 The memcached nodes' `stats` counters (keys read and written, bytes in and out)
-are read at the same two points as the CPU times: key operations per step.
+are read at the same two points as the CPU times: key operations per step, printed with
+memcached's CPU per key operation (the same line as `push_replay.py`'s).
 
 `--mode sync` (no prefetch, each step waits for its push: no staleness) and
 `--pushes-in-flight N` change the distributed side only, to measure what
@@ -129,6 +130,7 @@ from _common import (
     cpu_usage,
     local_cluster,
     machine_info,
+    memcached_work,
     quiet_options,
     report_head,
     service_log_errors,
@@ -582,6 +584,11 @@ def summarize(
                 r["cpu"]["other_processes_share"] for r in rs
             ),
         }
+        memcached = [c for r in rs if (c := r["cpu"].get("memcached_per_step"))]
+        if memcached:
+            out[m]["memcached_per_step"] = {
+                k: statistics.median(c[k] for c in memcached) for k in memcached[0]
+            }
     ratio = out["distributed"]["examples_per_s"] / out["local"]["examples_per_s"]
     # rounds are ABBA: pair the k-th local round used with the k-th distributed one
     paired = statistics.median(
@@ -652,14 +659,24 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
         f"{summary['reference_auc_hidden_model']:.4f}",
         "",
         "distributed CPU ms/step: "
-        + ", ".join(f"{k} {v:.0f}" for k, v in summary["distributed"]["cpu_ms_per_step"].items())
-        + f" (total {summary['distributed']['total_cpu_ms_per_step']:.0f} over "
+        + ", ".join(f"{k} {v:.1f}" for k, v in summary["distributed"]["cpu_ms_per_step"].items())
+        + f" (total {summary['distributed']['total_cpu_ms_per_step']:.1f} over "
         f"{summary['distributed']['step_ms_median']:.0f} ms wall, {os.cpu_count()} cores)",
+        *memcached_lines(summary["distributed"]),
         f"infrastructure (service + memcached) CPU / trainer CPU: "
         f"{summary['infrastructure_cpu_per_trainer_cpu']:.2f}  target <= {TARGET_INFRA_SHARE}: "
         f"{'met' if ok[3] else 'NOT MET'}",
     ]
     return "\n".join(lines)
+
+
+def memcached_lines(side: Mapping[str, Any]) -> list[str]:
+    """The memcached line of a method's summary (`memcached_work`), if it has counters."""
+    per_step = side.get("memcached_per_step")
+    if not per_step:
+        return []
+    cpu = sum(v for k, v in side["cpu_ms_per_step"].items() if k.startswith("memcached-"))
+    return [memcached_work(per_step, cpu)]
 
 
 def _smooth(values: Sequence[float], window: int) -> Any:
