@@ -38,11 +38,10 @@ tables / one table, and memcached's key operations per push (`stats` of the node
 same pushes) with its CPU per key operation. `train.py` prints the same line: the same
 operations cost memcached 1.0-1.9 us each in training within one hour of one machine
 (session 37) against 1.05-1.2 here, so the line tells which phase of the machine a run
-saw. With
-`benchmarks/results/train.json` present (`train.py`), the infrastructure CPU per push is
-also shown against that run's trainer CPU per step (the issue's figure, from another run:
-an estimate). Results go to
-`<out-dir>/push_replay.json` (default `benchmarks/results/`).
+saw. With `benchmarks/results/train.json` present (`train.py`), the infrastructure CPU
+per push is also shown against that run's trainer CPU per step (the issue's figure, from
+another run: an estimate). Results go to `<out-dir>/push_replay.json` (default
+`benchmarks/results/`).
 """
 
 from __future__ import annotations
