@@ -12,12 +12,12 @@ same `SyntheticSource` batches (seed 0, batch 1024, eval fraction 0.2) two ways:
 
 * `local`: plain Keras in this process. Each categorical column gets its own
   `keras.layers.Embedding(100_000, 16)` (26 tables of 100k rows: what fits a
-  single machine's Keras baseline); a column's int64 ids enter as `id mod 100_000` (`keras.ops.mod` inside
-  the model). The synthetic ids already are the output of a bijective 64-bit mix,
-  so the residue is a fixed hash; ids that collide share a row. Two Keras `Adam`
-  optimizers, as the cluster file has them: learning rate 0.01 on the embedding
-  tables, 0.001 on the dense weights (beta_1 0.9, beta_2 0.999, epsilon 1e-7 on
-  both sides). Keras 3's Adam updates every row of every table each step (m, v and
+  single machine's Keras baseline); a column's int64 ids enter as `id mod 100_000`
+  (`keras.ops.mod` inside the model). The synthetic ids already are the output of a
+  bijective 64-bit mix, so the residue is a fixed hash; ids that collide share a
+  row. Two Keras `Adam` optimizers, as the cluster file has them: learning rate 0.01
+  on the embedding tables, 0.001 on the dense weights (beta_1 0.9, beta_2 0.999,
+  epsilon 1e-7 on both sides). Keras 3's Adam updates every row of every table each step (m, v and
   the row move even for ids not in the batch); the service's Adam touches only the
   rows of the push, with a per-row step. The train step is one `tf.function`
   (forward, backward, both `apply_gradients`); each step's numpy batch is turned
