@@ -33,8 +33,8 @@ order alternates), after an untimed warm-up that also checks that the service's
 update equals `optimizer.update` on the rows and slots read just before, bit for
 bit. `gc.collect()` runs before each timed call. Figures are medians of the
 rounds; the ratio is http rows/s / inprocess rows/s, within one run
-(PERF-NOTES.md: absolute figures vary 15-30% between runs). The issue's target
-is a ratio >= 0.8. The replica's row cache is off (`--cache-mb` turns it on): every
+(absolute figures vary 15-30% between runs on a shared machine). The target is a
+ratio >= 0.8. The replica's row cache is off (`--cache-mb` turns it on): every
 round pushes the same ids, which it would serve without the reads the baseline makes.
 
 The service's own `lookup_table_push_latency_seconds` histogram (time inside
@@ -465,7 +465,7 @@ def cpu_snapshot() -> tuple[float, float, float]:
     """(wall s, CPU s busy on the whole machine, CPU s of this process and its reaped children).
 
     Other processes' share of the run, (busy - ours) / (wall * nproc), says how
-    much the figures were disturbed (PERF-NOTES.md: they vary 15-30% anyway).
+    much the figures were disturbed (they vary 15-30% between runs anyway).
     """
     busy = machine_busy_s()
     ours = 0.0

@@ -36,11 +36,11 @@ Printed: CPU ms per push of the replica(s) and of each memcached node (utime + s
 /proc over the timed pushes), the client's own CPU (not infrastructure), the ratio
 tables / one table, and memcached's key operations per push (`stats` of the nodes over the
 same pushes) with its CPU per key operation. `train.py` prints the same line: the same
-operations cost memcached 1.0-1.9 us each in training within one hour of one machine
-(session 37) against 1.05-1.2 here, so the line tells which phase of the machine a run
-saw. With `benchmarks/results/train.json` present (`train.py`), the infrastructure CPU
-per push is also shown against that run's trainer CPU per step (the issue's figure, from
-another run: an estimate). Results go to `<out-dir>/push_replay.json` (default
+operations have cost memcached 1.0-1.9 us each in training within one hour on one
+machine, against 1.05-1.2 here, so the line tells which phase of the machine a run saw.
+With `benchmarks/results/train.json` present (`train.py`), the infrastructure CPU per push
+is also shown against that run's trainer CPU per step (the infrastructure/trainer ratio,
+from another run: an estimate). Results go to `<out-dir>/push_replay.json` (default
 `benchmarks/results/`).
 """
 

@@ -34,7 +34,7 @@ All six run on the same process, cluster and keys, interleaved round by round
 (the order rotates each round), after one untimed warm-up round that also checks
 that the three readers return identical rows. `gc.collect()` runs before each
 timed call. Figures are medians of the rounds; ratios are taken within one run
-(PERF-NOTES.md: absolute figures vary 15-30% between runs). `mixed/lookup` and
+(absolute figures vary 15-30% between runs on a shared machine). `mixed/lookup` and
 `mixed_eval/lookup` compare the mixed batches with the all-existing one of the
 same size (target >= 0.9: new rows in a batch should cost little more than
 their share of the adds).
@@ -48,7 +48,7 @@ overhead left to win", not "faster than possible".
 
 A multi-table section times a training step's shape: 26 tables of dim 16 (the
 demo model's), 400 unique random int64 ids each (10,400 rows, about a step's
-unique ids, PERF-NOTES.md), read two ways in the same run, interleaved:
+unique ids), read two ways in the same run, interleaved:
 
 * `many`: `await store.lookup_many({table: ids})`: one request per node for
   every table.

@@ -11,13 +11,13 @@ The same model (`trainer.models.build_model("mlp")`: 26 embeddings of dim 16, th
 same `SyntheticSource` batches (seed 0, batch 1024, eval fraction 0.2) two ways:
 
 * `local`: plain Keras in this process. Each categorical column gets its own
-  `keras.layers.Embedding(100_000, 16)` (PERF-NOTES.md: "26 x Embedding(100k,
-  16)"); a column's int64 ids enter as `id mod 100_000` (`keras.ops.mod` inside
-  the model). The synthetic ids already are the output of a bijective 64-bit mix,
-  so the residue is a fixed hash; ids that collide share a row. Two Keras `Adam`
-  optimizers, as the cluster file has them: learning rate 0.01 on the embedding
-  tables, 0.001 on the dense weights (beta_1 0.9, beta_2 0.999, epsilon 1e-7 on
-  both sides). Keras 3's Adam updates every row of every table each step (m, v and
+  `keras.layers.Embedding(100_000, 16)` (26 tables of 100k rows: what fits a
+  single machine's Keras baseline); a column's int64 ids enter as `id mod 100_000`
+  (`keras.ops.mod` inside the model). The synthetic ids already are the output of a
+  bijective 64-bit mix, so the residue is a fixed hash; ids that collide share a
+  row. Two Keras `Adam` optimizers, as the cluster file has them: learning rate 0.01
+  on the embedding tables, 0.001 on the dense weights (beta_1 0.9, beta_2 0.999,
+  epsilon 1e-7 on both sides). Keras 3's Adam updates every row of every table each step (m, v and
   the row move even for ids not in the batch); the service's Adam touches only the
   rows of the push, with a per-row step. The train step is one `tf.function`
   (forward, backward, both `apply_gradients`); each step's numpy batch is turned
@@ -145,7 +145,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 PACKAGES = ("lookup_table", "optimizer_service", "trainer")  # whose source files `code` hashes
 
-VOCABULARY = 100_000  # rows per local Keras table (PERF-NOTES.md)
+VOCABULARY = 100_000  # rows per local Keras table
 EMBEDDING_LR = 0.01  # deploy/demo.toml: C1..C26 Adam 0.01
 DENSE_LR = 0.001  # deploy/demo.toml: [optimizer] Adam 0.001
 TARGET_RATIO = 1.0

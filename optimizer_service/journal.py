@@ -105,12 +105,11 @@ MAX_JOURNAL_SLOTS = 64  # config.MAX_ROW_FLUSH_PUSHES + JOURNAL_SLOTS
 JOURNAL_CHUNK_BYTES = 1024 * 1024 - 8 * 1024
 # Above this many bytes of ids and gradients, a journal's start is encoded in a thread:
 # its packing and CRC then take a few ms, which the loop spends on other work. Below, a
-# thread's handoff and GIL contention cost more than they free (measured in session 9 on
-# the journal of that time, which also hashed the rows: at the demo's 1.3 MB a push,
-# encoding inline took 3 ms less replica CPU a step, 3 of 3 runs).
+# thread's handoff and GIL contention cost more than they free (at ~1.3 MB a push,
+# encoding inline cost the replica ~3 ms less CPU a step than a thread did).
 _OFFLOAD_JOURNAL_BYTES = 2 << 20
 # A start smaller than this is not written by itself: it goes with the end, in the header
-# (one `set` for a small push, as before), when the two fit in one item.
+# (one `set` for a small push), when the two fit in one item.
 _START_ALONE_BYTES = 64 << 10
 _HEADER_ROOM = 1024  # the header's own fields, besides the tail it carries
 
@@ -272,8 +271,9 @@ class Journal:
         push_id = header["push_id"]
         where = f"journal slot {slot} of replica {self.replica} (push {push_id})"
         body = header.get("body")
-        # a body in the header is one item with it (written whole): since session 35 its
-        # header has no checksum (crc32 None); chunks joined always have one
+        # a body in the header is one item with it, which memcached stores whole: it
+        # needs no checksum (crc32 None; older journals carry one, still checked);
+        # chunks joined always have one
         crc = header["crc32"]
         if body is None:
             ids = [self._id(slot, i) for i in range(int(header["chunks"]))]
@@ -561,8 +561,8 @@ def encode_journal(
     `_encode_behind_all` writes them (`step_slots`: each table's step column, None or
     absent: its values; tables of one dim journaled by steps as one group). Without,
     the formats of older services: the plan's `steps` when it has them (with the hashes
-    of the items before the push: sessions 8-10), else its updates: their new values
-    (when they have no gradients), or their new values' hashes (before session 8).
+    of the items before the push), else its updates: their new values (when they have
+    no gradients), or their new values' hashes (the oldest format).
     """
     if seq is not None:
         tables = _encode_behind_all(plan.updates, step_slots or {})

@@ -24,9 +24,9 @@ free at the heap's top: free() gave it back and the next push faulted it in agai
 ~11,500 minor faults and 86 -> 108 ms a push.)
 
 Each trim gives back the pushes' working set too (their temporaries, freed between
-pushes), and the pushes after it fault it in again. Every 2 s (until session 35), that
-was 106-179 minor faults a push at the demo's shape (~0.4-0.7 MB of pages zeroed again),
-0.5-0.9 ms of a replica's system time a push; every 30 s it is one such burst per ~900
+pushes), and the pushes after it fault it in again: at the demo's shape 106-179 minor
+faults (~0.4-0.7 MB of pages zeroed again, 0.5-0.9 ms of system time) after each trim.
+A trim every 2 s would pay that every few pushes; every 30 s it is one burst per ~900
 pushes. The holes that trims are for grow ~600 bytes a push (docs/guarantees.md):
 ~0.5 MB in 30 s; the 2-minute soak's RSS grew 0.2 % after warm-up.
 """

@@ -1,6 +1,6 @@
 """How the service answers: a msgpack map on success, JSON `{"error": ...}` on failure.
 
-DESIGN.md "Wire protocol": errors are JSON so they read well in curl and logs.
+Errors are JSON so they read well in curl and logs (docs/service.md).
 """
 
 from __future__ import annotations

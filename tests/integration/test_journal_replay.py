@@ -172,7 +172,7 @@ def test_a_small_journal_is_one_item_and_a_big_one_is_chunked() -> None:
 
 
 def test_an_older_format_journal_holds_each_tables_own_old_hashes() -> None:
-    """The format of sessions 8-10, with tables of several row and slot widths: each
+    """The older format of old hashes, with tables of several row and slot widths: each
     table's journaled hashes are `value_hashes` of its own rows and slots."""
     from optimizer_service.journal import encode_journal
     from optimizer_service.plan import TableStep
@@ -266,8 +266,8 @@ async def test_a_replay_of_an_expired_rows_push_starts_from_fresh_slots_as_the_p
 async def test_a_journal_of_an_older_service_still_replays(
     memcached_nodes: list[str], aiohttp_server: Any, older: str, holds: bytes, lacks: bytes
 ) -> None:
-    """Journals of older services, one body each: before session 8 the hashes of the new
-    rows and slots (recompute the items that do not have them), in sessions 8-10 the hash
+    """Journals of older services, one body each: the oldest format has the hashes of the
+    new rows and slots (recompute the items that do not have them), the next one the hash
     of each item before the push (recompute the items that still have it). A replica of
     this version finishes either push, and steps no item twice."""
     from optimizer_service.plan import TableStep

@@ -651,4 +651,4 @@ def test_lifecycle_keys_and_their_defaults() -> None:
     with_ttl = parse_config(minimal(tables=[one]), env={})
     assert with_ttl.tables[0].counter_ttl_s == 7  # derived: a counter lives as long as a row
     plain = parse_config(minimal(tables=[{"name": "e", "dim": 1}]), env={})
-    assert (plain.tables[0].ttl_s, plain.tables[0].admit_after) == (None, 1)  # as before
+    assert (plain.tables[0].ttl_s, plain.tables[0].admit_after) == (None, 1)  # the defaults

@@ -983,7 +983,7 @@ def test_build_mg_quiet_with_a_ttl_sends_the_t_flag_before_the_token() -> None:
     assert build_mg_quiet(matrix, first=1, total=12, exptime=90) == (
         b"mg k1 T90 v q O01\r\nmg k2 T90 v q O02\r\n"
     )
-    assert build_mg_quiet([b"k1"], exptime=0) == b"mg k1 v q O0\r\n"  # no TTL: as before
+    assert build_mg_quiet([b"k1"], exptime=0) == b"mg k1 v q O0\r\n"  # no TTL: no T flag
 
 
 def test_build_ma_count() -> None:
