@@ -104,7 +104,14 @@ def make_app(
     )
     app[CONFIG] = config
     app[REPLICA] = replica
-    app[METRICS] = ServiceMetrics(registry)
+    app[METRICS] = ServiceMetrics(
+        registry,
+        namespace=config.namespace,
+        replica=replica,
+        replicas=replicas,
+        mode=config.mode,
+        workers=config.workers,
+    )
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         store = EmbeddingStore(config)

@@ -135,6 +135,7 @@ async def _apply(
         metrics.pushes.labels(status="duplicate").inc()
     else:
         metrics.pushes.labels(status="applied").inc()
+        metrics.count_push(push.worker, push.examples, push.loss)
     return result
 
 
@@ -312,6 +313,8 @@ def metrics_handler(registry: CollectorRegistry) -> Handler:
         metrics.version.set(request.app[UPDATER].version)
         metrics.rows_locked.set(request.app[UPDATER].locks.held)
         metrics.row_cache_bytes.set(request.app[UPDATER].cache.nbytes())
+        metrics.unwritten_rows.set(request.app[UPDATER].unwritten_rows)
+        metrics.unflushed_pushes.set(request.app[UPDATER].unflushed_pushes)
         try:
             stats = await store.stats()
         except LookupTableError as exc:
