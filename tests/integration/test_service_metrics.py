@@ -1,10 +1,11 @@
 """/metrics of a replica (real aiohttp app, real memcached): per worker series, the info
-series, rows not written yet, no `_created` series."""
+series, rows not written yet, no `_created` series; a client that goes away mid-push."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import re
 import time
 import uuid
@@ -22,7 +23,7 @@ from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
 from lookup_table.core.wire import CONTENT_TYPE, encode_array, encode_ids, pack
 from lookup_table.errors import ConfigError
-from optimizer_service.app import make_app
+from optimizer_service.app import UPDATER, make_app
 from tests.conftest import SERVICE_TABLES, make_config, written
 
 pytestmark = pytest.mark.integration
@@ -50,7 +51,7 @@ async def served(
     await runner.setup()
     try:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
-        host, port = runner.addresses[0][:2]
+        host, port = _address(runner)
         yield dataclasses.replace(config, optimizers=(f"http://{host}:{port}",)), runner
     finally:
         await runner.cleanup()
@@ -59,6 +60,13 @@ async def served(
 def _address(runner: web.AppRunner) -> tuple[str, int]:
     host, port = runner.addresses[0][:2]
     return host, port
+
+
+def _connections_open(runner: web.AppRunner) -> bool:
+    """Whether a connection to the replica is still open (aiohttp keeps one whose handler
+    runs on after it was closed, with no transport)."""
+    assert runner.server is not None
+    return any(c.transport is not None for c in runner.server.connections)
 
 
 async def _scrape(config: ClusterConfig) -> tuple[str, dict[tuple[str, frozenset[Any]], float]]:
@@ -184,3 +192,122 @@ async def test_bad_stats_are_400_and_write_nothing(
     assert np.isnan(_value(samples, "lookup_table_worker_loss", worker="0"))
     assert _value(samples, "lookup_table_rejected_pushes_total", reason="stats") == len(cases)
     np.testing.assert_array_equal(await _rows(config), before - _LR * _GRADS)
+
+
+def _push_request(push_id: str, *, worker: int, answer: bool, expect: bool = False) -> bytes:
+    """A raw `POST /v1/gradients` of the "user" rows `_IDS` (headers and body)."""
+    doc: dict[str, Any] = {
+        "push_id": push_id,
+        "worker": worker,
+        "tables": {"user": {"ids": encode_ids(_IDS), "grads": encode_array(_GRADS)}},
+    }
+    if answer:
+        doc["answer"] = ["rows"]
+    body = pack(doc)
+    head = (
+        f"POST /v1/gradients HTTP/1.1\r\nHost: replica\r\nContent-Type: {CONTENT_TYPE}\r\n"
+        f"Content-Length: {len(body)}\r\n" + ("Expect: 100-continue\r\n" if expect else "") + "\r\n"
+    )
+    return head.encode() + body
+
+
+def _went_away(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    return [r for r in caplog.records if "client went away" in r.getMessage()]
+
+
+async def _closed_requests(config: ClusterConfig) -> tuple[float, float]:
+    """Pushes counted as 499 (client closed the request) and as 500."""
+    _, samples = await _scrape(config)
+    name = "lookup_table_http_requests_total"
+    return (
+        _value(samples, name, endpoint="/v1/gradients", status="499"),
+        _value(samples, name, endpoint="/v1/gradients", status="500"),
+    )
+
+
+async def test_a_push_cut_mid_body_is_not_applied_and_no_error(
+    served: tuple[ClusterConfig, web.AppRunner], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A trainer killed while sending a push: INFO, counted as 499, nothing applied; its
+    retry applies the push."""
+    config, server = served
+    caplog.set_level(logging.INFO)
+    before = await _rows(config)
+    request = _push_request("cut-1", worker=1, answer=False, expect=True)
+    head, body = request.split(b"\r\n\r\n", 1)
+    reader, writer = await asyncio.open_connection(*_address(server))
+    writer.write(head + b"\r\n\r\n")
+    # the replica says continue once the handler is about to read the body
+    assert (await reader.readline()).startswith(b"HTTP/1.1 100")
+    writer.write(body[: len(body) // 2])
+    await writer.drain()
+    writer.transport.abort()
+
+    async def counted() -> bool:
+        return (await _closed_requests(config))[0] == 1
+
+    await _until(counted)
+    assert (await _closed_requests(config))[1] == 0
+    [line] = _went_away(caplog)
+    assert line.levelno == logging.INFO and line.exc_info is None
+    assert line.getMessage() == (
+        "client went away during POST /v1/gradients (before its body was read)"
+    )
+    np.testing.assert_array_equal(await _rows(config), before)
+    async with OptimizerClient(config, worker=1) as client:
+        retry = await client.push({"user": (_IDS, _GRADS)}, push_id="cut-1")
+    assert retry["applied"] and not retry["duplicate"]
+    np.testing.assert_array_equal(await _rows(config), before - _LR * _GRADS)
+
+
+@pytest.mark.parametrize("answer", [True, False], ids=["answered", "plain"])
+async def test_a_client_gone_before_the_answer_leaves_the_push_applied_once(
+    served: tuple[ClusterConfig, web.AppRunner], caplog: pytest.LogCaptureFixture, answer: bool
+) -> None:
+    """A trainer's ctrl-C while its push waits (here: on a paused replica): INFO without
+    a traceback, counted as 499 (no 500), the push applied exactly once in the background;
+    the retry of its push_id is a duplicate."""
+    config, server = served
+    caplog.set_level(logging.INFO)
+    updater = server.app[UPDATER]
+    before = await _rows(config)
+    await updater.pause()
+    _, writer = await asyncio.open_connection(*_address(server))
+    writer.write(_push_request("gone-1", worker=1, answer=answer))
+    await writer.drain()
+
+    async def waiting() -> bool:  # read and parsed: held by the pause
+        return "gone-1" in updater._inflight
+
+    await _until(waiting)
+    writer.transport.abort()
+
+    async def dropped() -> bool:  # the replica saw the connection go
+        return not _connections_open(server)
+
+    await _until(dropped)
+    updater.resume()
+
+    async def counted() -> bool:
+        _, samples = await _scrape(config)
+        return (
+            _value(samples, "lookup_table_worker_pushes_total", worker="1") == 1
+            and (await _closed_requests(config))[0] == 1
+        )
+
+    await _until(counted)
+    assert (await _closed_requests(config))[1] == 0
+    [line] = _went_away(caplog)
+    assert line.levelno == logging.INFO and line.exc_info is None
+    assert line.getMessage() == (
+        "client went away during POST /v1/gradients (worker 1, push_id gone-1)"
+    )
+    np.testing.assert_array_equal(await _rows(config), before - _LR * _GRADS)
+    async with OptimizerClient(config, worker=1) as client:
+        retry = await client.push({"user": (_IDS, _GRADS)}, push_id="gone-1")
+    assert retry["duplicate"] and not retry["applied"]
+    np.testing.assert_array_equal(await _rows(config), before - _LR * _GRADS)
+    await written(config)
+    async with EmbeddingStore(config) as store:
+        np.testing.assert_array_equal((await store.get("user", _IDS))[0], before - _LR * _GRADS)
