@@ -311,3 +311,44 @@ async def test_a_client_gone_before_the_answer_leaves_the_push_applied_once(
     await written(config)
     async with EmbeddingStore(config) as store:
         np.testing.assert_array_equal((await store.get("user", _IDS))[0], before - _LR * _GRADS)
+
+
+async def test_a_push_to_two_replicas_counts_its_examples_once(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    """The stats go with the part of the lowest replica a push reaches: summed over the
+    replicas, each example counts once; every part counts as a push of its replica."""
+    from lookup_table.core.sharding import owner_of
+    from lookup_table.ops.localcluster import free_port
+
+    ports = [free_port(), free_port()]
+    config = make_config(
+        memcached_nodes,
+        tables=SERVICE_TABLES,
+        optimizers=[f"http://127.0.0.1:{p}" for p in ports],
+    )
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+    for k, port in enumerate(ports):
+        await aiohttp_server(make_app(config, replica=k, registry=CollectorRegistry()), port=port)
+    ids = np.arange(40, dtype=np.int64)
+    owners = owner_of("user", ids, 2)
+    assert set(owners.tolist()) == {0, 1}
+    only_1 = ids[owners == 1]
+    async with OptimizerClient(config, worker=0) as client:
+        both = await client.push({"user": (ids, np.ones((40, 8), np.float32))}, examples=40)
+        assert both["replicas"] == [0, 1]
+        one = await client.push(
+            {"user": (only_1, np.ones((only_1.size, 8), np.float32))}, examples=7, loss=0.5
+        )
+        assert one["replicas"] == [1]
+    got = []
+    for k in range(2):
+        _, samples = await _scrape(dataclasses.replace(config, optimizers=(config.optimizers[k],)))
+        got.append(
+            [
+                _value(samples, f"lookup_table_worker_{name}", worker="0")
+                for name in ("pushes_total", "examples_total", "loss")
+            ]
+        )
+    assert got == [[1, 40, 0], [2, 7, 0.5]]
