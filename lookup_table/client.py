@@ -21,6 +21,7 @@ import asyncio
 import functools
 import json
 import logging
+import numbers
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -44,6 +45,7 @@ from lookup_table.core.wire import (
     unpack,
 )
 from lookup_table.errors import (
+    ConfigError,
     CorruptValueError,
     DataLossError,
     LookupTableError,
@@ -75,6 +77,28 @@ _STORE_ERRORS: dict[str, type[StoreError]] = {
         StoreTimeoutError,
     )
 }
+
+
+def _stats(examples: Any, loss: Any) -> dict[str, Any]:
+    """A push's `stats` (what is given of examples and loss), checked."""
+    stats: dict[str, Any] = {}
+    if examples is not None:
+        if isinstance(examples, bool) or not isinstance(examples, int | np.integer):
+            raise ConfigError(
+                f"examples must be the step's number of training examples, an int >= 0. "
+                f"Received: examples={examples!r}"
+            )
+        if examples < 0:
+            raise ConfigError(f"examples must be an int >= 0. Received: examples={examples}")
+        stats["examples"] = int(examples)
+    if loss is not None:
+        if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
+            raise ConfigError(
+                f"loss must be a real number (a Python or numpy float: convert a tensor with "
+                f"float(t)). Received: loss of type {type(loss).__name__}"
+            )
+        stats["loss"] = float(loss)
+    return stats
 
 
 class OptimizerClient:
@@ -136,6 +160,8 @@ class OptimizerClient:
         push_id: str | None = None,
         answer: Sequence[str] = (),
         on_answer: Callable[[dict[str, Any]], None] | None = None,
+        examples: int | None = None,
+        loss: float | None = None,
     ) -> dict[str, Any]:
         """Push the gradients of one step: `{table: (ids, grads (n, dim))}`.
 
@@ -154,11 +180,18 @@ class OptimizerClient:
         `on_answer(answer)` (called on the client's loop) gets it then, while `push`
         returns only once every replica wrote the push (or raises if one failed).
 
+        `examples` (the step's batch size) and `loss` are reported to the service's
+        /metrics by this client's worker (`lookup_table_worker_examples_total`,
+        `lookup_table_worker_loss`); they go with the part of the lowest replica the push
+        reaches, so summing over replicas counts each example once.
+
         Raises:
+            ConfigError: `examples` is not an int >= 0 or `loss` not a real number.
             PushRejectedError: a replica answered 4xx (its message says why).
             DataLossError, StoreFullError: the store refused; not retried.
             ReplicaUnavailableError: a replica stayed unreachable through every retry.
         """
+        stats = _stats(examples, loss)
         push_id = push_id or uuid.uuid4().hex
         n_replicas = len(self.config.optimizers)
         split: list[dict[str, tuple[IdArray, NDArray[Any]]]] = [{} for _ in range(n_replicas)]
@@ -196,6 +229,8 @@ class OptimizerClient:
                 asked = [a for a in answer if a != "dense" or k == 0]
                 if asked:
                     body["answer"] = asked
+                if stats and not bodies:  # one replica counts them
+                    body["stats"] = stats
                 bodies[k] = pack(body)
         answers: dict[int, dict[str, Any]] = {}
 

@@ -241,6 +241,14 @@ def _inputs(data: Any) -> Any:
     return keras.utils.unpack_x_y_sample_weight(data)[0]
 
 
+def _batch_size(data: Any) -> int | None:
+    """A batch's examples (its first input's first dimension), None if not known."""
+    leaves = tf.nest.flatten(_inputs(data))
+    shape: Any = getattr(leaves[0], "shape", ()) if leaves else ()
+    size = shape[0] if len(shape) else None
+    return size if isinstance(size, int) else None
+
+
 class _ModelRunner:
     """One model on one cluster: the train, test and predict functions Keras calls."""
 
@@ -383,7 +391,8 @@ class _ModelRunner:
 
         def compute() -> Any:
             logs, records, row_grads, dense_grads = train(data, _inputs(data))
-            session.push_step(records, row_grads, dense_grads)
+            # the loss stays a tensor: reading it would wait for the device every step
+            session.push_step(records, row_grads, dense_grads, examples=_batch_size(data))
             return logs
 
         try:

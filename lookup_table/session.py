@@ -907,7 +907,15 @@ class TrainingSession:
                 self._answers_current = False
                 raise
 
-    def _push(self, records: list[Any], grads: list[Any], dense: dict[str, Any]) -> None:
+    def _push(
+        self,
+        records: list[Any],
+        grads: list[Any],
+        dense: dict[str, Any],
+        *,
+        examples: int | None = None,
+        loss: float | None = None,
+    ) -> None:
         tables: dict[str, tuple[list[IdArray], list[NDArray[np.float32]]]] = {}
         for rec, grad in zip(records, grads, strict=True):
             g = (
@@ -927,16 +935,19 @@ class TrainingSession:
         }
         while self._pushes and len(self._pushes) >= self.max_pushes_in_flight:
             self._pushes.popleft().result()
+        stats: dict[str, Any] = {"examples": examples, "loss": loss}
         if self._read_your_writes:
-            self._push_answered(payload, dense)
+            self._push_answered(payload, dense, stats)
             return
-        fut = self._submit(self._client.push(payload, dense=dense, version=self.version))
+        fut = self._submit(self._client.push(payload, dense=dense, version=self.version, **stats))
         fut.add_done_callback(self._count_created)
         self._pushes.append(fut)
         if not self._pipelined:
             self._drain_pushes()
 
-    def _push_answered(self, payload: Mapping[str, Any], dense: Mapping[str, Any]) -> None:
+    def _push_answered(
+        self, payload: Mapping[str, Any], dense: Mapping[str, Any], stats: Mapping[str, Any]
+    ) -> None:
         """Push and take the rows and dense weights from the answer, which the replicas
         send before writing; the writes finish while the next step computes (`_settle`
         waits for them before the next push, at an evaluation and at the end)."""
@@ -951,7 +962,12 @@ class TrainingSession:
 
         pushing = self._submit(
             self._client.push(
-                payload, dense=dense, version=self.version, answer=answer, on_answer=on_answer
+                payload,
+                dense=dense,
+                version=self.version,
+                answer=answer,
+                on_answer=on_answer,
+                **stats,
             )
         )
         pushing.add_done_callback(self._count_created)
@@ -974,13 +990,19 @@ class TrainingSession:
         records: list[RecordedLookup],
         row_grads: list[NDArray[np.float32]],
         dense_grads: Sequence[Any],
+        *,
+        examples: int | None = None,
+        loss: float | None = None,
     ) -> None:
-        """Push one step's gradients: rows per record, dense per `dense_vars` (in order)."""
+        """Push one step's gradients: rows per record, dense per `dense_vars` (in order).
+
+        `examples` (the batch size) and `loss` (a Python or numpy number: converting a
+        tensor would wait for the device) go to the service's /metrics."""
         dense = {
             path: np.asarray(g, np.float32)
             for path, g in zip(self.dense_vars, dense_grads, strict=True)
         }
-        self._push(records, row_grads, dense)
+        self._push(records, row_grads, dense, examples=examples, loss=loss)
 
 
 def check_layer(config: ClusterConfig, layer: DistributedEmbedding) -> None:

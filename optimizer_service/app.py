@@ -17,6 +17,7 @@ This module builds the app (the factory, the error and auth middleware) and runs
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import logging
 import sys
@@ -48,7 +49,14 @@ from optimizer_service.handlers import (
 )
 from optimizer_service.malloc import MMAP_THRESHOLD_BYTES, trimming, tune_malloc
 from optimizer_service.metrics import ServiceMetrics
-from optimizer_service.responses import COUNTED, count_answer, error_answer
+from optimizer_service.responses import (
+    CLIENT_CLOSED,
+    COUNTED,
+    client_gone,
+    count_answer,
+    count_went_away,
+    error_answer,
+)
 from optimizer_service.updater import Updater
 
 __all__ = ["CONFIG", "METRICS", "REPLICA", "STORE", "UPDATER", "main", "make_app"]
@@ -60,14 +68,26 @@ _PUBLIC_PATHS = frozenset({"/healthz", "/metrics"})
 
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turn every error into JSON with the right status, and count it."""
+    """Turn every error into JSON with the right status, and count it. A client that went
+    away (a trainer's ctrl-C) is no error: logged at INFO, counted as `CLIENT_CLOSED`."""
     reason = None
     try:
         response = await handler(request)
+    except asyncio.CancelledError:
+        if client_gone(request):
+            count_went_away(request)
+        raise
     except Exception as exc:
+        if isinstance(exc, ConnectionError) and client_gone(request):
+            count_went_away(request)
+            return web.Response(status=CLIENT_CLOSED)  # for the access log: nobody reads it
         status, doc, reason = error_answer(exc)
         response = web.json_response(doc, status=status)
-    if COUNTED not in response:  # a streamed answer counts itself (its end may be an error)
+    if COUNTED in response:  # a streamed answer counts itself (its end may be an error)
+        return response
+    if client_gone(request):  # the answer is ready, and nobody is there to read it
+        count_went_away(request)
+    else:
         count_answer(request, response.status, reason)
     return response
 
@@ -104,7 +124,14 @@ def make_app(
     )
     app[CONFIG] = config
     app[REPLICA] = replica
-    app[METRICS] = ServiceMetrics(registry)
+    app[METRICS] = ServiceMetrics(
+        registry,
+        namespace=config.namespace,
+        replica=replica,
+        replicas=replicas,
+        mode=config.mode,
+        workers=config.workers,
+    )
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         store = EmbeddingStore(config)

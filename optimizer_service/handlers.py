@@ -35,6 +35,7 @@ from optimizer_service.plan import WritePlan
 from optimizer_service.push import Push, parse_push, parse_rows_request
 from optimizer_service.responses import (
     COUNTED,
+    PUSHED_BY,
     count_answer,
     error_answer,
     json_error,
@@ -85,9 +86,14 @@ async def post_gradients(request: web.Request) -> web.StreamResponse:
     except WireError as exc:
         raise BadRequestError(str(exc), reason="malformed") from None
     push = parse_push(obj, config=app[CONFIG], replica=app[REPLICA])
+    request[PUSHED_BY] = (push.worker, push.push_id)
     if push.answer:
         return await _answered(request, push)
-    result = await _apply(request, push)
+    # a client that goes away (aiohttp may cancel the handler then) does not stop the
+    # push half-way: it completes alone (a retry of its push_id is a duplicate)
+    applying = asyncio.ensure_future(_apply(request, push))
+    applying.add_done_callback(_retrieve)
+    result = await asyncio.shield(applying)
     return msgpack_response({k: v for k, v in result.items() if k != PLAN})
 
 
@@ -135,6 +141,7 @@ async def _apply(
         metrics.pushes.labels(status="duplicate").inc()
     else:
         metrics.pushes.labels(status="applied").inc()
+        metrics.count_push(push.worker, push.examples, push.loss)
     return result
 
 
@@ -148,18 +155,15 @@ async def _answered(request: web.Request, push: Push) -> web.StreamResponse:
             planned.set_result(plan)
 
     applying = asyncio.ensure_future(_apply(request, push, on_plan))
-    try:
-        either: list[asyncio.Future[Any]] = [applying, planned]
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        if planned.done():
-            first = await updater.answer(push, {PLAN: planned.result()})
-        else:  # a duplicate, a sync round, or an error: nothing was sent yet
-            first = await updater.answer(push, applying.result())
-    except BaseException:
-        if not applying.done():
-            # the answer could not be built: the push still completes (or fails) alone
-            applying.add_done_callback(_retrieve)
-        raise
+    # if the answer cannot be built or sent (the client went away), the push still
+    # completes (or fails) alone, its error not left unretrieved
+    applying.add_done_callback(_retrieve)
+    either: list[asyncio.Future[Any]] = [applying, planned]
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    if planned.done():
+        first = await updater.answer(push, {PLAN: planned.result()})
+    else:  # a duplicate, a sync round, or an error: nothing was sent yet
+        first = await updater.answer(push, applying.result())
     response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
     response[COUNTED] = True
     await response.prepare(request)
@@ -171,9 +175,10 @@ async def _answered(request: web.Request, push: Push) -> web.StreamResponse:
     except Exception as exc:
         status, outcome, reason = error_answer(exc)
         outcome["status"] = status
-    count_answer(request, status, reason)
+    # written before it is counted: a client gone by now is counted as such instead
     await response.write(pack(outcome))
     await response.write_eof()
+    count_answer(request, status, reason)
     return response
 
 
@@ -312,6 +317,8 @@ def metrics_handler(registry: CollectorRegistry) -> Handler:
         metrics.version.set(request.app[UPDATER].version)
         metrics.rows_locked.set(request.app[UPDATER].locks.held)
         metrics.row_cache_bytes.set(request.app[UPDATER].cache.nbytes())
+        metrics.unwritten_rows.set(request.app[UPDATER].unwritten_rows)
+        metrics.unflushed_pushes.set(request.app[UPDATER].unflushed_pushes)
         try:
             stats = await store.stats()
         except LookupTableError as exc:

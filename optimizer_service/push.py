@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 PUSH_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}\Z")
-_PUSH_KEYS = {"push_id", "worker", "version", "tables", "groups", "dense", "answer"}
+_PUSH_KEYS = {"push_id", "worker", "version", "tables", "groups", "dense", "answer", "stats"}
 ANSWERS = ("rows", "dense")
 """What a push may ask back (`answer`): its tables' updated rows, the dense parameters."""
 
@@ -63,6 +63,11 @@ class Push:
     groups: tuple[tuple[str, ...], ...] = ()
     """The tables that came as `groups` (each group's names, in order): the answer groups
     their rows the same way."""
+    examples: int | None = None
+    """The training examples the worker reports for this push (`stats.examples`)."""
+    loss: float | None = None
+    """The training loss the worker reports with it (`stats.loss`; NaN or Inf allowed:
+    that a loss diverged is worth a metric)."""
 
     @property
     def num_rows(self) -> int:
@@ -135,6 +140,7 @@ def parse_push(obj: Any, *, config: ClusterConfig, replica: int = 0) -> Push:
             ) from None
         dense[name] = grad
     answer = _parse_answer(obj.get("answer", []), replica)
+    examples, loss = _parse_stats(obj.get("stats", {}))
     return Push(
         push_id=push_id,
         worker=worker,
@@ -143,7 +149,33 @@ def parse_push(obj: Any, *, config: ClusterConfig, replica: int = 0) -> Push:
         dense=dense,
         answer=answer,
         groups=tuple(groups),
+        examples=examples,
+        loss=loss,
     )
+
+
+def _parse_stats(raw: Any) -> tuple[int | None, float | None]:
+    """`stats: {examples, loss}` (each optional): what the worker reports for /metrics."""
+    if not isinstance(raw, Mapping) or not set(raw) <= {"examples", "loss"}:
+        got = sorted(map(str, raw)) if isinstance(raw, Mapping) else describe(raw)
+        raise BadRequestError(
+            f"stats: expected a map with examples (int >= 0) and/or loss (a number), got {got}",
+            reason="stats",
+        )
+    examples = raw.get("examples")
+    if examples is not None and (type(examples) is not int or examples < 0):
+        raise BadRequestError(
+            f"stats.examples: expected the push's training examples as an int >= 0, got "
+            f"{describe(examples)}",
+            reason="stats",
+        )
+    loss = raw.get("loss")
+    if loss is not None and type(loss) not in (int, float):
+        raise BadRequestError(
+            f"stats.loss: expected the training loss as a number, got {describe(loss)}",
+            reason="stats",
+        )
+    return examples, None if loss is None else float(loss)
 
 
 def _parse_answer(raw: Any, replica: int) -> frozenset[str]:

@@ -23,7 +23,17 @@ from lookup_table.errors import (
 from optimizer_service.appkeys import METRICS
 from optimizer_service.errors import OptimizerServiceError
 
-__all__ = ["COUNTED", "count_answer", "error_answer", "json_error", "msgpack_response"]
+__all__ = [
+    "CLIENT_CLOSED",
+    "COUNTED",
+    "PUSHED_BY",
+    "client_gone",
+    "count_answer",
+    "count_went_away",
+    "error_answer",
+    "json_error",
+    "msgpack_response",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +45,18 @@ COUNTED: Any = (
 """Set on a response (aiohttp responses are mappings) that counted its own answer. A
 typed key where aiohttp has them: a str key makes it warn (NotAppKeyWarning) at the
 first answered push of a process, which `filterwarnings = error` turns into a 500."""
+
+PUSHED_BY: Any = (
+    web.RequestKey("lookup_table.pushed_by", tuple)
+    if hasattr(web, "RequestKey")
+    else "lookup_table.pushed_by"
+)
+"""Set on a push's request once its body is parsed: (worker, push_id), for the log line
+of a client that goes away."""
+
+CLIENT_CLOSED = 499
+"""The status a request is counted under when its client went away before its answer
+(nginx's "client closed request"): nobody reads it, it is no error of the service."""
 
 
 def json_error(status: int, message: str, kind: str | None = None, **extra: Any) -> web.Response:
@@ -98,3 +120,24 @@ def count_answer(request: web.Request, status: int, reason: str | None) -> None:
     metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
     if reason is not None and 400 <= status < 500 and endpoint == "/v1/gradients":
         metrics.rejected.labels(reason=reason).inc()
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the client closed its connection (aiohttp dropped the transport)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def count_went_away(request: web.Request) -> None:
+    """Log (INFO: a trainer's ctrl-C is no error) and count a request whose client went
+    away before its answer. A push goes on without it (exactly once: a retry of its
+    push_id is answered as a duplicate), or was not read, so not applied."""
+    pushed_by = request.get(PUSHED_BY)
+    if pushed_by is None:
+        what = " (before its body was read)" if request.can_read_body else ""
+    else:
+        what = f" (worker {pushed_by[0]}, push_id {pushed_by[1]})"
+    logger.info("client went away during %s %s%s", request.method, request.path, what)
+    request.app[METRICS].requests.labels(
+        endpoint=_endpoint(request), status=str(CLIENT_CLOSED)
+    ).inc()

@@ -304,6 +304,17 @@ class Updater:
         self._row_flushing: asyncio.Task[object] | None = None
         self._row_timer: asyncio.TimerHandle | None = None
 
+    @property
+    def unwritten_rows(self) -> int:
+        """Rows (with their slots) this replica holds that memcached does not yet: written
+        behind since the last flush, or being written by one."""
+        return self.cache.unwritten()
+
+    @property
+    def unflushed_pushes(self) -> int:
+        """Pushes done since the last flush of the rows written behind began."""
+        return len(self._unflushed)
+
     # ------------------------------------------------------------ push records
 
     def _record_id(self, push_id: str) -> str:

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -123,6 +124,21 @@ async def written(config: ClusterConfig, *, timeout_s: float = 30.0) -> None:
     async with OptimizerClient(config) as client:
         await client.pause(timeout_s=timeout_s)
         await client.resume()
+
+
+def worker_metrics(config: ClusterConfig, name: str) -> dict[str, float]:
+    """One per-worker series of replica 0's /metrics (e.g. `lookup_table_worker_loss`),
+    by worker."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(config.optimizers[0] + "/metrics", timeout=10) as got:
+        text = got.read().decode()
+    return {
+        s.labels["worker"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
 
 
 def sigstop(pid: int, *, timeout_s: float = 5.0) -> None:

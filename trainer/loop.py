@@ -201,8 +201,10 @@ class Trainer(TrainingSession):
             loss_t, records, row_grads, dense_grads = self._graph_step(
                 (inputs, tf.constant(labels)), features
             )
-            self.push_step(records, row_grads, dense_grads)
-            return float(loss_t)
+            # the push waits for the step's gradients anyway: the loss costs no extra wait
+            loss_value = float(loss_t)
+            self.push_step(records, row_grads, dense_grads, examples=len(labels), loss=loss_value)
+            return loss_value
         with tf.GradientTape() as tape:
             for layer in self.layers:
                 layer.begin_step(tape)
@@ -225,8 +227,9 @@ class Trainer(TrainingSession):
             for path, g in zip(self.dense_vars, grads[len(records) :], strict=True)
             if g is not None
         }
-        self._push(records, grads[: len(records)], dense)
-        return float(loss)
+        loss_value = float(loss)
+        self._push(records, grads[: len(records)], dense, examples=len(labels), loss=loss_value)
+        return loss_value
 
     def fit(
         self,

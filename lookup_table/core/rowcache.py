@@ -438,6 +438,15 @@ class _TableCache:
         for m in self._maps():
             m.clean(upto)
 
+    def unwritten(self) -> int:
+        """How many keys `dirty()` would copy (no copy made)."""
+        n = int(self.young.dirty_slots().shape[0])
+        if self.old is not None:
+            old_at = self.old.dirty_slots()
+            if old_at.shape[0]:
+                n += int(np.count_nonzero(self.young.find(*self.old.keys_at(old_at)) < 0))
+        return n
+
     def _make_room(self, incoming: int) -> None:
         if self.young.capacity < self.max_capacity:
             self._grow()
@@ -734,6 +743,11 @@ class RowCache:
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self._groups.values())
+
+    def unwritten(self) -> int:
+        """How many dirty entries it holds (rows memcached does not hold yet), whether a
+        `dirty()` copy of them is being written or not."""
+        return sum(c.unwritten() for c in self._groups.values())
 
     def _by_width(self, names: Sequence[str]) -> dict[int, list[int]]:
         """Positions of the cached tables among `names`, by their value width."""

@@ -16,7 +16,7 @@ from lookup_table import EmbeddingStore, load_config
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
 from lookup_table.errors import ConfigError, PushRejectedError, ReplicaUnavailableError
-from tests.conftest import written
+from tests.conftest import worker_metrics, written
 from tests.integration.test_trainer import _cluster_file, _running
 
 pytestmark = pytest.mark.integration
@@ -149,6 +149,11 @@ def test_the_readme_snippet_trains_with_model_fit(tmp_path: Path) -> None:
             # every layer got its rows as step arguments, none through a py_function
             assert optimizer.session is not None
             assert [layer.table for layer in optimizer.session.fed_layers] == ["C1", "C2"]
+            # each step reported its batch to the service's /metrics (the loss stays a
+            # tensor: reading it would wait for the device)
+            examples = worker_metrics(config, "lookup_table_worker_examples_total")
+            assert examples == {"0": 3 * 8192}
+            assert worker_metrics(config, "lookup_table_worker_loss") == {}
 
             asyncio.run(written(config))  # no flush of the training's rows in between
             items = _item_count(config)

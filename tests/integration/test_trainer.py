@@ -19,6 +19,7 @@ import pytest
 from lookup_table import EmbeddingStore, load_config
 from lookup_table.client import OptimizerClient
 from lookup_table.ops.localcluster import free_port
+from tests.conftest import worker_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -171,6 +172,10 @@ def test_trainer_in_process_learns_and_evaluation_writes_nothing(cluster: Path) 
         assert losses[-10:].mean() < losses[:10].mean()
         assert result.versions[-1] >= 55  # dense weights refreshed as pushes land
         created = trainer.rows_created
+    # each push reported its examples and loss to the service's /metrics
+    assert worker_metrics(config, "lookup_table_worker_examples_total") == {"0": 60 * 512}
+    assert worker_metrics(config, "lookup_table_worker_pushes_total") == {"0": 60}
+    assert worker_metrics(config, "lookup_table_worker_loss") == {"0": result.losses[-1][1]}
     assert set(created) == {f"C{i}" for i in range(1, 27)}
 
 

@@ -260,7 +260,8 @@ def test_dirty_rows_survive_every_rotation_until_a_flush_marks_them_written(prog
     """Write-behind's contract: a dirty row is never forgotten by the cache itself
     (rotations move it along), `dirty()` gives exactly the rows put dirty and not
     written since, with their last values, and `clean(stamp)` marks written only what
-    was put up to that snapshot (a later put stays dirty)."""
+    was put up to that snapshot (a later put stays dirty). `unwritten()` counts them
+    (the replica's /metrics) at every step."""
     cache = _cache(250_000)  # small: the clean puts force growth and rotations
     assert all(cache.caches(t) for t in WIDTH)  # each width's maps at the smallest bound
     last: dict[tuple[str, int], np.ndarray] = {}
@@ -319,6 +320,7 @@ def test_dirty_rows_survive_every_rotation_until_a_flush_marks_them_written(prog
                 if key in taken and made == taken[key]:
                     del dirty[key]
             snapshot = None
+        assert cache.unwritten() == len(dirty), op
     got, _ = cache.dirty()
     assert {(n, i) for n, ids, _, _ in got for i in ids.tolist()} == set(dirty)
 
@@ -334,10 +336,11 @@ def test_a_dirty_row_outlives_rotations_that_drop_every_clean_row_around_it() ->
     hit, values = cache.get(dirty_ids, tabs)
     assert hit.all() and (values == 5).all()
     assert not cache.get(np.arange(1000, 1010, dtype=np.int64), tabs)[0].any()  # clean: gone
+    assert cache.unwritten() == 10  # each once, though the get moved them to the young map
     ids, _, got = cache.dirty()
     assert sorted(ids.tolist()) == list(range(10)) and (got == 5).all()
     cache.clean(1)
-    assert cache.dirty()[0].size == 0
+    assert cache.dirty()[0].size == 0 and cache.unwritten() == 0
 
 
 def test_initial_entries_are_told_apart_never_flushed_and_never_replace_a_held_key() -> None:
