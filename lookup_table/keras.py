@@ -824,6 +824,8 @@ def _hook_model_methods() -> None:
 
 _hook_model_functions()
 _hook_model_methods()
+# files that name the layer without the package prefix load as well
+keras.saving.get_custom_objects().setdefault("DistributedEmbedding", DistributedEmbedding)
 
 # registers RemoteOptimizer with Keras' serialization (`keras.models.load_model`)
 import lookup_table.remote  # noqa: E402, F401
