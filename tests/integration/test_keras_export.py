@@ -316,3 +316,26 @@ def test_save_and_restore_checkpoint_work_inside_a_running_event_loop(
         np.testing.assert_allclose(again.predict(QUERY, verbose=0), expected, rtol=0, atol=1e-6)
     finally:
         _close(again)
+
+
+@pytest.mark.timeout(300)
+def test_a_model_a_trainer_binds_exports_its_snapshot(
+    config: ClusterConfig, tmp_path: Path
+) -> None:
+    """Layers bound by `trainer.Trainer` (no RemoteOptimizer): `export_saved_model(model,
+    path)` snapshots the Trainer's cluster right after its fit."""
+    from lookup_table.keras import export_saved_model
+    from trainer import Trainer
+
+    model = _model(config, compile=False)
+    x, y = _data(2048, seed=8)
+    batches = [
+        ({"C1": x["C1"][i : i + 256], "city": x["city"][i : i + 256]}, y[i : i + 256])
+        for i in range(0, 2048, 256)
+    ]
+    with Trainer(config, model, progress=False) as trainer:
+        trainer.fit(batches)
+        expected = model.predict(QUERY, verbose=0)
+        info = export_saved_model(model, tmp_path / "m")
+    assert info["dense"] == "checkpoint"
+    np.testing.assert_allclose(_served(tmp_path / "m"), expected, rtol=0, atol=1e-6)
