@@ -51,10 +51,11 @@ restore_best_weights=True)`, which would restore the dense weights but not the r
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -758,32 +759,36 @@ def _hook_model_methods() -> None:
     if getattr(keras.Model, "_lookup_table_methods_hooked", False):
         return
 
-    def wrap(name: str, convert: Callable[[Any, dict[str, Any]], None]) -> None:
+    def wrap(name: str) -> None:
         original = getattr(keras.Model, name)
+        signature = inspect.signature(original)
 
         @functools.wraps(original)
         def hooked(self: keras.Model, *args: Any, **kwargs: Any) -> Any:
             if distributed_layers(self):
-                args = (_object_strings(args[0]), *args[1:]) if args else args
-                if "x" in kwargs:
-                    kwargs["x"] = _object_strings(kwargs["x"])
-                convert(self, kwargs)
+                bound = signature.bind(self, *args, **kwargs)
+                given = bound.arguments
+                if "x" in given:
+                    given["x"] = _object_strings(given["x"])
+                if name == "fit":
+                    _refuse_restore_best_weights(self, given.get("callbacks"))
+                    data = given.get("validation_data")
+                    if isinstance(data, tuple | list) and data:
+                        given["validation_data"] = (_object_strings(data[0]), *data[1:])
+                return original(*bound.args, **bound.kwargs)
             return original(self, *args, **kwargs)
 
         setattr(keras.Model, name, hooked)
 
-    def fit_kwargs(model: keras.Model, kwargs: dict[str, Any]) -> None:
-        _refuse_restore_best_weights(model, kwargs.get("callbacks"))
-        data = kwargs.get("validation_data")
-        if isinstance(data, tuple | list) and data:
-            kwargs["validation_data"] = (_object_strings(data[0]), *data[1:])
-
-    def no_kwargs(model: keras.Model, kwargs: dict[str, Any]) -> None:
-        return None
-
-    wrap("fit", fit_kwargs)
-    for name in ("evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch"):
-        wrap(name, no_kwargs)
+    for name in (
+        "fit",
+        "evaluate",
+        "predict",
+        "train_on_batch",
+        "test_on_batch",
+        "predict_on_batch",
+    ):
+        wrap(name)
 
     original_export = keras.Model.export
 

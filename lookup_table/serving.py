@@ -887,9 +887,9 @@ def _export_snapshot(
         raise ConfigError(
             f"model {model.name!r} is not bound to a cluster, so there are no rows to export: "
             f"compile it with optimizer=lookup_table.keras.RemoteOptimizer(config) (or train "
-            f"it with trainer.Trainer) and call export_saved_model(model, path), or pass "
-            f"rows=lookup_table.ops.checkpoint.checkpoint_rows(checkpoint_dir), or config= "
-            f"and ids={{table: ids}}"
+            f"it with trainer.Trainer) and call lookup_table.keras.export_saved_model(model, "
+            f"path), or pass rows=lookup_table.ops.checkpoint.checkpoint_rows(checkpoint_dir), "
+            f"or config= and ids={{table: ids}}"
         )
     config, session = bound
     for name in wanted:

@@ -146,7 +146,11 @@ def test_an_unbound_model_says_how_to_export(config: ClusterConfig, tmp_path: Pa
     from lookup_table.keras import export_saved_model
 
     model = _model(config, compile=False)
-    with pytest.raises(ConfigError, match=r"not bound to a cluster.*RemoteOptimizer"):
+    with pytest.raises(
+        ConfigError,
+        match=r"not bound to a cluster.*RemoteOptimizer.*"
+        r"lookup_table\.keras\.export_saved_model\(model, path\)",
+    ):
         model.export(str(tmp_path / "m"))
     with pytest.raises(ConfigError, match=r"rows=lookup_table.ops.checkpoint.checkpoint_rows"):
         export_saved_model(model, tmp_path / "m")
@@ -233,6 +237,8 @@ def test_restore_best_weights_is_refused_and_the_checkpoint_callback_replaces_it
         stop = keras.callbacks.EarlyStopping(monitor="val_loss", restore_best_weights=True)
         with pytest.raises(ConfigError, match=r"CheckpointCallback.*restore_checkpoint"):
             model.fit(x, y, epochs=2, validation_data=(xv, yv), callbacks=[stop], verbose=0)
+        with pytest.raises(ConfigError, match="restore_best_weights=True"):
+            model.fit(x, y, 256, 2, 0, [stop])  # callbacks passed by position
 
         every = CheckpointCallback(tmp_path / "every", every_epochs=2)
         newest = CheckpointCallback(tmp_path / "newest", keep_last=1)
