@@ -285,7 +285,7 @@ async def run_case(
 
     # warm-up: one of each, and the ceiling and the checkpoint must hold the same rows
     base = work / f"{case}-base"
-    manifest = await checkpoint.save_checkpoint(config, base, pause=False, progress=False)
+    manifest = await checkpoint.save_checkpoint_async(config, base, pause=False, progress=False)
     raw = await ceiling_read(config, "emb", widths)
     table = manifest["tables"][0]
     saved_ids = np.load(base / table["files"]["ids"])
@@ -300,7 +300,7 @@ async def run_case(
         ):
             raise RuntimeError(f"{case}: the ceiling and the checkpoint read different {name}")
     target = fresh(config)
-    await checkpoint.restore_checkpoint(target, base, progress=False)
+    await checkpoint.restore_checkpoint_async(target, base, progress=False)
     await clear(target)
     target = fresh(config)
     items = np.load(base / table["files"]["rows"])
@@ -319,7 +319,7 @@ async def run_case(
             elif method == "save":
                 out = work / f"{case}-{r}"
                 seconds = await timed(
-                    lambda out=out: checkpoint.save_checkpoint(
+                    lambda out=out: checkpoint.save_checkpoint_async(
                         config, out, pause=False, progress=False
                     )
                 )
@@ -327,7 +327,7 @@ async def run_case(
             elif method == "restore":
                 target = fresh(config)
                 seconds = await timed(
-                    lambda target=target: checkpoint.restore_checkpoint(
+                    lambda target=target: checkpoint.restore_checkpoint_async(
                         target, base, progress=False
                     )
                 )

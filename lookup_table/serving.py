@@ -3,9 +3,18 @@
     from lookup_table.keras import export_saved_model
     from lookup_table.ops.checkpoint import checkpoint_rows
 
+    # a model bound to its cluster (compiled with RemoteOptimizer, or trained by
+    # trainer.Trainer): a consistent snapshot of every row of its tables
+    export_saved_model(model, "served/ctr/1")   # model.export("served/ctr/1") does the same
+    # from a checkpoint:
     export_saved_model(model, "served/ctr/1", rows=checkpoint_rows("ckpt-0042"))
     # or, from the live cluster, the rows of chosen ids:
     export_saved_model(model, "served/ctr/1", config=config, ids={"user": ids, "item": items})
+
+Every form that reads the live cluster first waits for the pushes of the model's own
+session, then pauses the optimizer replicas, which write the rows they hold behind to
+memcached, reads, and resumes them: the export holds one instant of the model, never
+rows memcached has not been given yet.
 
 The result is a standard SavedModel with one `serving_default` signature:
 `tf.saved_model.load` serves it in a process that has TensorFlow and nothing of
@@ -54,8 +63,6 @@ memory available (MemAvailable and the cgroup's limit), or `memory_limit_bytes`.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import math
@@ -79,6 +86,7 @@ from lookup_table.errors import ConfigError, ExportTooLargeError
 
 if TYPE_CHECKING:
     from lookup_table.keras import DistributedEmbedding
+    from lookup_table.session import TrainingSession
 
 __all__ = [
     "UNSEEN",
@@ -717,13 +725,21 @@ def export_saved_model(
 
     The rows of its `DistributedEmbedding` tables come from exactly one source:
 
-    * `rows`: table -> `TableRows`, e.g. `lookup_table.ops.checkpoint.checkpoint_rows(dir)`
-      (a consistent snapshot: the natural source);
+    * nothing given: the model must be bound to its cluster (compiled with
+      `RemoteOptimizer`, or its layers bound by `trainer.Trainer`). Its pushes are
+      waited for, the replicas paused (they write what they hold behind), every row of
+      the namespace and the dense parameters saved as a checkpoint into a temporary
+      sibling of `path`, the replicas resumed, and the export made from that snapshot:
+      rows and dense weights of one instant (the model's trainable weights are set to
+      the snapshot's; a cluster without dense parameters yet keeps the model's). Needs
+      disk for the checkpoint (rows and optimizer slots) while it runs.
+    * `rows`: table -> `TableRows`, e.g. `lookup_table.ops.checkpoint.checkpoint_rows(dir)`;
     * `config` and `ids`: table -> the ids to include, read from the live cluster with
       the store (`get`: nothing is written; ids without a row are left out, so they
-      are served as unseen).
+      are served as unseen) while the replicas are paused (after the bound model's
+      pushes, if it is bound to this cluster).
 
-    The dense weights are the model's, as they are now.
+    With `rows` or `ids`, the dense weights are the model's, as they are now.
 
     Args:
         model: a functional or Sequential Keras model (built from `keras.Input`).
@@ -739,7 +755,9 @@ def export_saved_model(
     Raises:
         ExportTooLargeError: it would not fit in memory (nothing read or written).
         ConfigError: a bad argument, a table missing from the source, a layer whose
-            dim or id type does not fit its table, a target that exists.
+            dim or id type does not fit its table, a target that exists, no source
+            given for a model that is not bound to a cluster.
+        CheckpointError: the snapshot failed (a replica could not write what it holds).
         DataLossError, NodeUnavailableError, ...: reading from the cluster failed.
     """
     if unseen not in UNSEEN:
@@ -753,6 +771,14 @@ def export_saved_model(
     layers = _embedding_layers(model)
     inputs = _inputs(model)
     wanted = sorted({layer.table for layer in layers})
+    bound = _bound(model, layers)
+    if rows is None and config is None and ids is None:
+        return _export_snapshot(
+            model, target, bound, wanted, unseen=unseen, memory_limit_bytes=memory_limit_bytes
+        )
+    session = None if bound is None else bound[1]
+    if session is not None and config is not None and session.config.namespace == config.namespace:
+        session.settle_pushes()  # the read must see what this model pushed
     sources = _sources(
         wanted, rows=rows, config=config, ids=ids, unseen=unseen, limit=memory_limit_bytes
     )
@@ -817,6 +843,84 @@ def export_saved_model(
     }
 
 
+def _bound(
+    model: keras.Model, layers: Sequence[DistributedEmbedding]
+) -> tuple[ClusterConfig, TrainingSession | None] | None:
+    """The cluster `model` is bound to and the open session that trains it, if any: its
+    `RemoteOptimizer`'s (None before its first fit, evaluate or predict), or the
+    `trainer.Trainer` its layers are bound to."""
+    from lookup_table.remote import RemoteOptimizer
+    from lookup_table.session import TrainingSession
+
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, RemoteOptimizer):
+        session = optimizer.session
+        return optimizer.config, None if session is None or session.closed else session
+    sessions = [
+        layer.source
+        for layer in layers
+        if isinstance(layer.source, TrainingSession) and not layer.source.closed
+    ]
+    namespaces = sorted({s.config.namespace for s in sessions})
+    if len(namespaces) > 1:
+        raise ConfigError(
+            f"model {model.name!r}: its layers are bound to sessions of namespaces "
+            f"{namespaces}; an export reads one cluster: pass rows=checkpoint_rows(dir)"
+        )
+    return (sessions[0].config, sessions[0]) if sessions else None
+
+
+def _export_snapshot(
+    model: keras.Model,
+    target: Path,
+    bound: tuple[ClusterConfig, TrainingSession | None] | None,
+    wanted: Sequence[str],
+    *,
+    unseen: Unseen,
+    memory_limit_bytes: int | None,
+) -> dict[str, Any]:
+    """`export_saved_model` of a bound model: a checkpoint of its cluster into a temporary
+    sibling of `target`, exported with its rows and dense weights, then removed."""
+    from lookup_table.ops.checkpoint import export_checkpoint_saved_model, save_checkpoint
+
+    if bound is None:
+        raise ConfigError(
+            f"model {model.name!r} is not bound to a cluster, so there are no rows to export: "
+            f"compile it with optimizer=lookup_table.keras.RemoteOptimizer(config) (or train "
+            f"it with trainer.Trainer) and call lookup_table.keras.export_saved_model(model, "
+            f"path), or pass rows=lookup_table.ops.checkpoint.checkpoint_rows(checkpoint_dir), "
+            f"or config= and ids={{table: ids}}"
+        )
+    config, session = bound
+    for name in wanted:
+        spec = config.table(name)
+        if unseen == "initializer":
+            _check_reproducible(spec)
+    if session is not None:
+        session.settle_pushes()
+    snapshot = target.with_name(f".{target.name}.snapshot-{uuid.uuid4().hex[:8]}")
+    try:
+        manifest = save_checkpoint(config, snapshot, progress=False)
+        dense = "checkpoint" if manifest.get("dense") is not None else "model"
+        result = export_checkpoint_saved_model(
+            snapshot,
+            model,
+            target,
+            dense=dense,
+            unseen=unseen,
+            memory_limit_bytes=memory_limit_bytes,
+        )
+    finally:
+        shutil.rmtree(snapshot, ignore_errors=True)
+    logger.info(
+        "exported %s from a snapshot of namespace %r (dense weights from the %s)",
+        target,
+        config.namespace,
+        "snapshot" if dense == "checkpoint" else "model",
+    )
+    return result
+
+
 def _sources(
     wanted: Sequence[str],
     *,
@@ -831,7 +935,8 @@ def _sources(
     if rows is None and (config is None or ids is None) or rows is not None and ids is not None:
         raise ConfigError(
             "pass the rows to export as rows=checkpoint_rows(dir), or as config= and "
-            "ids={table: ids} to read from the cluster (exactly one of them)"
+            "ids={table: ids} to read from the cluster (exactly one of them), or neither "
+            "for a model bound to its cluster (export_saved_model(model, path))"
         )
     if rows is not None:
         missing = [t for t in wanted if t not in rows]
@@ -891,15 +996,18 @@ def _read_rows(
     config: ClusterConfig, ids: Mapping[str, IdArray]
 ) -> dict[str, tuple[NDArray[np.float32], NDArray[np.bool_]]]:
     """Rows of unique `ids` per table with the store (one request per node; nothing
-    written), on a loop of its own (the caller may be inside one)."""
+    written) while the optimizer replicas are paused (they write the rows they hold
+    behind first), on a loop of its own (the caller may be inside one)."""
+    from lookup_table.ops.checkpoint.pipeline import run_blocking
+    from lookup_table.ops.checkpoint.save import paused_replicas
     from lookup_table.store import EmbeddingStore, TableRead
 
     names = list(ids)
 
     async def read() -> list[tuple[NDArray[np.float32], NDArray[np.bool_]]]:
-        async with EmbeddingStore(config) as store:
-            return await store.get_many([TableRead(t, ids[t]) for t in names], unique=True)
+        async with EmbeddingStore(config) as store, paused_replicas(config) as held:
+            got = await store.get_many([TableRead(t, ids[t]) for t in names], unique=True)
+            held.check("the export's read")
+            return got
 
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="export-read") as pool:
-        results = pool.submit(asyncio.run, read()).result()
-    return dict(zip(names, results, strict=True))
+    return dict(zip(names, run_blocking(read()), strict=True))

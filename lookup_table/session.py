@@ -879,6 +879,12 @@ class TrainingSession:
 
     # ------------------------------------------------------------ pushes
 
+    def settle_pushes(self) -> None:
+        """Wait until every push of this session is written (raising the first failure):
+        what a snapshot of the model it trains (an export, a checkpoint) must include."""
+        if not self._closed:
+            self._drain_pushes()
+
     def _drain_pushes(self) -> None:
         self._settle()
         while self._pushes:

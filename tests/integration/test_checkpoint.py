@@ -31,9 +31,9 @@ from lookup_table.ops.checkpoint import (
     MANIFEST,
     main,
     namespace_keys,
-    restore_checkpoint,
+    restore_checkpoint_async,
     save,
-    save_checkpoint,
+    save_checkpoint_async,
     unpack_str_ids,
 )
 from lookup_table.ops.localcluster import free_port, memcached_cluster
@@ -181,7 +181,7 @@ async def test_save_while_two_trainers_push_is_consistent_and_restores_into_3_no
     try:
         async with pushed:
             await pushed.wait_for(lambda: min(pushes) >= 3)
-        manifest = await save_checkpoint(config, tmp_path / "ck", progress=False)
+        manifest = await save_checkpoint_async(config, tmp_path / "ck", progress=False)
         at_save = list(pushes)
         async with pushed:  # the replicas resumed: both trainers go on
             await pushed.wait_for(lambda: min(pushes[0] - at_save[0], pushes[1] - at_save[1]) >= 2)
@@ -218,7 +218,7 @@ async def test_save_while_two_trainers_push_is_consistent_and_restores_into_3_no
 
     with memcached_cluster(3) as servers:
         three = _on(config, [s.address for s in servers])
-        summary = await restore_checkpoint(three, ck, progress=False)
+        summary = await restore_checkpoint_async(three, ck, progress=False)
         assert summary["rows"] == sum(t["count"] for t in manifest["tables"])
         assert set(summary["sentinels"].values()) == {True}
         await _assert_store_equals_checkpoint(three, ck)
@@ -227,16 +227,16 @@ async def test_save_while_two_trainers_push_is_consistent_and_restores_into_3_no
 async def test_3_to_1_nodes_gives_the_same_files_and_training_goes_on(
     trained: ClusterConfig, tmp_path: Path, aiohttp_server: Any
 ) -> None:
-    first = await save_checkpoint(trained, tmp_path / "from2", progress=False)
+    first = await save_checkpoint_async(trained, tmp_path / "from2", progress=False)
     with memcached_cluster(3) as three_servers, memcached_cluster(1) as one_server:
         three = _on(trained, [s.address for s in three_servers])
-        await restore_checkpoint(three, tmp_path / "from2", progress=False)
-        second = await save_checkpoint(three, tmp_path / "from3", progress=False)
+        await restore_checkpoint_async(three, tmp_path / "from2", progress=False)
+        second = await save_checkpoint_async(three, tmp_path / "from3", progress=False)
         assert second["nodes_at_save"] == 3 and not second["paused"]  # no replicas to pause
         assert second["files"] == first["files"]  # the files do not depend on the nodes
 
         one = _on(trained, [one_server[0].address])
-        await restore_checkpoint(one, tmp_path / "from3", progress=False)
+        await restore_checkpoint_async(one, tmp_path / "from3", progress=False)
         await _assert_store_equals_checkpoint(one, tmp_path / "from3")
 
         # a replica started on the restored node picks up where the checkpoint left off
@@ -276,7 +276,7 @@ async def test_restore_pauses_and_reloads_running_replicas(
     """A replica that kept training past the checkpoint serves the restored version and rows
     right after the restore, with no restart; a replica that is not running is reported."""
     ck = tmp_path / "ck"
-    first = await save_checkpoint(trained, ck, progress=False)
+    first = await save_checkpoint_async(trained, ck, progress=False)
     saved_version = first["dense"]["version"]
     rng = np.random.default_rng(7)
     async with OptimizerClient(trained) as client:
@@ -286,7 +286,7 @@ async def test_restore_pauses_and_reloads_running_replicas(
 
         down = f"http://127.0.0.1:{free_port()}"
         with_down = dataclasses.replace(trained, optimizers=(*trained.optimizers, down))
-        summary = await restore_checkpoint(with_down, ck, force=True, progress=False)
+        summary = await restore_checkpoint_async(with_down, ck, force=True, progress=False)
         assert summary["replicas_reloaded"] == list(trained.optimizers)
         assert summary["replicas_not_running"] == [down]
         await _assert_store_equals_checkpoint(trained, ck)
@@ -320,7 +320,7 @@ async def test_a_dense_push_after_a_restore_starts_from_the_restored_parameters(
     `--no-pause`, which does not reload the replica) it serves and updates the restored
     ones, not those it trained past the checkpoint."""
     ck = tmp_path / "ck"
-    dense = (await save_checkpoint(trained, ck, progress=False))["dense"]
+    dense = (await save_checkpoint_async(trained, ck, progress=False))["dense"]
     restored = {p["name"]: _load(ck, p["file"]) for p in dense["params"]}
     restored_slots = {p["name"]: _load(ck, p["slots_file"]) for p in dense["params"]}
     rng = np.random.default_rng(11)
@@ -329,7 +329,7 @@ async def test_a_dense_push_after_a_restore_starts_from_the_restored_parameters(
             await _push(client, 0, rng)
         version, before = await client.dense()
         assert version == dense["version"] + 2
-        await restore_checkpoint(trained, ck, force=True, pause=pause, progress=False)
+        await restore_checkpoint_async(trained, ck, force=True, pause=pause, progress=False)
         version, now = await client.dense()
         assert version == dense["version"]
         for name, value in restored.items():
@@ -374,7 +374,7 @@ def _write_toml(path: Path, config: ClusterConfig) -> Path:
 
 @pytest.fixture
 async def saved(trained: ClusterConfig, tmp_path: Path) -> Path:
-    await save_checkpoint(trained, tmp_path / "ck", progress=False)
+    await save_checkpoint_async(trained, tmp_path / "ck", progress=False)
     return tmp_path / "ck"
 
 
@@ -426,13 +426,13 @@ async def test_restore_into_a_namespace_with_data_needs_force(saved: Path, tmp_p
             await store.lookup("user", [424242, 7])  # rows the checkpoint does not have
             await store.set_blobs(META_TABLE, ["r0-j0"], [b"stale journal"], kind="j")
         with pytest.raises(NamespaceNotEmptyError, match=r"already holds 3 keys .*--force"):
-            await restore_checkpoint(target, saved, progress=False)
+            await restore_checkpoint_async(target, saved, progress=False)
         toml = _write_toml(tmp_path / "target.toml", target)
         code, err = await asyncio.to_thread(
             _cli, ["restore", "--config", str(toml), "--dir", str(saved)]
         )
         assert code == 1 and "--force" in err
-        summary = await restore_checkpoint(target, saved, force=True, progress=False)
+        summary = await restore_checkpoint_async(target, saved, force=True, progress=False)
         assert summary["deleted_keys"] == 3 + 2  # the rows, the journal, two sentinels
         await _assert_store_equals_checkpoint(target, saved)
         async with EmbeddingStore(target) as store:
@@ -443,7 +443,7 @@ async def test_restore_into_a_namespace_with_data_needs_force(saved: Path, tmp_p
         fresh = dataclasses.replace(target, namespace=target.namespace + "b")
         async with EmbeddingStore(fresh) as store:
             await store.write_sentinels()
-        await restore_checkpoint(fresh, saved, progress=False)
+        await restore_checkpoint_async(fresh, saved, progress=False)
         await _assert_store_equals_checkpoint(fresh, saved)
 
 
@@ -456,13 +456,13 @@ async def test_string_ids_round_trip_exactly_through_files_nodes_and_export(
         await store.write_sentinels()
         rows = await store.lookup("word", ids)
         await store.lookup("user", [7])  # int 7 and str "7" are different ids
-    manifest = await save_checkpoint(config, tmp_path / "ck", progress=False)
+    manifest = await save_checkpoint_async(config, tmp_path / "ck", progress=False)
     word = next(t for t in manifest["tables"] if t["name"] == "word")
     saved_ids = _ids(tmp_path / "ck", word).tolist()
     assert saved_ids == sorted(ids) and word["count"] == len(ids)
     with memcached_cluster(3) as servers:
         three = _on(config, [s.address for s in servers])
-        await restore_checkpoint(three, tmp_path / "ck", progress=False)
+        await restore_checkpoint_async(three, tmp_path / "ck", progress=False)
         async with EmbeddingStore(three) as store:
             back, found = await store.get("word", ids)
         assert found.all() and np.array_equal(_bits(back), _bits(rows))
@@ -494,13 +494,13 @@ async def test_a_failed_save_leaves_no_directory(
 
     monkeypatch.setattr(save, "_save_dense", broken)
     with pytest.raises(OSError, match="disk full"):
-        await save_checkpoint(config, tmp_path / "ck", progress=False)
+        await save_checkpoint_async(config, tmp_path / "ck", progress=False)
     assert _listdir(tmp_path) == []
     monkeypatch.undo()
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "x").write_text("")
     with pytest.raises(CheckpointError, match="already exists"):
-        await save_checkpoint(config, tmp_path / "ck", progress=False)
+        await save_checkpoint_async(config, tmp_path / "ck", progress=False)
     (tmp_path / "ck" / "x").unlink()
-    await save_checkpoint(config, tmp_path / "ck", progress=False)  # an empty dir is fine
+    await save_checkpoint_async(config, tmp_path / "ck", progress=False)  # an empty dir is fine
     assert (tmp_path / "ck" / MANIFEST).is_file()

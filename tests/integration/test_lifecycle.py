@@ -28,7 +28,7 @@ from lookup_table.core.keyspace import Kind
 from lookup_table.core.optimizers import slot_width
 from lookup_table.core.sharding import node_of
 from lookup_table.errors import DataLossError
-from lookup_table.ops.checkpoint import restore_checkpoint, save_checkpoint
+from lookup_table.ops.checkpoint import restore_checkpoint_async, save_checkpoint_async
 from lookup_table.ops.localcluster import memcached_cluster
 from lookup_table.ops.stats import render_stats, table_stats
 from lookup_table.store import TableRead
@@ -330,13 +330,13 @@ async def test_checkpoints_skip_counters_keep_ttls_and_restore_with_the_ttl(
         await store.set("hot", [1], row, slots=np.ones((1, 5), np.float32))  # Adam
     node, key = _key(config, "hot", Kind.ROW, 1)
     assert _meta(node, b"mg " + key + b" T50\r\n") == b"HD\r\n"
-    manifest = await save_checkpoint(config, tmp_path / "ck", progress=False)
+    manifest = await save_checkpoint_async(config, tmp_path / "ck", progress=False)
     counts = {t["name"]: t["count"] for t in manifest["tables"]}
     assert counts == {"hot": 1, "keep": 1}
     assert 0 < (_remaining_ttl(config, "hot", Kind.ROW, 1) or 0) <= 50  # not refreshed
     with memcached_cluster(1) as servers:
         other = parse_config({**config.to_dict(), "memcached": [servers[0].address]}, env={})
-        await restore_checkpoint(other, tmp_path / "ck", progress=False)
+        await restore_checkpoint_async(other, tmp_path / "ck", progress=False)
         assert 50 < (_remaining_ttl(other, "hot", Kind.ROW, 1) or 0) <= 100
         async with EmbeddingStore(other) as restored:
             item, _ = await restored.get("hot", [1], slots=True)

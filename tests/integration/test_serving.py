@@ -252,7 +252,7 @@ def served(
         with Trainer(config, trained, progress=False) as trainer:
             trainer.fit(_batches(np.random.default_rng(3), 4, 32))
         checkpoint = tmp / "ckpt"
-        asyncio.run(save_checkpoint(config, checkpoint, progress=False))
+        save_checkpoint(config, checkpoint, progress=False)
         expected: dict[str, dict[str, np.ndarray]] = {}
         for name, model, query in (("view", view, QUERY), ("sparse", sparse, SPARSE_QUERY)):
             with Trainer(config, model, progress=False):  # binds the layers to the cluster

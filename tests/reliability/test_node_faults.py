@@ -44,7 +44,7 @@ from lookup_table.errors import (
     StoreTimeoutError,
 )
 from lookup_table.ops.admin import init_cluster
-from lookup_table.ops.checkpoint import save_checkpoint
+from lookup_table.ops.checkpoint import save_checkpoint, save_checkpoint_async
 from lookup_table.ops.localcluster import MemcachedProcess, free_port, start_memcached
 from optimizer_service.journal import JOURNAL_SLOTS
 from tests.conftest import written
@@ -240,7 +240,7 @@ def test_node_lost_during_training_raises_data_loss_then_restore_resumes(tmp_pat
             try:
                 trainer.fit(batches, steps=4)
                 ckpt = tmp_path / "ckpt"
-                asyncio.run(save_checkpoint(config, ckpt, progress=False))
+                save_checkpoint(config, ckpt, progress=False)
                 saved = {
                     t: (
                         np.load(ckpt / "tables" / t / "ids.npy"),
@@ -809,7 +809,7 @@ async def test_unfinished_push_blocks_a_save_and_a_restore_drops_it(
     from prometheus_client import CollectorRegistry
 
     from lookup_table.errors import CheckpointError
-    from lookup_table.ops.checkpoint import restore_checkpoint
+    from lookup_table.ops.checkpoint import restore_checkpoint_async
     from optimizer_service import journal
     from optimizer_service.app import UPDATER, make_app
     from tests.conftest import make_config
@@ -840,7 +840,7 @@ async def test_unfinished_push_blocks_a_save_and_a_restore_drops_it(
         server = await aiohttp_server(app)
         config = dataclasses.replace(config, optimizers=(str(server.make_url("")).rstrip("/"),))
         ck = tmp_path / "ck"
-        await save_checkpoint(config, ck, progress=False)
+        await save_checkpoint_async(config, ck, progress=False)
 
         ids = _ids_on("C1", 1, nodes, 4, start=10**12)
         grads = np.full((4, 16), 2.0, dtype=np.float32)
@@ -852,10 +852,10 @@ async def test_unfinished_push_blocks_a_save_and_a_restore_drops_it(
 
         async with asyncio.timeout(MARGIN_S + 5):  # refused, not hung in the pause
             with pytest.raises(CheckpointError, match="replica 0: 1; see their logs"):
-                await save_checkpoint(config, tmp_path / "ck2", progress=False)
+                await save_checkpoint_async(config, tmp_path / "ck2", progress=False)
         assert not (tmp_path / "ck2").exists() and not updater.paused
 
-        summary = await restore_checkpoint(config, ck, force=True, progress=False)
+        summary = await restore_checkpoint_async(config, ck, force=True, progress=False)
         assert summary["replicas_reloaded"] == list(config.optimizers)
         assert not updater._finishers and updater.locks.held == 0 and not updater.paused
         # the checkpoint filled the node again: make room, so a replay still alive would

@@ -352,3 +352,31 @@ def test_a_moved_checkpoint_still_verifies(tmp_path: Path) -> None:
     copy = tmp_path / "copy"
     shutil.copytree(ck, copy)
     assert verify_checkpoint(copy)["files"] == verify_checkpoint(ck)["files"]
+
+
+def test_run_blocking_returns_the_result_with_or_without_a_running_loop() -> None:
+    """The sync save and restore run their coroutine with `run_blocking`: on a new loop,
+    or, where one runs (Jupyter), on a private thread's loop; errors come through."""
+    import asyncio
+    import threading
+
+    from lookup_table.ops.checkpoint.pipeline import run_blocking
+
+    async def where(fail: bool = False) -> str:
+        await asyncio.sleep(0)
+        if fail:
+            raise CheckpointError("failed inside")
+        return threading.current_thread().name
+
+    assert run_blocking(where()) == threading.current_thread().name
+
+    async def inside() -> str:
+        return run_blocking(where())
+
+    assert asyncio.run(inside()).startswith("lookup-table-run")
+    with pytest.raises(CheckpointError, match="failed inside"):
+        asyncio.run(_raise_inside(run_blocking, where))
+
+
+async def _raise_inside(run_blocking: Any, where: Any) -> None:
+    run_blocking(where(fail=True))

@@ -182,8 +182,10 @@ def test_refusals_write_nothing(tmp_path: Path) -> None:
         export_saved_model(model, out, rows=rows, unseen="zeros", memory_limit_bytes=1000)
     with pytest.raises(ConfigError, match="normal initializer"):
         export_saved_model(model, out, rows=rows)  # unseen="initializer"
+    with pytest.raises(ConfigError, match="not bound to a cluster.*checkpoint_rows"):
+        export_saved_model(model, out)  # no source, and no cluster to snapshot
     with pytest.raises(ConfigError, match="exactly one of them"):
-        export_saved_model(model, out)
+        export_saved_model(model, out, rows=rows, ids={"user": [1]})
     with pytest.raises(ConfigError, match=r"tables \['word'\] are not in rows"):
         export_saved_model(model, out, rows={"user": rows["user"]}, unseen="zeros")
     with pytest.raises(ConfigError, match="dim=4 but table 'user' has dim=5"):

@@ -5,6 +5,9 @@
     lookup-table-checkpoint export  --dir D --out model.npz
     lookup-table-checkpoint export  --dir D --format savedmodel --model model.keras --out DIR
 
+From Python, `save_checkpoint(config, dir)` and `restore_checkpoint(config, dir)` return
+when done (also in Jupyter, where a loop runs); async code awaits their `_async` twins.
+
 One concept per module: `format` (names, manifest, string-id packing, fit with a
 cluster file), `files` (`.npy`, sha256, fsync, the atomic rename), `verify`,
 `listing` (the namespace's keys from `lru_crawler metadump`), `pipeline`
@@ -35,8 +38,8 @@ from lookup_table.ops.checkpoint.listing import (
     parse_metadump,
 )
 from lookup_table.ops.checkpoint.pipeline import DEFAULT_BATCH_IDS
-from lookup_table.ops.checkpoint.restore import restore_checkpoint
-from lookup_table.ops.checkpoint.save import save_checkpoint
+from lookup_table.ops.checkpoint.restore import restore_checkpoint, restore_checkpoint_async
+from lookup_table.ops.checkpoint.save import save_checkpoint, save_checkpoint_async
 from lookup_table.ops.checkpoint.savedmodel import checkpoint_rows, export_checkpoint_saved_model
 from lookup_table.ops.checkpoint.verify import verify_checkpoint
 from lookup_table.ops.metadump import metadump_prefix, namespace_lines
@@ -62,7 +65,9 @@ __all__ = [
     "pack_str_ids",
     "parse_metadump",
     "restore_checkpoint",
+    "restore_checkpoint_async",
     "save_checkpoint",
+    "save_checkpoint_async",
     "unpack_str_ids",
     "verify_checkpoint",
 ]

@@ -13,7 +13,6 @@ module of the package that prints.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from collections.abc import Sequence
@@ -147,15 +146,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"--batch-ids must be >= 1, got {args.batch_ids}")
             config = load_config(args.config)
         if args.command == "save":
-            manifest = asyncio.run(
-                save_checkpoint(
-                    config,
-                    args.dir,
-                    pause=not args.no_pause,
-                    pause_timeout_s=args.pause_timeout_s,
-                    batch_ids=args.batch_ids,
-                    progress=progress,
-                )
+            manifest = save_checkpoint(
+                config,
+                args.dir,
+                pause=not args.no_pause,
+                pause_timeout_s=args.pause_timeout_s,
+                batch_ids=args.batch_ids,
+                progress=progress,
             )
             rows = sum(int(t["count"]) for t in manifest["tables"])
             slots = sum(int(t["with_slots"]) for t in manifest["tables"])
@@ -170,15 +167,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{timing['seconds']:.2f} s, {timing['rows_per_s']:,.0f} rows/s"
             )
         elif args.command == "restore":
-            summary = asyncio.run(
-                restore_checkpoint(
-                    config,
-                    args.dir,
-                    force=args.force,
-                    pause=not args.no_pause,
-                    batch_ids=args.batch_ids,
-                    progress=progress,
-                )
+            summary = restore_checkpoint(
+                config,
+                args.dir,
+                force=args.force,
+                pause=not args.no_pause,
+                batch_ids=args.batch_ids,
+                progress=progress,
             )
             print(
                 f"restored {args.dir} into namespace {config.namespace!r} on "

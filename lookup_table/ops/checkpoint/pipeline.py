@@ -1,11 +1,13 @@
-"""What a save and a restore share: batch sizes, a bounded pipeline, the progress bar."""
+"""What a save and a restore share: batch sizes, a bounded pipeline, the progress bar,
+and running their coroutine to the end from code that is not async."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import sys
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -16,8 +18,11 @@ __all__ = [
     "DEFAULT_PAUSE_TIMEOUT_S",
     "WINDOW",
     "progress_bar",
+    "run_blocking",
     "run_bounded",
 ]
+
+T = TypeVar("T")
 
 DEFAULT_BATCH_IDS = 32_768
 DEFAULT_PAUSE_TIMEOUT_S = 3600.0
@@ -54,3 +59,18 @@ async def run_bounded(jobs: Iterable[Callable[[], Awaitable[None]]], window: int
         errors = failed.exceptions
         first = next((e for e in errors if isinstance(e, LookupTableError)), errors[0])
         raise first from None
+
+
+def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` to the end and return its result, from code that is not async.
+
+    Without an event loop in this thread it runs on a new one (`asyncio.run`). Where one
+    is running (Jupyter, an async caller) it runs on a new loop in a private thread while
+    this thread waits: the running loop is blocked meanwhile, so async code should await
+    the coroutine itself instead."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookup-table-run") as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -44,17 +44,18 @@ from lookup_table.ops.checkpoint.pipeline import (
     DEFAULT_PAUSE_TIMEOUT_S,
     WINDOW,
     progress_bar,
+    run_blocking,
     run_bounded,
 )
 from lookup_table.ops.checkpoint.verify import verify_checkpoint
 from lookup_table.store import EmbeddingStore
 
-__all__ = ["restore_checkpoint"]
+__all__ = ["restore_checkpoint", "restore_checkpoint_async"]
 
 logger = logging.getLogger(__name__)
 
 
-async def restore_checkpoint(
+def restore_checkpoint(
     config: ClusterConfig,
     directory: str | os.PathLike[str],
     *,
@@ -64,6 +65,29 @@ async def restore_checkpoint(
     progress: bool | None = None,
 ) -> dict[str, Any]:
     """Restore a checkpoint into the namespace and nodes of `config`; return a summary.
+
+    Returns when the restore is done, also where an event loop runs (Jupyter: the
+    restore runs on a private thread's loop meanwhile). Async code awaits
+    `restore_checkpoint_async` instead, which takes the same arguments.
+    """
+    return run_blocking(
+        restore_checkpoint_async(
+            config, directory, force=force, pause=pause, batch_ids=batch_ids, progress=progress
+        )
+    )
+
+
+async def restore_checkpoint_async(
+    config: ClusterConfig,
+    directory: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    pause: bool = True,
+    batch_ids: int = DEFAULT_BATCH_IDS,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Restore a checkpoint into the namespace and nodes of `config`; return a summary
+    (`restore_checkpoint`, awaited on the caller's loop).
 
     Running optimizer replicas are paused for the restore (no push mixes old and restored
     rows) and then resumed with a reload, so they serve the restored version without a

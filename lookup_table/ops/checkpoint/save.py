@@ -20,13 +20,14 @@ the same deterministic initial value.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -69,11 +70,12 @@ from lookup_table.ops.checkpoint.pipeline import (
     DEFAULT_PAUSE_TIMEOUT_S,
     WINDOW,
     progress_bar,
+    run_blocking,
     run_bounded,
 )
 from lookup_table.store import EmbeddingStore
 
-__all__ = ["save_checkpoint"]
+__all__ = ["paused_replicas", "save_checkpoint", "save_checkpoint_async"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +140,7 @@ def _check_placement(
         )
 
 
-async def save_checkpoint(
+def save_checkpoint(
     config: ClusterConfig,
     directory: str | os.PathLike[str],
     *,
@@ -148,6 +150,34 @@ async def save_checkpoint(
     progress: bool | None = None,
 ) -> dict[str, Any]:
     """Save the namespace of `config` into the new directory `directory`; return the manifest.
+
+    Returns when the checkpoint is written, also where an event loop runs (Jupyter: the
+    save runs on a private thread's loop meanwhile). Async code awaits
+    `save_checkpoint_async` instead, which takes the same arguments (module docstring).
+    """
+    return run_blocking(
+        save_checkpoint_async(
+            config,
+            directory,
+            pause=pause,
+            pause_timeout_s=pause_timeout_s,
+            batch_ids=batch_ids,
+            progress=progress,
+        )
+    )
+
+
+async def save_checkpoint_async(
+    config: ClusterConfig,
+    directory: str | os.PathLike[str],
+    *,
+    pause: bool = True,
+    pause_timeout_s: float = DEFAULT_PAUSE_TIMEOUT_S,
+    batch_ids: int = DEFAULT_BATCH_IDS,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Save the namespace of `config` into the new directory `directory`; return the manifest
+    (`save_checkpoint`, awaited on the caller's loop).
 
     Args:
         pause: pause every optimizer replica of `config` while reading (consistent).
@@ -172,41 +202,9 @@ async def save_checkpoint(
     try:
         async with EmbeddingStore(config, refresh_ttl=False) as store:
             await _require_intact(store)
-            client = OptimizerClient(config, max_retries=2) if pause and config.optimizers else None
-            if pause and client is None:
-                logger.warning("no optimizer replicas in the cluster file: nothing to pause")
-            try:
-                if client is not None:
-                    unfinished = await client.pause(timeout_s=pause_timeout_s)
-                    if any(unfinished.values()):
-                        raise CheckpointError(
-                            "optimizer replicas are still finishing pushes whose memcached "
-                            "write failed ("
-                            + ", ".join(f"replica {k}: {n}" for k, n in unfinished.items() if n)
-                            + "; see their logs): their rows are half written, so the "
-                            "checkpoint would not be consistent. Fix the node they name "
-                            "(lookup-table-admin stats) and save again"
-                        )
-                paused_at = time.monotonic()
+            async with paused_replicas(config, enabled=pause, timeout_s=pause_timeout_s) as held:
                 body = await _read_namespace(store, tmp, batch_ids=batch_ids, progress=progress)
-                if client is not None and time.monotonic() - paused_at >= pause_timeout_s:
-                    raise CheckpointError(
-                        f"the save took longer than the pause ({pause_timeout_s:g} s): the "
-                        f"replicas resumed during it, so it is not consistent; raise "
-                        f"--pause-timeout-s"
-                    )
-            finally:
-                if client is not None:
-                    try:
-                        await client.resume()
-                    except LookupTableError as exc:
-                        logger.warning(
-                            "could not resume the optimizer replicas (they resume by "
-                            "themselves after %g s): %s",
-                            pause_timeout_s,
-                            exc,
-                        )
-                    await client.close()
+                held.check("the save")
         read_s = time.monotonic() - started
         manifest: dict[str, Any] = {
             "format": FORMAT,
@@ -216,7 +214,7 @@ async def save_checkpoint(
             "created_unix": created.timestamp(),
             "nodes_at_save": len(config.memcached),
             "node_addresses_at_save": list(config.node_addresses),
-            "paused": client is not None,
+            "paused": held.paused,
             "optimizer_replicas": len(config.optimizers),
             **body,
         }
@@ -232,6 +230,68 @@ async def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+class _Held:
+    """What `paused_replicas` yields: whether replicas are paused, and since when."""
+
+    def __init__(self, paused: bool, timeout_s: float) -> None:
+        self.paused = paused
+        self.timeout_s = timeout_s
+        self.since = time.monotonic()
+
+    def check(self, what: str) -> None:
+        """Raise CheckpointError if the replicas may have resumed by themselves."""
+        if self.paused and time.monotonic() - self.since >= self.timeout_s:
+            raise CheckpointError(
+                f"{what} took longer than the pause ({self.timeout_s:g} s): the replicas "
+                f"resumed during it, so it is not consistent; raise --pause-timeout-s"
+            )
+
+
+@contextlib.asynccontextmanager
+async def paused_replicas(
+    config: ClusterConfig, *, enabled: bool = True, timeout_s: float = DEFAULT_PAUSE_TIMEOUT_S
+) -> AsyncIterator[_Held]:
+    """Pause every optimizer replica of `config` for the body, then resume them.
+
+    When paused, no push is in flight and each replica has written what it holds
+    behind (rows and dense parameters) to memcached, so memcached holds one consistent
+    model. They resume by themselves after `timeout_s`; `check` on what this yields
+    tells whether that happened.
+
+    Raises:
+        CheckpointError: a replica still finishes pushes whose memcached write failed.
+        ReplicaUnavailableError, PushRejectedError: a replica could not be paused.
+    """
+    client = OptimizerClient(config, max_retries=2) if enabled and config.optimizers else None
+    if enabled and client is None:
+        logger.warning("no optimizer replicas in the cluster file: nothing to pause")
+    try:
+        if client is not None:
+            unfinished = await client.pause(timeout_s=timeout_s)
+            if any(unfinished.values()):
+                raise CheckpointError(
+                    "optimizer replicas are still finishing pushes whose memcached "
+                    "write failed ("
+                    + ", ".join(f"replica {k}: {n}" for k, n in unfinished.items() if n)
+                    + "; see their logs): their rows are half written, so a snapshot "
+                    "would not be consistent. Fix the node they name "
+                    "(lookup-table-admin stats) and try again"
+                )
+        yield _Held(client is not None, timeout_s)
+    finally:
+        if client is not None:
+            try:
+                await client.resume()
+            except LookupTableError as exc:
+                logger.warning(
+                    "could not resume the optimizer replicas (they resume by "
+                    "themselves after %g s): %s",
+                    timeout_s,
+                    exc,
+                )
+            await client.close()
 
 
 async def _require_intact(store: EmbeddingStore) -> None:
