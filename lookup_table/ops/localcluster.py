@@ -877,8 +877,8 @@ def cluster_status(config_path: str, run_dir: Path) -> int:
             print(
                 f"  {address}: {s['curr_items']} items, {int(s['bytes']) / 2**20:.1f} MiB of "
                 f"{int(s['limit_maxbytes']) / 2**20:.0f} MiB ({float(s['fill_ratio']):.1%}), "
-                f"evictions {s['evictions']}, sentinel of namespace {config.namespace!r} "
-                f"{'ok' if s['sentinel'] else 'MISSING'}"
+                f"evictions {s['evictions']}, sentinel {'ok' if s['sentinel'] else 'MISSING'} "
+                f"(namespace {config.namespace!r})"
             )
             healthy &= bool(s["sentinel"])
     for part in replicas:
