@@ -36,7 +36,16 @@ from typing import Any
 
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, load_config
-from lookup_table.core.keyspace import Kind, sentinel_key
+from lookup_table.core.keys import encode_key
+from lookup_table.core.keyspace import (
+    DENSE_CURRENT_ID,
+    DENSE_TABLE,
+    META_TABLE,
+    SENTINEL_ID,
+    Kind,
+    journal_id,
+    version_id,
+)
 from lookup_table.errors import (
     ConfigError,
     DataLossError,
@@ -96,7 +105,10 @@ async def reinit_cluster(config: ClusterConfig) -> dict[str, str]:
 
 # ================================================================ reset
 
-_RESET_ROUNDS = 5  # listings until one finds nothing left (keys written while deleting)
+_RESET_ROUNDS = 8  # listings until two in a row find nothing left
+_RELIST_S = 0.2  # between them: memcached relinks the items read last in the background
+# optimizer_service.journal.MAX_JOURNAL_SLOTS (lookup_table does not import the service)
+_JOURNAL_SLOTS_AT_MOST = 64
 
 
 async def reset_namespace(
@@ -203,22 +215,53 @@ def _kind_label(kind: str) -> str:
 async def _delete_namespace(
     config: ClusterConfig,
 ) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
-    """Delete the sentinels, then every key a listing finds, until a listing finds none.
-    Returns the keys deleted per table and kind label, and per node."""
+    """Delete the bookkeeping keys a namespace continues from, then every key a listing
+    finds, until two listings in a row find none. Returns the keys deleted per table and
+    kind label, and per node."""
     ns = config.namespace
     deleted: dict[str, dict[str, int]] = {}
     per_node = {spec.address: 0 for spec in config.memcached}
-    for spec in config.memcached:
-        gone = await commands.delete_keys(spec, config.store, [sentinel_key(ns)])
-        per_node[spec.address] += gone
-        if gone:
-            meta = deleted.setdefault("_meta", {})
-            meta[Kind.META.label] = meta.get(Kind.META.label, 0) + gone
+
+    def count(table: str, kind: str, n: int) -> None:
+        by_kind = deleted.setdefault(table, {})
+        label = _kind_label(kind)
+        by_kind[label] = by_kind.get(label, 0) + n
+
+    # the keys that make a namespace continue are deleted by name first, on every node
+    # (a listing can miss an item memcached is moving between its LRUs): the sentinels
+    # (trainers reading meanwhile get DataLossError), the versions, the dense
+    # parameters' pointer, the journal headers (a replica's start replays what they list)
+    replicas = range(max(len(config.optimizers), 1))
+    known = [
+        (META_TABLE, Kind.META, [SENTINEL_ID]),
+        (META_TABLE, Kind.META, [version_id(k) for k in replicas]),
+        (DENSE_TABLE, Kind.META, [DENSE_CURRENT_ID]),
+        (
+            META_TABLE,
+            Kind.JOURNAL,
+            [journal_id(k, slot) for k in replicas for slot in range(_JOURNAL_SLOTS_AT_MOST)],
+        ),
+    ]
+    for book, book_kind, names in known:
+        keys = [encode_key(ns, book, book_kind, name) for name in names]
+        for spec in config.memcached:
+            gone = await commands.delete_keys(spec, config.store, keys)
+            per_node[spec.address] += gone
+            if gone:
+                count(book, book_kind, gone)
     async with EmbeddingStore(config, check_sentinels=False) as store:
+        empty = 0
         for _ in range(_RESET_ROUNDS):
             dumps = await namespace_keys(store)
             if not any(found.count for found in dumps.values()):
-                return deleted, per_node
+                # twice in a row: memcached's crawler can miss an item its LRU
+                # maintainer is moving
+                empty += 1
+                if empty == 2:
+                    return deleted, per_node
+                await asyncio.sleep(_RELIST_S)
+                continue
+            empty = 0
             for spec in config.memcached:
                 found = dumps[spec.address]
                 if not found.count:
@@ -226,12 +269,10 @@ async def _delete_namespace(
                 per_node[spec.address] += await commands.delete_keys(
                     spec, config.store, found.keys(ns)
                 )
-                counts = [(tk, int(ids.shape[0])) for tk, ids in found.int_ids.items()]
-                counts += [(tk, len(bodies)) for tk, bodies in found.bodies.items()]
-                for (table, kind), n in counts:
-                    label = _kind_label(kind)
-                    by_kind = deleted.setdefault(table, {})
-                    by_kind[label] = by_kind.get(label, 0) + n
+                for (table, kind), ids in found.int_ids.items():
+                    count(table, kind, int(ids.shape[0]))
+                for (table, kind), bodies in found.bodies.items():
+                    count(table, kind, len(bodies))
     raise StoreError(
         f"namespace {ns!r} still holds keys after {_RESET_ROUNDS} rounds of deleting: "
         f"something writes to it (trainers, replicas of another cluster file?); stop it "
