@@ -428,8 +428,8 @@ class _Part:
     host: str
     port: int
     run_dir: Path
-    replica: int | None = None
-    url: str | None = None
+    replica: int = 0  # an optimizer's partition
+    url: str = ""  # an optimizer's URL
 
     @property
     def stem(self) -> Path:
@@ -672,7 +672,6 @@ def _replica_state(part: _Part, config: Any, config_path: str) -> tuple[int | No
     """(pid, None): this file's replica already runs there; (None, error): the address is
     held by something else (another namespace's replica, a foreign process); (None,
     None): free, start it."""
-    assert part.url is not None and part.replica is not None  # noqa: S101 (built so)
     _adopt_index_pid_file(part)
     pid, note = _running(part)
     if note:
@@ -695,7 +694,6 @@ def _replica_state(part: _Part, config: Any, config_path: str) -> tuple[int | No
 
 def _start_optimizers(config_path: str, config: Any, replicas: Sequence[_Part]) -> int:
     for part in replicas:
-        assert part.url is not None and part.replica is not None  # noqa: S101 (built so)
         pid, error = _replica_state(part, config, config_path)
         if error is not None:
             print(error, file=sys.stderr)
@@ -805,10 +803,12 @@ def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
         except RuntimeError as exc:
             print(f"{part.label}: {exc}", file=sys.stderr)
             return 1
-        assert server.pid is not None  # noqa: S101 (started)
-        part.claim(server.pid, config_path, config.namespace)
+        pid = server.pid
+        if pid is None:  # start() returned, so it runs
+            raise RuntimeError(f"{part.label}: started without a process")
+        part.claim(pid, config_path, config.namespace)
         print(
-            f"{part.label}: started (pid {server.pid}, {memory_mb} MiB, -M, -t {threads}, "
+            f"{part.label}: started (pid {pid}, {memory_mb} MiB, -M, -t {threads}, "
             f"log {part.log_path})"
         )
     states = asyncio.run(init_cluster(config))
@@ -882,7 +882,6 @@ def cluster_status(config_path: str, run_dir: Path) -> int:
             )
             healthy &= bool(s["sentinel"])
     for part in replicas:
-        assert part.url is not None and part.replica is not None  # noqa: S101 (built so)
         pid, note = _running(part, tidy=False)
         status, body = _healthz(part.url)
         extra = f"; {note}" if note else ""
