@@ -379,9 +379,9 @@ class OptimizerClient:
                 groups.append(group)
         return singles, groups
 
-    async def tables(self) -> dict[str, Any]:
-        """`GET /v1/tables` of replica 0."""
-        return await self._request(0, "GET", "/v1/tables", None)
+    async def tables(self, *, replica: int = 0) -> dict[str, Any]:
+        """`GET /v1/tables` of replica `replica` (its namespace, partition and tables)."""
+        return await self._request(replica, "GET", "/v1/tables", None)
 
     async def dense_init(
         self, params: Mapping[str, NDArray[np.float32]]

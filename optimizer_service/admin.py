@@ -1,8 +1,10 @@
-"""The admin endpoints of a replica: pause and resume, for a consistent checkpoint.
+"""The admin endpoints of a replica: pause and resume, for a checkpoint, a restore, a reset.
 
 `POST /v1/admin/pause?timeout_s=S&drop_unfinished=0|1` holds new pushes and waits for
-those in flight; `POST /v1/admin/resume?reload=0|1` lets them go, after re-reading the
-version when a restore replaced the rows (`reload=1`).
+those in flight (`drop_unfinished=1`: and drops what is not written yet, for a restore
+or `lookup-table-admin reset`); `POST /v1/admin/resume?reload=0|1` lets them go, after
+forgetting the rows and dense parameters held and re-reading the version when a
+restore or reset replaced them (`reload=1`).
 """
 
 from __future__ import annotations

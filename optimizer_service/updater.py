@@ -342,9 +342,10 @@ class Updater:
         and the dense updates that could not be written behind now (`_flush_rows`,
         `DenseParams.flush`): memcached does not hold all they wrote, so a checkpoint
         taken now would not be consistent.
-        `drop_unfinished` cancels those replays first, and writes nothing behind: only for
-        a restore, which replaces every row they would write (and deletes their
-        journals); otherwise they could write pre-restore rows over the restored ones.
+        `drop_unfinished` cancels those replays and a dense flush under way first, and
+        writes nothing behind: only for a restore or a reset, which replaces every row
+        they would write (and deletes their journals); otherwise they could write the
+        old rows over the new ones.
         """
         self._open.clear()
         if self._auto_resume is not None:
@@ -362,6 +363,7 @@ class Updater:
                 task.cancel()
         if drop_unfinished:
             self._drop_unflushed()
+            self._drop_dense_flush()
         if self._finishers or self._cleanups:  # a replay about to succeed, journal clears
             await asyncio.wait(self._finishers | self._cleanups, timeout=2.0)
         unflushed = 0
@@ -1522,6 +1524,13 @@ class Updater:
             self.journal.give_back(slot)
         self._unflushed, self._to_clear = [], []
         self._forget_rows()
+
+    def _drop_dense_flush(self) -> None:
+        """A restore or reset replaces the dense state: a flush of the old one under way
+        must not land after it (the dense state itself is dropped at the reload)."""
+        self._cancel_flush_timer()
+        if self._flushing is not None:
+            self._flushing.cancel()
 
     def _in_background(self, job: Coroutine[Any, Any, object]) -> asyncio.Task[object]:
         """Run `job` as a task that `pause` and `close` wait for (`_cleanups`)."""

@@ -3,10 +3,18 @@
     lookup-table-admin init   --config C        # write the sentinels (fresh cluster)
     lookup-table-admin stats  --config C [--json] [--table NAME ...]
     lookup-table-admin reinit --config C --yes  # accept that a node lost its data
+    lookup-table-admin reset  --config C --yes  # start the namespace over (deletes it all)
 
 `init` is safe to run twice. It refuses when some nodes have a sentinel and others
 do not: that is a node that lost its data, and only `reinit --yes` (or a
 checkpoint restore) may accept it.
+
+`reset` (`reset_namespace`) deletes every key of the namespace on every node (rows,
+slots, dense parameters, versions, journals, push records), writes fresh sentinels,
+and makes the running replicas drop what they hold of it in memory, so training
+starts from version 0 and initial rows. It refuses while a replica of the cluster
+file does not answer (its memory could write the old model back), unless told that
+it is stopped (`--replicas-stopped`).
 
 `stats` (`lookup_table.ops.stats`) lists every key of the namespace on every node
 (memcached's `lru_crawler metadump hash`, as a checkpoint does) and sums the keys
@@ -24,13 +32,34 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
+from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, load_config
-from lookup_table.errors import DataLossError, LookupTableError
+from lookup_table.core.keys import encode_key
+from lookup_table.core.keyspace import (
+    DENSE_CURRENT_ID,
+    DENSE_TABLE,
+    META_TABLE,
+    SENTINEL_ID,
+    Kind,
+    journal_id,
+    version_id,
+)
+from lookup_table.errors import (
+    ConfigError,
+    DataLossError,
+    LookupTableError,
+    ReplicaUnavailableError,
+    StoreError,
+)
+from lookup_table.memcached import commands
+from lookup_table.ops.checkpoint.listing import namespace_keys
+from lookup_table.ops.checkpoint.pipeline import DEFAULT_PAUSE_TIMEOUT_S
 from lookup_table.ops.stats import only_tables, render_stats, table_stats
 from lookup_table.store import EmbeddingStore
 
-__all__ = ["init_cluster", "main", "reinit_cluster"]
+__all__ = ["init_cluster", "main", "reinit_cluster", "reset_namespace"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +103,183 @@ async def reinit_cluster(config: ClusterConfig) -> dict[str, str]:
     return {node: ("re-initialized" if written.get(node) else "ok") for node in present}
 
 
+# ================================================================ reset
+
+_RESET_ROUNDS = 8  # listings until two in a row find nothing left
+_RELIST_S = 0.2  # between them: memcached relinks the items read last in the background
+# optimizer_service.journal.MAX_JOURNAL_SLOTS (lookup_table does not import the service)
+_JOURNAL_SLOTS_AT_MOST = 64
+
+
+async def reset_namespace(
+    config: ClusterConfig, *, replicas_stopped: bool = False
+) -> dict[str, Any]:
+    """Start the namespace of `config` over: delete every key of it on every node, write
+    fresh sentinels, and make the running replicas forget what they hold of it.
+
+    The replicas are paused first (a plain pause, which loses nothing if the reset stops
+    there), then told to drop what they have not written (rows written behind, replays
+    of failed writes, a dense flush under way), and resumed with a reload once the
+    namespace is empty: they serve version 0 and read rows and dense parameters afresh.
+    The sentinels go first, so a trainer that reads meanwhile gets DataLossError instead
+    of rows of a half-deleted model. Stop the trainers before a reset.
+
+    Returns `{"namespace", "deleted": {table: {kind label: keys}}, "deleted_keys",
+    "nodes": {address: keys}, "sentinels", "replicas_reloaded", "replicas_not_running"}`.
+
+    Raises:
+        ReplicaUnavailableError: a replica does not answer and `replicas_stopped` is
+            false (nothing was deleted).
+        ConfigError: a replica of the cluster file serves another namespace or partition
+            (nothing was deleted).
+        StoreError, NodeUnavailableError: memcached failed part-way; the namespace may be
+            left without sentinels (trainers get DataLossError): run the reset again.
+    """
+    ns = config.namespace
+    client = OptimizerClient(config, max_retries=1, backoff_s=0.2) if config.optimizers else None
+    told: list[int] = []
+    down: list[str] = []
+    try:
+        if client is not None:
+            down = await _check_replicas(client, config)
+            if down and not replicas_stopped:
+                raise ReplicaUnavailableError(
+                    f"optimizer replicas {', '.join(down)} do not answer, so they cannot be "
+                    f"told to drop what they hold of namespace {ns!r}: a running replica "
+                    f"would write its rows and dense parameters back after the reset. Start "
+                    f"them (deploy/cluster.sh up) and reset again, or, if they are stopped, "
+                    f"pass --replicas-stopped (a replica reads the empty namespace when it "
+                    f"starts). Nothing was deleted"
+                )
+            live = [k for k, url in enumerate(config.optimizers) if url not in down]
+            for k in live:  # a plain pause first: if one refuses, nothing is lost
+                await client.pause(timeout_s=DEFAULT_PAUSE_TIMEOUT_S, replicas=[k])
+                told.append(k)
+            if told:
+                await client.pause(
+                    timeout_s=DEFAULT_PAUSE_TIMEOUT_S, replicas=told, drop_unfinished=True
+                )
+        deleted, per_node = await _delete_namespace(config)
+        async with EmbeddingStore(config, check_sentinels=False) as store:
+            written = await store.write_sentinels()
+        if client is not None and told:
+            await client.resume(reload=True, replicas=told)
+            told = []
+    finally:
+        if client is not None:
+            if told:  # failed before the reset was done: let them go (they auto-resume)
+                try:
+                    await client.resume(replicas=told)
+                except LookupTableError as exc:
+                    logger.warning("could not resume replicas %s: %s", told, exc)
+            await client.close()
+    return {
+        "namespace": ns,
+        "deleted": deleted,
+        "deleted_keys": sum(per_node.values()),
+        "nodes": per_node,
+        "sentinels": written,
+        "replicas_reloaded": [url for url in config.optimizers if url not in down],
+        "replicas_not_running": down,
+    }
+
+
+async def _check_replicas(client: OptimizerClient, config: ClusterConfig) -> list[str]:
+    """The replicas that do not answer; ConfigError if one answers for another namespace
+    or partition (the cluster file's `optimizers` points at another cluster's replica)."""
+    down = []
+    for k, url in enumerate(config.optimizers):
+        try:
+            doc = await client.tables(replica=k)
+        except ReplicaUnavailableError:
+            down.append(url)
+            continue
+        if doc.get("namespace") != config.namespace or doc.get("replica") != k:
+            raise ConfigError(
+                f"optimizer replica {k} ({url}) serves namespace {doc.get('namespace')!r} as "
+                f"replica {doc.get('replica')}, not namespace {config.namespace!r} as replica "
+                f"{k}: `optimizers` of the cluster file points at another cluster's replica "
+                f"(deploy/cluster.sh status shows it); fix the file or stop that replica. "
+                f"Nothing was deleted"
+            )
+    return down
+
+
+def _kind_label(kind: str) -> str:
+    try:
+        return Kind(kind).label
+    except ValueError:  # a kind this version does not write (an older format's)
+        return kind
+
+
+async def _delete_namespace(
+    config: ClusterConfig,
+) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+    """Delete the bookkeeping keys a namespace continues from, then every key a listing
+    finds, until two listings in a row find none. Returns the keys deleted per table and
+    kind label, and per node."""
+    ns = config.namespace
+    deleted: dict[str, dict[str, int]] = {}
+    per_node = {spec.address: 0 for spec in config.memcached}
+
+    def count(table: str, kind: str, n: int) -> None:
+        by_kind = deleted.setdefault(table, {})
+        label = _kind_label(kind)
+        by_kind[label] = by_kind.get(label, 0) + n
+
+    # the keys that make a namespace continue are deleted by name first, on every node
+    # (a listing can miss an item memcached is moving between its LRUs): the sentinels
+    # (trainers reading meanwhile get DataLossError), the versions, the dense
+    # parameters' pointer, the journal headers (a replica's start replays what they list)
+    replicas = range(max(len(config.optimizers), 1))
+    known = [
+        (META_TABLE, Kind.META, [SENTINEL_ID]),
+        (META_TABLE, Kind.META, [version_id(k) for k in replicas]),
+        (DENSE_TABLE, Kind.META, [DENSE_CURRENT_ID]),
+        (
+            META_TABLE,
+            Kind.JOURNAL,
+            [journal_id(k, slot) for k in replicas for slot in range(_JOURNAL_SLOTS_AT_MOST)],
+        ),
+    ]
+    for book, book_kind, names in known:
+        keys = [encode_key(ns, book, book_kind, name) for name in names]
+        for spec in config.memcached:
+            gone = await commands.delete_keys(spec, config.store, keys)
+            per_node[spec.address] += gone
+            if gone:
+                count(book, book_kind, gone)
+    async with EmbeddingStore(config, check_sentinels=False) as store:
+        empty = 0
+        for _ in range(_RESET_ROUNDS):
+            dumps = await namespace_keys(store)
+            if not any(found.count for found in dumps.values()):
+                # twice in a row: memcached's crawler can miss an item its LRU
+                # maintainer is moving
+                empty += 1
+                if empty == 2:
+                    return deleted, per_node
+                await asyncio.sleep(_RELIST_S)
+                continue
+            empty = 0
+            for spec in config.memcached:
+                found = dumps[spec.address]
+                if not found.count:
+                    continue
+                per_node[spec.address] += await commands.delete_keys(
+                    spec, config.store, found.keys(ns)
+                )
+                for (table, kind), ids in found.int_ids.items():
+                    count(table, kind, int(ids.shape[0]))
+                for (table, kind), bodies in found.bodies.items():
+                    count(table, kind, len(bodies))
+    raise StoreError(
+        f"namespace {ns!r} still holds keys after {_RESET_ROUNDS} rounds of deleting: "
+        f"something writes to it (trainers, replicas of another cluster file?); stop it "
+        f"and run the reset again"
+    )
+
+
 # ================================================================ command line
 
 
@@ -89,11 +295,27 @@ def _parser() -> argparse.ArgumentParser:
             "Exit 1 when a node is down or lacks its sentinel.",
         ),
         ("reinit", "accept that nodes lost their data: write their sentinels again"),
+        (
+            "reset",
+            "start the namespace over: delete every row, slot, dense parameter, version "
+            "and journal of it on every node, write fresh sentinels, and make the running "
+            "replicas drop what they hold of it",
+        ),
     ):
         cmd = sub.add_parser(name, help=text.split(";")[0], description=text)
         cmd.add_argument("--config", required=True, help="the cluster file (TOML)")
         if name == "reinit":
             cmd.add_argument("--yes", action="store_true", help="confirm: lost rows stay lost")
+        if name == "reset":
+            cmd.add_argument(
+                "--yes", action="store_true", help="confirm: the namespace's model is deleted"
+            )
+            cmd.add_argument(
+                "--replicas-stopped",
+                action="store_true",
+                help="reset although replicas do not answer: they are stopped (they read "
+                "the empty namespace when they start)",
+            )
         if name == "stats":
             cmd.add_argument("--json", action="store_true", help="print JSON (for scripts)")
             cmd.add_argument(
@@ -104,6 +326,24 @@ def _parser() -> argparse.ArgumentParser:
                 help="only this table (repeatable; _meta and _dense are the bookkeeping)",
             )
     return parser
+
+
+def _render_reset(summary: dict[str, Any]) -> str:
+    lines = [f"namespace {summary['namespace']!r} reset: {summary['deleted_keys']} keys deleted"]
+    for table, kinds in sorted(summary["deleted"].items()):
+        what = ", ".join(f"{n} {label}" for label, n in sorted(kinds.items()))
+        lines.append(f"  {table}: {sum(kinds.values())} keys ({what})")
+    for node, n in summary["nodes"].items():
+        lines.append(f"  node {node}: {n} keys deleted, sentinel written")
+    lines += [
+        f"  replica {url}: dropped what it held, serves version 0"
+        for url in summary["replicas_reloaded"]
+    ]
+    lines += [
+        f"  replica {url}: not running (it reads the empty namespace when it starts)"
+        for url in summary["replicas_not_running"]
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,6 +364,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
             for node, state in asyncio.run(reinit_cluster(config)).items():
                 print(f"{node}: {state}")
+        elif args.command == "reset":
+            if not args.yes:
+                print(
+                    f"reset deletes the whole model of namespace {config.namespace!r} (every "
+                    f"row, slot, dense parameter, version and journal on every node of "
+                    f"{args.config}) and cannot be undone; save a checkpoint first if you "
+                    f"may want it back (lookup-table-checkpoint save), then rerun with --yes",
+                    file=sys.stderr,
+                )
+                return 2
+            summary = asyncio.run(reset_namespace(config, replicas_stopped=args.replicas_stopped))
+            print(_render_reset(summary))
         elif args.command == "stats":
             report = asyncio.run(table_stats(config))
             if args.table:

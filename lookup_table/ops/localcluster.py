@@ -336,6 +336,14 @@ def memcached_cluster(count: int, *, memory_mb: int = 64) -> Iterator[list[Memca
 
 
 # ------------------------------------------------------------ deploy/cluster.sh
+#
+# Every process `up` starts is keyed by its ADDRESS: `memcached-{host}-{port}.pid` and
+# `optimizer-{host}-{port}.pid` (+ `.log`, and `.owner`: the cluster file and namespace
+# that started it). So several cluster files share one run dir: each sees its own
+# processes, a memcached node two files list is shared (namespaces are key prefixes), and
+# a replica port another file's replica holds is refused, naming that file.
+# A pid file counts only while its process is the one listening on the address: a
+# reused pid (another program now) is stale, never "already running" and never stopped.
 
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1"}
 
@@ -366,13 +374,227 @@ def _read_pid(path: Path) -> int | None:
     return pid if _pid_alive(pid) else None
 
 
-def _node_files(run_dir: Path, address: str) -> tuple[Path, Path]:
-    name = "memcached-" + address.replace(":", "-")
-    return run_dir / f"{name}.pid", run_dir / f"{name}.log"
+def _listening_inodes(port: int) -> set[str] | None:
+    """The socket inodes listening on `port` (any local address), from /proc/net/tcp{,6};
+    None without them (not Linux)."""
+    inodes: set[str] = set()
+    found = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        found = True
+        for line in lines:
+            fields = line.split()
+            # local_address is HEXIP:HEXPORT; st 0A is LISTEN; field 9 is the inode
+            if len(fields) > 9 and fields[3] == "0A":
+                if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    return inodes if found else None
 
 
-def _optimizer_files(run_dir: Path, replica: int) -> tuple[Path, Path]:
-    return run_dir / f"optimizer-{replica}.pid", run_dir / f"optimizer-{replica}.log"
+def _listens(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds the listening socket of `port`; None when this machine
+    cannot tell (no /proc, or the process is another user's)."""
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return None
+    if not inodes:
+        return False
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        return None
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                return True
+        except OSError:  # closed meanwhile
+            continue
+    return False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Part:
+    """One process of a cluster file: a memcached node or an optimizer replica."""
+
+    kind: str  # "memcached" | "optimizer"
+    label: str  # how messages name it
+    host: str
+    port: int
+    run_dir: Path
+    replica: int = 0  # an optimizer's partition
+    url: str = ""  # an optimizer's URL
+
+    @property
+    def stem(self) -> Path:
+        return self.run_dir / f"{self.kind}-{self.host}-{self.port}"
+
+    @property
+    def pid_path(self) -> Path:
+        return self.stem.with_name(self.stem.name + ".pid")
+
+    @property
+    def log_path(self) -> Path:
+        return self.stem.with_name(self.stem.name + ".log")
+
+    @property
+    def owner_path(self) -> Path:
+        return self.stem.with_name(self.stem.name + ".owner")
+
+    @property
+    def local(self) -> bool:
+        return self.host in _LOCAL_HOSTS
+
+    def listener(self, pid: int) -> bool:
+        """Whether `pid` is the process serving this address."""
+        if self.kind == "memcached":
+            return _server_pid(self.host, self.port) == pid
+        listens = _listens(pid, self.port)
+        return listens if listens is not None else _pid_alive(pid)
+
+    def owner(self) -> dict[str, Any] | None:
+        """The cluster file and namespace that started it (None: unknown)."""
+        return _read_owner(self.owner_path)
+
+    def claim(self, pid: int, config_path: str, namespace: str) -> None:
+        import json
+
+        self.pid_path.write_text(f"{pid}\n")
+        owner = {"config": str(Path(config_path).resolve()), "namespace": namespace}
+        self.owner_path.write_text(json.dumps(owner) + "\n")
+
+    def forget(self) -> None:
+        self.pid_path.unlink(missing_ok=True)
+        self.owner_path.unlink(missing_ok=True)
+
+
+def _parts(config: Any, run_dir: Path) -> tuple[list[_Part], list[_Part]]:
+    """The memcached nodes and the optimizer replicas of a cluster file."""
+    from urllib.parse import urlsplit
+
+    nodes = [
+        _Part(
+            kind="memcached",
+            label=f"memcached {node.address}",
+            host=node.host,
+            port=node.port,
+            run_dir=run_dir,
+        )
+        for node in config.memcached
+    ]
+    replicas = []
+    for k, url in enumerate(config.optimizers):
+        parts = urlsplit(url)
+        replicas.append(
+            _Part(
+                kind="optimizer",
+                label=f"optimizer {k} {url}",
+                host=parts.hostname or "127.0.0.1",
+                port=parts.port or 80,
+                run_dir=run_dir,
+                replica=k,
+                url=url,
+            )
+        )
+    return nodes, replicas
+
+
+def _running(part: _Part, *, tidy: bool = True) -> tuple[int | None, str | None]:
+    """(pid, None) when the pid file's process serves the address; (None, note) when the
+    pid file is stale (its process is gone, or is not the one on the address: with
+    `tidy`, the files are removed); (None, None) without a pid file."""
+    try:
+        raw = part.pid_path.read_text().strip()
+    except FileNotFoundError:
+        return None, None
+    pid = _read_pid(part.pid_path)
+    if pid is not None and part.listener(pid):
+        return pid, None
+    why = "has exited" if pid is None else "is not the process serving the address"
+    if not tidy:
+        return None, f"stale pid file (pid {raw} {why})"
+    part.forget()
+    return None, f"stale pid file removed (pid {raw} {why})"
+
+
+def _same_file(owner: dict[str, Any] | None, config_path: str) -> bool:
+    """Whether a part's owner is this cluster file (an unknown owner counts as this one)."""
+    return owner is None or owner.get("config") == str(Path(config_path).resolve())
+
+
+def _read_owner(path: Path) -> dict[str, Any] | None:
+    """An `.owner` file: the cluster file and namespace that started a process."""
+    import json
+
+    try:
+        doc = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _listener_pid(port: int) -> int | None:
+    """The pid of the process (of this user) listening on `port`, from /proc; None when
+    none is found or this machine cannot tell."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return None
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            links = {
+                os.readlink(f"/proc/{entry}/fd/{fd}") for fd in os.listdir(f"/proc/{entry}/fd")
+            }
+        except OSError:  # another user's, or gone
+            continue
+        if links & wanted:
+            return int(entry)
+    return None
+
+
+def _holder(part: _Part) -> tuple[int | None, dict[str, Any] | None]:
+    """Who holds a taken port: its pid (when this machine can tell) and, when the pid
+    file of that process is in this run dir, its owner (cluster file, namespace)."""
+    if part.kind == "memcached":
+        pid = _server_pid(part.host, part.port) or _listener_pid(part.port)
+    else:
+        pid = _listener_pid(part.port)
+    if pid is None:
+        return None, None
+    for pid_path in part.run_dir.glob("*.pid"):
+        if _read_pid(pid_path) == pid:
+            return pid, _read_owner(pid_path.with_suffix(".owner"))
+    return pid, None
+
+
+def _down_hint(owner: dict[str, Any], run_dir: Path) -> str:
+    config = owner.get("config", "?")
+    return (
+        f"the cluster file {config} (namespace {owner.get('namespace')!r}); stop it with "
+        f"`deploy/cluster.sh down --config {config} --run-dir {run_dir}`"
+    )
+
+
+def _taken_message(part: _Part, config_path: str) -> str:
+    pid, owner = _holder(part)
+    who = f"pid {pid}" if pid is not None else "another process"
+    if owner is not None:
+        return (
+            f"{part.label}: the port is taken by {who}, which belongs to "
+            f"{_down_hint(owner, part.run_dir)}; or give {config_path} other ports"
+        )
+    return (
+        f"{part.label}: the port is taken by {who}, a process we did not start (no pid file "
+        f"in {part.run_dir}); stop it or change the address in {config_path}"
+    )
 
 
 def _healthz(url: str, *, timeout_s: float = 2.0) -> tuple[int, str]:
@@ -389,6 +611,45 @@ def _healthz(url: str, *, timeout_s: float = 2.0) -> tuple[int, str]:
         return 0, str(exc)
 
 
+def _served(url: str, token: str, *, timeout_s: float = 2.0) -> tuple[str, int] | str:
+    """(namespace, replica) a replica serves (GET /v1/tables), or why that is unknown."""
+    import urllib.error
+    import urllib.request
+
+    from lookup_table.core.wire import unpack
+
+    request = urllib.request.Request(url + "/v1/tables")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            doc = unpack(resp.read())
+    except urllib.error.HTTPError as exc:
+        body = exc.read().decode("utf-8", "replace")[:120]
+        if exc.code == 401:
+            return f"refuses this file's token (401 {body}): it serves another cluster"
+        return f"GET /v1/tables answered {exc.code} {body}"
+    except (OSError, ValueError) as exc:
+        return f"GET /v1/tables failed: {exc}"
+    try:
+        return str(doc["namespace"]), int(doc["replica"])
+    except (KeyError, TypeError, ValueError):
+        return f"GET /v1/tables answered without a namespace: {str(doc)[:120]}"
+
+
+def _mismatch(served: tuple[str, int] | str, namespace: str, replica: int) -> str | None:
+    """Why a replica is not this file's replica `replica` (None: it is)."""
+    if isinstance(served, str):
+        return served
+    ns, k = served
+    if ns != namespace or k != replica:
+        return (
+            f"it serves namespace {ns!r} as replica {k}, not this file's namespace "
+            f"{namespace!r} as replica {replica}"
+        )
+    return None
+
+
 def _log_tail(path: Path, lines: int = 15) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -396,27 +657,54 @@ def _log_tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def _start_optimizers(config_path: str, config: Any, run_dir: Path) -> int:
-    from urllib.parse import urlsplit
+def _adopt_index_pid_file(part: _Part) -> None:
+    """A run dir of an older `cluster.sh` keyed replicas by index (`optimizer-K.pid`): when
+    that process serves this replica's address, its pid file takes the address's name."""
+    old = part.run_dir / f"optimizer-{part.replica}.pid"
+    pid = _read_pid(old)
+    if pid is not None and not part.pid_path.exists() and _listens(pid, part.port):
+        old.rename(part.pid_path)
+        with contextlib.suppress(FileNotFoundError):
+            (part.run_dir / f"optimizer-{part.replica}.log").rename(part.log_path)
 
-    for k, url in enumerate(config.optimizers):
-        pid_path, log_path = _optimizer_files(run_dir, k)
-        pid = _read_pid(pid_path)
-        if pid is not None:
-            print(f"optimizer {k} {url}: already running (pid {pid})")
-            continue
-        parts = urlsplit(url)
-        host, port = parts.hostname or "127.0.0.1", parts.port or 80
-        if host not in _LOCAL_HOSTS:
-            print(f"optimizer {k} {url}: not a local address, expecting it to be running")
-            continue
-        if _port_taken(host, port):
-            print(
-                f"optimizer {k} {url}: the port is taken by a process we did not start",
-                file=sys.stderr,
-            )
+
+def _replica_state(part: _Part, config: Any, config_path: str) -> tuple[int | None, str | None]:
+    """(pid, None): this file's replica already runs there; (None, error): the address is
+    held by something else (another namespace's replica, a foreign process); (None,
+    None): free, start it."""
+    _adopt_index_pid_file(part)
+    pid, note = _running(part)
+    if note:
+        print(f"{part.label}: {note}")
+    if pid is not None:
+        served = _served(part.url, config.token, timeout_s=5.0)
+        problem = _mismatch(served, config.namespace, part.replica)
+        if problem is None:
+            return pid, None
+        owner = part.owner()
+        whose = f"it belongs to {_down_hint(owner, part.run_dir)}" if owner else "stop it"
+        return None, (
+            f"{part.label}: the port is held by pid {pid}, but {problem}: {whose}; or give "
+            f"{config_path} other ports"
+        )
+    if part.local and _port_taken(part.host, part.port):
+        return None, _taken_message(part, config_path)
+    return None, None
+
+
+def _start_optimizers(config_path: str, config: Any, replicas: Sequence[_Part]) -> int:
+    for part in replicas:
+        pid, error = _replica_state(part, config, config_path)
+        if error is not None:
+            print(error, file=sys.stderr)
             return 1
-        with open(log_path, "ab") as log:
+        if pid is not None:
+            print(f"{part.label}: already running (pid {pid})")
+            continue
+        if not part.local:
+            print(f"{part.label}: not a local address, expecting it to be running")
+            continue
+        with open(part.log_path, "ab") as log:
             proc = subprocess.Popen(
                 [
                     sys.executable,
@@ -425,33 +713,33 @@ def _start_optimizers(config_path: str, config: Any, run_dir: Path) -> int:
                     "--config",
                     str(Path(config_path).resolve()),
                     "--replica",
-                    str(k),
+                    str(part.replica),
                     "--host",
-                    host,
+                    part.host,
                     "--port",
-                    str(port),
+                    str(part.port),
                 ],
                 stdout=log,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        pid_path.write_text(f"{proc.pid}\n")
+        part.claim(proc.pid, config_path, config.namespace)
         deadline = time.monotonic() + 60
         status, body = 0, ""
         while time.monotonic() < deadline and proc.poll() is None:
-            status, body = _healthz(url)
+            status, body = _healthz(part.url)
             if status == 200:
                 break
             time.sleep(0.2)
         if status != 200:
             print(
-                f"optimizer {k} {url}: not healthy ({status} {body[:200]}); log tail:\n"
-                f"{_log_tail(log_path)}",
+                f"{part.label}: not healthy ({status} {body[:200]}); log tail:\n"
+                f"{_log_tail(part.log_path)}",
                 file=sys.stderr,
             )
             return 1
-        print(f"optimizer {k} {url}: started (pid {proc.pid}, log {log_path})")
+        print(f"{part.label}: started (pid {proc.pid}, log {part.log_path})")
     return 0
 
 
@@ -467,89 +755,118 @@ def _stop_pid(pid: int) -> None:
 
 
 def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
-    """Start every local memcached of the cluster file (not twice), then init sentinels."""
+    """Start every local memcached of the cluster file (not twice), init the sentinels,
+    then start the optimizer replicas (not twice)."""
     from lookup_table.config import load_config
     from lookup_table.ops.admin import init_cluster
 
     config = load_config(config_path)
     run_dir.mkdir(parents=True, exist_ok=True)
-    local = [node for node in config.memcached if node.host in _LOCAL_HOSTS]
-    threads = local_threads(len(local))
-    for node in config.memcached:
-        pid_path, log_path = _node_files(run_dir, node.address)
-        pid = _read_pid(pid_path)
+    nodes, replicas = _parts(config, run_dir)
+    # a replica address held by another namespace's replica is refused before anything
+    # starts or any sentinel is written
+    for part in replicas:
+        _, error = _replica_state(part, config, config_path)
+        if error is not None:
+            print(error, file=sys.stderr)
+            return 1
+    threads = local_threads(sum(part.local for part in nodes))
+    for part in nodes:
+        pid, note = _running(part)
+        if note:
+            print(f"{part.label}: {note}")
         if pid is not None:
-            print(f"memcached {node.address}: already running (pid {pid})")
+            owner = part.owner()
+            shared = ""
+            if owner is not None and not _same_file(owner, config_path):
+                shared = (
+                    f"; shared with the cluster file {owner.get('config')} (namespace "
+                    f"{owner.get('namespace')!r}), whose `down` stops it"
+                )
+            print(f"{part.label}: already running (pid {pid}{shared})")
             continue
-        if node.host not in _LOCAL_HOSTS:
-            print(f"memcached {node.address}: not a local address, expecting it to be running")
+        if not part.local:
+            print(f"{part.label}: not a local address, expecting it to be running")
             continue
-        if _port_taken(node.host, node.port):
-            print(
-                f"memcached {node.address}: the port is taken by a process we did not start; "
-                f"stop it or change the address in {config_path}",
-                file=sys.stderr,
-            )
+        if _port_taken(part.host, part.port):
+            print(_taken_message(part, config_path), file=sys.stderr)
             return 1
         server = MemcachedProcess(
-            host=node.host, port=node.port, memory_mb=memory_mb, log_path=log_path, threads=threads
+            host=part.host,
+            port=part.port,
+            memory_mb=memory_mb,
+            log_path=part.log_path,
+            threads=threads,
         )
         try:
             server.start()
         except RuntimeError as exc:
-            print(f"memcached {node.address}: {exc}", file=sys.stderr)
+            print(f"{part.label}: {exc}", file=sys.stderr)
             return 1
-        pid_path.write_text(f"{server.pid}\n")
+        pid = server.pid
+        if pid is None:  # start() returned, so it runs
+            raise RuntimeError(f"{part.label}: started without a process")
+        part.claim(pid, config_path, config.namespace)
         print(
-            f"memcached {node.address}: started (pid {server.pid}, {memory_mb} MiB, -M, "
-            f"-t {threads}, "
-            f"log {log_path})"
+            f"{part.label}: started (pid {pid}, {memory_mb} MiB, -M, -t {threads}, "
+            f"log {part.log_path})"
         )
     states = asyncio.run(init_cluster(config))
     for address, state in states.items():
         print(f"memcached {address}: {state} (namespace {config.namespace!r})")
-    return _start_optimizers(config_path, config, run_dir)
+    return _start_optimizers(config_path, config, replicas)
 
 
 def cluster_down(config_path: str, run_dir: Path) -> int:
-    """Stop exactly the processes `up` started (by pid file)."""
+    """Stop exactly the processes `up` started from this cluster file (by pid file, only
+    while that process still serves its address)."""
     from lookup_table.config import load_config
 
     config = load_config(config_path)
-    for k, url in enumerate(config.optimizers):
-        pid_path, _ = _optimizer_files(run_dir, k)
-        pid = _read_pid(pid_path)
-        if pid is not None:
-            _stop_pid(pid)
-            print(f"optimizer {k} {url}: stopped (pid {pid})")
-        pid_path.unlink(missing_ok=True)
-    for node in config.memcached:
-        pid_path, _ = _node_files(run_dir, node.address)
-        pid = _read_pid(pid_path)
+    nodes, replicas = _parts(config, run_dir)
+    for part in replicas:
+        _adopt_index_pid_file(part)
+    for part in [*replicas, *nodes]:
+        pid, note = _running(part)
         if pid is None:
-            print(f"memcached {node.address}: not running (no live pid file)")
-            pid_path.unlink(missing_ok=True)
+            print(f"{part.label}: not running ({note or 'no pid file'})")
+            continue
+        owner = part.owner()
+        if not _same_file(owner, config_path):
+            print(
+                f"{part.label}: left running (pid {pid}): it belongs to "
+                f"{_down_hint(owner or {}, run_dir)}"
+            )
             continue
         _stop_pid(pid)
-        pid_path.unlink(missing_ok=True)
-        print(f"memcached {node.address}: stopped (pid {pid})")
+        part.forget()
+        print(f"{part.label}: stopped (pid {pid})")
     return 0
 
 
 def cluster_status(config_path: str, run_dir: Path) -> int:
-    """Each node: pid, reachable, items, bytes, fill, sentinel. Exit 1 if any is down."""
+    """Each node: pid, reachable, items, bytes, fill, this namespace's sentinel; each
+    replica: pid, health, the namespace it serves. Exit 1 if any is down, lacks its
+    sentinel, or serves another namespace."""
     from lookup_table.config import load_config
     from lookup_table.errors import LookupTableError
     from lookup_table.ops.stats import node_stats
 
     config = load_config(config_path)
+    nodes, replicas = _parts(config, run_dir)
     healthy = True
-    for node in config.memcached:
-        pid_path, _ = _node_files(run_dir, node.address)
-        pid = _read_pid(pid_path)
-        up = wait_for_port(node.host, node.port, timeout_s=0.5)
+    for part in nodes:
+        pid, note = _running(part, tidy=False)
+        up = wait_for_port(part.host, part.port, timeout_s=0.5)
         healthy &= up
-        print(f"memcached {node.address}: pid {pid or '-'}, {'up' if up else 'DOWN'}")
+        extra = f"; {note}" if note else ""
+        owner = part.owner() if pid is not None else None
+        if owner is not None and not _same_file(owner, config_path):
+            extra += (
+                f"; belongs to the cluster file {owner.get('config')} (namespace "
+                f"{owner.get('namespace')!r})"
+            )
+        print(f"{part.label}: pid {pid or '-'}, {'up' if up else 'DOWN'}{extra}")
     if healthy:
         try:
             stats = asyncio.run(node_stats(config))
@@ -560,15 +877,28 @@ def cluster_status(config_path: str, run_dir: Path) -> int:
             print(
                 f"  {address}: {s['curr_items']} items, {int(s['bytes']) / 2**20:.1f} MiB of "
                 f"{int(s['limit_maxbytes']) / 2**20:.0f} MiB ({float(s['fill_ratio']):.1%}), "
-                f"evictions {s['evictions']}, sentinel {'ok' if s['sentinel'] else 'MISSING'}"
+                f"evictions {s['evictions']}, sentinel {'ok' if s['sentinel'] else 'MISSING'} "
+                f"(namespace {config.namespace!r})"
             )
             healthy &= bool(s["sentinel"])
-    for k, url in enumerate(config.optimizers):
-        pid = _read_pid(_optimizer_files(run_dir, k)[0])
-        status, body = _healthz(url)
+    for part in replicas:
+        pid, note = _running(part, tidy=False)
+        status, body = _healthz(part.url)
+        extra = f"; {note}" if note else ""
+        if status == 0:
+            state = f"UNHEALTHY (does not answer: {body[:120]})"
+        else:
+            served = _served(part.url, config.token)
+            problem = _mismatch(served, config.namespace, part.replica)
+            if problem is not None:
+                state = f"MISMATCH ({problem})"
+                status = 0
+            elif status == 200:
+                state = f"healthy, namespace {config.namespace!r}"
+            else:
+                state = f"UNHEALTHY ({status} {body[:120]})"
         healthy &= status == 200
-        state = "healthy" if status == 200 else f"UNHEALTHY ({status} {body[:120]})"
-        print(f"optimizer {k} {url}: pid {pid or '-'}, {state}")
+        print(f"{part.label}: pid {pid or '-'}, {state}{extra}")
     return 0 if healthy else 1
 
 

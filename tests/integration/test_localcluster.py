@@ -144,3 +144,118 @@ def test_a_node_on_a_taken_port_fails_naming_the_holder_and_leaves_it_serving() 
         assert _server_pid(holder.host, holder.port) == holder.pid
     finally:
         holder.stop()
+
+
+def _file(path: Path, namespace: str, nodes: list[int], replica: int) -> Path:
+    addresses = ", ".join(f'"127.0.0.1:{p}"' for p in nodes)
+    path.write_text(
+        f'namespace = "{namespace}"\n'
+        f"memcached = [{addresses}]\n"
+        f'optimizers = ["http://127.0.0.1:{replica}"]\n'
+        '[[tables]]\nname = "user"\ndim = 4\n'
+    )
+    return path
+
+
+@pytest.mark.timeout(240)
+def test_two_cluster_files_share_a_run_dir_and_a_foreign_replica_port_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Pid files are keyed by address: `b` runs beside `a` (sharing one memcached node),
+    `c` lists `a`'s replica port under another namespace and is refused before it starts
+    anything, `status` flags a replica of another namespace, and each `down` stops only
+    its own file's processes."""
+    shared, own_b, own_c, port_a, port_b = (free_port() for _ in range(5))
+    tag = uuid.uuid4().hex[:6]
+    a = _file(tmp_path / "a.toml", f"a{tag}", [shared], port_a)
+    b = _file(tmp_path / "b.toml", f"b{tag}", [shared, own_b], port_b)
+    c = _file(tmp_path / "c.toml", f"c{tag}", [own_c], port_a)
+    d = _file(tmp_path / "d.toml", f"a{tag}x", [shared], port_a)
+    run = ["--run-dir", str(tmp_path / "run")]
+    mem = ["--memory-mb", "16"]
+    try:
+        up_a = _cli("up", "--config", str(a), *run, *mem, cwd=tmp_path)
+        assert up_a.returncode == 0, up_a.stderr
+        up_b = _cli("up", "--config", str(b), *run, *mem, cwd=tmp_path)
+        assert up_b.returncode == 0, up_b.stderr
+        assert f"memcached 127.0.0.1:{shared}: already running" in up_b.stdout
+        assert f"shared with the cluster file {a}" in up_b.stdout
+        assert up_b.stdout.count("started") == 2, up_b.stdout  # its own node and replica
+        pid_files = sorted(p.name for p in (tmp_path / "run").glob("*.pid"))
+        assert pid_files == sorted(
+            [
+                f"memcached-127.0.0.1-{shared}.pid",
+                f"memcached-127.0.0.1-{own_b}.pid",
+                f"optimizer-127.0.0.1-{port_a}.pid",
+                f"optimizer-127.0.0.1-{port_b}.pid",
+            ]
+        )
+        pid_a = int((tmp_path / "run" / f"optimizer-127.0.0.1-{port_a}.pid").read_text())
+
+        up_c = _cli("up", "--config", str(c), *run, *mem, cwd=tmp_path)
+        assert up_c.returncode == 1, up_c.stdout
+        assert "already running" not in up_c.stdout
+        assert f"held by pid {pid_a}" in up_c.stderr and f"namespace 'a{tag}'" in up_c.stderr
+        assert f"down --config {a}" in up_c.stderr, up_c.stderr
+        assert not (tmp_path / "run" / f"memcached-127.0.0.1-{own_c}.pid").exists()
+
+        status_b = _cli("status", "--config", str(b), *run, cwd=tmp_path)
+        assert status_b.returncode == 0, status_b.stdout + status_b.stderr
+        assert f"healthy, namespace 'b{tag}'" in status_b.stdout
+        assert f"sentinel ok (namespace 'b{tag}')" in status_b.stdout
+
+        status_d = _cli("status", "--config", str(d), *run, cwd=tmp_path)
+        assert status_d.returncode == 1
+        assert f"MISMATCH (it serves namespace 'a{tag}' as replica 0" in status_d.stdout
+        assert "healthy" not in status_d.stdout.replace("UNHEALTHY", "")
+
+        down_b = _cli("down", "--config", str(b), *run, cwd=tmp_path)
+        assert down_b.returncode == 0, down_b.stderr
+        assert f"memcached 127.0.0.1:{shared}: left running" in down_b.stdout
+        status_a = _cli("status", "--config", str(a), *run, cwd=tmp_path)
+        assert status_a.returncode == 0, status_a.stdout + status_a.stderr
+    finally:
+        pids = [int(p.read_text()) for p in (tmp_path / "run").glob("*.pid")]
+        for config in (b, a):
+            down = _cli("down", "--config", str(config), *run, cwd=tmp_path)
+            assert down.returncode == 0, down.stderr
+    assert not any(_alive(p) for p in pids)
+    assert not list((tmp_path / "run").glob("*.pid"))
+
+
+@pytest.mark.timeout(180)
+def test_a_pid_file_of_a_live_unrelated_process_is_not_running(tmp_path: Path) -> None:
+    """A pid reused by another program: `status` does not count it, `up` starts the node
+    and the replica, `down` never signals that program."""
+    node, replica = free_port(), free_port()
+    config = _file(tmp_path / "c.toml", f"s{uuid.uuid4().hex[:6]}", [node], replica)
+    run = tmp_path / "run"
+    run.mkdir()
+    args = ["--config", str(config), "--run-dir", str(run)]
+    other = subprocess.Popen(["sleep", "120"])
+    try:
+        for name in (f"memcached-127.0.0.1-{node}.pid", f"optimizer-127.0.0.1-{replica}.pid"):
+            (run / name).write_text(f"{other.pid}\n")
+        status = _cli("status", *args, cwd=tmp_path)
+        assert status.returncode == 1 and "DOWN" in status.stdout
+        assert f"stale pid file (pid {other.pid} is not the process serving" in status.stdout
+        up = _cli("up", *args, "--memory-mb", "16", cwd=tmp_path)
+        assert up.returncode == 0, up.stderr
+        assert "already running" not in up.stdout
+        assert up.stdout.count("stale pid file removed") == 2
+        assert up.stdout.count("started") == 2
+        pids = [int(p.read_text()) for p in run.glob("*.pid")]
+        assert other.pid not in pids and all(_alive(p) for p in pids)
+        down = _cli("down", *args, cwd=tmp_path)
+        assert down.returncode == 0, down.stderr
+        assert not any(_alive(p) for p in pids)
+        # its pid files back: `down` says they are stale and leaves the program alone
+        for name in (f"memcached-127.0.0.1-{node}.pid", f"optimizer-127.0.0.1-{replica}.pid"):
+            (run / name).write_text(f"{other.pid}\n")
+        down = _cli("down", *args, cwd=tmp_path)
+        assert down.returncode == 0 and "stopped" not in down.stdout, down.stdout
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+        _cli("down", *args, cwd=tmp_path)
