@@ -30,6 +30,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -139,7 +140,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--print-tables",
         action="store_true",
-        help="print the [[tables]] the columns need (TOML for the cluster file) and exit",
+        help="print a complete cluster file for the columns and exit: the demo cluster's "
+        "local addresses, Adam, one [[tables]] per categorical column (write it with "
+        "> my-cluster.toml, then deploy/cluster.sh up --config my-cluster.toml)",
+    )
+    p.add_argument(
+        "--tables-only",
+        action="store_true",
+        help="with --print-tables: only the [[tables]], to append to a cluster file of yours",
+    )
+    p.add_argument(
+        "--namespace",
+        help="with --print-tables: the cluster file's namespace (default: the data "
+        "file's name, e.g. train for csv:train.csv)",
     )
     p.add_argument(
         "--dim", type=_positive_int, default=16, help="dim for --print-tables (default 16)"
@@ -285,13 +298,29 @@ def _check_eval_schema(train: Any, evals: Any, spec: str) -> None:
         )
 
 
+# What `deploy/cluster.sh up` starts for a printed cluster file: the demo cluster's
+# local addresses (deploy/demo.toml), so one recipe works on a fresh machine.
+LOCAL_MEMCACHED = ("127.0.0.1:21211", "127.0.0.1:21212")
+LOCAL_OPTIMIZER = "http://127.0.0.1:8470"
+
+
+def namespace_for(spec: str) -> str:
+    """A namespace named after the data of `spec`: `csv:data/train.csv` -> "train".
+
+    Characters a namespace cannot hold become "-"; "data" when nothing is left.
+    """
+    kind, _, path = spec.partition(":")
+    stem = Path(path).stem if path and kind != "synthetic" else kind
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).lstrip("_.-")[:64].rstrip("-")
+    return name or "data"
+
+
 def tables_toml(schema: Any, *, dim: int, spec: str) -> str:
     """The `[[tables]]` entries a model over `schema` needs, as cluster-file TOML."""
     from lookup_table.core.keys import validate_name
     from lookup_table.errors import LookupTableError
 
-    lines = [f"# the tables for the columns of {spec} (one per categorical column); "]
-    lines[0] += "paste them into the cluster file"
+    lines = [f"# the tables for the columns of {spec} (one per categorical column)"]
     groups = [("categorical", schema.categorical), ("multivalued", schema.multivalued)]
     for kind, columns in groups:
         for name, id_type in columns.items():
@@ -305,6 +334,56 @@ def tables_toml(schema: Any, *, dim: int, spec: str) -> str:
                 f'id_type = "{id_type}"' + ("  # multivalued" if kind != "categorical" else "")
             )
     return "\n".join(lines) + "\n"
+
+
+def cluster_toml(schema: Any, *, dim: int, spec: str, namespace: str | None = None) -> str:
+    """A complete cluster file for a model over `schema`: `deploy/cluster.sh up` starts it.
+
+    Two local memcached nodes and one optimizer replica on the demo cluster's ports,
+    async training with Adam, then the tables (`tables_toml`).
+
+    Raises:
+        ConfigError: `namespace` is not a valid namespace.
+    """
+    from lookup_table.core.keys import validate_name
+    from lookup_table.errors import ConfigError, LookupTableError
+
+    if namespace is None:
+        namespace = namespace_for(spec)
+    else:
+        try:
+            validate_name(namespace, "--namespace")
+        except LookupTableError as exc:
+            raise ConfigError(str(exc)) from None
+    header = [
+        f"# A cluster file for training on {spec} (lookup-table-train --print-tables).",
+        "# Start it with deploy/cluster.sh up --config THIS_FILE; every key is in",
+        "# docs/configuration.md. The addresses are the demo cluster's (deploy/demo.toml):",
+        "# run one of the two at a time, or change the ports here.",
+        f"namespace = {json.dumps(namespace)}",
+        "memcached = [" + ", ".join(json.dumps(a) for a in LOCAL_MEMCACHED) + "]",
+        f"optimizers = [{json.dumps(LOCAL_OPTIMIZER)}]",
+        'mode = "async"  # "sync" with workers = N: N trainers step through one version',
+        "",
+        "[optimizer]  # of every table and the dense weights",
+        'name = "adam"',
+        "learning_rate = 0.001",
+        "",
+    ]
+    return "\n".join(header) + "\n" + tables_toml(schema, dim=dim, spec=spec)
+
+
+def _printed_tables(args: argparse.Namespace) -> str:
+    """What --print-tables prints: a complete cluster file, or with --tables-only the tables."""
+    schema = _source(args.data, args).schema
+    if args.tables_only:
+        if args.namespace is not None:
+            raise ValueError(
+                "--namespace names the cluster file's namespace, which --tables-only does "
+                "not print: give one of them"
+            )
+        return tables_toml(schema, dim=args.dim, spec=args.data)
+    return cluster_toml(schema, dim=args.dim, spec=args.data, namespace=args.namespace)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -421,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.print_tables:
-            print(tables_toml(_source(args.data, args).schema, dim=args.dim, spec=args.data))  # noqa: T201
+            print(_printed_tables(args), end="")  # noqa: T201 - the CLI's result
             return 0
         summary = run(args)
     except (LookupTableError, ValueError, FileNotFoundError) as exc:
