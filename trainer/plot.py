@@ -22,6 +22,8 @@ import numpy as np
 
 __all__ = ["main", "plot_training"]
 
+_SMOOTH_POINTS = 20  # the training loss is a moving average of len / this steps
+
 
 def _smooth(values: Sequence[float], window: int) -> Any:
     arr = np.asarray(values, dtype=np.float64)
@@ -80,12 +82,12 @@ def plot_training(summaries: Sequence[Mapping[str, Any]], path: str | Path) -> P
         if losses:
             steps = [s for s, _ in losses]
             values = [v for _, v in losses]
-            window = max(1, len(losses) // 50)
+            window = max(1, len(losses) // _SMOOTH_POINTS)
+            label = f"worker {worker} train"
             if window > 1:
                 ax_loss.plot(steps, values, color=color, alpha=0.2, linewidth=0.8)
-            ax_loss.plot(
-                steps, _smooth(values, window), color=color, label=f"worker {worker} train"
-            )
+                label += f" (mean of {window} steps)"
+            ax_loss.plot(steps, _smooth(values, window), color=color, label=label)
         evals = [e for e in history.get("evals", []) if "step" in e]
         _plot_evals(ax_loss, evals, "logloss", color, f"worker {worker} eval")
         _plot_evals(ax_auc, evals, "auc", color, f"worker {worker}")
@@ -96,7 +98,7 @@ def plot_training(summaries: Sequence[Mapping[str, Any]], path: str | Path) -> P
     )
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("log loss")
-    ax_loss.set_title("training loss (smoothed) and eval loss")
+    ax_loss.set_title("training and eval loss")
     ax_auc.set_xlabel("step")
     ax_auc.set_ylabel("AUC")
     ax_auc.set_title("eval AUC")

@@ -237,3 +237,77 @@ def test_a_column_only_in_the_eval_file_is_named(
     assert main([*argv, "--label", "label", "--numeric", "age,extra", "--no-progress"]) == 1
     assert "unknown columns ['extra']" in caplog.text
     assert "the --eval-data file has them" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "every"),
+    [
+        ((), 8),  # 100,000 examples, 80 % train, batch 1000: 80 steps, 10 evaluations
+        (("--epochs", "3"), 24),
+        (("--num-workers", "2", "--worker-index", "1"), 4),
+        (("--steps", "45"), 5),
+        (("--steps", "3"), 1),
+        (("--max-seconds", "60"), 100),  # the run's length is not known: every 100 steps
+        (("--eval-every", "7"), 7),
+        (("--eval-every", "0"), 0),  # only at the end
+    ],
+)
+def test_evaluations_come_about_ten_times_a_run_by_default(
+    extra: tuple[str, ...], every: int
+) -> None:
+    """Issue: with the defaults the evaluation panel had one dot (only the final one)."""
+    from trainer.cli import _eval_every
+    from trainer.numeric import fit_numeric_stats
+
+    source = SyntheticSource(100_000)
+    args = _parser().parse_args(
+        ["--config", "c.toml", "--data", "synthetic:100000", "--batch-size", "1000", *extra]
+    )
+    assert _eval_every(args, source, fit_numeric_stats(source, "none")) == every
+
+
+def test_eval_every_counts_the_rows_of_a_csv_from_the_statistics_pass(tmp_path: Path) -> None:
+    from trainer.cli import _eval_every, _source
+    from trainer.numeric import fit_numeric_stats
+
+    data = tmp_path / "people.csv"
+    data.write_text("age,income\n" + "".join(f"{i},{i % 2}\n" for i in range(1000)))
+    args = _parser().parse_args(
+        ["--config", "c.toml", "--data", f"csv:{data}", "--label", "income", "--numeric", "age"]
+    )
+    args.batch_size = 20
+    source = _source(args.data, args)
+    stats = fit_numeric_stats(source, split="train")
+    assert stats.rows == 801  # the 80 % held in training: 41 steps of 20
+    assert _eval_every(args, source, stats) == 5
+
+
+def test_save_model_refuses_a_target_that_exists_before_training(tmp_path: Path) -> None:
+    from trainer.cli import _check_save_target
+
+    _check_save_target(str(tmp_path / "new" / "1"))
+    (tmp_path / "empty").mkdir()
+    _check_save_target(str(tmp_path / "empty"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "saved_model.pb").write_bytes(b"x")
+    with pytest.raises(ValueError, match="it exists and is not an empty directory"):
+        _check_save_target(str(tmp_path / "full"))
+    (tmp_path / "2.keras").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"2\.keras \(the Keras model written beside it\)"):
+        _check_save_target(str(tmp_path / "2"))
+
+
+def test_the_first_ctrl_c_asks_to_stop_and_the_second_quits() -> None:
+    import os
+    import signal
+
+    from trainer.cli import _StopOnSigint
+
+    before = signal.getsignal(signal.SIGINT)
+    with _StopOnSigint() as stop:
+        assert not stop()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop()  # the handler ran: training ends after the step under way
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before
