@@ -4,7 +4,8 @@
         [--epochs E | --steps S] [--max-seconds T] [--eval-fraction 0.2 | --eval-data SPEC]
         [--numeric-transform standardize] [--shuffle-buffer N]
         [--worker-index I --num-workers N] [--plot loss.png] [--output summary.json]
-    lookup-table-train --data csv:PATH --label y --categorical a,b --print-tables
+        [--save-model DIR]
+    lookup-table-train --data csv:PATH --label y --categorical a,b --print-tables > c.toml
 
 Training stops at the end of the data (`--epochs`, default 1), after `--steps`, or
 after `--max-seconds` of training, whichever comes first; `--max-seconds` alone
@@ -20,7 +21,11 @@ PATH` when it exists (and writes them there when not). Multi-epoch runs shuffle
 through a bounded buffer (`--shuffle-buffer`), reseeded each epoch from `--seed`.
 
 The final summary (JSON, also printed) has examples/s, the training loss, eval AUC
-and log loss, the rows this worker created per table and the numeric statistics.
+and log loss, the rows this worker created per table and the numeric statistics;
+`python -m trainer.plot` draws every worker's into one PNG. `--save-model` writes a
+SavedModel of the raw columns (the numeric transform inside). `--print-tables`
+prints a whole cluster file for the columns. The first ctrl-C ends training after
+the step under way and still writes the summary (exit status 130).
 """
 
 from __future__ import annotations

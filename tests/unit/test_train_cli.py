@@ -1,4 +1,5 @@
-"""`lookup-table-train`'s stopping rules: --epochs, --steps and --max-seconds (no cluster)."""
+"""`lookup-table-train` without a cluster: stopping rules, --print-tables, the evaluation
+cadence, --save-model's target check and the ctrl-C handler."""
 
 from __future__ import annotations
 
