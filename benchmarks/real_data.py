@@ -552,7 +552,8 @@ def _column_options(ds: Dataset) -> list[str]:
 
 def print_tables(ds: Dataset, train_path: Path) -> str:
     """The `[[tables]]` TOML that `lookup-table-train --print-tables` prints for `ds`."""
-    cmd = [sys.executable, "-m", "trainer.cli", "--print-tables", "--data", f"csv:{train_path}"]
+    cmd = [sys.executable, "-m", "trainer.cli", "--print-tables", "--tables-only"]
+    cmd += ["--data", f"csv:{train_path}"]
     cmd += [*_column_options(ds), "--dim", str(EMBEDDING_DIM)]
     done = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env(), check=False

@@ -4,7 +4,8 @@
         [--epochs E | --steps S] [--max-seconds T] [--eval-fraction 0.2 | --eval-data SPEC]
         [--numeric-transform standardize] [--shuffle-buffer N]
         [--worker-index I --num-workers N] [--plot loss.png] [--output summary.json]
-    lookup-table-train --data csv:PATH --label y --categorical a,b --print-tables
+        [--save-model DIR]
+    lookup-table-train --data csv:PATH --label y --categorical a,b --print-tables > c.toml
 
 Training stops at the end of the data (`--epochs`, default 1), after `--steps`, or
 after `--max-seconds` of training, whichever comes first; `--max-seconds` alone
@@ -20,7 +21,11 @@ PATH` when it exists (and writes them there when not). Multi-epoch runs shuffle
 through a bounded buffer (`--shuffle-buffer`), reseeded each epoch from `--seed`.
 
 The final summary (JSON, also printed) has examples/s, the training loss, eval AUC
-and log loss, the rows this worker created per table and the numeric statistics.
+and log loss, the rows this worker created per table and the numeric statistics;
+`python -m trainer.plot` draws every worker's into one PNG. `--save-model` writes a
+SavedModel of the raw columns (the numeric transform inside). `--print-tables`
+prints a whole cluster file for the columns. The first ctrl-C ends training after
+the step under way and still writes the summary (exit status 130).
 """
 
 from __future__ import annotations
@@ -29,10 +34,14 @@ import argparse
 import itertools
 import json
 import logging
+import math
 import os
+import re
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -93,6 +102,8 @@ def _positive_int(text: str) -> int:
 
 
 _DEFAULT_SHUFFLE_BUFFER = 1 << 16  # examples: ~100 MB for Criteo's 40 columns
+_EVALS_PER_RUN = 10  # default --eval-every: this many evaluations over a run of known length
+_FALLBACK_EVAL_EVERY = 100  # steps, when the run's length is not known in advance
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -139,7 +150,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--print-tables",
         action="store_true",
-        help="print the [[tables]] the columns need (TOML for the cluster file) and exit",
+        help="print a complete cluster file for the columns and exit: the demo cluster's "
+        "local addresses, Adam, one [[tables]] per categorical column (write it with "
+        "> my-cluster.toml, then deploy/cluster.sh up --config my-cluster.toml)",
+    )
+    p.add_argument(
+        "--tables-only",
+        action="store_true",
+        help="with --print-tables: only the [[tables]], to append to a cluster file of yours",
+    )
+    p.add_argument(
+        "--namespace",
+        help="with --print-tables: the cluster file's namespace (default: the data "
+        "file's name, e.g. train for csv:train.csv)",
     )
     p.add_argument(
         "--dim", type=_positive_int, default=16, help="dim for --print-tables (default 16)"
@@ -174,7 +197,13 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="share of --data held out for evaluation (default 0.2; not with --eval-data)",
     )
-    p.add_argument("--eval-every", type=int, default=0, help="evaluate every K steps (0: end)")
+    p.add_argument(
+        "--eval-every",
+        type=_non_negative_int,
+        metavar="K",
+        help="evaluate every K steps (0: only at the end; default: about 10 times over the "
+        f"run when its length is known, else every {_FALLBACK_EVAL_EVERY} steps)",
+    )
     p.add_argument("--eval-batches", type=int, default=20, help="eval batches (default 20)")
     p.add_argument("--worker-index", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=1)
@@ -189,8 +218,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seed", type=int, default=0, help="initial dense weights and the shuffle order"
     )
-    p.add_argument("--plot", help="write the loss/AUC curves to this PNG")
-    p.add_argument("--output", help="write the summary JSON here")
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="write this worker's curves (training and eval loss, eval AUC) to this PNG; "
+        "all workers in one picture: python -m trainer.plot summary-*.json --out loss.png",
+    )
+    p.add_argument(
+        "--output",
+        metavar="JSON",
+        help="write the summary JSON here, with the per-step history (python -m trainer.plot "
+        "reads it)",
+    )
+    p.add_argument(
+        "--save-model",
+        metavar="DIR",
+        help="after training, write a TF SavedModel to DIR that takes the raw columns "
+        "(numeric transform inside) and serves with tf.saved_model.load or TF Serving, "
+        "and the Keras model to DIR.keras (for lookup-table-checkpoint export --model); "
+        "rows and dense weights from a checkpoint taken with the replicas paused. Give it "
+        "to one worker (worker 0): it snapshots the cluster when that worker finishes",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -285,13 +333,29 @@ def _check_eval_schema(train: Any, evals: Any, spec: str) -> None:
         )
 
 
+# What `deploy/cluster.sh up` starts for a printed cluster file: the demo cluster's
+# local addresses (deploy/demo.toml), so one recipe works on a fresh machine.
+LOCAL_MEMCACHED = ("127.0.0.1:21211", "127.0.0.1:21212")
+LOCAL_OPTIMIZER = "http://127.0.0.1:8470"
+
+
+def namespace_for(spec: str) -> str:
+    """A namespace named after the data of `spec`: `csv:data/train.csv` -> "train".
+
+    Characters a namespace cannot hold become "-"; "data" when nothing is left.
+    """
+    kind, _, path = spec.partition(":")
+    stem = Path(path).stem if path and kind != "synthetic" else kind
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).lstrip("_.-")[:64].rstrip("-")
+    return name or "data"
+
+
 def tables_toml(schema: Any, *, dim: int, spec: str) -> str:
     """The `[[tables]]` entries a model over `schema` needs, as cluster-file TOML."""
     from lookup_table.core.keys import validate_name
     from lookup_table.errors import LookupTableError
 
-    lines = [f"# the tables for the columns of {spec} (one per categorical column); "]
-    lines[0] += "paste them into the cluster file"
+    lines = [f"# the tables for the columns of {spec} (one per categorical column)"]
     groups = [("categorical", schema.categorical), ("multivalued", schema.multivalued)]
     for kind, columns in groups:
         for name, id_type in columns.items():
@@ -305,6 +369,56 @@ def tables_toml(schema: Any, *, dim: int, spec: str) -> str:
                 f'id_type = "{id_type}"' + ("  # multivalued" if kind != "categorical" else "")
             )
     return "\n".join(lines) + "\n"
+
+
+def cluster_toml(schema: Any, *, dim: int, spec: str, namespace: str | None = None) -> str:
+    """A complete cluster file for a model over `schema`: `deploy/cluster.sh up` starts it.
+
+    Two local memcached nodes and one optimizer replica on the demo cluster's ports,
+    async training with Adam, then the tables (`tables_toml`).
+
+    Raises:
+        ConfigError: `namespace` is not a valid namespace.
+    """
+    from lookup_table.core.keys import validate_name
+    from lookup_table.errors import ConfigError, LookupTableError
+
+    if namespace is None:
+        namespace = namespace_for(spec)
+    else:
+        try:
+            validate_name(namespace, "--namespace")
+        except LookupTableError as exc:
+            raise ConfigError(str(exc)) from None
+    header = [
+        f"# A cluster file for training on {spec} (lookup-table-train --print-tables).",
+        "# Start it with deploy/cluster.sh up --config THIS_FILE; every key is in",
+        "# docs/configuration.md. The addresses are the demo cluster's (deploy/demo.toml):",
+        "# run one of the two at a time, or change the ports here.",
+        f"namespace = {json.dumps(namespace)}",
+        "memcached = [" + ", ".join(json.dumps(a) for a in LOCAL_MEMCACHED) + "]",
+        f"optimizers = [{json.dumps(LOCAL_OPTIMIZER)}]",
+        'mode = "async"  # "sync" with workers = N: N trainers step through one version',
+        "",
+        "[optimizer]  # of every table and the dense weights",
+        'name = "adam"',
+        "learning_rate = 0.001",
+        "",
+    ]
+    return "\n".join(header) + "\n" + tables_toml(schema, dim=dim, spec=spec)
+
+
+def _printed_tables(args: argparse.Namespace) -> str:
+    """What --print-tables prints: a complete cluster file, or with --tables-only the tables."""
+    schema = _source(args.data, args).schema
+    if args.tables_only:
+        if args.namespace is not None:
+            raise ValueError(
+                "--namespace names the cluster file's namespace, which --tables-only does "
+                "not print: give one of them"
+            )
+        return tables_toml(schema, dim=args.dim, spec=args.data)
+    return cluster_toml(schema, dim=args.dim, spec=args.data, namespace=args.namespace)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -323,13 +437,114 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--config is required (the cluster file), except with --print-tables")
 
 
+def _eval_every(args: argparse.Namespace, source: Any, stats: Any) -> int:
+    """Steps between evaluations: --eval-every, else about `_EVALS_PER_RUN` over the run."""
+    if args.eval_every is not None:
+        return int(args.eval_every)
+    total: int | None = args.steps
+    epochs = _epochs(args)
+    if total is None and epochs is not None:
+        rows = source.num_examples
+        if rows is not None:
+            rows = int(rows * (1 - _eval_fraction(args)))
+        elif stats.rows and not args.stats_rows:  # the statistics pass counted them
+            rows = stats.rows
+        if rows:
+            total = epochs * math.ceil(rows / args.num_workers / args.batch_size)
+    if total is None:
+        return _FALLBACK_EVAL_EVERY
+    return max(1, math.ceil(total / _EVALS_PER_RUN))
+
+
+class _StopOnSigint:
+    """While entered: the first SIGINT (ctrl-C) asks training to stop after the step
+    under way (`requested`, polled by `Trainer.fit`); a second one raises
+    KeyboardInterrupt at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _StopOnSigint:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        logger.warning(
+            "interrupted: stopping after the step under way, then writing the summary "
+            "(ctrl-C again to quit at once)"
+        )
+
+    def __call__(self) -> bool:
+        return self.requested
+
+
+def _check_save_target(path: str) -> None:
+    """--save-model DIR: DIR new or empty and DIR.keras new, checked before training."""
+    target = Path(path)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ValueError(
+            f"--save-model {path}: it exists and is not an empty directory; give a new "
+            "directory (e.g. the next version number for TF Serving: models/income/2)"
+        )
+    keras_file = _keras_path(path)
+    if keras_file.exists():
+        raise ValueError(
+            f"--save-model {path}: {keras_file} (the Keras model written beside it) exists "
+            "already; give a new directory or remove that file"
+        )
+
+
+def _keras_path(path: str) -> Path:
+    target = Path(path)
+    return target.with_name(target.name + ".keras")
+
+
+def _save_model(config: Any, model: Any, stats: Any, path: str) -> dict[str, Any]:
+    """Write the model of the raw columns as a SavedModel at `path` and a `.keras` beside.
+
+    The rows and dense weights come from a checkpoint saved (replicas paused, so
+    every row the replicas keep in memory is written first) into a temporary
+    directory beside `path` and removed after.
+    """
+    import asyncio
+    import tempfile
+
+    from lookup_table.ops.checkpoint import export_checkpoint_saved_model, save_checkpoint
+    from trainer.models import serving_model
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    raw_model = serving_model(model, stats)
+    with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as tmp:
+        checkpoint = Path(tmp) / "checkpoint"
+        asyncio.run(save_checkpoint(config, checkpoint, progress=False))
+        keras_tmp = Path(tmp) / "model.keras"
+        raw_model.save(keras_tmp)  # before the export assigns the checkpoint's weights
+        result = export_checkpoint_saved_model(checkpoint, raw_model, target, dense="checkpoint")
+        keras_tmp.replace(_keras_path(path))
+    return result
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Train as the flags say; returns the summary (with "interrupted" after a ctrl-C)."""
     from lookup_table.config import load_config
     from trainer.data import DataError
     from trainer.loop import Trainer
     from trainer.models import build_model
 
     _check_args(args)
+    if args.save_model:
+        _check_save_target(args.save_model)
     config = load_config(args.config)
     try:
         raw = _source(args.data, args)
@@ -347,6 +562,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hidden = [int(h) for h in args.hidden.split(",") if h]
     model = build_model(args.model, raw.schema, config, hidden=hidden, seed=args.seed)
     stats = _numeric_stats(raw, args)
+    eval_every = _eval_every(args, raw, stats)
     source = raw.with_numeric(stats)
     train = _train_batches(source, args)
     final_eval: Iterable[Any] | None = None
@@ -360,7 +576,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not evals:
             raise DataError(f"--eval-data {args.eval_data}: the file has no examples")
         final_eval = eval_source.batches(args.batch_size, split="all")
-        if not args.eval_every:
+        if not eval_every:
             evals = []  # only the whole file, at the end
     elif _eval_fraction(args) > 0:
         evals = list(
@@ -371,26 +587,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     else:
         evals = []
-    with Trainer(
-        config,
-        model,
-        worker_index=args.worker_index,
-        dense_refresh_steps=args.dense_refresh_steps,
-        max_pushes_in_flight=args.pushes_in_flight,
-        progress=not args.no_progress,
-    ) as trainer:
+    with (
+        Trainer(
+            config,
+            model,
+            worker_index=args.worker_index,
+            dense_refresh_steps=args.dense_refresh_steps,
+            max_pushes_in_flight=args.pushes_in_flight,
+            progress=not args.no_progress,
+        ) as trainer,
+        _StopOnSigint() as stop,
+    ):
         result = trainer.fit(
             train,
             steps=args.steps,
             eval_batches=evals or None,
-            eval_every=args.eval_every or None,
+            eval_every=eval_every or None,
             final_eval=final_eval,
+            should_stop=stop,
         )
         created = trainer.rows_created
         version = trainer.version
     tail = [loss for _, loss in result.losses[-max(1, len(result.losses) // 10) :]]
     last_eval = result.evals[-1] if result.evals else {}
-    return {
+    summary = {
         "worker": args.worker_index,
         "num_workers": args.num_workers,
         "model": args.model,
@@ -398,6 +618,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "eval_data": args.eval_data,
         "batch_size": args.batch_size,
         "max_seconds": args.max_seconds,
+        "interrupted": result.interrupted,
         "steps": result.steps,
         "examples": result.examples,
         "seconds": round(result.seconds, 3),
@@ -406,37 +627,78 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "eval_auc": last_eval.get("auc"),
         "eval_logloss": last_eval.get("logloss"),
         "eval_examples": last_eval.get("examples"),
+        "eval_step": last_eval.get("step"),
         "rows_created": created,
         "final_version": version,
         "numeric_stats": stats.to_dict(),
         "history": {"losses": result.losses, "evals": result.evals, "versions": result.versions},
     }
+    return {**summary, "_trained": (config, model, stats)}
+
+
+def _interrupted_line(summary: Mapping[str, Any]) -> str:
+    line = (
+        f"interrupted after {summary['steps']} steps ({summary['examples']:,} examples, "
+        f"{summary['seconds']:.1f} s)"
+    )
+    if summary["train_loss"] is not None:
+        line += f": training loss {summary['train_loss']:.4f} (last tenth of the steps)"
+    if summary["eval_auc"] is not None:
+        line += (
+            f", eval AUC {summary['eval_auc']:.4f} and log loss {summary['eval_logloss']:.4f} "
+            f"at step {summary['eval_step']} (no final evaluation)"
+        )
+    return line
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; exit status 0, 1 (bad input, a failure) or 130 (ctrl-C)."""
     args = _parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     from lookup_table.errors import LookupTableError
 
+    written: list[str] = []
     try:
         if args.print_tables:
-            print(tables_toml(_source(args.data, args).schema, dim=args.dim, spec=args.data))  # noqa: T201
+            print(_printed_tables(args), end="")  # noqa: T201 - the CLI's result
             return 0
         summary = run(args)
+        config, model, stats = summary.pop("_trained")
+        brief = {k: v for k, v in summary.items() if k != "history"}
+        print(json.dumps(brief, indent=2))  # noqa: T201 - the CLI's result
+        if summary["interrupted"]:
+            logger.warning("%s", _interrupted_line(summary))
+        if args.output:
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output).write_text(json.dumps(summary))
+            written.append(args.output)
+        if args.plot:
+            from trainer.plot import plot_training
+
+            written.append(str(plot_training([summary], args.plot)))
+        if args.save_model:
+            saved = _save_model(config, model, stats, args.save_model)
+            written += [saved["path"], str(_keras_path(args.save_model))]
+            logger.info(
+                "wrote the SavedModel %s (serving_default takes %s; %s) and the Keras model %s",
+                saved["path"],
+                ", ".join(saved["inputs"]),
+                ", ".join(f"{name} {n:,} rows" for name, n in saved["tables"].items()),
+                _keras_path(args.save_model),
+            )
     except (LookupTableError, ValueError, FileNotFoundError) as exc:
         logger.error("lookup-table-train: %s", exc)
         return 1
-    brief = {k: v for k, v in summary.items() if k != "history"}
-    print(json.dumps(brief, indent=2))  # noqa: T201 - the CLI's result
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(summary))
-    if args.plot:
-        from trainer.plot import plot_training
-
-        logger.info("wrote %s", plot_training([summary], args.plot))
-    return 0
+    except KeyboardInterrupt:
+        logger.error(
+            "lookup-table-train: interrupted; %s",
+            "wrote " + ", ".join(written) if written else "nothing written",
+        )
+        return 130
+    if written:
+        logger.info("wrote %s", ", ".join(written))
+    return 130 if summary["interrupted"] else 0
 
 
 if __name__ == "__main__":

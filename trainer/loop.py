@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ class TrainResult:
     losses: list[tuple[int, float]] = field(default_factory=list)
     evals: list[dict[str, float]] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the model version each step used
+    interrupted: bool = False  # `should_stop` ended training before the data or `steps`
 
     @property
     def examples_per_s(self) -> float:
@@ -240,6 +241,7 @@ class Trainer(TrainingSession):
         eval_every: int | None = None,
         eval_max_batches: int = 20,
         final_eval: Iterable[Any] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> TrainResult:
         """Train on `batches` (Batch objects or (features, labels) pairs).
 
@@ -248,7 +250,12 @@ class Trainer(TrainingSession):
             eval_batches: evaluated every `eval_every` steps (first `eval_max_batches`)
                 and at the end.
             final_eval: evaluated once at the end instead of `eval_batches`, streamed
-                (not held in memory): a whole evaluation file.
+                (not held in memory): a whole evaluation file. The final evaluation
+                is marked `"final": 1.0` in `TrainResult.evals`.
+            should_stop: asked before each step (e.g. a SIGINT handler's flag): when it
+                returns True, training ends after the step under way, its pushes
+                settle, `TrainResult.interrupted` is set and the final evaluation is
+                skipped.
         """
         from tqdm import tqdm
 
@@ -271,6 +278,9 @@ class Trainer(TrainingSession):
         start = time.perf_counter()
         try:
             while current is not None and (steps is None or result.steps < steps):
+                if should_stop is not None and should_stop():
+                    result.interrupted = True
+                    break
                 features, labels = _split(current)
                 nxt = next(iterator, None) if steps is None or result.steps + 1 < steps else None
                 computed_on = self.version  # an answered push brings the next one
@@ -307,22 +317,39 @@ class Trainer(TrainingSession):
             bar.close()
             self.forget_prefetched()  # rows fetched for this run only
         last = final_eval if final_eval is not None else eval_list
-        if last:
+        if last and not result.interrupted:
             self._refresh_dense(fresh=True)
             ev = self.evaluate(last)
             ev["step"] = result.steps
+            ev["final"] = 1.0
             result.evals.append(ev)
         return result
 
     def evaluate(self, batches: Iterable[Any]) -> dict[str, float]:
         """AUC and log loss on `batches`; reads rows with create=False (writes nothing)."""
+        labels_all: list[NDArray[np.float32]] = []
+
+        def features_of(batches: Iterable[Any]) -> Iterator[Mapping[str, Any]]:
+            for batch in batches:
+                features, labels = _split(batch)
+                labels_all.append(labels)
+                yield features
+
+        p = self.predict(features_of(batches))
+        if not labels_all:
+            return {"auc": float("nan"), "logloss": float("nan"), "examples": 0.0}
+        y = np.concatenate(labels_all)
+        return {"auc": auc(y, p), "logloss": logloss(y, p), "examples": float(y.shape[0])}
+
+    def predict(self, batches: Iterable[Mapping[str, Any]]) -> NDArray[np.float32]:
+        """The model's outputs (float32 (examples,)) on batches of features, with the
+        cluster's rows (create=False: writes nothing) and the dense weights it holds
+        (pulled from the service on first use and before each evaluation of `fit`)."""
         self._settle()
         if not self._dense_ready:
             self._init_dense()
         preds_all: list[NDArray[np.float32]] = []
-        labels_all: list[NDArray[np.float32]] = []
-        for batch in batches:
-            features, labels = _split(batch)
+        for features in batches:
             inputs = self._inputs(features)
             if self.graph:
                 if self._graph_predict is None:
@@ -333,9 +360,6 @@ class Trainer(TrainingSession):
                 with self._lookups():
                     preds = self.model(inputs, training=False)
             preds_all.append(np.asarray(preds, np.float32).reshape(-1))
-            labels_all.append(labels)
         if not preds_all:
-            return {"auc": float("nan"), "logloss": float("nan"), "examples": 0.0}
-        p = np.concatenate(preds_all)
-        y = np.concatenate(labels_all)
-        return {"auc": auc(y, p), "logloss": logloss(y, p), "examples": float(y.shape[0])}
+            return np.zeros(0, np.float32)
+        return np.concatenate(preds_all)

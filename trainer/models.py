@@ -4,13 +4,15 @@ One `DistributedEmbedding` per categorical column, on the table of the same name
 (the cluster file must define it); multivalued columns are combined with "mean".
 Numeric columns enter as the source gives them: `lookup-table-train` standardizes
 them with the training rows' statistics (`trainer.numeric`), the same for every
-worker; no batch statistics, which N trainers could not share.
+worker; no batch statistics, which N trainers could not share. `serving_model`
+puts that transform in front of a trained model, for a model file that takes the
+raw columns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 from keras import ops
@@ -19,7 +21,10 @@ from lookup_table.config import ClusterConfig
 from lookup_table.errors import ConfigError
 from lookup_table.keras import DistributedEmbedding
 
-__all__ = ["MODELS", "build_model"]
+if TYPE_CHECKING:
+    from trainer.numeric import NumericStats
+
+__all__ = ["MODELS", "build_model", "serving_model"]
 
 MODELS = ("mlp", "deepfm")
 
@@ -95,3 +100,27 @@ def build_model(
         logit = logit + keras.layers.Dense(1, use_bias=False)(dense_in)
     out = keras.layers.Activation("sigmoid")(logit)
     return keras.Model(inputs, out, name="deepfm")
+
+
+def serving_model(model: keras.Model, stats: NumericStats) -> keras.Model:
+    """`model` behind the numeric transform of `stats`: a model of the raw columns.
+
+    Same inputs (names, dtypes, shapes, ragged) as `model`; each numeric column goes
+    through `stats.keras_transform` first. The layers and weights are `model`'s own
+    (shared, not copied), so it predicts what `model` predicts on transformed rows.
+    """
+    inputs: dict[str, Any] = {}
+    fed: dict[str, Any] = {}
+    for tensor in model.inputs:
+        name = tensor.name
+        inputs[name] = keras.Input(
+            shape=tuple(tensor.shape[1:]),
+            dtype=tensor.dtype,
+            name=name,
+            ragged=bool(getattr(tensor, "ragged", False)),
+            sparse=bool(getattr(tensor, "sparse", False)),
+        )
+        fed[name] = (
+            stats.keras_transform(inputs[name], name) if name in stats.columns else inputs[name]
+        )
+    return keras.Model(inputs, model(fed), name=f"{model.name}_raw")

@@ -115,6 +115,31 @@ class NumericStats:
             features[name] = out.astype(np.float32)
         return Batch(features, batch.labels)
 
+    def keras_transform(self, x: Any, column: str) -> Any:
+        """`apply` for one column as Keras ops on a float32 tensor (the model's own layer).
+
+        What a saved model runs on raw inputs: the same transform in float64, then
+        float32, built only of Keras' serializable ops (a `.keras` file and a
+        SavedModel keep it without this project).
+
+        Raises:
+            DataError: `column` is not one of `columns`.
+        """
+        from keras import ops
+
+        if column not in self.columns:
+            raise DataError(f"no numeric statistics for column {column!r}: {list(self.columns)}")
+        j = self.columns.index(column)
+        v = ops.cast(x, "float64")
+        if self.transform != "none":
+            if self.transform == "log1p":
+                v = ops.sign(v) * ops.log1p(ops.abs(v))
+            var = self.variance[j]
+            scale = 1.0 / math.sqrt(var) if var > 0 else 0.0
+            v = (v - self.mean[j]) * scale
+        v = ops.where(ops.isnan(v), ops.zeros_like(v), v)  # missing -> the training mean
+        return ops.cast(v, "float32")
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict: {"format", "transform", "rows", "columns": {name: {...}}}."""
         return {

@@ -1,14 +1,28 @@
-"""Loss and AUC curves as PNG (matplotlib, Agg backend)."""
+"""Training curves as one PNG (matplotlib, Agg backend), for one worker or all of them.
+
+    python -m trainer.plot summary-0.json summary-1.json --out loss.png
+
+Each summary is what `lookup-table-train --output` wrote. The left panel has each
+worker's training loss (per step, faint, and smoothed) and its evaluation log loss
+(markers): eval loss rising while training loss falls is overfitting. The right
+panel has the evaluation AUC. A star marks the final evaluation (the whole
+`--eval-data` file, or the held-out batches), which may differ from the periodic
+ones (the first `--eval-batches` only).
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["plot_training"]
+__all__ = ["main", "plot_training"]
+
+_SMOOTH_POINTS = 20  # the training loss is a moving average of len / this steps
 
 
 def _smooth(values: Sequence[float], window: int) -> Any:
@@ -20,36 +34,90 @@ def _smooth(values: Sequence[float], window: int) -> Any:
     return np.concatenate([head, np.convolve(arr, kernel, mode="valid")])
 
 
+def _plot_evals(
+    ax: Any, evals: Sequence[Mapping[str, Any]], key: str, color: Any, label: str
+) -> None:
+    """Periodic evaluations as markers joined by a dashed line, the final one as a star."""
+    periodic = [e for e in evals if not e.get("final")]
+    final = [e for e in evals if e.get("final")]
+    if periodic:
+        ax.plot(
+            [e["step"] for e in periodic],
+            [e[key] for e in periodic],
+            linestyle="--",
+            marker="o",
+            markersize=4,
+            color=color,
+            label=label,
+        )
+    if final:
+        ax.plot(
+            [e["step"] for e in final],
+            [e[key] for e in final],
+            linestyle="none",
+            marker="*",
+            markersize=13,
+            color=color,
+            markeredgecolor="black",
+            label=None if periodic else label,
+        )
+
+
 def plot_training(summaries: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
-    """Plot the training loss (smoothed) and eval AUC of one or more workers' summaries."""
+    """Plot the training loss, eval log loss and eval AUC of workers' summaries into `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(11, 4))
-    for summary in summaries:
-        label = f"worker {summary.get('worker', 0)}"
-        losses = summary.get("history", {}).get("losses", [])
+    fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    interrupted = []
+    for n, summary in enumerate(sorted(summaries, key=lambda s: int(s.get("worker", 0)))):
+        worker = summary.get("worker", 0)
+        color = colors[n % len(colors)]
+        history = summary.get("history", {})
+        losses = history.get("losses", [])
         if losses:
             steps = [s for s, _ in losses]
-            window = max(1, len(losses) // 50)
-            ax_loss.plot(steps, _smooth([v for _, v in losses], window), label=label)
-        evals = summary.get("history", {}).get("evals", [])
-        if evals:
-            ax_auc.plot(
-                [e["step"] for e in evals], [e["auc"] for e in evals], marker="o", label=label
-            )
+            values = [v for _, v in losses]
+            window = max(1, len(losses) // _SMOOTH_POINTS)
+            label = f"worker {worker} train"
+            if window > 1:
+                ax_loss.plot(steps, values, color=color, alpha=0.2, linewidth=0.8)
+                label += f" (mean of {window} steps)"
+            ax_loss.plot(steps, _smooth(values, window), color=color, label=label)
+        evals = [e for e in history.get("evals", []) if "step" in e]
+        _plot_evals(ax_loss, evals, "logloss", color, f"worker {worker} eval")
+        _plot_evals(ax_auc, evals, "auc", color, f"worker {worker}")
+        if summary.get("interrupted"):
+            interrupted.append(f"worker {worker} at step {summary.get('steps')}")
+    any_final = any(
+        e.get("final") for s in summaries for e in s.get("history", {}).get("evals", [])
+    )
     ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("training loss (smoothed)")
-    ax_loss.set_title("loss")
+    ax_loss.set_ylabel("log loss")
+    ax_loss.set_title("training and eval loss")
     ax_auc.set_xlabel("step")
-    ax_auc.set_ylabel("eval AUC")
-    ax_auc.set_title("evaluation")
+    ax_auc.set_ylabel("AUC")
+    ax_auc.set_title("eval AUC")
     for ax in (ax_loss, ax_auc):
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
+        handles, labels = ax.get_legend_handles_labels()
+        if handles:
+            star = Line2D([], [], linestyle="none", marker="*", markersize=11, color="grey")
+            if any_final:
+                handles, labels = [*handles, star], [*labels, "final eval"]
+            ax.legend(handles, labels, fontsize="small")
+    workers = len(summaries)
+    title = f"{workers} worker{'s' if workers != 1 else ''}"
+    data = {str(s.get("data")) for s in summaries if s.get("data")}
+    if len(data) == 1:
+        title += f" on {data.pop()}"
+    if interrupted:
+        title += " (interrupted: " + ", ".join(interrupted) + ")"
+    fig.suptitle(title)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -58,17 +126,40 @@ def plot_training(summaries: Sequence[Mapping[str, Any]], path: str | Path) -> P
     return out
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.plot",
+        description="Plot lookup-table-train summaries (one per worker, from --output) into "
+        "one PNG: training and eval loss, eval AUC, a colour per worker.",
+        epilog="e.g. python -m trainer.plot run/summary-*.json --out run/loss.png",
+    )
+    parser.add_argument(
+        "summaries",
+        nargs="+",
+        metavar="SUMMARY",
+        help="summary JSON files (--output of each worker)",
+    )
+    parser.add_argument("--out", required=True, metavar="PNG", help="the PNG to write")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m trainer.plot summary-0.json summary-1.json --out loss.png`."""
-    import argparse
-    import json
-
-    parser = argparse.ArgumentParser(description="plot lookup-table-train summaries")
-    parser.add_argument("summaries", nargs="+", help="summary JSON files (--output of train)")
-    parser.add_argument("--out", required=True, help="PNG to write")
+    parser = _parser()
     args = parser.parse_args(argv)
-    summaries = [json.loads(Path(p).read_text()) for p in args.summaries]
-    plot_training(summaries, args.out)
+    summaries = []
+    for name in args.summaries:
+        try:
+            summary = json.loads(Path(name).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            parser.error(f"{name}: cannot read a summary: {exc}")
+        if not isinstance(summary, dict) or "history" not in summary:
+            parser.error(
+                f"{name}: not a lookup-table-train summary (no 'history'); give the files "
+                "--output wrote"
+            )
+        summaries.append(summary)
+    print(plot_training(summaries, args.out))  # noqa: T201 - the command's result
     return 0
 
 

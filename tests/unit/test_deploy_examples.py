@@ -243,3 +243,13 @@ def test_systemd_analyze_verify_finds_nothing(path: Path, tmp_path: Path) -> Non
     )
     ours = [ln for ln in (proc.stdout + proc.stderr).splitlines() if instance.name in ln]
     assert proc.returncode == 0 and ours == [], proc.stdout + proc.stderr
+
+
+def test_the_demo_cluster_file_points_to_pages_that_exist() -> None:
+    """Issue: deploy/demo.toml sent readers to a README section that does not exist."""
+    text = (ROOT / "deploy" / "demo.toml").read_text()
+    pages = re.findall(r"docs/[\w./-]+\.md", text)
+    assert "docs/configuration.md" in pages
+    assert all((ROOT / page).is_file() for page in pages), pages
+    assert "README" not in text
+    load_config(ROOT / "deploy" / "demo.toml")

@@ -246,3 +246,33 @@ def test_parquet_nulls_and_nan_are_missing(tmp_path: Path) -> None:
     assert stats.count == (2,) and stats.mean == (3.0,) and stats.variance == (4.0,)
     out = next(source.with_numeric(stats).batches(10, split="all")).features["x"]
     assert out.tolist() == [-1.0, 0.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("transform", ["standardize", "log1p", "none"])
+def test_the_models_own_transform_equals_apply(transform: str) -> None:
+    """`keras_transform` (inside a saved model of the raw columns) computes what `apply`
+    fed the model in training: missing values, a constant column and big numbers."""
+    import keras
+
+    stats = NumericStats(
+        transform=transform,  # type: ignore[arg-type]
+        columns=("fnlwgt", "flat", "gain"),
+        mean=(189_778.36, 3.0, 4.2),
+        variance=(1.113e10, 0.0, 17.5),
+        count=(10, 10, 10),
+        rows=10,
+    )
+    raw = {
+        "fnlwgt": np.array([77_516.0, np.nan, 1_484_705.0, -3.0, 0.0], np.float32),
+        "flat": np.array([3.0, 7.0, np.nan, -1e6, 3.0], np.float32),
+        "gain": np.array([0.0, 99_999.0, np.nan, -20.0, 1e-3], np.float32),
+    }
+    want = stats.apply(Batch(dict(raw), np.zeros(5, np.float32))).features
+    for column, values in raw.items():
+        x = keras.Input(shape=(), dtype="float32", name=column)
+        model = keras.Model(x, stats.keras_transform(x, column))
+        got = np.asarray(model(values))
+        assert got.dtype == np.float32 and not np.isnan(got).any()
+        np.testing.assert_allclose(got, want[column], rtol=1e-6, atol=1e-6)
+    with pytest.raises(DataError, match="no numeric statistics for column 'age'"):
+        stats.keras_transform(keras.Input(shape=(), name="age"), "age")

@@ -1,4 +1,5 @@
-"""`lookup-table-train`'s stopping rules: --epochs, --steps and --max-seconds (no cluster)."""
+"""`lookup-table-train` without a cluster: stopping rules, --print-tables, the evaluation
+cadence, --save-model's target check and the ctrl-C handler."""
 
 from __future__ import annotations
 
@@ -95,26 +96,86 @@ def _write_people(path: Path) -> Path:
     return path
 
 
-def test_print_tables_gives_the_tables_a_csv_needs(
+def _people_args(data: Path) -> list[str]:
+    argv = ["--data", f"csv:{data}", "--label", "income", "--categorical", "workclass"]
+    return [*argv, "--numeric", "age,fnlwgt", "--multivalued", "genres", "--print-tables"]
+
+
+def test_print_tables_writes_a_complete_cluster_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Issue: the tables alone, appended to a missing file, gave "namespace: expected a
+    string, missing" at `deploy/cluster.sh up`: the output is now a whole cluster file."""
     import tomllib
 
     from lookup_table.config import load_config
 
     data = _write_people(tmp_path / "people.csv")
-    argv = ["--data", f"csv:{data}", "--label", "income", "--categorical", "workclass"]
-    argv += ["--numeric", "age,fnlwgt", "--multivalued", "genres", "--print-tables", "--dim", "8"]
-    assert main(argv) == 0  # no --config needed
-    toml = capsys.readouterr().out
-    tables = tomllib.loads(toml)["tables"]
-    assert tables == [
-        {"name": "workclass", "dim": 8, "id_type": "string"},
-        {"name": "genres", "dim": 8, "id_type": "string"},
+    assert main([*_people_args(data), "--dim", "8"]) == 0  # no --config needed
+    text = capsys.readouterr().out
+    cluster = tmp_path / "my-cluster.toml"
+    cluster.write_text(text)  # `> my-cluster.toml`
+    config = load_config(cluster)
+    assert config.namespace == "people"  # the data file's name
+    # what deploy/cluster.sh starts for the demo: its local nodes and replica
+    demo = load_config(Path(__file__).resolve().parents[2] / "deploy" / "demo.toml")
+    assert config.memcached == demo.memcached and config.optimizers == demo.optimizers
+    assert config.mode == "async" and config.optimizer.name == "adam"
+    assert [(t.name, t.dim, t.id_type) for t in config.tables] == [
+        ("workclass", 8, "string"),
+        ("genres", 8, "string"),
     ]
+    # `>>` onto a file that does not exist yet gives the same file
+    appended = tmp_path / "appended.toml"
+    with appended.open("a") as fh:
+        fh.write(text)
+    assert load_config(appended).tables == config.tables
+    assert tomllib.loads(text)["tables"][0] == {"name": "workclass", "dim": 8, "id_type": "string"}
+
+
+def test_print_tables_tables_only_appends_to_a_cluster_file_of_yours(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lookup_table.config import load_config
+
+    data = _write_people(tmp_path / "people.csv")
+    assert main([*_people_args(data), "--tables-only"]) == 0
+    toml = capsys.readouterr().out
+    assert "namespace" not in toml and "[optimizer]" not in toml
     cluster = tmp_path / "cluster.toml"
     cluster.write_text('namespace = "t"\nmemcached = ["127.0.0.1:1"]\n' + toml)
     assert [t.id_type for t in load_config(cluster).tables] == ["string", "string"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "namespace"),
+    [
+        ("csv:data/train.csv", "train"),
+        ("parquet:/x/my adult data.v2.parquet", "my-adult-data.v2"),
+        ("csv:_hidden.csv", "hidden"),
+        ("synthetic:1000", "synthetic"),
+        ("criteo:day_0.gz", "day_0"),
+        ("csv:___.csv", "data"),
+    ],
+)
+def test_the_printed_namespace_is_named_after_the_data_file(spec: str, namespace: str) -> None:
+    from lookup_table.core.keys import validate_name
+    from trainer.cli import namespace_for
+
+    assert validate_name(namespace_for(spec), "namespace") == namespace
+
+
+def test_print_tables_takes_a_namespace_and_refuses_a_bad_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    import tomllib
+
+    data = _write_people(tmp_path / "people.csv")
+    assert main([*_people_args(data), "--namespace", "income-v2"]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["namespace"] == "income-v2"
+    assert main([*_people_args(data), "--namespace", "my job"]) == 1
+    assert capsys.readouterr().out == ""  # nothing half-written into the cluster file
+    assert "--namespace must be 1-64 characters" in caplog.text and "'my job'" in caplog.text
 
 
 def test_print_tables_flags_a_column_that_cannot_name_a_table(
@@ -177,3 +238,77 @@ def test_a_column_only_in_the_eval_file_is_named(
     assert main([*argv, "--label", "label", "--numeric", "age,extra", "--no-progress"]) == 1
     assert "unknown columns ['extra']" in caplog.text
     assert "the --eval-data file has them" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "every"),
+    [
+        ((), 8),  # 100,000 examples, 80 % train, batch 1000: 80 steps, 10 evaluations
+        (("--epochs", "3"), 24),
+        (("--num-workers", "2", "--worker-index", "1"), 4),
+        (("--steps", "45"), 5),
+        (("--steps", "3"), 1),
+        (("--max-seconds", "60"), 100),  # the run's length is not known: every 100 steps
+        (("--eval-every", "7"), 7),
+        (("--eval-every", "0"), 0),  # only at the end
+    ],
+)
+def test_evaluations_come_about_ten_times_a_run_by_default(
+    extra: tuple[str, ...], every: int
+) -> None:
+    """Issue: with the defaults the evaluation panel had one dot (only the final one)."""
+    from trainer.cli import _eval_every
+    from trainer.numeric import fit_numeric_stats
+
+    source = SyntheticSource(100_000)
+    args = _parser().parse_args(
+        ["--config", "c.toml", "--data", "synthetic:100000", "--batch-size", "1000", *extra]
+    )
+    assert _eval_every(args, source, fit_numeric_stats(source, "none")) == every
+
+
+def test_eval_every_counts_the_rows_of_a_csv_from_the_statistics_pass(tmp_path: Path) -> None:
+    from trainer.cli import _eval_every, _source
+    from trainer.numeric import fit_numeric_stats
+
+    data = tmp_path / "people.csv"
+    data.write_text("age,income\n" + "".join(f"{i},{i % 2}\n" for i in range(1000)))
+    args = _parser().parse_args(
+        ["--config", "c.toml", "--data", f"csv:{data}", "--label", "income", "--numeric", "age"]
+    )
+    args.batch_size = 20
+    source = _source(args.data, args)
+    stats = fit_numeric_stats(source, split="train")
+    assert stats.rows == 801  # the 80 % held in training: 41 steps of 20
+    assert _eval_every(args, source, stats) == 5
+
+
+def test_save_model_refuses_a_target_that_exists_before_training(tmp_path: Path) -> None:
+    from trainer.cli import _check_save_target
+
+    _check_save_target(str(tmp_path / "new" / "1"))
+    (tmp_path / "empty").mkdir()
+    _check_save_target(str(tmp_path / "empty"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "saved_model.pb").write_bytes(b"x")
+    with pytest.raises(ValueError, match="it exists and is not an empty directory"):
+        _check_save_target(str(tmp_path / "full"))
+    (tmp_path / "2.keras").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"2\.keras \(the Keras model written beside it\)"):
+        _check_save_target(str(tmp_path / "2"))
+
+
+def test_the_first_ctrl_c_asks_to_stop_and_the_second_quits() -> None:
+    import os
+    import signal
+
+    from trainer.cli import _StopOnSigint
+
+    before = signal.getsignal(signal.SIGINT)
+    with _StopOnSigint() as stop:
+        assert not stop()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop()  # the handler ran: training ends after the step under way
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before
