@@ -516,7 +516,6 @@ def _save_model(config: Any, model: Any, stats: Any, path: str) -> dict[str, Any
     every row the replicas keep in memory is written first) into a temporary
     directory beside `path` and removed after.
     """
-    import asyncio
     import tempfile
 
     from lookup_table.ops.checkpoint import export_checkpoint_saved_model, save_checkpoint
@@ -527,7 +526,7 @@ def _save_model(config: Any, model: Any, stats: Any, path: str) -> dict[str, Any
     raw_model = serving_model(model, stats)
     with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as tmp:
         checkpoint = Path(tmp) / "checkpoint"
-        asyncio.run(save_checkpoint(config, checkpoint, progress=False))
+        save_checkpoint(config, checkpoint, progress=False)
         keras_tmp = Path(tmp) / "model.keras"
         raw_model.save(keras_tmp)  # before the export assigns the checkpoint's weights
         result = export_checkpoint_saved_model(checkpoint, raw_model, target, dense="checkpoint")
