@@ -110,9 +110,7 @@ def check_sender(obj: Any, *, config: ClusterConfig, replica: int) -> None:
     mine = config.sender(replica)
     wrong = [key for key in SENDER_KEYS if obj[key] != mine[key]]
     if wrong:
-        got = "; ".join(
-            f"{k} {describe(obj[k])}, this replica's {describe(mine[k])}" for k in wrong
-        )
+        got = "; ".join(f"{k} {describe(obj[k])}, this replica's {mine[k]!r}" for k in wrong)
         raise ClusterMismatchError(
             f"the request was made with another cluster file than this replica runs: {got} "
             f"(GET /v1/tables shows what differs). The replicas run another cluster file: "

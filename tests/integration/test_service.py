@@ -75,17 +75,10 @@ def _ids(ids: Any) -> Any:
     return np.asarray(ids, dtype=np.int64)
 
 
-def _body(
-    push_id: str,
-    sender: dict[str, Any],
-    tables: dict[str, tuple[Any, np.ndarray]],
-    **extra: Any,
-) -> bytes:
-    """A push body by hand; `sender`: `ClusterConfig.sender(replica)` (or a wrong one)."""
+def _body(push_id: str, tables: dict[str, tuple[Any, np.ndarray]], **extra: Any) -> bytes:
     return pack(
         {
             "push_id": push_id,
-            **sender,
             "worker": 0,
             "version": 0,
             "tables": {
@@ -243,13 +236,7 @@ async def test_tables_with_equal_optimizers_are_stepped_together_bit_for_bit(
     }
     await updater.apply(
         parse_push(
-            unpack(
-                _body(
-                    "warm",
-                    config.sender(0),
-                    {n: (i, g.astype(np.float32)) for n, (i, g) in first.items()},
-                )
-            ),
+            unpack(_body("warm", {n: (i, g.astype(np.float32)) for n, (i, g) in first.items()})),
             config=config,
         )
     )
@@ -282,10 +269,7 @@ async def test_tables_with_equal_optimizers_are_stepped_together_bit_for_bit(
     for kind in (Adam, SGD):  # rows written behind are stepped where the row cache has them
         monkeypatch.setattr(kind, "update_at", counting(kind))
     await updater.apply(
-        parse_push(
-            unpack(_body("p", config.sender(0), {n: (ids[n], grads[n]) for n in ids})),
-            config=config,
-        )
+        parse_push(unpack(_body("p", {n: (ids[n], grads[n]) for n in ids})), config=config)
     )
     batches = [(50 + 60 + 100, 8), (70, 8), (80, 4), (90, 8)]
     assert sorted(calls) == sorted(("in place", shape) for shape in batches)
@@ -318,54 +302,54 @@ async def test_bad_pushes_are_4xx_and_write_nothing(served, http) -> None:
         ok_grads = np.ones((2, 8), dtype=np.float32)
         nan = ok_grads.copy()
         nan[1, 3] = np.nan
-        sent = config.sender(0)
+        sent = config.sender(0)  # whose pushes this replica takes
         cases = {
             "not msgpack": (b"\xc1\x00garbage", 400, "msgpack"),
             "not a map": (pack([1, 2]), 400, "map"),
             "bad push_id": (pack({"push_id": "a b", "tables": {}, **sent}), 400, "push_id"),
             "no namespace": (
-                _body("p10", {k: v for k, v in sent.items() if k != "namespace"}, {}),
+                _body("p10", {}, **{k: v for k, v in sent.items() if k != "namespace"}),
                 400,
                 r"namespace: missing; .*GET /v1/tables",
             ),
             "replica not an int": (
-                _body("p11", {**sent, "replica": "0"}, {}),
+                _body("p11", {}, **{**sent, "replica": "0"}),
                 400,
                 "replica: got '0'",
             ),
             "another namespace": (
-                _body("p12", {**sent, "namespace": "other"}, {"user": ([1, 2], ok_grads)}),
+                _body("p12", {"user": ([1, 2], ok_grads)}, **{**sent, "namespace": "other"}),
                 409,
                 "namespace 'other', this replica's",
             ),
             "another fingerprint": (
-                _body("p13", {**sent, "fingerprint": "0" * 64}, {"user": ([1, 2], ok_grads)}),
+                _body("p13", {"user": ([1, 2], ok_grads)}, **{**sent, "fingerprint": "0" * 64}),
                 409,
                 "fingerprint '0000.*use the same file for trainers and replicas",
             ),
             "another replica": (
-                _body("p14", {**sent, "replica": 1}, {"user": ([1, 2], ok_grads)}),
+                _body("p14", {"user": ([1, 2], ok_grads)}, **{**sent, "replica": 1}),
                 409,
                 "replica 1, this replica's 0",
             ),
             "unknown table": (
-                _body("p1", sent, {"nope": ([1], ok_grads[:1])}),
+                _body("p1", {"nope": ([1], ok_grads[:1])}, **sent),
                 400,
                 "unknown table",
             ),
             "wrong dim": (
-                _body("p2", sent, {"user": ([1, 2], np.ones((2, 4), np.float32))}),
+                _body("p2", {"user": ([1, 2], np.ones((2, 4), np.float32))}, **sent),
                 400,
                 r"expected shape \(2, 8\)",
             ),
-            "nan": (_body("p3", sent, {"user": ([1, 2], nan)}), 400, "finite"),
+            "nan": (_body("p3", {"user": ([1, 2], nan)}, **sent), 400, "finite"),
             "string ids for int table": (
-                _body("p4", sent, {"user": (["a", "b"], ok_grads)}),
+                _body("p4", {"user": (["a", "b"], ok_grads)}, **sent),
                 400,
                 "id_type",
             ),
             "int ids for string table": (
-                _body("p5", sent, {"word": ([1, 2], ok_grads[:, :4])}),
+                _body("p5", {"word": ([1, 2], ok_grads[:, :4])}, **sent),
                 400,
                 "id_type",
             ),
@@ -402,7 +386,7 @@ async def test_bad_pushes_are_4xx_and_write_nothing(served, http) -> None:
                 "needs 64 bytes",
             ),
             "too long string id": (
-                _body("p8", sent, {"word": (["x" * 300], ok_grads[:1, :4])}),
+                _body("p8", {"word": (["x" * 300], ok_grads[:1, :4])}, **sent),
                 400,
                 "too long",
             ),
@@ -410,8 +394,8 @@ async def test_bad_pushes_are_4xx_and_write_nothing(served, http) -> None:
             "half valid": (
                 _body(
                     "p9",
-                    sent,
                     {"user": ([1, 2], ok_grads), "word": (["a"], np.ones((1, 3), np.float32))},
+                    **sent,
                 ),
                 400,
                 "expected shape",
@@ -459,7 +443,7 @@ async def test_token_required(memcached_nodes, aiohttp_client) -> None:
     for method, path in sorted(routes - public):
         for token in wrong_tokens:
             headers = {} if token is None else {"Authorization": token}
-            resp = await client.request(method, path, headers=headers, data=_body("x", {}, {}))
+            resp = await client.request(method, path, headers=headers, data=_body("x", {}))
             assert resp.status == 401, (method, path, token, resp.status)
             assert "bearer token" in (await resp.json())["error"]
     ok = await client.get("/v1/tables", headers={"Authorization": "Bearer s3cret"})
@@ -527,9 +511,7 @@ async def test_journaled_push_is_finished_by_the_next_replica_exactly_once(
         before = await store.lookup("user", ids)
     grads = np.ones((2, 8), dtype=np.float32)
     push_id = uuid.uuid4().hex
-    push = parse_push(
-        unpack(_body(push_id, config.sender(0), {"user": (ids, grads)})), config=config
-    )
+    push = parse_push(unpack(_body(push_id, {"user": (ids, grads)})), config=config)
 
     async def crash(*_: Any) -> None:
         raise ConnectionResetError("simulated crash between journal and rows")
@@ -568,14 +550,12 @@ async def test_a_push_answered_before_its_done_record_is_still_applied_once(
 
     updater._write_record = slow_record  # type: ignore[method-assign]
     first = uuid.uuid4().hex
-    push = parse_push(unpack(_body(first, config.sender(0), {"user": (ids, grads)})), config=config)
+    push = parse_push(unpack(_body(first, {"user": (ids, grads)})), config=config)
     assert (await updater.apply(push))["applied"]  # answered, its record not stored
     np.testing.assert_allclose(await _rows(config, "user", ids), before - 0.5, rtol=1e-6)
     assert await updater.is_done(first)
     assert (await updater.apply(push))["duplicate"]
-    other = parse_push(
-        unpack(_body(uuid.uuid4().hex, config.sender(0), {"user": (ids, grads)})), config=config
-    )
+    other = parse_push(unpack(_body(uuid.uuid4().hex, {"user": (ids, grads)})), config=config)
     waiting = asyncio.ensure_future(updater.apply(other))
     await asyncio.sleep(0.2)
     assert not waiting.done()  # the rows are locked until the record is stored
@@ -591,7 +571,7 @@ async def test_a_push_answered_before_its_done_record_is_still_applied_once(
     # the replica "dies" with the record of its last push never written
     hold.clear()
     last = uuid.uuid4().hex
-    push = parse_push(unpack(_body(last, config.sender(0), {"user": (ids, grads)})), config=config)
+    push = parse_push(unpack(_body(last, {"user": (ids, grads)})), config=config)
     assert (await updater.apply(push))["applied"]
     for task in list(updater._cleanups):
         task.cancel()
@@ -767,7 +747,7 @@ async def test_a_bad_answer_request_is_400_and_writes_nothing(served, http) -> N
         ]:
             resp = await http.post(
                 "/v1/gradients",
-                data=_body(uuid.uuid4().hex, config.sender(0), push, answer=answer),
+                data=_body(uuid.uuid4().hex, push, answer=answer, **config.sender(0)),
                 headers={"Content-Type": CONTENT_TYPE},
             )
             doc = await resp.json()
