@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,13 +18,15 @@ from prometheus_client import CollectorRegistry
 
 from lookup_table import EmbeddingStore
 from lookup_table.client import OptimizerClient
-from lookup_table.config import ClusterConfig, SGDConfig, StoreConfig
+from lookup_table.config import ClusterConfig, SGDConfig, StoreConfig, load_config
 from lookup_table.core.sharding import owner_of
 from lookup_table.core.wire import encode_array, encode_ids, pack
-from lookup_table.errors import ClusterMismatchError
+from lookup_table.errors import ClusterMismatchError, ConfigError
 from lookup_table.ops.localcluster import free_port
 from optimizer_service.app import make_app
 from tests.conftest import SERVICE_TABLES, make_config, written
+from tests.integration.test_keras_fit import _cluster, _data, _readme_model, _service_state
+from tests.integration.test_trainer import _cluster_file, _running, _train
 
 pytestmark = pytest.mark.integration
 
@@ -239,3 +243,137 @@ async def test_a_raw_push_of_another_file_is_409_and_writes_nothing(
     async with EmbeddingStore(config) as store:
         _, found = await store.get("user", ids)
     assert not found.any()
+
+
+# ------------------------------------------------------------------ real trainers
+
+
+def _items(config: ClusterConfig) -> int:
+    async def count() -> int:
+        async with EmbeddingStore(config) as store:
+            stats = await store.stats()
+        return sum(int(s["curr_items"]) for s in stats.values())
+
+    return asyncio.run(count())
+
+
+@pytest.mark.timeout(300)
+def test_the_trainer_cli_refuses_a_copy_of_the_file_with_another_learning_rate(
+    tmp_path: Path,
+) -> None:
+    """The issue's reproduction: a copy of the cluster file with another learning rate
+    trained with rc 0 at the service's. Now it exits 1 before its first push, naming the
+    field and both values, and memcached holds what it held."""
+    path = _cluster_file(tmp_path / "cluster.toml", mode="async", workers=1)
+    with _running(path, tmp_path / "run"):
+        config = load_config(path)
+        copy = tmp_path / "copy.toml"
+        text = path.read_text()
+        assert text.count("learning_rate = 0.02") == 26
+        copy.write_text(text.replace("learning_rate = 0.02", "learning_rate = 0.5", 1))
+        items = _items(config)
+        proc = _train(copy, tmp_path / "out.json", worker=0, workers=1, steps=4)
+        out = proc.communicate(timeout=240)[0]
+        assert proc.returncode == 1, out[-3000:]
+        assert (
+            "tables[C1].optimizer.learning_rate: 0.5 in this trainer's cluster file, 0.02 in "
+            "replica 0's" in out
+        ), out[-3000:]
+        assert "restart the replicas with this one (deploy/cluster.sh down/up" in out
+        assert _items(config) == items
+        assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.timeout(400)
+# Keras 3.15 saves a variable with np.array(variable), which numpy 2 deprecates
+@pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept:DeprecationWarning")
+def test_model_fit_refuses_another_namespace_continues_its_own_and_names_dense_causes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """model.fit (RemoteOptimizer): with only the namespace changed (and initialized), it is
+    refused before its first push and the replica's namespace keeps its rows and dense
+    parameters; with the replicas' file, a second model continues the trained namespace
+    (logged); a model of other layer names gets the real causes."""
+    import keras
+
+    from lookup_table.keras import RemoteOptimizer
+
+    path = _cluster(tmp_path, "keras")
+    with _running(path, tmp_path / "run"):
+        config = load_config(path)
+        x, y = _data(512, seed=1)
+        model = _readme_model(config)
+        optimizer = RemoteOptimizer(config)
+        model.compile(optimizer=optimizer, loss="binary_crossentropy")
+        try:
+            model.fit(x, y, batch_size=128, epochs=1, verbose=0)
+        finally:
+            optimizer.close()
+        ids = {"C1": np.unique(x["C1"]), "C2": np.unique(x["C2"])}
+        rows, dense = _service_state(config, ids)
+
+        moved = dataclasses.replace(config, namespace=config.namespace + "b")
+
+        async def init() -> None:  # lookup-table-admin init of the new namespace
+            async with EmbeddingStore(moved) as store:
+                await store.write_sentinels()
+
+        asyncio.run(init())
+        items = _items(config)
+        model = _readme_model(moved)
+        optimizer = RemoteOptimizer(moved)
+        model.compile(optimizer=optimizer, loss="binary_crossentropy")
+        try:
+            with pytest.raises(ClusterMismatchError) as info:
+                model.fit(x, y, batch_size=128, epochs=1, verbose=0)
+        finally:
+            optimizer.close()
+        assert (
+            f'namespace: "{moved.namespace}" in this trainer\'s cluster file, '
+            f'"{config.namespace}" in replica 0\'s' in str(info.value)
+        )
+        assert _items(config) == items  # neither namespace got a row
+        after_rows, after_dense = _service_state(config, ids)
+        for table in ids:
+            np.testing.assert_array_equal(after_rows[table], rows[table])
+        for name in dense:
+            np.testing.assert_array_equal(after_dense[name], dense[name])
+
+        caplog.set_level(logging.INFO, logger="lookup_table.session")
+        model = _readme_model(config, seed=1)
+        optimizer = RemoteOptimizer(config)
+        model.compile(optimizer=optimizer, loss="binary_crossentropy")
+        try:
+            model.fit(x, y, batch_size=128, epochs=1, verbose=0)
+        finally:
+            optimizer.close()
+        continuing = [r for r in caplog.records if "continuing namespace" in r.getMessage()]
+        assert len(continuing) == 1 and continuing[0].levelno == logging.WARNING
+        assert re.fullmatch(
+            rf"continuing namespace {config.namespace} at version [1-9]\d* \(its model was "
+            r"trained before; `lookup-table-admin reset --config FILE --yes` starts it over\)",
+            continuing[0].getMessage(),
+        )
+
+        keras.backend.clear_session()
+        c1 = keras.Input(shape=(), dtype="int64", name="C1")
+        c2 = keras.Input(shape=(), dtype="int64", name="C2")
+        from lookup_table.keras import DistributedEmbedding
+
+        x1 = DistributedEmbedding(config.table("C1"))(c1)
+        x2 = DistributedEmbedding(config.table("C2"))(c2)
+        hidden = keras.layers.Dense(16)(keras.layers.Concatenate()([x1, x2]))  # unnamed
+        other = keras.Model({"C1": c1, "C2": c2}, keras.layers.Dense(1, name="out")(hidden))
+        optimizer = RemoteOptimizer(config)
+        other.compile(optimizer=optimizer, loss="binary_crossentropy")
+        try:
+            with pytest.raises(ConfigError) as refused:
+                other.fit(x, y, batch_size=128, epochs=1, verbose=0)
+        finally:
+            optimizer.close()
+        message = str(refused.value)
+        assert "initialized by a model with other layer names" in message, message
+        assert "['dense/bias', 'dense/kernel'] (2 in all) are not among them" in message
+        assert "['hidden/bias', 'hidden/kernel'] (2) are not this model's" in message
+        assert "keras.backend.clear_session()" in message
+        assert "`lookup-table-admin reset --config FILE --yes`" in message
