@@ -861,13 +861,17 @@ class TrainingSession:
         )
         if missing:
             unexpected = sorted(set(params) - set(self.dense_vars))
+            theirs = (
+                f", and its {unexpected[:5]} ({len(unexpected)}) are not this model's"
+                if unexpected
+                else ""
+            )
             raise ConfigError(
                 f"the dense parameters of namespace {self.config.namespace!r} were "
                 f"initialized by a model with other layer names: this model's {missing[:5]} "
-                f"({len(missing)} in all) are not among them, and its {unexpected[:5]} "
-                f"({len(unexpected)}) are not this model's. Keras numbers layers per process "
-                f"(dense, dense_1, dense_2, ...): a model built again in one process (a "
-                f"notebook) gets new names; call keras.backend.clear_session() before "
+                f"({len(missing)} in all) are not among them{theirs}. Keras numbers layers "
+                f"per process (dense, dense_1, dense_2, ...): a model built again in one "
+                f"process (a notebook) gets new names; call keras.backend.clear_session() before "
                 f"building it, or name its layers (name=...); {start_over}"
             )
         for path, var in self.dense_vars.items():
