@@ -38,6 +38,7 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __get
     )
     from lookup_table.errors import (
         CheckpointError,
+        ClusterMismatchError,
         ClusterNotInitializedError,
         ConfigError,
         CorruptValueError,
@@ -64,6 +65,7 @@ __all__ = [
     "AdamConfig",
     "CheckpointError",
     "ClusterConfig",
+    "ClusterMismatchError",
     "ClusterNotInitializedError",
     "ConfigError",
     "CorruptValueError",
@@ -107,6 +109,7 @@ _LAZY = {
     "AdamConfig": "lookup_table.config",
     "CheckpointError": "lookup_table.errors",
     "ClusterConfig": "lookup_table.config",
+    "ClusterMismatchError": "lookup_table.errors",
     "ClusterNotInitializedError": "lookup_table.errors",
     "ConfigError": "lookup_table.errors",
     "CorruptValueError": "lookup_table.errors",

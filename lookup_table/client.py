@@ -7,6 +7,10 @@ One aiohttp session per client. A push is split by replica (each replica owns a
 fixed hash partition of the rows); every part carries the same `push_id`, and a
 part that fails with a connection error, a timeout or a 5xx is retried with that
 same `push_id` and exponential backoff, so a retry is applied at most once.
+Before its first request that reads or changes the model, the client compares its
+cluster file with each replica's (`GET /v1/tables`: `ClusterConfig.agreement`) and
+raises `ClusterMismatchError` naming each field that differs; every push and read of
+rows also carries the file's fingerprint, which the replica checks (409).
 A 4xx raises `PushRejectedError` with the service's message. A memcached error
 the replica reports is raised at once, without retries, as the store's own
 error naming the node: `DataLossError` (a node lost its data), `StoreFullError`
@@ -23,7 +27,7 @@ import json
 import logging
 import numbers
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import aiohttp
@@ -45,6 +49,7 @@ from lookup_table.core.wire import (
     unpack,
 )
 from lookup_table.errors import (
+    ClusterMismatchError,
     ConfigError,
     CorruptValueError,
     DataLossError,
@@ -126,6 +131,10 @@ class OptimizerClient:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self._session: aiohttp.ClientSession | None = None
+        # the replicas whose cluster file agrees with ours, and the checks under way (one
+        # per replica, however many requests wait for it)
+        self._agreed: set[int] = set()
+        self._checking: dict[int, asyncio.Future[None]] = {}
 
     async def __aenter__(self) -> OptimizerClient:
         return self
@@ -186,6 +195,8 @@ class OptimizerClient:
         reaches, so summing over replicas counts each example once.
 
         Raises:
+            ClusterMismatchError: a replica runs another cluster file (`check_cluster`);
+                nothing was pushed.
             ConfigError: `examples` is not an int >= 0 or `loss` not a real number.
             PushRejectedError: a replica answered 4xx (its message says why).
             DataLossError, StoreFullError: the store refused; not retried.
@@ -194,6 +205,7 @@ class OptimizerClient:
         stats = _stats(examples, loss)
         push_id = push_id or uuid.uuid4().hex
         n_replicas = len(self.config.optimizers)
+        await self._agree(range(n_replicas))
         split: list[dict[str, tuple[IdArray, NDArray[Any]]]] = [{} for _ in range(n_replicas)]
         for name, (ids, grads) in tables.items():
             id_array = as_ids(ids, table=name)
@@ -221,6 +233,7 @@ class OptimizerClient:
                     "worker": self.worker,
                     "version": version,
                     "tables": singles,
+                    **self.config.sender(k),
                 }
                 if groups:
                     body["groups"] = groups
@@ -276,11 +289,13 @@ class OptimizerClient:
         changes nothing).
 
         Raises:
+            ClusterMismatchError: a replica runs another cluster file (`check_cluster`).
             PushRejectedError: a replica answered 4xx (its message says why).
             DataLossError, StoreFullError, ...: the store's error, as a push raises it.
             ReplicaUnavailableError: a replica stayed unreachable through every retry.
         """
         n_replicas = len(self.config.optimizers)
+        await self._agree(range(n_replicas))
         split: list[dict[str, tuple[IdArray, None]]] = [{} for _ in range(n_replicas)]
         unique: dict[str, tuple[Any, NDArray[np.intp], list[tuple[int, Any]]]] = {}
         for name, ids in tables.items():
@@ -303,7 +318,13 @@ class OptimizerClient:
         ks = [k for k in range(n_replicas) if split[k]]
         requests = {k: self._grouped(split[k], grads=False) for k in ks}
         bodies = {
-            k: pack({"tables": singles, **({"groups": groups} if groups else {})})
+            k: pack(
+                {
+                    "tables": singles,
+                    **({"groups": groups} if groups else {}),
+                    **self.config.sender(k),
+                }
+            )
             for k, (singles, groups) in requests.items()
         }
         docs = dict(
@@ -380,24 +401,104 @@ class OptimizerClient:
         return singles, groups
 
     async def tables(self, *, replica: int = 0) -> dict[str, Any]:
-        """`GET /v1/tables` of replica `replica` (its namespace, partition and tables)."""
+        """`GET /v1/tables` of replica `replica`: the cluster file it runs (not checked)."""
         return await self._request(replica, "GET", "/v1/tables", None)
+
+    async def check_cluster(self, replicas: Iterable[int] | None = None) -> None:
+        """Check, once per replica (of every replica, or those given), that it runs a
+        cluster file that agrees with this client's; push, rows, dense_init, dense,
+        version and pause call it first.
+
+        Raises:
+            ClusterMismatchError: a replica runs another file (or has another index than
+                its place in `optimizers`); the message names each field that differs.
+            ReplicaUnavailableError: a replica could not be asked (checked again next time).
+        """
+        await self._agree(range(len(self.config.optimizers)) if replicas is None else replicas)
+
+    async def _agree(self, replicas: Iterable[int]) -> None:
+        todo = [k for k in replicas if k not in self._agreed]
+        if not todo:
+            return
+        checks = []
+        for k in todo:
+            check = self._checking.get(k)
+            if check is None:
+                check = asyncio.ensure_future(self._check_replica(k))
+                self._checking[k] = check
+                check.add_done_callback(functools.partial(self._checked, k))
+            checks.append(check)
+        # shielded: a waiter cancelled does not cancel the check another request awaits
+        outcomes = await asyncio.gather(*map(asyncio.shield, checks), return_exceptions=True)
+        for outcome in outcomes:  # the first replica's error, if any
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    def _checked(self, k: int, check: asyncio.Future[None]) -> None:
+        if self._checking.get(k) is check:
+            del self._checking[k]
+        if not check.cancelled() and check.exception() is None:
+            self._agreed.add(k)
+
+    async def _check_replica(self, k: int) -> None:
+        url = self.config.optimizers[k]
+        doc = await self._request(k, "GET", "/v1/tables", None)
+        fix = (
+            "the replicas run another cluster file: use the same file for trainers and "
+            "replicas, or restart the replicas with this one (deploy/cluster.sh down/up, or "
+            "lookup-table-optimizer --config ...)"
+        )
+        theirs, fingerprint = doc.get("agreement"), doc.get("fingerprint")
+        if not isinstance(theirs, dict) or not isinstance(fingerprint, str):
+            raise ClusterMismatchError(
+                f"replica {k} ({url}) does not report the cluster file it runs (GET /v1/tables "
+                f"has no agreement and fingerprint): it runs an older version of "
+                f"lookup-table; upgrade it and restart the replicas",
+                replica=k,
+            )
+        index = doc.get("replica")
+        if index != k:
+            raise ClusterMismatchError(
+                f"replica {k} ({url}) of this cluster file is replica {index!r} of the file it "
+                f"runs (lookup-table-optimizer --replica): `optimizers` must list the replicas "
+                f"in the order of their --replica; {fix}",
+                replica=k,
+                differences=(("replica", k, index),),
+            )
+        if fingerprint == self.config.fingerprint:
+            return
+        differences = tuple(self.config.differences(theirs))
+        shown = "; ".join(
+            f"{path}: {_shown(mine)} in this trainer's cluster file, {_shown(other)} in "
+            f"replica {k}'s"
+            for path, mine, other in differences[:6]
+        )
+        more = f" (and {len(differences) - 6} more)" if len(differences) > 6 else ""
+        raise ClusterMismatchError(
+            f"replica {k} ({url}) runs another cluster file than this trainer: "
+            f"{shown or 'its fingerprint ' + fingerprint + ' differs'}{more}; {fix}",
+            replica=k,
+            differences=differences,
+        )
 
     async def dense_init(
         self, params: Mapping[str, NDArray[np.float32]]
     ) -> tuple[int, dict[str, NDArray[np.float32]]]:
         """Offer initial dense parameters; the first trainer's win. Returns (version, params)."""
+        await self._agree(range(len(self.config.optimizers)))
         body = pack({"params": {n: encode_array(v) for n, v in params.items()}})
         doc = await self._request(0, "POST", "/v1/dense/init", body)
         return int(doc["version"]), _arrays(doc["params"])
 
     async def dense(self) -> tuple[int, dict[str, NDArray[np.float32]]]:
         """The current dense parameters and their version (replica 0)."""
+        await self._agree(range(len(self.config.optimizers)))
         doc = await self._request(0, "GET", "/v1/dense", None)
         return int(doc["version"]), _arrays(doc["params"])
 
     async def version(self, *, after: int | None = None) -> int:
         """The model version: with `after`, waits until every replica is past it (sync mode)."""
+        await self._agree(range(len(self.config.optimizers)))
         path = "/v1/version" if after is None else f"/v1/version?after={after}"
         docs = await asyncio.gather(
             *(self._request(k, "GET", path, None) for k in range(len(self.config.optimizers)))
@@ -422,12 +523,14 @@ class OptimizerClient:
             "&drop_unfinished=1" if drop_unfinished else ""
         )
         indexes = list(self._replicas(replicas))
+        await self._agree(indexes)  # a pause for a checkpoint of another file's rows
         docs = await asyncio.gather(*(self._request(k, "POST", path, b"") for k in indexes))
         return {k: int(d.get("unfinished_pushes", 0)) for k, d in zip(indexes, docs, strict=True)}
 
     async def resume(self, *, reload: bool = False, replicas: Sequence[int] | None = None) -> None:
         """Resume every replica (or those given); `reload` (paused replicas only) makes them
-        read their version again first, as after a checkpoint restore."""
+        read their version again first, as after a checkpoint restore. Not checked
+        against the replicas' cluster file: a resume only ends a pause."""
         path = "/v1/admin/resume" + ("?reload=1" if reload else "")
         await asyncio.gather(
             *(self._request(k, "POST", path, b"") for k in self._replicas(replicas))
@@ -473,6 +576,11 @@ class OptimizerClient:
                     else:
                         message, doc = _error_of(await resp.read(), status)
                     typed = _store_error(doc, f"replica {replica} ({url}): {message}")
+                    if doc.get("type") == "ClusterMismatchError":
+                        raise ClusterMismatchError(
+                            f"replica {replica} ({url}) refused the request ({status}): {message}",
+                            replica=replica,
+                        )
                     if typed is None and status < 500:
                         raise PushRejectedError(
                             f"replica {replica} ({url}) refused the request ({status}): {message}",
@@ -494,6 +602,15 @@ class OptimizerClient:
             f"optimizer replica {replica} ({url}) failed after {self.max_retries + 1} attempts: "
             f"{problem}; is it running? (deploy/cluster.sh status)"
         )
+
+
+def _shown(value: Any) -> str:
+    """A value of a cluster file's agreement in a message (None: the side lacks it)."""
+    if value is None:
+        return "not set"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_shown(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
 
 
 def _created(results: Sequence[Mapping[str, Any]]) -> dict[str, int]:

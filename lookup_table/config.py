@@ -11,6 +11,8 @@ See docs/configuration.md for every key, its unit and its default.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
 import tomllib
@@ -180,9 +182,15 @@ class ClusterConfig:
     service: ServiceConfig = field(default_factory=ServiceConfig)
     # the tables by name: `table` is on every push's path, several times per table
     _by_name: dict[str, TableSpec] = field(init=False, repr=False, compare=False)
+    # `fingerprint`, computed once: every push carries it
+    _fingerprint: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {t.name: t for t in self.tables})
+        canonical = json.dumps(
+            self.agreement(), sort_keys=True, separators=(",", ":"), allow_nan=False
+        )
+        object.__setattr__(self, "_fingerprint", hashlib.sha256(canonical.encode()).hexdigest())
 
     def has_table(self, name: str) -> bool:
         return name in self._by_name
@@ -213,6 +221,56 @@ class ClusterConfig:
     def node_addresses(self) -> tuple[str, ...]:
         return tuple(n.address for n in self.memcached)
 
+    def agreement(self) -> dict[str, Any]:
+        """What trainers and every optimizer replica must agree on, as JSON-able data:
+        the namespace, the memcached nodes (a row's node is chosen from their addresses),
+        the number of replicas (a row's owner is chosen from it), the mode (and in sync
+        mode the workers), the default optimizer and every table by name with all that
+        decides its rows. Not the service's or store's tuning, the token, nor the
+        replicas' URLs (a trainer may reach a replica by another host name)."""
+        out: dict[str, Any] = {
+            "namespace": self.namespace,
+            "memcached": sorted(self.node_addresses),
+            "replicas": max(len(self.optimizers), 1),
+            "mode": self.mode,
+            "optimizer": dataclasses.asdict(self.optimizer),
+            "tables": {
+                t.name: {
+                    "dim": t.dim,
+                    "id_type": t.id_type,
+                    "seed": t.seed,
+                    "initializer": t.initializer.to_dict(),
+                    "optimizer": dataclasses.asdict(t.optimizer),
+                    "ttl_s": t.ttl_s,
+                    "admit_after": t.admit_after,
+                    "admit_ttl_s": t.admit_ttl_s,
+                }
+                for t in self.tables
+            },
+        }
+        if self.mode == "sync":
+            out["workers"] = self.workers
+        return out
+
+    @property
+    def fingerprint(self) -> str:
+        """The sha256 (hex) of `agreement()` as canonical JSON: equal in every process
+        whose cluster file agrees, whatever the Python version or hash seed."""
+        return self._fingerprint
+
+    def sender(self, replica: int) -> dict[str, Any]:
+        """What every push and read of rows to replica `replica` carries, so the replica
+        refuses it unless it runs an agreeing file: `{namespace, fingerprint, replica}`."""
+        return {"namespace": self.namespace, "fingerprint": self.fingerprint, "replica": replica}
+
+    def differences(self, agreement: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+        """Where `agreement` (another process's `agreement()`) differs from this file's:
+        (field path such as `tables[ads].optimizer.learning_rate`, this file's value,
+        theirs), in a stable order; None stands for a field one side lacks."""
+        out: list[tuple[str, Any, Any]] = []
+        _diff(self.agreement(), agreement, "", out)
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """The TOML-shaped dict that `parse_config` turns back into an equal object."""
         return {
@@ -240,6 +298,21 @@ class ClusterConfig:
                 for t in self.tables
             ],
         }
+
+
+def _diff(mine: Any, theirs: Any, path: str, out: list[tuple[str, Any, Any]]) -> None:
+    # another optimizer or initializer: the whole of it, not each parameter
+    if (
+        isinstance(mine, Mapping)
+        and isinstance(theirs, Mapping)
+        and mine.get("name", "") == theirs.get("name", "")
+    ):
+        for key in sorted(set(mine) | set(theirs), key=str):
+            # tables are keyed by name: tables[ads].dim reads as the cluster file does
+            sub = f"{path}[{key}]" if path == "tables" else f"{path}.{key}" if path else str(key)
+            _diff(mine.get(key), theirs.get(key), sub, out)
+    elif mine != theirs:
+        out.append((path, mine, theirs))
 
 
 # ---------------------------------------------------------------- validation

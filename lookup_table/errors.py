@@ -4,6 +4,8 @@
 
     LookupTableError
     ├── ConfigError (ValueError)            bad cluster file or argument: fix the config
+    │   └── ClusterMismatchError            the optimizer replicas run another cluster file
+    │                                       (namespace, nodes, tables, optimizers): use one file
     ├── KeyEncodingError (ValueError)       an id or name that cannot become a memcached key
     ├── DenseParamError (ValueError)        dense parameters or gradients that do not fit the
     │                                       model's (unknown name, wrong shape, not finite)
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "ClusterMismatchError",
     "ClusterNotInitializedError",
     "ConfigError",
     "CorruptValueError",
@@ -64,6 +67,28 @@ class LookupTableError(Exception):
 
 class ConfigError(LookupTableError, ValueError):
     """The cluster file or an argument is wrong; the message names the key path."""
+
+
+class ClusterMismatchError(ConfigError):
+    """An optimizer replica runs with another cluster file than this process: they
+    disagree on what `ClusterConfig.agreement` holds (namespace, memcached nodes,
+    tables, optimizers, mode, the replicas), or the replica has another index than its
+    place in `optimizers`. Nothing was pushed. The message names each field that
+    differs with both values; `.replica` is the replica's index and `.differences`
+    the (field path, this file's value, the replica's value) triples (empty when the
+    replica refused a push naming only its fingerprint).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        replica: int,
+        differences: tuple[tuple[str, object, object], ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.replica = replica
+        self.differences = differences
 
 
 class KeyEncodingError(LookupTableError, ValueError):

@@ -842,22 +842,46 @@ class TrainingSession:
     def _init_dense(self) -> None:
         params = {path: np.asarray(v.numpy(), np.float32) for path, v in self.dense_vars.items()}
         version, winner = self._run(self._client.dense_init(params))
+        if version > 0:  # other workers of this run may have pushed already: info for them
+            logger.log(
+                logging.WARNING if self.worker_index == 0 else logging.INFO,
+                "continuing namespace %s at version %d (its model was trained before; "
+                "`lookup-table-admin reset --config FILE --yes` starts it over)",
+                self.config.namespace,
+                version,
+            )
         self._assign_dense(version, winner)
         self._dense_ready = True
 
     def _assign_dense(self, version: int, params: Mapping[str, NDArray[np.float32]]) -> None:
         missing = sorted(set(self.dense_vars) - set(params))
+        start_over = (
+            "if it is another model, use another namespace, or start this one over with "
+            "`lookup-table-admin reset --config FILE --yes`"
+        )
         if missing:
+            unexpected = sorted(set(params) - set(self.dense_vars))
+            theirs = (
+                f", and its {unexpected[:5]} ({len(unexpected)}) are not this model's"
+                if unexpected
+                else ""
+            )
             raise ConfigError(
-                f"the service's dense parameters lack {missing[:5]}: another model was "
-                f"initialized in namespace {self.config.namespace!r}; use a new namespace"
+                f"the dense parameters of namespace {self.config.namespace!r} were "
+                f"initialized by a model with other layer names: this model's {missing[:5]} "
+                f"({len(missing)} in all) are not among them{theirs}. Keras numbers layers "
+                f"per process (dense, dense_1, dense_2, ...): a model built again in one "
+                f"process (a notebook) gets new names; call keras.backend.clear_session() before "
+                f"building it, or name its layers (name=...); {start_over}"
             )
         for path, var in self.dense_vars.items():
             value = params[path]
             if tuple(value.shape) != tuple(var.shape):
                 raise ConfigError(
-                    f"dense parameter {path}: the service has shape {value.shape}, "
-                    f"the model {tuple(var.shape)}; use a new namespace"
+                    f"dense parameter {path}: namespace {self.config.namespace!r} holds shape "
+                    f"{tuple(value.shape)}, this model {tuple(var.shape)}: its dense "
+                    f"parameters were initialized by a model of other layer shapes (other "
+                    f"units, inputs, or a table's dim); {start_over}"
                 )
             var.assign(value)
         self.version = version

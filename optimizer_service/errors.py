@@ -9,7 +9,9 @@
     ├── StaleVersionError      409  sync mode: a push for an old version
     └── UnavailableError       503  the service is pausing or recovering
 
-Store errors (lookup_table.errors) are mapped by the error middleware:
+A request from a process whose cluster file differs (lookup_table.errors
+ClusterMismatchError) is answered 409 with `type` ClusterMismatchError. Store errors
+(lookup_table.errors) are mapped by the error middleware:
 StoreFullError 507, every other store error (DataLossError, NodeUnavailableError,
 StoreTimeoutError, CorruptValueError, ...) 503; the JSON body carries the error's
 `type` and its `node` (`nodes` for DataLossError), and OptimizerClient re-raises it

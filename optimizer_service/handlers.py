@@ -32,7 +32,7 @@ from lookup_table.errors import LookupTableError
 from optimizer_service.appkeys import CONFIG, METRICS, REPLICA, STORE, UPDATER
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.plan import WritePlan
-from optimizer_service.push import Push, parse_push, parse_rows_request
+from optimizer_service.push import Push, check_sender, parse_push, parse_rows_request
 from optimizer_service.responses import (
     COUNTED,
     PUSHED_BY,
@@ -85,6 +85,7 @@ async def post_gradients(request: web.Request) -> web.StreamResponse:
         obj = unpack(body)
     except WireError as exc:
         raise BadRequestError(str(exc), reason="malformed") from None
+    check_sender(obj, config=app[CONFIG], replica=app[REPLICA])
     push = parse_push(obj, config=app[CONFIG], replica=app[REPLICA])
     request[PUSHED_BY] = (push.worker, push.push_id)
     if push.answer:
@@ -107,6 +108,7 @@ async def post_rows(request: web.Request) -> web.Response:
         obj = unpack(await _body(request))
     except WireError as exc:
         raise BadRequestError(str(exc), reason="malformed") from None
+    check_sender(obj, config=app[CONFIG], replica=app[REPLICA])
     parsed = parse_rows_request(obj, config=app[CONFIG], replica=app[REPLICA])
     got = await app[UPDATER].read_rows(parsed.reads)
     metrics = app[METRICS]
@@ -271,6 +273,9 @@ async def get_version(request: web.Request) -> web.Response:
 
 
 async def get_tables(request: web.Request) -> web.Response:
+    """The cluster file this replica runs: its namespace, index, mode and tables, and
+    `agreement` and its `fingerprint` (`ClusterConfig.agreement`), which a client compares
+    with its own file's before its first push."""
     config = request.app[CONFIG]
     tables = config.to_dict()["tables"]
     return msgpack_response(
@@ -280,6 +285,8 @@ async def get_tables(request: web.Request) -> web.Response:
             "replicas": max(len(config.optimizers), 1),
             "mode": config.mode,
             "tables": tables,
+            "agreement": config.agreement(),
+            "fingerprint": config.fingerprint,
         }
     )
 

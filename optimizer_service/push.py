@@ -4,7 +4,8 @@
 `POST /v1/gradients` into a `Push` whose table gradients are already summed per
 unique id (IndexedSlices semantics), or raises `BadRequestError` /
 `NotOwnerError` with a message naming the field; `parse_rows_request` does the same for
-the body of `POST /v1/rows`. No I/O here.
+the body of `POST /v1/rows`. `check_sender` first refuses a request from a process whose
+cluster file differs from this replica's (`ClusterConfig.fingerprint`). No I/O here.
 """
 
 from __future__ import annotations
@@ -24,21 +25,36 @@ from lookup_table.core.optimizers import check_finite, segment_sum
 from lookup_table.core.rows import blocks
 from lookup_table.core.sharding import owner_of
 from lookup_table.core.wire import WireError, decode_array, decode_ids, describe
-from lookup_table.errors import KeyEncodingError
+from lookup_table.errors import ClusterMismatchError, KeyEncodingError
 from optimizer_service.errors import BadRequestError, NotOwnerError
 
 __all__ = [
     "ANSWERS",
     "PUSH_ID_RE",
+    "SENDER_KEYS",
     "Push",
     "RowsRequest",
     "TableGrads",
+    "check_sender",
     "parse_push",
     "parse_rows_request",
 ]
 
 PUSH_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}\Z")
-_PUSH_KEYS = {"push_id", "worker", "version", "tables", "groups", "dense", "answer", "stats"}
+SENDER_KEYS = ("namespace", "fingerprint", "replica")
+"""What every push and read of rows carries (`ClusterConfig.sender`): whose file sent it."""
+_PUSH_KEYS = {
+    "push_id",
+    "worker",
+    "version",
+    "tables",
+    "groups",
+    "dense",
+    "answer",
+    "stats",
+    *SENDER_KEYS,
+}
+_ROWS_KEYS = {"tables", "groups", *SENDER_KEYS}
 ANSWERS = ("rows", "dense")
 """What a push may ask back (`answer`): its tables' updated rows, the dense parameters."""
 
@@ -79,6 +95,44 @@ def _int_field(obj: Mapping[str, Any], key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise BadRequestError(f"{key}: expected a non-negative integer, got {describe(value)}")
     return value
+
+
+def check_sender(obj: Any, *, config: ClusterConfig, replica: int) -> None:
+    """Refuse a push or read of rows not sent for this replica of this cluster file: its
+    `namespace`, `fingerprint` and `replica` must be this replica's, or rows would be
+    read or written under another file's namespace, tables or optimizers.
+
+    Raises:
+        BadRequestError: a field is missing or not of its type (400).
+        ClusterMismatchError: a field differs (409); nothing of the request is used.
+    """
+    if not isinstance(obj, Mapping):
+        return  # the parser names what is wrong with the body
+    for key in SENDER_KEYS:
+        value = obj.get(key)
+        if key == "replica":
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            what = "missing" if value is None else f"got {describe(value)}"
+            raise BadRequestError(
+                f"{key}: {what}; every push and read of rows carries the namespace, "
+                f"fingerprint and replica index of the cluster file it was made with "
+                f"(GET /v1/tables shows this replica's; OptimizerClient sends them)",
+                reason="no_sender",
+            )
+    mine = config.sender(replica)
+    wrong = [key for key in SENDER_KEYS if obj[key] != mine[key]]
+    if wrong:
+        got = "; ".join(f"{k} {describe(obj[k])}, this replica's {mine[k]!r}" for k in wrong)
+        raise ClusterMismatchError(
+            f"the request was made with another cluster file than this replica runs: {got} "
+            f"(GET /v1/tables shows what differs). The replicas run another cluster file: "
+            f"use the same file for trainers and replicas, or restart the replicas with the "
+            f"trainer's (deploy/cluster.sh down/up, or lookup-table-optimizer --config ...)",
+            replica=replica,
+        )
 
 
 def parse_push(obj: Any, *, config: ClusterConfig, replica: int = 0) -> Push:
@@ -215,9 +269,12 @@ def parse_rows_request(obj: Any, *, config: ClusterConfig, replica: int = 0) -> 
         BadRequestError: anything malformed; the message names the field.
         NotOwnerError: some rows belong to another replica.
     """
-    if not isinstance(obj, Mapping) or "tables" not in obj or not set(obj) <= {"tables", "groups"}:
+    if not isinstance(obj, Mapping) or "tables" not in obj or not set(obj) <= _ROWS_KEYS:
         got = sorted(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
-        raise BadRequestError(f"body: expected a msgpack map with tables (and groups), got {got}")
+        raise BadRequestError(
+            f"body: expected a msgpack map with tables (and groups), {', '.join(SENDER_KEYS)}; "
+            f"got {got}"
+        )
     tables_raw = obj["tables"]
     if not isinstance(tables_raw, Mapping):
         raise BadRequestError(

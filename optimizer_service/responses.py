@@ -12,6 +12,7 @@ from aiohttp import web
 
 from lookup_table.core.wire import CONTENT_TYPE, pack
 from lookup_table.errors import (
+    ClusterMismatchError,
     ConfigError,
     DataLossError,
     DenseParamError,
@@ -95,6 +96,8 @@ def error_answer(exc: BaseException) -> tuple[int, dict[str, Any], str]:
         return exc.status, {"error": exc.text or exc.reason}, reason
     if isinstance(exc, DenseParamError):
         return 400, {"error": str(exc)}, exc.reason
+    if isinstance(exc, ClusterMismatchError):  # a ConfigError: before them
+        return 409, {"error": str(exc), "type": "ClusterMismatchError"}, "cluster_mismatch"
     if isinstance(exc, KeyEncodingError | ConfigError):
         return 400, {"error": str(exc)}, "bad_request"
     if isinstance(exc, DataLossError):

@@ -27,7 +27,7 @@ from lookup_table.client import OptimizerClient
 from lookup_table.core.keys import as_ids
 from lookup_table.core.optimizers import make_optimizer
 from lookup_table.core.wire import decode_array, encode_ids, pack, unpack
-from lookup_table.errors import PushRejectedError
+from lookup_table.errors import ClusterMismatchError, PushRejectedError
 from optimizer_service.app import UPDATER, make_app
 from optimizer_service.errors import NotOwnerError
 from optimizer_service.journal import MAX_JOURNAL_SLOTS, Journal
@@ -277,26 +277,34 @@ async def test_rows_read_through_the_owner_are_its_newest_and_create_nothing(
         np.testing.assert_array_equal(got["s"][0], ref.state["s"][0])
         assert got["s"][1] == 0
         assert sum(node_stat(a, "total_items") for a in memcached_nodes) == stored
+        sender = config.sender(0)
         for bad, pattern in [
             ({"tables": {"nope": {"ids": encode_ids(IDS)}}}, "unknown table 'nope'"),
             ({"tables": {"t": {"ids": ["a", "b"]}}}, "has id_type='int64' but the request"),
             ({"tables": {"t": {"ids": encode_ids(IDS), "grads": 1}}}, "exactly ids"),
             (
                 {"tables": {}, "push_id": "x"},
-                r"with tables \(and groups\), got \[.push_id., .tables.\]",
+                r"with tables \(and groups\), namespace, fingerprint, replica; got \[.fingerpr",
             ),
             ({"tables": [1]}, "expected a map of table name"),
         ]:
             with pytest.raises(PushRejectedError, match=pattern) as info:
-                await client._request(0, "POST", "/v1/rows", pack(bad))
+                await client._request(0, "POST", "/v1/rows", pack({**bad, **sender}))
             assert info.value.status == 400
+        with pytest.raises(PushRejectedError, match="fingerprint: missing") as info:
+            await client._request(0, "POST", "/v1/rows", pack({"tables": {}, "namespace": "x"}))
+        assert info.value.status == 400
+        with pytest.raises(ClusterMismatchError, match="namespace 'x', this replica's"):
+            await client._request(
+                0, "POST", "/v1/rows", pack({"tables": {}, **sender, "namespace": "x"})
+            )
         with pytest.raises(PushRejectedError, match="400"):
             await client._request(0, "POST", "/v1/rows", b"\xc1")  # not msgpack
         # a request of another client, out of order with duplicates: the unique ids' rows
         # in ascending order
         mixed = np.array([IDS[5], IDS[1], IDS[5]], dtype=np.int64)
         doc = await client._request(
-            0, "POST", "/v1/rows", pack({"tables": {"t": {"ids": encode_ids(mixed)}}})
+            0, "POST", "/v1/rows", pack({"tables": {"t": {"ids": encode_ids(mixed)}}, **sender})
         )
         answered = decode_array(doc["rows"]["t"], field="rows")
         np.testing.assert_array_equal(answered, ref.state["t"][0][[1, 5]])

@@ -302,24 +302,54 @@ async def test_bad_pushes_are_4xx_and_write_nothing(served, http) -> None:
         ok_grads = np.ones((2, 8), dtype=np.float32)
         nan = ok_grads.copy()
         nan[1, 3] = np.nan
+        sent = config.sender(0)  # whose pushes this replica takes
         cases = {
             "not msgpack": (b"\xc1\x00garbage", 400, "msgpack"),
             "not a map": (pack([1, 2]), 400, "map"),
-            "bad push_id": (pack({"push_id": "a b", "tables": {}}), 400, "push_id"),
-            "unknown table": (_body("p1", {"nope": ([1], ok_grads[:1])}), 400, "unknown table"),
+            "bad push_id": (pack({"push_id": "a b", "tables": {}, **sent}), 400, "push_id"),
+            "no namespace": (
+                _body("p10", {}, **{k: v for k, v in sent.items() if k != "namespace"}),
+                400,
+                r"namespace: missing; .*GET /v1/tables",
+            ),
+            "replica not an int": (
+                _body("p11", {}, **{**sent, "replica": "0"}),
+                400,
+                "replica: got '0'",
+            ),
+            "another namespace": (
+                _body("p12", {"user": ([1, 2], ok_grads)}, **{**sent, "namespace": "other"}),
+                409,
+                "namespace 'other', this replica's",
+            ),
+            "another fingerprint": (
+                _body("p13", {"user": ([1, 2], ok_grads)}, **{**sent, "fingerprint": "0" * 64}),
+                409,
+                "fingerprint '0000.*use the same file for trainers and replicas",
+            ),
+            "another replica": (
+                _body("p14", {"user": ([1, 2], ok_grads)}, **{**sent, "replica": 1}),
+                409,
+                "replica 1, this replica's 0",
+            ),
+            "unknown table": (
+                _body("p1", {"nope": ([1], ok_grads[:1])}, **sent),
+                400,
+                "unknown table",
+            ),
             "wrong dim": (
-                _body("p2", {"user": ([1, 2], np.ones((2, 4), np.float32))}),
+                _body("p2", {"user": ([1, 2], np.ones((2, 4), np.float32))}, **sent),
                 400,
                 r"expected shape \(2, 8\)",
             ),
-            "nan": (_body("p3", {"user": ([1, 2], nan)}), 400, "finite"),
+            "nan": (_body("p3", {"user": ([1, 2], nan)}, **sent), 400, "finite"),
             "string ids for int table": (
-                _body("p4", {"user": (["a", "b"], ok_grads)}),
+                _body("p4", {"user": (["a", "b"], ok_grads)}, **sent),
                 400,
                 "id_type",
             ),
             "int ids for string table": (
-                _body("p5", {"word": ([1, 2], ok_grads[:, :4])}),
+                _body("p5", {"word": ([1, 2], ok_grads[:, :4])}, **sent),
                 400,
                 "id_type",
             ),
@@ -327,6 +357,7 @@ async def test_bad_pushes_are_4xx_and_write_nothing(served, http) -> None:
                 pack(
                     {
                         "push_id": "p6",
+                        **sent,
                         "tables": {
                             "user": {
                                 "ids": encode_ids(np.array([1, 2])),
@@ -342,6 +373,7 @@ async def test_bad_pushes_are_4xx_and_write_nothing(served, http) -> None:
                 pack(
                     {
                         "push_id": "p7",
+                        **sent,
                         "tables": {
                             "user": {
                                 "ids": encode_ids(np.array([1, 2])),
@@ -354,14 +386,16 @@ async def test_bad_pushes_are_4xx_and_write_nothing(served, http) -> None:
                 "needs 64 bytes",
             ),
             "too long string id": (
-                _body("p8", {"word": (["x" * 300], ok_grads[:1, :4])}),
+                _body("p8", {"word": (["x" * 300], ok_grads[:1, :4])}, **sent),
                 400,
                 "too long",
             ),
             # a half-valid push: the first table is fine, the second is not -> nothing written
             "half valid": (
                 _body(
-                    "p9", {"user": ([1, 2], ok_grads), "word": (["a"], np.ones((1, 3), np.float32))}
+                    "p9",
+                    {"user": ([1, 2], ok_grads), "word": (["a"], np.ones((1, 3), np.float32))},
+                    **sent,
                 ),
                 400,
                 "expected shape",
@@ -713,7 +747,7 @@ async def test_a_bad_answer_request_is_400_and_writes_nothing(served, http) -> N
         ]:
             resp = await http.post(
                 "/v1/gradients",
-                data=_body(uuid.uuid4().hex, push, answer=answer),
+                data=_body(uuid.uuid4().hex, push, answer=answer, **config.sender(0)),
                 headers={"Content-Type": CONTENT_TYPE},
             )
             doc = await resp.json()
@@ -847,7 +881,7 @@ async def test_tables_sent_as_a_group_train_bit_for_bit_as_one_by_one(
                 (grouped, {"tables": singles, "groups": groups}),
                 (alone, {"tables": {**singles, **_one_by_one(tables, ("c1", "c2", "c3"))}}),
             ):
-                body.update(push_id=f"s{step}", answer=["rows"])
+                body.update(push_id=f"s{step}", answer=["rows"], **client.config.sender(0))
                 await client._request(0, "POST", "/v1/gradients", pack(body), first=raw.append)
             assert [g["tables"] for g in raw[0]["updated_groups"]] == [["c1", "c2", "c3"]]
             assert "updated_groups" not in raw[1]
@@ -861,7 +895,10 @@ async def test_tables_sent_as_a_group_train_bit_for_bit_as_one_by_one(
                 {"c1": np.arange(70), "c3": np.arange(5), "wide": np.arange(3)},
             ):
                 got = await grouped.rows(reads)  # c1..c3 (or c1, c3) as a group
-                body = {"tables": {n: {"ids": encode_ids(np.unique(i))} for n, i in reads.items()}}
+                body = {
+                    "tables": {n: {"ids": encode_ids(np.unique(i))} for n, i in reads.items()},
+                    **alone.config.sender(0),
+                }
                 want = await alone._request(0, "POST", "/v1/rows", pack(body))
                 assert "groups" not in want
                 for name, ids in reads.items():

@@ -155,15 +155,21 @@ def _ids_on(table: str, node: int, nodes: Sequence[str], n: int, *, start: int) 
 
 
 async def _raw_push(
-    url: str, push_id: str, table: str, ids: np.ndarray, grads: np.ndarray
+    config: ClusterConfig,
+    url: str,
+    push_id: str,
+    table: str,
+    ids: np.ndarray,
+    grads: np.ndarray,
 ) -> tuple[int, dict[str, Any], float]:
-    """POST /v1/gradients by hand: (status, decoded body, seconds)."""
+    """POST /v1/gradients to replica 0 of `config` by hand: (status, decoded body, seconds)."""
     body = pack(
         {
             "push_id": push_id,
             "worker": 0,
             "version": 0,
             "tables": {table: {"ids": encode_ids(ids), "grads": encode_array(grads)}},
+            **config.sender(0),
         }
     )
     started = time.monotonic()
@@ -288,7 +294,9 @@ def test_node_lost_during_training_raises_data_loss_then_restore_resumes(tmp_pat
             on_lost = c1_ids[node_of("C1", c1_ids, addresses) == 1][:4]
             assert on_lost.shape == (4,)
             grads = np.full((4, 16), 0.5, dtype=np.float32)
-            status, doc, _ = asyncio.run(_raw_push(service.url, "lost-1", "C1", on_lost, grads))
+            status, doc, _ = asyncio.run(
+                _raw_push(config, service.url, "lost-1", "C1", on_lost, grads)
+            )
             assert status == 503, doc
             assert doc["type"] == "DataLossError" and doc["nodes"] == [lost.address], doc
             assert f"memcached node {lost.address} has lost its data" in doc["error"]
@@ -440,7 +448,7 @@ def test_stopped_node_fails_training_and_pushes_within_the_timeout(tmp_path: Pat
                     )
 
                     status, doc, push_s = asyncio.run(
-                        _raw_push(service.url, "stop-1", "C1", ids, grads)
+                        _raw_push(config, service.url, "stop-1", "C1", ids, grads)
                     )
                     assert status == 503, doc
                     assert doc["type"] == "StoreTimeoutError", doc
@@ -584,7 +592,9 @@ def test_full_node_stops_training_with_store_full_and_keeps_rows(tmp_path: Path)
             small_keys = encode_keys(config.namespace, "C1", "w", on_small)
             _fill_slab_classes(small.address, small_keys, 16 * 4)
             push_id = _push_id_on(0, addresses, "full")
-            status, doc, push_s = asyncio.run(_raw_push(service.url, push_id, "C1", ids, grads))
+            status, doc, push_s = asyncio.run(
+                _raw_push(config, service.url, push_id, "C1", ids, grads)
+            )
             assert status == 507, doc
             assert doc["type"] == "StoreFullError" and doc["node"] == small.address, doc
             assert f"memcached node {small.address} is out of memory" in doc["error"]

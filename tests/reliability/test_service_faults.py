@@ -97,8 +97,9 @@ def _deep_map(depth: int) -> bytes:
 class _Corpus:
     """Bodies that are each invalid by construction (so a correct service writes nothing)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, sender: dict[str, Any]) -> None:
         self.rng = random.Random(seed)
+        self.sender = sender  # the replica's namespace, fingerprint and index: valid
         self.np_rng = np.random.default_rng(seed)
         self.cases: list[tuple[str, bytes, dict[str, str]]] = []
 
@@ -126,6 +127,7 @@ class _Corpus:
             "worker": self.rng.randrange(4),
             "version": 0,
             "tables": {t: self.entry(t) for t in tables},
+            **self.sender,
         }
         body.update(fields)
         return body
@@ -252,6 +254,11 @@ class _Corpus:
         for field in ("worker", "version"):
             for value in [-1, -(2**63), "1", 1.5, True, False, None, [], {}, b"1"]:
                 self.add(f"{field}={value!r}", {**base, field: value})
+        for field in self.sender:  # missing, of another type, another cluster file's
+            self.add(f"{field} missing", {k: v for k, v in base.items() if k != field})
+            for value in [-1, 1, "other", "", 1.5, True, None, [], {}, b"x"]:
+                if value != self.sender[field]:
+                    self.add(f"{field}={value!r}", {**base, field: value})
         for value in [[], [1], "user", 3, b"x", True, 1.5, None]:
             self.add(f"tables={value!r}", {**base, "tables": value})
             self.add(f"dense={value!r}", {**base, "dense": value})
@@ -834,7 +841,7 @@ async def test_fuzzed_bodies_never_5xx_and_leave_the_store_unchanged(
     assert set(before) == {"user", "word", "ads"}  # each row with its slots
     counts_before = item_counts(nodes)
 
-    cases = _Corpus(seed=20241122).build(n_random=500)
+    cases = _Corpus(seed=20241122, sender=config.sender(0)).build(n_random=500)
     assert len(cases) >= 1000
     problems: list[str] = []
     content_types = [CONTENT_TYPE, CONTENT_TYPE, "application/json", "text/plain", None]

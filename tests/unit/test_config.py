@@ -652,3 +652,101 @@ def test_lifecycle_keys_and_their_defaults() -> None:
     assert with_ttl.tables[0].counter_ttl_s == 7  # derived: a counter lives as long as a row
     plain = parse_config(minimal(tables=[{"name": "e", "dim": 1}]), env={})
     assert (plain.tables[0].ttl_s, plain.tables[0].admit_after) == (None, 1)  # the defaults
+
+
+# ------------------------------------------------------------------ agreement
+
+# Trainers and replicas compare it across processes, machines and versions: a change here
+# makes every running replica refuse every trainer (`ClusterMismatchError`).
+GOLDEN_FINGERPRINT = "6b12b829ed0ec1aa0855f8e0fee54a987d1acda815f5e888ffa276c60544f50c"
+
+
+def test_the_fingerprint_of_the_full_example_is_pinned() -> None:
+    config = parse_config(full_raw(), env={})
+    assert config.fingerprint == GOLDEN_FINGERPRINT
+    assert config.agreement()["tables"]["item"]["optimizer"]["learning_rate"] == 0.01
+    assert config.agreement()["workers"] == 2  # sync mode: every worker's push is counted
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda raw: raw.update(token="s3cret"),
+        lambda raw: raw.update(optimizers=["http://replica-a:8470", "http://replica-b:8470"]),
+        lambda raw: raw["store"].update(timeout_s=9.0, pool_size=2),
+        lambda raw: raw.update(service={"cache_mb": 1, "row_flush_pushes": 1}),
+        lambda raw: raw.update(memcached=raw["memcached"][::-1]),  # placement ignores order
+        lambda raw: raw.update(tables=raw["tables"][::-1]),  # tables are known by name
+    ],
+    ids=["token", "replica URLs", "store", "service", "node order", "table order"],
+)
+def test_what_does_not_decide_rows_leaves_the_fingerprint(
+    change: Callable[[dict[str, Any]], None],
+) -> None:
+    raw = full_raw()
+    change(raw)
+    config = parse_config(raw, env={})
+    assert config.fingerprint == GOLDEN_FINGERPRINT
+    assert config.differences(parse_config(full_raw(), env={}).agreement()) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "path", "mine", "theirs"),
+    [
+        (lambda raw: raw.update(namespace="other"), "namespace", "other", "demo"),
+        (
+            lambda raw: raw.update(memcached=["127.0.0.1:11211"]),
+            "memcached",
+            ["127.0.0.1:11211"],
+            ["127.0.0.1:11211", "127.0.0.1:11212"],
+        ),
+        (lambda raw: raw.update(optimizers=["http://a:1"]), "replicas", 1, 2),
+        (lambda raw: raw.update(mode="async"), "mode", "async", "sync"),
+        (lambda raw: raw.update(workers=3), "workers", 3, 2),
+        (lambda raw: raw["optimizer"].update(beta_1=0.8), "optimizer.beta_1", 0.8, 0.9),
+        (lambda raw: raw["tables"][0].update(dim=32), "tables[user].dim", 32, 16),
+        (lambda raw: raw["tables"][0].update(seed=9), "tables[user].seed", 9, 1),
+        (
+            lambda raw: raw["tables"][1]["optimizer"].update(learning_rate=0.5),
+            "tables[item].optimizer.learning_rate",
+            0.5,
+            0.01,
+        ),
+        (
+            lambda raw: raw["tables"][0].update(initializer={"name": "uniform", "maxval": 0.1}),
+            "tables[user].initializer.maxval",
+            0.1,
+            0.05,
+        ),
+        (
+            lambda raw: raw["tables"][2].update(id_type="int64"),
+            "tables[query].id_type",
+            "int64",
+            "string",
+        ),
+        (lambda raw: raw["tables"][0].update(ttl_s=60), "tables[user].ttl_s", 60, None),
+        (lambda raw: raw["tables"][0].update(admit_after=2), "tables[user].admit_after", 2, 1),
+    ],
+)
+def test_each_field_of_the_agreement_changes_the_fingerprint_and_is_named(
+    change: Callable[[dict[str, Any]], None], path: str, mine: Any, theirs: Any
+) -> None:
+    raw = full_raw()
+    change(raw)
+    config = parse_config(raw, env={})
+    assert config.fingerprint != GOLDEN_FINGERPRINT
+    # (the default optimizer is also the one of the tables that name none)
+    assert (path, mine, theirs) in config.differences(parse_config(full_raw(), env={}).agreement())
+
+
+def test_another_optimizer_or_a_missing_table_is_named_whole() -> None:
+    raw = full_raw()
+    raw["tables"][2]["optimizer"] = {"name": "sgd", "learning_rate": 0.05}
+    del raw["tables"][1]
+    config = parse_config(raw, env={})
+    theirs = parse_config(full_raw(), env={}).agreement()
+    got = dict((path, (mine, other)) for path, mine, other in config.differences(theirs))
+    assert sorted(got) == ["tables[item]", "tables[query].optimizer"]
+    assert got["tables[item]"][0] is None and got["tables[item]"][1]["dim"] == 64
+    mine, other = got["tables[query].optimizer"]
+    assert (mine["name"], other["name"]) == ("sgd", "adagrad")
