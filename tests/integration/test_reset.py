@@ -8,6 +8,8 @@ is left in memcached is read from outside (the nodes' own key listings).
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -62,6 +64,15 @@ def _cluster(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         timeout=120,
         check=False,
     )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited
+        return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def _admin(*argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -192,21 +203,18 @@ async def test_reset_needs_yes_and_refuses_while_a_replica_does_not_answer(
     code, _, err = await asyncio.to_thread(_admin, "reset", "--config", str(path), capsys=capsys)
     assert code == 2 and "rerun with --yes" in err and config.namespace in err
 
-    # the same namespace with a second replica that is not running
-    two = tmp_path / "two.toml"
-    text = path.read_text().replace(
-        f'optimizers = ["{config.optimizers[0]}"]',
-        f'optimizers = ["{config.optimizers[0]}", "http://127.0.0.1:{free_port()}"]',
-    )
-    two.write_text(text)
+    # the file's replica URL where nothing answers: the replica there cannot be told
+    dead = tmp_path / "dead.toml"
+    text = path.read_text().replace(config.optimizers[0], f"http://127.0.0.1:{free_port()}")
+    dead.write_text(text)
     code, _, err = await asyncio.to_thread(
-        _admin, "reset", "--config", str(two), "--yes", capsys=capsys
+        _admin, "reset", "--config", str(dead), "--yes", capsys=capsys
     )
     assert code == 1 and "do not answer" in err and "--replicas-stopped" in err, err
 
     # a cluster file whose replica URL is another namespace's replica
     other = tmp_path / "other.toml"
-    other.write_text(text.replace(config.namespace, config.namespace + "x"))
+    other.write_text(path.read_text().replace(config.namespace, config.namespace + "x"))
     code, _, err = await asyncio.to_thread(
         _admin, "reset", "--config", str(other), "--yes", "--replicas-stopped", capsys=capsys
     )
@@ -217,11 +225,23 @@ async def test_reset_needs_yes_and_refuses_while_a_replica_does_not_answer(
     async with OptimizerClient(config) as client:
         assert await client.version() == 3  # and the replica was resumed, not reset
 
+    # the replica really stopped: --replicas-stopped resets memcached alone, and the
+    # replica started again reads the empty namespace
+    port = config.optimizers[0].rsplit(":", 1)[1]
+    pid = int((tmp_path / "run" / f"optimizer-127.0.0.1-{port}.pid").read_text())
+    os.kill(pid, signal.SIGTERM)
+    for _ in range(200):
+        if not _alive(pid):
+            break
+        await asyncio.sleep(0.05)
     code, out, err = await asyncio.to_thread(
-        _admin, "reset", "--config", str(two), "--yes", "--replicas-stopped", capsys=capsys
+        _admin, "reset", "--config", str(path), "--yes", "--replicas-stopped", capsys=capsys
     )
     assert code == 0, err
     assert "not running (it reads the empty namespace when it starts)" in out
     assert await _namespace_keys(config) == _sentinels(config)
+    args = ["--config", str(path), "--run-dir", str(tmp_path / "run"), "--memory-mb", "16"]
+    up = await asyncio.to_thread(_cluster, "up", *args, cwd=tmp_path)
+    assert up.returncode == 0, up.stdout + up.stderr
     async with OptimizerClient(config) as client:
         assert await client.version() == 0

@@ -163,6 +163,7 @@ async def test_bad_stats_are_400_and_write_nothing(
         for case, (stats, message) in cases.items():
             body = pack(
                 {
+                    **config.sender(0),
                     "push_id": uuid.uuid4().hex,
                     "worker": 0,
                     "tables": {"user": {"ids": encode_ids(_IDS), "grads": encode_array(_GRADS)}},
@@ -194,9 +195,12 @@ async def test_bad_stats_are_400_and_write_nothing(
     np.testing.assert_array_equal(await _rows(config), before - _LR * _GRADS)
 
 
-def _push_request(push_id: str, *, worker: int, answer: bool, expect: bool = False) -> bytes:
+def _push_request(
+    config: ClusterConfig, push_id: str, *, worker: int, answer: bool, expect: bool = False
+) -> bytes:
     """A raw `POST /v1/gradients` of the "user" rows `_IDS` (headers and body)."""
     doc: dict[str, Any] = {
+        **config.sender(0),
         "push_id": push_id,
         "worker": worker,
         "tables": {"user": {"ids": encode_ids(_IDS), "grads": encode_array(_GRADS)}},
@@ -234,7 +238,7 @@ async def test_a_push_cut_mid_body_is_not_applied_and_no_error(
     config, server = served
     caplog.set_level(logging.INFO)
     before = await _rows(config)
-    request = _push_request("cut-1", worker=1, answer=False, expect=True)
+    request = _push_request(config, "cut-1", worker=1, answer=False, expect=True)
     head, body = request.split(b"\r\n\r\n", 1)
     reader, writer = await asyncio.open_connection(*_address(server))
     writer.write(head + b"\r\n\r\n")
@@ -274,7 +278,7 @@ async def test_a_client_gone_before_the_answer_leaves_the_push_applied_once(
     before = await _rows(config)
     await updater.pause()
     _, writer = await asyncio.open_connection(*_address(server))
-    writer.write(_push_request("gone-1", worker=1, answer=answer))
+    writer.write(_push_request(config, "gone-1", worker=1, answer=answer))
     await writer.drain()
 
     async def waiting() -> bool:  # read and parsed: held by the pause
