@@ -5,6 +5,7 @@ flags and `--row-flush-pushes`, each checked once here."""
 from __future__ import annotations
 
 import argparse
+import sys
 from argparse import SUPPRESS
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +21,11 @@ class Options(argparse.ArgumentParser):
     `parse` fills in the defaults `--quick` changes and rejects counts out of range."""
 
     def __init__(self, doc: str | None, *, quick: str) -> None:
-        super().__init__(description=(doc or "").split("\n\n")[0])
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        super().__init__(
+            prog=None if spec is None else f"python -m {spec.name.removesuffix('.__main__')}",
+            description=(doc or "").split("\n\n")[0],
+        )
         self._counts: list[tuple[str, int, int, int]] = []  # flag, full, quick, minimum
         self._quiet_wait_s: float | None = None
         self._warmup = False
