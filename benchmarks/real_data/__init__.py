@@ -73,7 +73,7 @@ The acceptance (issue 12): on each data set, |eval AUC ours - keras| <= 0.005 an
 |eval logloss ours / keras - 1| <= 1 %, judged on the seed-0 runs (the table's rows)
 and, as a check that a verdict is not one seed's luck, on the means over the seeds
 (each side's range is printed too). Results go to `<out-dir>/real_data.json`
-and `<out-dir>/real_data.png` (default `benchmarks/results/`); the script exits
+and `<out-dir>/real_data.png` (default `benchmarks/results/`); the benchmark exits
 non-zero if a side fails, not if the acceptance is missed (the table says so).
 """
 

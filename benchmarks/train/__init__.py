@@ -59,7 +59,7 @@ start and end of the timed window (the cluster's pids from its run dir), and
 the machine other processes used (the machine has 2 cores, shared). Examples per
 CPU-second (of every process taking part) is reported too: on a shared machine
 it moves much less with other jobs' load than examples/s does, and with 2 cores
-total CPU bounds throughput. Before each round the script waits (up to
+total CPU bounds throughput. Before each round the benchmark waits (up to
 `--quiet-wait-s`) for the machine to be quiet.
 
 With `--profile`, one more distributed run (not in the table) has `py-spy
