@@ -81,7 +81,7 @@ def run_round(
     with local_cluster(work_dir) as (config_path, run_dir, info):
         config = load_config(config_path)
         model = build_model(MODEL, source.schema, config, hidden=HIDDEN, seed=MODEL_SEED)
-        pids = {"this_process": os.getpid(), **cluster_pids(run_dir)}
+        pids = {"this_process": os.getpid(), **cluster_pids(config_path, run_dir)}
         nodes = list(config.node_addresses)
         ends: list[float] = []
         marks: dict[str, Any] = {}
@@ -126,7 +126,7 @@ def run_round(
             finally:
                 optimizer.close()
         cpu_end = cpu_snapshot(pids, nodes)
-        errors = service_log_errors(run_dir)
+        errors = service_log_errors(config_path, run_dir)
     if len(ends) != len(batches) or "cpu_start" not in marks:
         raise RuntimeError(f"{method}: {len(ends)} step ends for {len(batches)} batches")
     window = step_window(ends, end, warmup, batch_size)

@@ -105,7 +105,7 @@ async def replay(
     other processes used meanwhile."""
     config = load_config(config_path)
     rng = np.random.default_rng(0)
-    pids = {**cluster_pids(run_dir), "client": os.getpid()}
+    pids = {**cluster_pids(config_path, run_dir), "client": os.getpid()}
     nodes = list(config.node_addresses)
     start: dict[str, Any] = {}
     async with OptimizerClient(config) as client, EmbeddingStore(config) as store:

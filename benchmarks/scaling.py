@@ -287,7 +287,7 @@ def run(args: argparse.Namespace, n: int, work_dir: Path) -> dict[str, Any]:
                     raise RuntimeError(f"trainer(s) {failed} exited before training (or 300 s)")
                 time.sleep(0.05)
             pids = {f"trainer-{i}": p.pid for i, p in enumerate(procs)}
-            pids.update(cluster_pids(run_dir))
+            pids.update(cluster_pids(config_path, run_dir))
             with Sampler(pids) as sampler:
                 time.sleep(2 * SAMPLE_S)  # a sample before any trainer's first step
                 go.touch()
@@ -306,7 +306,7 @@ def run(args: argparse.Namespace, n: int, work_dir: Path) -> dict[str, Any]:
                 raise RuntimeError(f"trainer {i} failed ({p.returncode}); its log:\n{tail}")
             outputs.append(json.loads(out.read_text()))
         result = window_figures(sampler, outputs, args.warmup, args.batch_size)
-    errors = service_log_errors(run_dir)  # the cluster is down: its log is complete
+    errors = service_log_errors(config_path, run_dir)  # the cluster is down: its log is complete
     return {
         "trainers": n,
         **result,

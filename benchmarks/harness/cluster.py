@@ -179,21 +179,32 @@ def local_cluster(
         yield config_path, run_dir, info
 
 
-def service_log_errors(run_dir: Path, replica: int = 0) -> list[str]:
+def _parts_of(config_path: Path, run_dir: Path) -> tuple[list[Any], list[Any]]:
+    """The memcached nodes and optimizer replicas of `config_path` with the pid and log
+    files `localcluster up` keeps for them in `run_dir` (one per address)."""
+    from lookup_table.config import load_config
+    from lookup_table.ops.localcluster import _parts
+
+    return _parts(load_config(config_path), run_dir)
+
+
+def service_log_errors(config_path: Path, run_dir: Path, replica: int = 0) -> list[str]:
     """The first 5 ERROR lines of an optimizer replica's log in `run_dir` ([] if none)."""
-    log = run_dir / f"optimizer-{replica}.log"
+    log: Path = _parts_of(config_path, run_dir)[1][replica].log_path
     if not log.exists():
         return []
     return [ln for ln in log.read_text(errors="replace").splitlines() if " ERROR " in ln][:5]
 
 
-def cluster_pids(run_dir: Path) -> dict[str, int]:
-    """{"optimizer": pid, "memcached-1": pid, ...} from the pid files of `localcluster up`."""
+def cluster_pids(config_path: Path, run_dir: Path) -> dict[str, int]:
+    """{"optimizer": pid, "optimizer-1": pid, ..., "memcached-1": pid, ...}: the processes
+    `localcluster up` started for `config_path` (replicas and nodes in its order)."""
+    nodes, replicas = _parts_of(config_path, run_dir)
     pids: dict[str, int] = {}
-    for path in sorted(run_dir.glob("optimizer-*.pid")):
-        pids["optimizer" if path.stem == "optimizer-0" else path.stem] = int(path.read_text())
-    for k, path in enumerate(sorted(run_dir.glob("memcached-*.pid")), start=1):
-        pids[f"memcached-{k}"] = int(path.read_text())
+    for k, part in enumerate(replicas):
+        pids["optimizer" if k == 0 else f"optimizer-{k}"] = int(part.pid_path.read_text())
+    for k, part in enumerate(nodes, start=1):
+        pids[f"memcached-{k}"] = int(part.pid_path.read_text())
     return pids
 
 

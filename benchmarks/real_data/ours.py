@@ -120,7 +120,7 @@ def local_cluster(
         ):
             yield config_path, info
     finally:
-        info["service_log_errors"] = service_log_errors(run_dir)
+        info["service_log_errors"] = service_log_errors(config_path, run_dir)
 
 
 def cli_command(

@@ -51,7 +51,7 @@ def run_distributed(
             what="the trainer process",
         )
         result["cluster"] = info
-        result["service_log_errors"] = service_log_errors(run_dir)
+        result["service_log_errors"] = service_log_errors(config_path, run_dir)
         return result
 
 
@@ -84,7 +84,7 @@ def trainer_role(args: argparse.Namespace) -> int:
     # the local run's initial dense weights; the trainer offers them to /v1/dense/init and,
     # the namespace being fresh, they win
     assign_dense(model, load_weights(Path(args.initial_weights)))
-    pids = {"trainer": os.getpid(), **cluster_pids(Path(args.run_dir))}
+    pids = {"trainer": os.getpid(), **cluster_pids(Path(args.config), Path(args.run_dir))}
     nodes = list(config.node_addresses)
     warmup = args.warmup
     ends: list[float] = []
