@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python benchmarks/checkpoint.py            # 1,000,000 rows of dim 16, 2 nodes, 3 rounds
-    python benchmarks/checkpoint.py --quick    # smoke run: 50,000 rows, 2 rounds, -m 64
+    python -m benchmarks.checkpoint            # 1,000,000 rows of dim 16, 2 nodes, 3 rounds
+    python -m benchmarks.checkpoint --quick    # smoke run: 50,000 rows, 2 rounds, -m 64
 
 It starts 2 local memcached nodes (`-M`) and fills two cases, each in its own
 namespace (untimed, through `EmbeddingStore.set`):
@@ -40,7 +40,6 @@ stopped; a failure exits non-zero.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import re
 import shutil
@@ -50,12 +49,23 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from benchmarks.harness.data import SEED, spread_ids
+from benchmarks.harness.options import Options
+from benchmarks.harness.report import (
+    lookup_table_fingerprint,
+    machine_info,
+    met,
+    report_head,
+    save,
+)
+from benchmarks.harness.rounds import interleaved, paired_ratio, timed
 from lookup_table.config import ClusterConfig, NodeSpec, parse_config
 from lookup_table.core.keys import int_key_matrix, key_prefix
 from lookup_table.memcached import commands
@@ -63,16 +73,6 @@ from lookup_table.memcached.protocol import Wire, build_mg, build_ms
 from lookup_table.ops import checkpoint
 from lookup_table.ops.localcluster import memcached_cluster
 from lookup_table.store import EmbeddingStore
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
-    lookup_table_fingerprint,
-    machine_info,
-    paired_ratio,
-    report_head,
-    timed,
-    write_json,
-)
 
 NODES = 2
 DIM = 16
@@ -83,11 +83,9 @@ MEMORY_MB = 3072
 # the quick run's data with room to spare: at most a case's 50,000 rows and one restored
 # copy live at once, ~300 bytes an item with Adam slots, ~15 MiB a node.
 QUICK_MEMORY_MB = 64
-SEED = 20240611
 CHUNK = 65_536
 METHODS = ("ceiling_read", "save", "restore", "ceiling_write")
 ACCEPT = 0.5
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 _READ = 1 << 20
 _LIMIT = 1 << 22
 
@@ -168,7 +166,9 @@ async def ceiling_read(
             keys[:, len(prefix) :] = bodies
             values = np.empty((bodies.shape[0], width), dtype=np.float32)
             starts = list(range(0, keys.shape[0], CHUNK))
-            requests = [[build_mg(keys[s : s + CHUNK]), b"mn\r\n"] for s in starts]
+            requests: list[list[Wire]] = [
+                [build_mg(keys[s : s + CHUNK]), b"mn\r\n"] for s in starts
+            ]
 
             def parse(
                 data: bytes,
@@ -275,12 +275,7 @@ async def run_case(
     config = case_config(addresses, case)
     width = 2 * DIM + 1 if case == "adam" else 0
     widths = {"w": DIM + width}  # a row and its slots are one item
-    rng = np.random.default_rng(SEED)
-    ids = np.empty(0, dtype=np.int64)
-    while ids.shape[0] < n:  # n unique ids over the whole int64 range
-        more = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=n)
-        ids = np.unique(np.concatenate([ids, more]))
-    ids = rng.permutation(ids)[:n]
+    ids = spread_ids(np.random.default_rng(SEED), n)
     await fill(config, ids, width)
 
     # warm-up: one of each, and the ceiling and the checkpoint must hold the same rows
@@ -311,35 +306,27 @@ async def run_case(
     await clear(target)
 
     timings: dict[str, list[float]] = {m: [] for m in METHODS}
-    for r in range(rounds):
-        shift = r % len(METHODS)
-        for method in METHODS[shift:] + METHODS[:shift]:
-            if method == "ceiling_read":
-                seconds = await timed(lambda: ceiling_read(config, "emb", widths))
-            elif method == "save":
-                out = work / f"{case}-{r}"
-                seconds = await timed(
-                    lambda out=out: checkpoint.save_checkpoint_async(
-                        config, out, pause=False, progress=False
-                    )
-                )
-                shutil.rmtree(out)
-            elif method == "restore":
-                target = fresh(config)
-                seconds = await timed(
-                    lambda target=target: checkpoint.restore_checkpoint_async(
-                        target, base, progress=False
-                    )
-                )
-                await clear(target)
-            else:
-                target = fresh(config)
-                seconds = await timed(
-                    lambda target=target: ceiling_write(target, "emb", saved_ids, rows_values)
-                )
-                await clear(target)
-            timings[method].append(seconds)
-            print(f"  {case} round {r + 1}/{rounds} {method}: {seconds:.2f} s", file=sys.stderr)
+    for r, method in interleaved(METHODS, rounds):
+        if method == "ceiling_read":
+            seconds = await timed(lambda: ceiling_read(config, "emb", widths))
+        elif method == "save":
+            out = work / f"{case}-{r}"
+            seconds = await timed(
+                partial(checkpoint.save_checkpoint_async, config, out, pause=False, progress=False)
+            )
+            shutil.rmtree(out)
+        elif method == "restore":
+            target = fresh(config)
+            seconds = await timed(
+                partial(checkpoint.restore_checkpoint_async, target, base, progress=False)
+            )
+            await clear(target)
+        else:
+            target = fresh(config)
+            seconds = await timed(partial(ceiling_write, target, "emb", saved_ids, rows_values))
+            await clear(target)
+        timings[method].append(seconds)
+        print(f"  {case} round {r + 1}/{rounds} {method}: {seconds:.2f} s", file=sys.stderr)
     await clear(config)  # the next case's dumps list only its own keys
     return timings
 
@@ -388,27 +375,22 @@ def render(summary: dict[str, Any], n: int, rounds: int) -> str:
         r, p = s["ratios"], s["ratios_median_of_paired_rounds"]
         for name in r:
             target = f"  target >= {ACCEPT}: " if name.endswith("ceiling_read") else ""
-            met = r[name] >= ACCEPT
-            verdict = ("met" if met else "NOT MET") if target else ""
+            verdict = met(r[name] >= ACCEPT) if target else ""
             lines.append(f"  {name:<22} {r[name]:5.2f}  (paired {p[name]:.2f}){target}{verdict}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=None, help="rows (default 1,000,000)")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3)")
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 50,000 rows, 2 rounds, nodes of 64 MiB"
-    )
-    parser.add_argument("--no-adam", action="store_true", help="skip the case with Adam slots")
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    args = parser.parse_args(argv)
-    n = args.rows or (50_000 if args.quick else 1_000_000)
-    rounds = args.rounds or (2 if args.quick else 3)
+    options = Options(__doc__, quick="50,000 rows, 2 rounds, nodes of 64 MiB")
+    options.count("--rows", full=1_000_000, quick=50_000, help="rows")
+    options.count("--rounds", full=3, quick=2, help="timed rounds")
+    options.add_argument("--no-adam", action="store_true", help="skip the case with Adam slots")
+    args = options.parse(argv)
+    n, rounds = args.rows, args.rounds
     cases = ["rows"] if args.no_adam else ["rows", "adam"]
     memory_mb = QUICK_MEMORY_MB if args.quick and n <= 50_000 else MEMORY_MB
     machine = machine_info(cpu=False, nproc_usable=False)
+    code = lookup_table_fingerprint()
     started = time.time()
     summary: dict[str, Any] = {}
     with (
@@ -420,10 +402,8 @@ def main(argv: list[str] | None = None) -> int:
             timings = asyncio.run(run_case(addresses, case, n, rounds, Path(work)))
             summary[case] = summarize(timings, n)
     print(render(summary, n, rounds))
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
-        **report_head("checkpoint", started, machine),
-        "code": lookup_table_fingerprint(),
+        **report_head("checkpoint", started, machine, code),
         "parameters": {
             "rows": n,
             "dim": DIM,
@@ -444,9 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         "acceptance_targets": {"save/ceiling_read": ACCEPT, "restore/ceiling_read": ACCEPT},
         **summary,
     }
-    path = args.out_dir / "checkpoint.json"
-    write_json(path, report)
-    print(f"\nwrote {path}")
+    save(report, args.out_dir, code_at_end=lookup_table_fingerprint())
     return 0
 
 

@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python benchmarks/export_size.py            # 1,000,000 rows per case
-    python benchmarks/export_size.py --quick    # smoke run: 20,000 rows per case
+    python -m benchmarks.export_size            # 1,000,000 rows per case
+    python -m benchmarks.export_size --quick    # smoke run: 20,000 rows per case
 
 Per case (dim 16 and 64 x int64 and string ids) a fresh process builds n rows
 (int ids spread over int64; string ids "user:<i>" of about 11 bytes, the length
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -35,10 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import machine_info, report_head, write_json
+from benchmarks.harness import ROOT
+from benchmarks.harness.cluster import checkout_env
+from benchmarks.harness.options import Options
+from benchmarks.harness.report import machine_info, report_head, save
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT_DIR = ROOT / "benchmarks" / "results"
 DIMS = (16, 64)
 ID_TYPES = ("int64", "string")
 
@@ -122,12 +122,12 @@ def _serve_case(path: Path, id_type: str) -> dict[str, Any]:
 
 
 def _child(args: list[str]) -> dict[str, Any]:
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     proc = subprocess.run(
-        [sys.executable, __file__, *args],
+        [sys.executable, "-m", "benchmarks.export_size", *args],
         capture_output=True,
         text=True,
-        env=env,
+        cwd=ROOT,
+        env=checkout_env(TF_CPP_MIN_LOG_LEVEL="3"),
         check=False,
         timeout=1800,
     )
@@ -152,13 +152,12 @@ def render(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=None, help="rows per case (default 1M)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 20,000 rows per case")
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    parser.add_argument("--export-case", nargs=4, help=argparse.SUPPRESS)
-    parser.add_argument("--serve-case", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    options = Options(__doc__, quick="20,000 rows per case")
+    options.count("--rows", full=1_000_000, quick=20_000, help="rows per case")
+    # the processes it starts: one case's export, one case's serving
+    options.add_argument("--export-case", nargs=4, help=argparse.SUPPRESS)
+    options.add_argument("--serve-case", nargs=2, help=argparse.SUPPRESS)
+    args = options.parse(argv)
     if args.export_case:
         dim, id_type, rows, out = args.export_case
         print(json.dumps(_export_case(int(dim), id_type, int(rows), Path(out))))
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_case:
         print(json.dumps(_serve_case(Path(args.serve_case[0]), args.serve_case[1])))
         return 0
-    n = args.rows or (20_000 if args.quick else 1_000_000)
+    n = args.rows
     machine = machine_info(memcached=False, cpu=False, nproc_usable=False)
     started = time.time()
     results = []
@@ -180,7 +179,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  dim {dim} {id_type}: {result['bytes']:,} bytes", file=sys.stderr)
                 results.append(result)
     print(render(results))
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         **report_head("export_size", started, machine),
         "parameters": {
@@ -199,9 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": results,
     }
-    path = args.out_dir / "export_size.json"
-    write_json(path, report)
-    print(f"\nwrote {path}")
+    save(report, args.out_dir)
     return 0
 
 

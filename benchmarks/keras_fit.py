@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python benchmarks/keras_fit.py            # 150 steps of 1,024 examples, 3 rounds each
-    python benchmarks/keras_fit.py --quick    # smoke run: 12 steps, 1 round each
+    python -m benchmarks.keras_fit            # 150 steps of 1,024 examples, 3 rounds each
+    python -m benchmarks.keras_fit --quick    # smoke run: 12 steps, 1 round each
 
 Both train the demo's shape (`trainer.models.build_model("mlp")`: 26 embeddings of dim
 16 and 13 numeric columns, Dense 256-128-1, the same seed) on the same
@@ -38,11 +38,7 @@ exits non-zero; the clusters are always stopped.
 
 from __future__ import annotations
 
-import argparse
-import itertools
-import math
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -53,50 +49,20 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
-    BATCH_SIZE,
-    DATA_SEED,
-    DISTURBED_SHARE,
-    EVAL_FRACTION,
-    HIDDEN,
-    MODEL,
-    MODEL_SEED,
-    add_quiet_options,
+from benchmarks.harness.cluster import (
+    begin,
     cluster_pids,
-    code_fingerprint,
-    cpu_snapshot,
-    cpu_usage,
     local_cluster,
-    machine_info,
-    paired_ratio,
-    quiet_options,
-    report_head,
     service_log_errors,
-    wait_for_quiet,
-    write_json,
 )
+from benchmarks.harness.cpu import cpu_snapshot, cpu_usage
+from benchmarks.harness.data import HIDDEN, MODEL, MODEL_SEED, demo_batches
+from benchmarks.harness.options import Options
+from benchmarks.harness.report import code_fingerprint, machine_info, report_head, save
+from benchmarks.harness.rounds import abba, paired_ratio, step_window, with_retries
 
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
-PACKAGES = ("lookup_table", "optimizer_service", "trainer")
 METHODS = ("trainer", "keras_fit")
 TARGET_RATIO = 0.9  # keras_fit examples/s >= 0.9 x trainer's
-
-
-def make_batches(steps: int, batch_size: int) -> tuple[Any, list[Any]]:
-    """`steps` full train batches of the demo's synthetic data (see train.py)."""
-    from trainer.data import SyntheticSource
-
-    need = (steps + 1) * batch_size / (1 - EVAL_FRACTION)
-    source = SyntheticSource(int(math.ceil(need * 1.1)), seed=DATA_SEED)
-    batches = list(
-        itertools.islice(
-            source.batches(batch_size, split="train", eval_fraction=EVAL_FRACTION), steps
-        )
-    )
-    if len(batches) != steps or any(len(b.labels) != batch_size for b in batches):
-        raise RuntimeError(f"wanted {steps} batches of {batch_size}")
-    return source, batches
 
 
 def run_round(
@@ -115,7 +81,7 @@ def run_round(
     with local_cluster(work_dir) as (config_path, run_dir, info):
         config = load_config(config_path)
         model = build_model(MODEL, source.schema, config, hidden=HIDDEN, seed=MODEL_SEED)
-        pids = {"this_process": os.getpid(), **cluster_pids(run_dir)}
+        pids = {"this_process": os.getpid(), **cluster_pids(config_path, run_dir)}
         nodes = list(config.node_addresses)
         ends: list[float] = []
         marks: dict[str, Any] = {}
@@ -160,76 +126,51 @@ def run_round(
             finally:
                 optimizer.close()
         cpu_end = cpu_snapshot(pids, nodes)
-        errors = service_log_errors(run_dir)
+        errors = service_log_errors(config_path, run_dir)
     if len(ends) != len(batches) or "cpu_start" not in marks:
         raise RuntimeError(f"{method}: {len(ends)} step ends for {len(batches)} batches")
-    timed = len(ends) - warmup
-    seconds = end - ends[warmup - 1]
-    step_ms = [(b - a) * 1e3 for a, b in itertools.pairwise(ends[warmup - 1 :])]
+    window = step_window(ends, end, warmup, batch_size)
     return {
         "method": method,
         "steps": len(ends),
-        "timed_steps": timed,
-        "seconds": seconds,
-        "examples_per_s": timed * batch_size / seconds,
-        "step_ms_median": statistics.median(step_ms),
+        **window,
         "fed_layers": fed,
         "losses": losses,
-        "cpu": cpu_usage(marks["cpu_start"], cpu_end, timed),
+        "cpu": cpu_usage(marks["cpu_start"], cpu_end, window["timed_steps"]),
         "cluster": info,
         "service_log_errors": errors,
     }
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help="train steps (default 150)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 10)")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds per method (default 3)")
-    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
-    parser.add_argument("--quick", action="store_true", help="12 steps (2 warm-up), 1 round")
-    add_quiet_options(parser, unit="round", wait_s=60.0)
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    args = parser.parse_args(argv)
-    args.steps = args.steps or (12 if args.quick else 150)
-    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
-    args.rounds = args.rounds or (1 if args.quick else 3)
-    quiet_options(args, wait_s=60.0)
-    if not 1 <= args.warmup < args.steps - 1:
-        parser.error(f"--warmup must be in 1..steps-2, got {args.warmup} for {args.steps} steps")
-    return args
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: clusters stop
+    options = Options(__doc__, quick="12 steps (2 warm-up), 1 round")
+    options.training(steps=(150, 12), warmup=(10, 2), rounds=(3, 1), wait_s=60.0)
+    args = options.parse(argv)
+    begin(args, {})
     started = time.time()
     import keras
     import tensorflow as tf
 
     machine = machine_info({"tensorflow": tf.__version__, "keras": keras.__version__})
-    code = code_fingerprint(PACKAGES)
-    source, batches = make_batches(args.steps, args.batch_size)
-    order = [METHODS[(k + (k // 2)) % 2] for k in range(2 * args.rounds)]  # A B B A A B ...
-    rounds: list[dict[str, Any]] = []
+    code = code_fingerprint()
+    source, batches, _ = demo_batches(args.steps, args.batch_size)
+    order = abba(METHODS, args.rounds)  # A B B A A B ...
     with tempfile.TemporaryDirectory(prefix="bench-keras-fit-") as tmp:
-        for k, method in enumerate(order):
-            for attempt in range(args.retries + 1):
-                print(f"round {k + 1}/{len(order)}: {method} ...", flush=True)
-                quiet = wait_for_quiet(args.quiet_wait_s)
-                r = run_round(method, Path(tmp) / f"r{k}-{attempt}", source, batches, args.warmup)
-                r["round"], r["attempt"], r["machine_before"] = k, attempt, quiet
-                r["disturbed"] = r["cpu"]["other_processes_share"] > DISTURBED_SHARE
-                rounds.append(r)
-                print(
-                    f"  {r['examples_per_s']:,.0f} examples/s, {r['step_ms_median']:.1f} ms/step, "
-                    f"{r['fed_layers']} fed layers, other processes "
-                    f"{r['cpu']['other_processes_share']:.0%} of the machine",
-                    flush=True,
-                )
-                if not r["disturbed"]:
-                    break
+        rounds = with_retries(
+            order,
+            lambda k, method, attempt: run_round(
+                method, Path(tmp) / f"r{k}-{attempt}", source, batches, args.warmup
+            ),
+            retries=args.retries,
+            quiet_wait_s=args.quiet_wait_s,
+            share=lambda r: float(r["cpu"]["other_processes_share"]),
+            title=str,
+            line=lambda r: (
+                f"{r['examples_per_s']:,.0f} examples/s, "
+                f"{r['step_ms_median']:.1f} ms/step, {r['fed_layers']} fed layers, other processes "
+                f"{r['cpu']['other_processes_share']:.0%} of the machine"
+            ),
+        )
     # of each round's attempts, the one other processes disturbed least
     final: dict[int, dict[str, Any]] = {}
     for r in rounds:
@@ -290,13 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": summary,
         "rounds": rounds,
     }
-    if code_fingerprint(PACKAGES)["sha256_16"] != code["sha256_16"]:
-        report["code"]["changed_on_disk_during_run"] = True
-        print("warning: the code changed on disk during the run", file=sys.stderr)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / "keras_fit.json"
-    write_json(path, report)
-    print(f"\nwrote {path}")
+    save(report, args.out_dir, code_at_end=code_fingerprint())
     return 0
 
 

@@ -2,9 +2,9 @@
 
 Run from the repository root::
 
-    python benchmarks/optimizer.py            # 15 rounds, 16,384 ids per push
-    python benchmarks/optimizer.py --quick    # smoke run: 3 rounds, 4,096 ids
-    python benchmarks/optimizer.py --py-spy   # also profile the service (pip install py-spy)
+    python -m benchmarks.optimizer            # 15 rounds, 16,384 ids per push
+    python -m benchmarks.optimizer --quick    # smoke run: 3 rounds, 4,096 ids
+    python -m benchmarks.optimizer --py-spy   # also profile the service (pip install py-spy)
 
 It starts 2 local memcached nodes (`-M`, 1024 MB each), writes the sentinels,
 writes the cluster file as TOML in a temporary directory and starts one real
@@ -55,55 +55,48 @@ memcached are always stopped.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import os
 import re
 import resource
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from benchmarks.harness import pyspy
+from benchmarks.harness.cluster import service_process, to_toml
+from benchmarks.harness.cpu import machine_busy_s
+from benchmarks.harness.data import SEED, unique_id_blocks
+from benchmarks.harness.options import Options
+from benchmarks.harness.plot import plot_rates
+from benchmarks.harness.report import (
+    code_fingerprint,
+    fmt_rate,
+    machine_info,
+    met,
+    report_head,
+    save,
+)
+from benchmarks.harness.rounds import Timings, interleaved, paired_ratio, timed
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, load_config
 from lookup_table.core.optimizers import Optimizer, make_optimizer
-from lookup_table.ops.localcluster import free_port, memcached_cluster, stop_process
+from lookup_table.ops.localcluster import free_port, memcached_cluster
 from lookup_table.store import EmbeddingStore, TableWrite
 from optimizer_service.malloc import tune_malloc
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
-    code_fingerprint,
-    fmt_rate,
-    machine_busy_s,
-    machine_info,
-    paired_ratio,
-    plot_rates,
-    progress,
-    report_head,
-    timed,
-    to_toml,
-    write_json,
-)
 
 DIMS = (16, 64)
 NODES = 2
 MEMORY_MB = 1024
-SEED = 20240611
 GRAD_SCALE = 0.01
 METHODS = ("http", "inprocess")
 LABELS = {
@@ -111,10 +104,7 @@ LABELS = {
     "inprocess": "in-process get_many + Adam + set_many",
 }
 ACCEPT_HTTP_VS_INPROCESS = 0.8  # issue 14
-SERVICE_START_TIMEOUT_S = 60.0
 OTHER_CPU_WARNING = 0.10
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 PACKAGES = ("lookup_table", "optimizer_service")  # whose source files `code` hashes
 
 
@@ -136,66 +126,7 @@ def cluster_file(addresses: list[str], port: int, cache_mb: int = 0) -> dict[str
     }
 
 
-# ---------------------------------------------------------------- the service process
-
-
-@contextlib.contextmanager
-def service_process(config_path: Path, port: int, log_path: Path) -> Iterator[int]:
-    """`python -m optimizer_service.app` on `port`, stopped on exit; yields its pid."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "optimizer_service.app",
-        "--config",
-        str(config_path),
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--log-level",
-        "WARNING",
-    ]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=ROOT, env=env
-        )
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/healthz", proc, log_path)
-        yield proc.pid
-    except BaseException:
-        tail = log_path.read_text(errors="replace")[-2000:].strip()
-        print(f"the optimizer service's log (tail):\n{tail or '(empty)'}", file=sys.stderr)
-        raise
-    finally:
-        stop_process(proc, timeout_s=10)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
-    """Poll `GET /healthz` until it answers 200; RuntimeError if the service exits or stalls."""
-    deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
-    last = "no answer"
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            with urllib.request.urlopen(url, timeout=2.0) as resp:
-                if resp.status == 200:
-                    return
-                last = f"HTTP {resp.status}"
-        except urllib.error.HTTPError as exc:
-            last = f"HTTP {exc.code}: {exc.read()[:200]!r}"
-        except (urllib.error.URLError, OSError) as exc:
-            last = str(exc)
-        time.sleep(0.1)
-    tail = log_path.read_text(errors="replace")[-2000:].strip()
-    raise RuntimeError(
-        f"the optimizer service did not become healthy at {url} (exit code {proc.poll()}, "
-        f"last answer: {last}); its log:\n{tail}"
-    )
+# ---------------------------------------------------------------- the service's figures
 
 
 _SUM_RE = re.compile(r"^lookup_table_push_latency_seconds_sum (\S+)$", re.M)
@@ -214,7 +145,6 @@ async def apply_latency(client: OptimizerClient, base_url: str) -> tuple[float, 
 
 
 PY_SPY_RATE_HZ = 250
-_FRAME_RE = re.compile(r"^(?P<func>.*) \((?P<file>[^:]*):\d+\)$")
 
 
 async def profile_pushes(
@@ -232,65 +162,16 @@ async def profile_pushes(
     stack, `--threads --idle`) to `out_path` and returns, per push, the busy time of
     the service's event-loop thread by project function (inclusive).
     """
-    cmd = ["py-spy", "record", "--pid", str(pid), "--rate", str(PY_SPY_RATE_HZ), "--format"]
-    cmd += ["raw", "--threads", "--idle", "--nonblocking", "--output", str(out_path)]
-    try:
-        spy = await asyncio.create_subprocess_exec(
-            *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
-        )
-    except FileNotFoundError:
-        raise RuntimeError("--py-spy needs py-spy on PATH: pip install py-spy") from None
+    spy = pyspy.record(pid, out_path, rate_hz=PY_SPY_RATE_HZ, flag="--py-spy")
     await asyncio.sleep(1.0)  # let it attach
     try:
         for g in grads:
             await client.push({table: (ids, g)})
     finally:
-        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-        async with asyncio.timeout(60):
-            _, err = await spy.communicate()
-    if spy.returncode != 0:
-        raise RuntimeError(f"py-spy failed ({spy.returncode}): {err.decode(errors='replace')}")
-    return await asyncio.to_thread(summarize_profile, out_path, pushes=len(grads))
-
-
-def summarize_profile(path: Path, *, pushes: int) -> dict[str, Any]:
-    """Busy ms per push of the service's main thread, total and by project function."""
-    busy = idle = 0
-    inclusive: dict[str, int] = {}
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        if not frames or "MainThread" not in frames[0]:
-            continue
-        n = int(count)
-        if frames[-1].startswith(("EpollSelector.select", "KqueueSelector.select")):
-            idle += n
-            continue
-        busy += n
-        seen = set()
-        for frame in frames[1:]:
-            m = _FRAME_RE.match(frame)
-            if (
-                m is None
-                or not m["file"].startswith(("lookup_table/", "optimizer_service/"))
-                or m["func"] in ("<module>", "main")  # the service's entry point: every sample
-            ):
-                continue
-            name = f"{m['file']}:{m['func']}"
-            if name not in seen:
-                seen.add(name)
-                inclusive[name] = inclusive.get(name, 0) + n
-    per_push = 1e3 / PY_SPY_RATE_HZ / pushes
-    top = sorted(inclusive.items(), key=lambda kv: -kv[1])[:30]
-    return {
-        "file": path.name,
-        "pushes": pushes,
-        "rate_hz": PY_SPY_RATE_HZ,
-        "main_thread_busy_ms_per_push": busy * per_push,
-        "main_thread_idle_ms_per_push": idle * per_push,
-        "note": "idle includes about 1 s of attach time before the pushes",
-        "inclusive_ms_per_push": {name: n * per_push for name, n in top},
-    }
+        await asyncio.to_thread(pyspy.stop, spy)
+    return await asyncio.to_thread(
+        pyspy.main_thread_per_push, out_path, pushes=len(grads), rate_hz=PY_SPY_RATE_HZ
+    )
 
 
 # ---------------------------------------------------------------- the in-process baseline
@@ -315,28 +196,11 @@ async def inprocess_update(
 
 
 @dataclass(slots=True)
-class Timings:
-    """Seconds per round for each method."""
+class PushTimings(Timings):
+    """Seconds per round for each method, the service's own time and its profile."""
 
-    rounds: dict[str, list[float]] = field(default_factory=dict)
     service_apply: dict[str, float] = field(default_factory=dict)
     profile: dict[str, Any] | None = None
-
-    def add(self, method: str, seconds: float) -> None:
-        self.rounds.setdefault(method, []).append(seconds)
-
-    def median(self, method: str) -> float:
-        return statistics.median(self.rounds[method])
-
-
-def unique_ids(rng: np.random.Generator, n: int) -> NDArray[np.int64]:
-    """n unique random int64 ids over the full int64 range."""
-    while True:
-        ids = rng.integers(
-            np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=n, dtype=np.int64, endpoint=True
-        )
-        if np.unique(ids).shape[0] == n:
-            return ids
 
 
 async def check_service_update(
@@ -374,7 +238,7 @@ async def bench_dim(
     rng: np.random.Generator,
     service_pid: int,
     py_spy_dir: Path | None = None,
-) -> Timings:
+) -> PushTimings:
     optimizer = make_optimizer(store.config.table(table).optimizer)
     await store.lookup(table, ids)  # the rows exist before any push
 
@@ -389,25 +253,23 @@ async def bench_dim(
     await client.push({table: (ids, grads())})
 
     per_round = [{m: grads() for m in METHODS} for _ in range(rounds)]
-    timings = Timings()
+    timings = PushTimings()
     sum0, count0 = await apply_latency(client, base_url)
-    for r in progress(rounds, f"dim {dim}"):
-        shift = r % len(METHODS)
-        for method in METHODS[shift:] + METHODS[:shift]:
-            g = per_round[r][method]
-            if method == "http":
+    for r, method in interleaved(METHODS, rounds, f"dim {dim}"):
+        g = per_round[r][method]
+        if method == "http":
 
-                async def call(g: NDArray[np.float32] = g) -> None:
-                    result = await client.push({table: (ids, g)})
-                    if not result["applied"]:
-                        raise RuntimeError(f"dim {dim}: push not applied: {result}")
+            async def call(g: NDArray[np.float32] = g) -> None:
+                result = await client.push({table: (ids, g)})
+                if not result["applied"]:
+                    raise RuntimeError(f"dim {dim}: push not applied: {result}")
 
-            else:
+        else:
 
-                async def call(g: NDArray[np.float32] = g) -> None:
-                    await inprocess_update(store, optimizer, table, ids, g, dim=dim)
+            async def call(g: NDArray[np.float32] = g) -> None:
+                await inprocess_update(store, optimizer, table, ids, g, dim=dim)
 
-            timings.add(method, await timed(call))
+        timings.add(method, await timed(call))
     sum1, count1 = await apply_latency(client, base_url)
     if count1 - count0 != rounds:
         raise RuntimeError(f"dim {dim}: the service counted {count1 - count0} pushes, not {rounds}")
@@ -431,10 +293,10 @@ async def run_cluster(
     rounds: int,
     service_pid: int,
     py_spy_dir: Path | None = None,
-) -> dict[str, Timings]:
+) -> dict[str, PushTimings]:
     rng = np.random.default_rng(SEED)
-    ids = unique_ids(rng, n_ids)
-    results: dict[str, Timings] = {}
+    (ids,) = unique_id_blocks(rng, 1, n_ids)
+    results: dict[str, PushTimings] = {}
     base_url = config.optimizers[0]
     async with EmbeddingStore(config) as store, OptimizerClient(config) as client:
         for dim in DIMS:
@@ -492,7 +354,7 @@ def foreign_cpu(
     }
 
 
-def summarize(results: dict[str, Timings], n_ids: int) -> dict[str, Any]:
+def summarize(results: dict[str, PushTimings], n_ids: int) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for dim in DIMS:
         t = results[f"dim{dim}"]
@@ -542,7 +404,7 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
         lines.append(
             f"  http/inprocess {s['ratio_http_vs_inprocess']:.3f}  "
             f"(paired {s['ratio_median_of_paired_rounds']:.3f})  "
-            f"target >= {ACCEPT_HTTP_VS_INPROCESS}: {'met' if ok else 'NOT MET'}"
+            f"target >= {ACCEPT_HTTP_VS_INPROCESS}: {met(ok)}"
         )
         lines.append(
             f"  http mean {split['total'] * 1e3:.1f} ms = inside Updater.apply "
@@ -552,7 +414,7 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict[str, Any], path: Path, n_ids: int, rounds: int) -> None:
+def plot(summary: dict[str, Any], path: Path, *, n_ids: int, rounds: int) -> None:
     plot_rates(
         summary,
         path,
@@ -568,40 +430,23 @@ def plot(summary: dict[str, Any], path: Path, n_ids: int, rounds: int) -> None:
     )
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15)")
-    parser.add_argument("--ids", type=int, default=None, help="ids per push (default 16384)")
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 3 rounds of 4,096 ids (unless given)"
-    )
-    parser.add_argument(
-        "--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where optimizer.json/png go"
-    )
-    parser.add_argument(
+def main(argv: list[str] | None = None) -> int:
+    options = Options(__doc__, quick="3 rounds of 4,096 ids (unless given)")
+    options.count("--rounds", full=15, quick=3, help="timed rounds")
+    options.count("--ids", full=16384, quick=4096, help="ids per push")
+    options.add_argument(
         "--cache-mb",
         type=int,
         default=0,
         help="the service's row cache (service.cache_mb; default 0: off, a fair baseline)",
     )
-    parser.add_argument(
+    options.add_argument(
         "--py-spy",
         action="store_true",
         help="after the timed rounds, profile `rounds` more HTTP pushes per dim with py-spy "
         "attached to the service (pip install py-spy); raw stacks go to the out dir",
     )
-    args = parser.parse_args(argv)
-    if args.rounds is None:
-        args.rounds = 3 if args.quick else 15
-    if args.ids is None:
-        args.ids = 4096 if args.quick else 16384
-    if args.rounds < 1 or args.ids < 1:
-        parser.error("--rounds and --ids must be positive")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = options.parse(argv)
     import aiohttp
     import msgpack
 
@@ -656,7 +501,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         **report_head("optimizer", started, machine, code),
         "parameters": {
@@ -702,18 +546,12 @@ def main(argv: list[str] | None = None) -> int:
         "acceptance_targets": {"http/inprocess": ACCEPT_HTTP_VS_INPROCESS},
         **summary,
     }
-    if code_fingerprint(PACKAGES)["sha256_16"] != code["sha256_16"]:
-        report["code"]["changed_on_disk_during_run"] = True
-        print(
-            "warning: lookup_table/ or optimizer_service/ changed on disk during the run; the "
-            f"figures belong to the code imported at start (sha256_16 {code['sha256_16']})",
-            file=sys.stderr,
-        )
-    json_path = args.out_dir / "optimizer.json"
-    write_json(json_path, report)
-    png_path = args.out_dir / "optimizer.png"
-    plot(summary, png_path, args.ids, args.rounds)
-    print(f"\nwrote {json_path} and {png_path}")
+    save(
+        report,
+        args.out_dir,
+        code_at_end=code_fingerprint(PACKAGES),
+        plot=partial(plot, summary, n_ids=args.ids, rounds=args.rounds),
+    )
     return 0
 
 

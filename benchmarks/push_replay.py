@@ -2,18 +2,18 @@
 
 Run from the repository root::
 
-    python benchmarks/push_replay.py            # 150 pushes (20 warm-up), 2 rounds
-    python benchmarks/push_replay.py --quick    # smoke run: 20 pushes, 1 round
-    python benchmarks/push_replay.py --row-flush-pushes 1    # rows written through
-    python benchmarks/push_replay.py --replicas 2   # the rows split between two replicas
+    python -m benchmarks.push_replay            # 150 pushes (20 warm-up), 2 rounds
+    python -m benchmarks.push_replay --quick    # smoke run: 20 pushes, 1 round
+    python -m benchmarks.push_replay --row-flush-pushes 1    # rows written through
+    python -m benchmarks.push_replay --replicas 2   # the rows split between two replicas
 
-`benchmarks/train.py` measures the infrastructure figure of the throughput work (replica +
+`benchmarks.train` measures the infrastructure figure of the throughput work (replica +
 memcached CPU per step against the trainer's), but a run takes minutes and TensorFlow's
 own load makes it noisy. This replays what a trainer sends instead, in seconds, so a
 change of the push path can be A/B-tested: the demo's data (`SyntheticSource`, batch
 1024, the 26 categorical columns, each batch's unique ids per column), gradients and dense
 gradients drawn at random (the demo's 143,105 dense parameters: `mlp` 256-128), on a fresh
-local cluster of the demo's shape (`_common.local_cluster`: 2 memcached nodes, 1 replica,
+local cluster of the demo's shape (`harness.cluster.local_cluster`: 2 memcached nodes, 1 replica,
 deploy/demo.toml's tables and optimizers). Each step reads the rows its previous push did
 not answer (`lookup_many`: a trainer with answered rows reads about that; its cache of older
 answers makes it read somewhat less), then pushes with `answer=("rows", "dense")`, as
@@ -35,18 +35,17 @@ a push costs the service as a whole when each replica gets its share of every ta
 Printed: CPU ms per push of the replica(s) and of each memcached node (utime + stime from
 /proc over the timed pushes), the client's own CPU (not infrastructure), the ratio
 tables / one table, and memcached's key operations per push (`stats` of the nodes over the
-same pushes) with its CPU per key operation. `train.py` prints the same line: the same
-operations have cost memcached 1.0-1.9 us each in training within one hour on one
+same pushes) with its CPU per key operation. `benchmarks.train` prints the same line: the
+same operations have cost memcached 1.0-1.9 us each in training within one hour on one
 machine, against 1.05-1.2 here, so the line tells which phase of the machine a run saw.
-With `benchmarks/results/train.json` present (`train.py`), the infrastructure CPU per push
-is also shown against that run's trainer CPU per step (the infrastructure/trainer ratio,
-from another run: an estimate). Results go to `<out-dir>/push_replay.json` (default
+With `benchmarks/results/train.json` present (`benchmarks.train`), the infrastructure CPU
+per push is also shown against that run's trainer CPU per step (the infrastructure/trainer
+ratio, from another run: an estimate). Results go to `<out-dir>/push_replay.json` (default
 `benchmarks/results/`).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -60,26 +59,16 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import (
-    cluster_pids,
-    cpu_snapshot,
-    cpu_usage,
-    local_cluster,
-    machine_info,
-    memcached_work,
-    report_head,
-    write_json,
-)
-
+from benchmarks.harness.cluster import cluster_pids, local_cluster
+from benchmarks.harness.cpu import cpu_snapshot, cpu_usage, memcached_work
+from benchmarks.harness.data import first_batches
+from benchmarks.harness.options import Options
+from benchmarks.harness.report import machine_info, report_head, save
 from lookup_table.client import OptimizerClient, RowReader
-from lookup_table.config import MAX_ROW_FLUSH_PUSHES, ServiceConfig, load_config
+from lookup_table.config import ServiceConfig, load_config
 from lookup_table.store import EmbeddingStore
 from trainer.data.criteo import CATEGORICAL_NAMES
-from trainer.data.synthetic import SyntheticSource
 
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 MAX_REPLICAS = 8  # each a process on this machine
 BATCH = 1024
 DENSE_SHAPES = {  # the demo's `mlp` (13 numeric + 26 x 16 inputs, Dense 256-128-1)
@@ -97,18 +86,10 @@ Batch = dict[str, NDArray[np.int64]]
 
 
 def make_batches(count: int) -> list[Batch]:
-    source = SyntheticSource(max(1_000_000, count * BATCH))
-    out: list[Batch] = []
-    for i, batch in enumerate(source.batches(BATCH)):
-        if i >= count:
-            break
-        out.append(
-            {
-                n: np.unique(np.asarray(batch.features[n]).astype(np.int64))
-                for n in CATEGORICAL_NAMES
-            }
-        )
-    return out
+    return [
+        {n: np.unique(np.asarray(batch.features[n]).astype(np.int64)) for n in CATEGORICAL_NAMES}
+        for batch in first_batches(count, BATCH)
+    ]
 
 
 def as_one_table(batch: Batch) -> Batch:
@@ -124,7 +105,7 @@ async def replay(
     other processes used meanwhile."""
     config = load_config(config_path)
     rng = np.random.default_rng(0)
-    pids = {**cluster_pids(run_dir), "client": os.getpid()}
+    pids = {**cluster_pids(config_path, run_dir), "client": os.getpid()}
     nodes = list(config.node_addresses)
     start: dict[str, Any] = {}
     async with OptimizerClient(config) as client, EmbeddingStore(config) as store:
@@ -177,7 +158,7 @@ def run_case(
 
 
 def trainer_cpu_ms(path: Path) -> tuple[float, str] | None:
-    """The trainer's CPU ms per step of `train.py`'s results and their time, if any."""
+    """The trainer's CPU ms per step of `benchmarks.train`'s results and their time, if any."""
     try:
         report = json.loads(path.read_text())
         cpu = report["summary"]["distributed"]["cpu_ms_per_step"]["trainer"]
@@ -186,36 +167,27 @@ def trainer_cpu_ms(path: Path) -> tuple[float, str] | None:
         return None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help="timed pushes (default 150)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed pushes (default 20)")
-    parser.add_argument("--rounds", type=int, default=None, help="default 2")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 20 pushes, 1 round")
-    parser.add_argument(
-        "--row-flush-pushes",
-        type=int,
+def main(argv: list[str] | None = None) -> int:
+    options = Options(__doc__, quick="20 pushes, 1 round")
+    options.count("--steps", full=150, quick=15, help="timed pushes")
+    options.count("--warmup", full=20, quick=5, minimum=0, help="untimed pushes")
+    options.count("--rounds", full=2, quick=1, help="rounds of both cases")
+    options.row_flush_pushes(
         default=ServiceConfig().row_flush_pushes,
         help="the cluster's service.row_flush_pushes (default "
         f"{ServiceConfig().row_flush_pushes}, the service's: rows written behind and read "
         "through their owner; 1: written through)",
     )
-    parser.add_argument(
+    options.count(
         "--replicas",
-        type=int,
-        default=1,
-        help="optimizer replicas (default 1, the demo's); the replica column is all of them",
+        full=1,
+        help="optimizer replicas (the demo's); the replica column is all of them",
     )
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    args = parser.parse_args()
-    if not 1 <= args.row_flush_pushes <= MAX_ROW_FLUSH_PUSHES:
-        parser.error(f"--row-flush-pushes must be in 1..{MAX_ROW_FLUSH_PUSHES}")
-    if not 1 <= args.replicas <= MAX_REPLICAS:
-        parser.error(f"--replicas must be in 1..{MAX_REPLICAS}")
+    args = options.parse(argv)
+    if args.replicas > MAX_REPLICAS:
+        options.error(f"--replicas must be in 1..{MAX_REPLICAS}, got {args.replicas}")
     service = {"row_flush_pushes": args.row_flush_pushes}
-    steps = args.steps or (15 if args.quick else 150)
-    warmup = args.warmup if args.warmup is not None else (5 if args.quick else 20)
-    rounds = args.rounds or (1 if args.quick else 2)
+    steps, warmup, rounds = args.steps, args.warmup, args.rounds
     started = time.time()
     batches = make_batches(steps + warmup)
     runs: dict[str, list[dict[str, float]]] = {case: [] for case in CASES}
@@ -274,11 +246,9 @@ def main() -> None:
         "tables_over_one_table": per_table,
         "train_json_trainer_cpu_ms_per_step": None if trainer is None else trainer[0],
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / "push_replay.json"
-    write_json(path, report)
-    print(f"wrote {path}")
+    save(report, args.out_dir)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

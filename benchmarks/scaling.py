@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python benchmarks/scaling.py            # 1 and 2 trainers, 100 steps each, 2 rounds
-    python benchmarks/scaling.py --quick    # smoke run: 10 steps, 1 round
+    python -m benchmarks.scaling            # 1 and 2 trainers, 100 steps each, 2 rounds
+    python -m benchmarks.scaling --quick    # smoke run: 10 steps, 1 round
 
 The shape is the demo's (deploy/demo.toml): the `mlp` model (`trainer.models.build_model`,
 Dense 256-128) on the 26 tables C1..C26 of dim 16 (Adam, lr 0.01; dense weights Adam
@@ -11,8 +11,8 @@ Dense 256-128) on the 26 tables C1..C26 of dim 16 (Adam, lr 0.01; dense weights 
 worker I of N gets batches I, I+N, ...), async mode, `trainer.Trainer` with its defaults
 (`max_pushes_in_flight` 0 as `lookup-table-train` has it, dense weights pulled every step).
 
-Each run starts a fresh local cluster (`_common.local_cluster`: 2 memcached nodes and 1
-optimizer replica, a fresh namespace, `workers` = N) and N trainer processes (this script
+Each run starts a fresh local cluster (`harness.cluster.local_cluster`: 2 memcached nodes and 1
+optimizer replica, a fresh namespace, `workers` = N) and N trainer processes (this module
 with `--role trainer`). Every trainer builds its batches and model first, then waits at a
 barrier so that all start training together, and at a second one after its `--warmup`
 steps so that all start their timed steps together (the time it passes that one counts as
@@ -43,7 +43,7 @@ Validation with 2 trainers (2 trainers + 1 replica + 2 nodes on this machine):
   used in the 2-trainer window; against the measured examples/s.
 
 Rounds run in the order 1, 2, 2, 1, ... trainers so a drift of the machine's load hits both;
-figures are medians over rounds. As in train.py, before each run the script waits (up to
+figures are medians over rounds. As in `benchmarks.train`, before each run it waits (up to
 `--quiet-wait-s`) for the machine to be quiet, and a run whose window saw other processes
 use more than 15% of the machine is marked disturbed and run again (`--retries`, default
 2); the summary uses the undisturbed runs of a trainer count if it has any (every attempt
@@ -59,7 +59,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -67,39 +66,27 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
-    BATCH_SIZE,
-    DATA_SEED,
-    DISTURBED_SHARE,
-    EVAL_FRACTION,
-    HIDDEN,
-    MODEL,
-    MODEL_SEED,
-    add_quiet_options,
+from benchmarks.harness import ROOT
+from benchmarks.harness.cluster import (
+    begin,
+    checkout_env,
     cluster_pids,
-    code_fingerprint,
     local_cluster,
-    machine_busy_s,
-    machine_info,
-    proc_cpu_s,
-    quiet_options,
-    report_head,
     service_log_errors,
-    wait_for_quiet,
-    write_json,
 )
-
+from benchmarks.harness.cpu import machine_busy_s, proc_cpu_s
+from benchmarks.harness.data import DATA_SEED, EVAL_FRACTION, HIDDEN, MODEL, MODEL_SEED
+from benchmarks.harness.options import Options
+from benchmarks.harness.plot import figure
+from benchmarks.harness.report import code_fingerprint, machine_info, report_head, save
+from benchmarks.harness.rounds import DISTURBED_SHARE, abba, undisturbed, with_retries
 from lookup_table.ops.localcluster import stop_process
-
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
-PACKAGES = ("lookup_table", "optimizer_service", "trainer")  # whose source files `code` hashes
 
 TRAINER_COUNTS = (1, 2)
 SAMPLE_S = 0.2  # CPU sampling period
@@ -278,13 +265,13 @@ def window_figures(
 def run(args: argparse.Namespace, n: int, work_dir: Path) -> dict[str, Any]:
     """A fresh cluster and `n` trainer processes; CPU per component over the common window."""
     with local_cluster(work_dir, workers=n, prefix="benchscale") as (config_path, run_dir, info):
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        env = checkout_env()
         go = work_dir / "go"
         procs: list[subprocess.Popen[bytes]] = []
         logs = []
         try:
             for i in range(n):
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "trainer"]
+                cmd = [sys.executable, "-m", "benchmarks.scaling", "--role", "trainer"]
                 cmd += ["--config", str(config_path), "--worker-index", str(i)]
                 cmd += ["--num-workers", str(n), "--steps", str(args.steps)]
                 cmd += ["--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
@@ -300,7 +287,7 @@ def run(args: argparse.Namespace, n: int, work_dir: Path) -> dict[str, Any]:
                     raise RuntimeError(f"trainer(s) {failed} exited before training (or 300 s)")
                 time.sleep(0.05)
             pids = {f"trainer-{i}": p.pid for i, p in enumerate(procs)}
-            pids.update(cluster_pids(run_dir))
+            pids.update(cluster_pids(config_path, run_dir))
             with Sampler(pids) as sampler:
                 time.sleep(2 * SAMPLE_S)  # a sample before any trainer's first step
                 go.touch()
@@ -319,7 +306,7 @@ def run(args: argparse.Namespace, n: int, work_dir: Path) -> dict[str, Any]:
                 raise RuntimeError(f"trainer {i} failed ({p.returncode}); its log:\n{tail}")
             outputs.append(json.loads(out.read_text()))
         result = window_figures(sampler, outputs, args.warmup, args.batch_size)
-    errors = service_log_errors(run_dir)  # the cluster is down: its log is complete
+    errors = service_log_errors(config_path, run_dir)  # the cluster is down: its log is complete
     return {
         "trainers": n,
         **result,
@@ -344,8 +331,7 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     by: dict[int, dict[str, Any]] = {}
     for n in TRAINER_COUNTS:
         tried = [r for r in runs if r["trainers"] == n]
-        # undisturbed runs only, unless every run of this count was disturbed
-        rs = [r for r in tried if not r["disturbed"]] or tried
+        rs = undisturbed(tried)
         by[n] = {
             "runs_used": [f"{r['run']}.{r['attempt']}" for r in rs],
             "runs_run": len(tried),
@@ -498,13 +484,13 @@ def _fixed(x: float | None) -> str:
 
 
 def plot(summary: Mapping[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     by, val = summary["by_trainers"], summary["validation_2_trainers"]
-    fig, (ax_cpu, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
+    with figure(path, nrows=1, ncols=2, figsize=(12, 4.5)) as (_, (ax_cpu, ax_val)):
+        _plot_cpu(ax_cpu, by)
+        _plot_validation(ax_val, val)
+
+
+def _plot_cpu(ax_cpu: Any, by: Mapping[str, Any]) -> None:
     x = np.arange(len(COMPONENTS))
     for k, n in enumerate(("1", "2")):
         values = [by[n]["cpu_ms_per_1000_examples"][c] for c in COMPONENTS]
@@ -524,6 +510,8 @@ def plot(summary: Mapping[str, Any], path: Path) -> None:
     ax_cpu.set_title("CPU per 1,000 examples: 1 vs 2 trainers (solid: 1, hatched: 2)")
     ax_cpu.grid(alpha=0.3, axis="y")
 
+
+def _plot_validation(ax_val: Any, val: Mapping[str, Any]) -> None:
     names = list(val["cores"])
     x2 = np.arange(len(names))
     pred = [val["cores"][c]["predicted"] for c in names]
@@ -542,85 +530,48 @@ def plot(summary: Mapping[str, Any], path: Path) -> None:
     )
     ax_val.legend(fontsize=8)
     ax_val.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------- main
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help="steps per trainer (default 100)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 10)")
-    parser.add_argument(
-        "--rounds", type=int, default=None, help="rounds of 1 and of 2 trainers (default 2)"
-    )
-    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 10 steps (3 warm-up), 1 round"
-    )
-    add_quiet_options(parser, unit="run", wait_s=120.0)
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    # the trainer process (internal)
-    parser.add_argument(
-        "--role", choices=["main", "trainer"], default="main", help=argparse.SUPPRESS
-    )
-    parser.add_argument("--config", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--num-workers", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--output", help=argparse.SUPPRESS)
-    parser.add_argument("--ready-file", help=argparse.SUPPRESS)
-    parser.add_argument("--go-file", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.steps = args.steps or (10 if args.quick else 100)
-    args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 10)
-    args.rounds = args.rounds or (1 if args.quick else 2)
-    quiet_options(args, wait_s=120.0)
-    if not 1 <= args.warmup < args.steps - 1:
-        parser.error(f"--warmup must be in 1..steps-2, got {args.warmup} for {args.steps} steps")
-    if args.rounds < 1 or args.batch_size < 1:
-        parser.error("--rounds and --batch-size must be positive")
-    return args
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if args.role == "trainer":
-        return trainer_role(args)
-    # a SIGTERM (e.g. a test's timeout) unwinds through the finallys that stop everything
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    options = Options(__doc__, quick="10 steps (3 warm-up), 1 round")
+    options.training(steps=(100, 10), warmup=(10, 3), rounds=(2, 1), wait_s=120.0, unit="run")
+    options.roles(
+        ["trainer"],
+        "--config",
+        "--output",
+        "--ready-file",
+        "--go-file",
+        worker_index=0,
+        num_workers=1,
+    )
+    args = options.parse(argv)
+    if (role := begin(args, {"trainer": trainer_role})) is not None:
+        return role
     started = time.time()
     from importlib.metadata import version  # the trainers import TensorFlow, not this process
 
     machine = machine_info({"tensorflow": version("tensorflow"), "keras": version("keras")})
-    code = code_fingerprint(PACKAGES)
-    order = [TRAINER_COUNTS[(k + (k // 2)) % 2] for k in range(2 * args.rounds)]  # 1 2 2 1 ..
-    runs: list[dict[str, Any]] = []
+    code = code_fingerprint()
+    order = abba(TRAINER_COUNTS, args.rounds)  # 1 2 2 1 ..
     with tempfile.TemporaryDirectory(prefix="bench-scaling-") as tmp:
-        for k, n in enumerate(order):
-            for attempt in range(args.retries + 1):
-                again = f" (again: the last try was disturbed, {attempt}/{args.retries})"
-                print(
-                    f"run {k + 1}/{len(order)}: {n} trainer(s){again if attempt else ''} ...",
-                    flush=True,
-                )
-                quiet = wait_for_quiet(args.quiet_wait_s)
-                r = run(args, n, Path(tmp) / f"run{k}-{attempt}")
-                r["run"], r["attempt"], r["machine_before"] = k, attempt, quiet
-                r["disturbed"] = r["other_processes_share"] > DISTURBED_SHARE
-                runs.append(r)
-                print(
-                    f"  {r['examples_per_s_total']:,.0f} examples/s over {r['window_s']:.1f} s, "
-                    f"other processes {r['other_processes_share']:.0%} of the machine; CPU ms "
-                    "per 1,000 examples: "
-                    + ", ".join(f"{c} {v:.0f}" for c, v in r["cpu_ms_per_1000_examples"].items()),
-                    flush=True,
-                )
-                if not r["disturbed"]:
-                    break
+        runs = with_retries(
+            order,
+            lambda k, n, attempt: run(args, n, Path(tmp) / f"run{k}-{attempt}"),
+            retries=args.retries,
+            quiet_wait_s=args.quiet_wait_s,
+            share=lambda r: float(r["other_processes_share"]),
+            title=lambda n: f"{n} trainer(s)",
+            line=lambda r: (
+                f"{r['examples_per_s_total']:,.0f} examples/s over "
+                f"{r['window_s']:.1f} s, other processes {r['other_processes_share']:.0%} of the "
+                "machine; CPU ms per 1,000 examples: "
+                + ", ".join(f"{c} {v:.0f}" for c, v in r["cpu_ms_per_1000_examples"].items())
+            ),
+            unit="run",
+        )
     summary = summarize(runs)
     params = {
         "steps": args.steps,
@@ -658,14 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": summary,
         "runs": runs,
     }
-    if code_fingerprint(PACKAGES)["sha256_16"] != code["sha256_16"]:
-        report["code"]["changed_on_disk_during_run"] = True
-        print("warning: the code changed on disk during the run", file=sys.stderr)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = args.out_dir / "scaling.json", args.out_dir / "scaling.png"
-    write_json(json_path, report)
-    plot(summary, png_path)
-    print(f"\nwrote {json_path} and {png_path}")
+    save(report, args.out_dir, code_at_end=code_fingerprint(), plot=partial(plot, summary))
     return 0
 
 

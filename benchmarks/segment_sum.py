@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python benchmarks/segment_sum.py            # 15 rounds, 65,536 x 64 float32 grads
-    python benchmarks/segment_sum.py --quick    # smoke run: 3 rounds, 8,192 x 64
+    python -m benchmarks.segment_sum            # 15 rounds, 65,536 x 64 float32 grads
+    python -m benchmarks.segment_sum --quick    # smoke run: 3 rounds, 8,192 x 64
 
 The ids are Zipf-distributed (a=1.2, a few hot ids and a long tail of rare ones,
 as in a recommendation batch). Every method returns the sorted unique ids and
@@ -31,27 +31,24 @@ are python_loop / method (higher is faster). Results go to
 
 from __future__ import annotations
 
-import argparse
-import gc
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from benchmarks.harness.data import SEED
+from benchmarks.harness.options import Options
+from benchmarks.harness.report import machine_info, report_head, save
+from benchmarks.harness.rounds import interleaved, timed_sync
 from lookup_table.core.optimizers import segment_sum
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, report_head, write_json
 
 DIM = 64
 ZIPF_A = 1.2
-SEED = 20240611
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 
 Ids = NDArray[Any]
 Grads = NDArray[np.float32]
@@ -157,13 +154,8 @@ def bench(
     ids: Ids, grads: Grads, names: tuple[str, ...], rounds: int, bitwise: dict[str, bool]
 ) -> dict[str, Any]:
     seconds: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            gc.collect()
-            start = time.perf_counter()
-            METHODS[name](ids, grads)
-            seconds[name].append(time.perf_counter() - start)
+    for _, name in interleaved(names, rounds):
+        seconds[name].append(timed_sync(partial(METHODS[name], ids, grads)))
     medians = {name: statistics.median(ts) for name, ts in seconds.items()}
     base = medians["python_loop"]
     return {
@@ -188,22 +180,11 @@ def render(title: str, result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--rows", type=int, default=65_536)
-    parser.add_argument("--quick", action="store_true", help="3 rounds of 8,192 rows")
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.rounds, args.rows = 3, 8192
-    if args.rounds < 1 or args.rows < 1:
-        parser.error("--rounds and --rows must be positive")
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    options = Options(__doc__, quick="3 rounds of 8,192 rows")
+    options.count("--rounds", full=15, quick=3, help="timed rounds")
+    options.count("--rows", full=65_536, quick=8192, help="gradient rows")
+    args = options.parse(argv)
     started = time.time()
     machine = machine_info(memcached=False, nproc_usable=False)
     int_names = tuple(METHODS)
@@ -217,7 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     str_result = bench(sids, sgrads, STRING_METHODS, args.rounds, bitwise)
     print(render("\nstring ids", str_result))
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         **report_head("segment_sum", started, machine),
         "parameters": {
@@ -236,9 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "int64_ids": int_result,
         "string_ids": str_result,
     }
-    json_path = args.out_dir / "segment_sum.json"
-    write_json(json_path, report)
-    print(f"\nwrote {json_path}")
+    save(report, args.out_dir)
     return 0
 
 

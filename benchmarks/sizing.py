@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python benchmarks/sizing.py            # 500,000 rows per case, dims 8, 16, 64
-    python benchmarks/sizing.py --quick    # smoke run: 10,000 rows per case, -m 256
+    python -m benchmarks.sizing            # 500,000 rows per case, dims 8, 16, 64
+    python -m benchmarks.sizing --quick    # smoke run: 10,000 rows per case, -m 256
 
 Per case (dim x optimizer: `sgd`, rows only; `adam`, rows and slots) it starts a
 fresh local memcached (`-M`, one node: a row's size does not depend on the node
@@ -38,12 +38,10 @@ failure exits non-zero.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,6 +49,14 @@ from aiohttp.test_utils import TestServer
 from numpy.typing import NDArray
 from prometheus_client import CollectorRegistry
 
+from benchmarks.harness.data import SEED, spread_ids
+from benchmarks.harness.options import Options
+from benchmarks.harness.report import (
+    lookup_table_fingerprint,
+    machine_info,
+    report_head,
+    save,
+)
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig, parse_config
 from lookup_table.core.keys import key_prefix
@@ -63,9 +69,6 @@ from lookup_table.store import EmbeddingStore
 from optimizer_service.app import make_app
 from optimizer_service.journal import JOURNAL_SLOTS
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import lookup_table_fingerprint, machine_info, report_head, write_json
-
 DIMS = (8, 16, 64)
 OPTIMIZERS = ("sgd", "adam")
 NAMESPACE = "demo"  # the key length depends on the names: see "key_bytes" in the report
@@ -77,10 +80,8 @@ MEMORY_MB = 2048
 # and the journals of its pushes) many times over; no per-row figure depends on -m.
 QUICK_MEMORY_MB = 256
 BATCH_IDS = 16_384
-SEED = 20240611
 HEADROOM = 0.15
 PROJECT_ROWS = 100_000_000
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 _PAGE = 2**20
 
 
@@ -178,12 +179,7 @@ async def fill(
 async def run_case(server: MemcachedProcess, dim: int, optimizer: str, n: int) -> dict[str, Any]:
     config = case_config(server.address, dim, optimizer)
     slot_width = make_optimizer(config.table(TABLE).optimizer).slot_width(dim)
-    rng = np.random.default_rng(SEED)
-    ids = np.empty(0, dtype=np.int64)
-    while ids.shape[0] < n:  # n unique ids over the whole int64 range
-        more = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=n)
-        ids = np.unique(np.concatenate([ids, more]))
-    ids = rng.permutation(ids)[:n]
+    ids = spread_ids(np.random.default_rng(SEED), n)
     async with EmbeddingStore(config) as store:
         await store.write_sentinels()
         app = make_app(config, replica=0, registry=CollectorRegistry())
@@ -333,18 +329,13 @@ def render(results: list[dict[str, Any]], n: int, memory_mb: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=None, help="rows per case (default 500,000)")
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 10,000 rows per case, -m 256"
-    )
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    args = parser.parse_args(argv)
-    n = args.rows or (10_000 if args.quick else 500_000)
-    if n < 2:
-        parser.error("--rows must be at least 2")
+    options = Options(__doc__, quick="10,000 rows per case, -m 256")
+    options.count("--rows", full=500_000, quick=10_000, minimum=2, help="rows per case")
+    args = options.parse(argv)
+    n = args.rows
     memory_mb = QUICK_MEMORY_MB if args.quick and n <= 10_000 else MEMORY_MB
     machine = machine_info(cpu=False, nproc_usable=False)
+    code = lookup_table_fingerprint()
     started = time.time()
     results = []
     for dim in DIMS:
@@ -357,10 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             results.append(result)
     print(render(results, n, memory_mb))
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
-        **report_head("sizing", started, machine),
-        "code": lookup_table_fingerprint(),
+        **report_head("sizing", started, machine, code),
         "parameters": {
             "rows": n,
             "quick": args.quick,
@@ -389,9 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": results,
     }
-    path = args.out_dir / "sizing.json"
-    write_json(path, report)
-    print(f"\nwrote {path}")
+    save(report, args.out_dir, code_at_end=lookup_table_fingerprint())
     return 0
 
 

@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python benchmarks/store.py                # 15 rounds, 65,536 ids per batch
-    python benchmarks/store.py --quick        # smoke run: 3 rounds, 8,192 ids
+    python -m benchmarks.store                # 15 rounds, 65,536 ids per batch
+    python -m benchmarks.store --quick        # smoke run: 3 rounds, 8,192 ids
 
 It starts 2 local memcached nodes (`-M`, 1024 MB each), writes the sentinels,
 and for a dim-16 and a dim-64 table measures rows/s of, per batch of unique
@@ -85,15 +85,12 @@ always stopped.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import gc
-import statistics
 import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -101,6 +98,18 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from benchmarks.harness.data import SEED, unique_id_blocks
+from benchmarks.harness.options import Options
+from benchmarks.harness.plot import plot_rates
+from benchmarks.harness.report import (
+    fmt_rate,
+    lookup_table_fingerprint,
+    machine_info,
+    met,
+    report_head,
+    save,
+)
+from benchmarks.harness.rounds import Timings, interleaved, paired_ratio, timed, timed_sync
 from lookup_table.config import ClusterConfig, NodeSpec, parse_config
 from lookup_table.core.initializers import initial_rows
 from lookup_table.core.keys import encode_keys, int_key_matrix, key_prefix
@@ -109,24 +118,9 @@ from lookup_table.core.sharding import node_of
 from lookup_table.ops.localcluster import memcached_cluster
 from lookup_table.store import EmbeddingStore
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
-    fmt_rate,
-    lookup_table_fingerprint,
-    machine_info,
-    paired_ratio,
-    plot_rates,
-    progress,
-    report_head,
-    timed,
-    write_json,
-)
-
 DIMS = (16, 64)
 NODES = 2
 MEMORY_MB = 1024
-SEED = 20240611
-METHODS = ("ceiling", "lookup", "create", "mixed", "mixed_eval", "pymemcache")
 LABELS = {
     "ceiling": "raw pipelined mg (ceiling)",
     "lookup": "store.lookup, existing rows",
@@ -135,17 +129,25 @@ LABELS = {
     "mixed_eval": "the same, create=False",
     "pymemcache": "pymemcache get_many per node",
 }
+METHODS = tuple(LABELS)
+RATIOS = (  # name, numerator, denominator (rows/s)
+    ("lookup/ceiling", "lookup", "ceiling"),
+    ("lookup/pymemcache", "lookup", "pymemcache"),
+    ("create/ceiling", "create", "ceiling"),
+    ("mixed/lookup", "mixed", "lookup"),
+    ("mixed_eval/lookup", "mixed_eval", "lookup"),
+)
 KEY_METHODS = ("encode_keys", "int_key_matrix", "naive_loop")
 MANY_TABLES = 26
 MANY_IDS = 400  # unique ids per table
 MANY_DIM = 16
-MANY_METHODS = ("many", "concurrent", "many_mixed", "concurrent_mixed")
 MANY_LABELS = {
     "many": "lookup_many, existing rows",
     "concurrent": "26 concurrent lookups, existing rows",
     "many_mixed": "lookup_many, 10 % new rows",
     "concurrent_mixed": "26 concurrent lookups, 10 % new rows",
 }
+MANY_METHODS = tuple(MANY_LABELS)
 ACCEPT_LOOKUP_VS_CEILING = 0.7
 ACCEPT_LOOKUP_VS_PYMEMCACHE = 2.0
 ACCEPT_MIXED_VS_LOOKUP = 0.9
@@ -158,14 +160,6 @@ LIFE_TABLES = {  # name -> its [[tables]] lifecycle keys (Adam, the default: slo
     "life_ttl": {"ttl_s": LIFE_TTL_S},
     "life_admit": {"admit_after": LIFE_ADMIT_AFTER},
 }
-LIFE_METHODS = (
-    "hit",
-    "hit_ttl",
-    "mixed",
-    "mixed_ttl",
-    "mixed_admit_count",
-    "mixed_admit_add",
-)
 LIFE_LABELS = {
     "hit": "existing rows, no TTL",
     "hit_ttl": "existing rows, ttl_s (T on the reads)",
@@ -174,13 +168,13 @@ LIFE_LABELS = {
     "mixed_admit_count": "10 % new, 1st sighting (ma only)",
     "mixed_admit_add": "10 % new, K-th sighting (ma + add)",
 }
+LIFE_METHODS = tuple(LIFE_LABELS)
 LIFE_RATIOS = (
     ("hit_ttl/hit", "hit_ttl", "hit"),
     ("mixed_ttl/mixed", "mixed_ttl", "mixed"),
     ("mixed_admit_count/mixed", "mixed_admit_count", "mixed"),
     ("mixed_admit_add/mixed", "mixed_admit_add", "mixed"),
 )
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 
 _MG = np.frombuffer(b"mg ", dtype=np.uint8)
 _V_CRLF = np.frombuffer(b" v\r\n", dtype=np.uint8)
@@ -338,41 +332,6 @@ def naive_keys(namespace: str, table: str, ids: NDArray[np.int64]) -> list[bytes
 # ---------------------------------------------------------------- driver
 
 
-@dataclass(slots=True)
-class Timings:
-    """Seconds per round for each method."""
-
-    rounds: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, method: str, seconds: float) -> None:
-        self.rounds.setdefault(method, []).append(seconds)
-
-    def median(self, method: str) -> float:
-        return statistics.median(self.rounds[method])
-
-
-def unique_id_blocks(rng: np.random.Generator, blocks: int, n: int) -> list[NDArray[np.int64]]:
-    """`blocks` disjoint arrays of n unique random int64 ids (the full int64 range)."""
-    total = blocks * n
-    while True:
-        ids = rng.integers(
-            np.iinfo(np.int64).min,
-            np.iinfo(np.int64).max,
-            size=total,
-            dtype=np.int64,
-            endpoint=True,
-        )
-        if np.unique(ids).shape[0] == total:
-            return [ids[b * n : (b + 1) * n].copy() for b in range(blocks)]
-
-
-def timed_sync(call: Callable[[], object]) -> float:
-    gc.collect()
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
-
-
 def mixed_batch(
     existing: NDArray[np.int64], new: NDArray[np.int64], rng: np.random.Generator
 ) -> NDArray[np.int64]:
@@ -425,22 +384,20 @@ async def bench_dim(
         raise RuntimeError(f"dim {dim}: a mixed batch does not read back through the ceiling")
 
     timings = Timings()
-    for r in progress(rounds, f"dim {dim}"):
-        shift = r % len(METHODS)
-        for method in METHODS[shift:] + METHODS[:shift]:
-            ids = {
-                "create": fresh_blocks[r + 1],
-                "mixed": mixed[r + 2],
-                "mixed_eval": mixed[0],
-            }.get(method, existing)
-            if method == "ceiling":
-                seconds = await timed(partial(ceiling.get, ns, table, ids, shape))
-            elif method == "pymemcache":
-                seconds = timed_sync(partial(pymc.get, ns, table, ids, shape))
-            else:  # lookup, create and the mixed batches: the same call on other ids
-                create = method != "mixed_eval"
-                seconds = await timed(partial(store.lookup, table, ids, create=create))
-            timings.add(method, seconds)
+    for r, method in interleaved(METHODS, rounds, f"dim {dim}"):
+        ids = {
+            "create": fresh_blocks[r + 1],
+            "mixed": mixed[r + 2],
+            "mixed_eval": mixed[0],
+        }.get(method, existing)
+        if method == "ceiling":
+            seconds = await timed(partial(ceiling.get, ns, table, ids, shape))
+        elif method == "pymemcache":
+            seconds = timed_sync(partial(pymc.get, ns, table, ids, shape))
+        else:  # lookup, create and the mixed batches: the same call on other ids
+            create = method != "mixed_eval"
+            seconds = await timed(partial(store.lookup, table, ids, create=create))
+        timings.add(method, seconds)
     return timings
 
 
@@ -477,18 +434,16 @@ async def bench_many_tables(store: EmbeddingStore, *, rounds: int) -> Timings:
             raise RuntimeError("lookup_many and the concurrent lookups read different rows")
 
     timings = Timings()
-    for r in progress(rounds, "26 tables"):
-        shift = r % len(MANY_METHODS)
-        for method in MANY_METHODS[shift:] + MANY_METHODS[:shift]:
-            if method == "many":
-                seconds = await timed(partial(store.lookup_many, existing))
-            elif method == "concurrent":
-                seconds = await timed(partial(concurrent, existing))
-            elif method == "many_mixed":
-                seconds = await timed(partial(store.lookup_many, batches[2 + 2 * r]))
-            else:
-                seconds = await timed(partial(concurrent, batches[3 + 2 * r]))
-            timings.add(method, seconds)
+    for r, method in interleaved(MANY_METHODS, rounds, "26 tables"):
+        if method == "many":
+            seconds = await timed(partial(store.lookup_many, existing))
+        elif method == "concurrent":
+            seconds = await timed(partial(concurrent, existing))
+        elif method == "many_mixed":
+            seconds = await timed(partial(store.lookup_many, batches[2 + 2 * r]))
+        else:
+            seconds = await timed(partial(concurrent, batches[3 + 2 * r]))
+        timings.add(method, seconds)
     return timings
 
 
@@ -521,22 +476,20 @@ async def bench_lifecycle(store: EmbeddingStore, *, n_ids: int, rounds: int) -> 
     await mixed("life_admit", batch(), seen=LIFE_ADMIT_AFTER - 1)
     await mixed("life_ttl", batch())
     timings = Timings()
-    for r in progress(rounds, "lifecycle"):
-        shift = r % len(LIFE_METHODS)
-        for method in LIFE_METHODS[shift:] + LIFE_METHODS[:shift]:
-            if method == "hit":
-                seconds = await timed(partial(store.lookup_many, {"life_plain": existing}))
-            elif method == "hit_ttl":
-                seconds = await timed(partial(store.lookup_many, {"life_ttl": existing}))
-            elif method == "mixed":
-                seconds = await mixed("life_plain", batch())
-            elif method == "mixed_ttl":
-                seconds = await mixed("life_ttl", batch())
-            elif method == "mixed_admit_count":
-                seconds = await mixed("life_admit", batch())
-            else:
-                seconds = await mixed("life_admit", batch(), seen=LIFE_ADMIT_AFTER - 1)
-            timings.add(method, seconds)
+    for _, method in interleaved(LIFE_METHODS, rounds, "lifecycle"):
+        if method == "hit":
+            seconds = await timed(partial(store.lookup_many, {"life_plain": existing}))
+        elif method == "hit_ttl":
+            seconds = await timed(partial(store.lookup_many, {"life_ttl": existing}))
+        elif method == "mixed":
+            seconds = await mixed("life_plain", batch())
+        elif method == "mixed_ttl":
+            seconds = await mixed("life_ttl", batch())
+        elif method == "mixed_admit_count":
+            seconds = await mixed("life_admit", batch())
+        else:
+            seconds = await mixed("life_admit", batch(), seen=LIFE_ADMIT_AFTER - 1)
+        timings.add(method, seconds)
     created = store.created.get("life_admit", 0)
     expected = n_ids + (rounds + 1) * n_new  # existing + the K-th sightings' rows
     if created != expected:
@@ -554,10 +507,8 @@ def bench_keys(namespace: str, table: str, ids: NDArray[np.int64], rounds: int) 
         "naive_loop": lambda: naive_keys(namespace, table, ids),
     }
     timings = Timings()
-    for r in progress(rounds, "key encoding"):
-        shift = r % len(KEY_METHODS)
-        for method in KEY_METHODS[shift:] + KEY_METHODS[:shift]:
-            timings.add(method, timed_sync(calls[method]))
+    for _, method in interleaved(KEY_METHODS, rounds, "key encoding"):
+        timings.add(method, timed_sync(calls[method]))
     return timings
 
 
@@ -619,28 +570,14 @@ def summarize(results: dict[str, Any], n_ids: int) -> dict[str, Any]:
         t: Timings = results[f"dim{dim}"]
         med = {m: t.median(m) for m in METHODS}
         rate = {m: n_ids / med[m] for m in METHODS}
-        paired = {
-            name: paired_ratio(t.rounds[num], t.rounds[den])
-            for name, num, den in (
-                ("lookup/ceiling", "lookup", "ceiling"),
-                ("lookup/pymemcache", "lookup", "pymemcache"),
-                ("create/ceiling", "create", "ceiling"),
-                ("mixed/lookup", "mixed", "lookup"),
-                ("mixed_eval/lookup", "mixed_eval", "lookup"),
-            )
-        }
         summary[f"dim{dim}"] = {
             "seconds_per_round": t.rounds,
             "median_seconds": med,
             "rows_per_s": rate,
-            "ratios": {
-                "lookup/ceiling": rate["lookup"] / rate["ceiling"],
-                "lookup/pymemcache": rate["lookup"] / rate["pymemcache"],
-                "create/ceiling": rate["create"] / rate["ceiling"],
-                "mixed/lookup": rate["mixed"] / rate["lookup"],
-                "mixed_eval/lookup": rate["mixed_eval"] / rate["lookup"],
+            "ratios": {name: rate[num] / rate[den] for name, num, den in RATIOS},
+            "ratios_median_of_paired_rounds": {
+                name: paired_ratio(t.rounds[num], t.rounds[den]) for name, num, den in RATIOS
             },
-            "ratios_median_of_paired_rounds": paired,
             "acceptance": {
                 "lookup/ceiling >= 0.7": rate["lookup"] / rate["ceiling"]
                 >= ACCEPT_LOOKUP_VS_CEILING,
@@ -718,32 +655,28 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
         ok = s["acceptance"]
         lines.append(
             f"  lookup/ceiling    {r['lookup/ceiling']:5.2f}  (paired {p['lookup/ceiling']:.2f})"
-            f"  target >= 0.7: {'met' if ok['lookup/ceiling >= 0.7'] else 'NOT MET'}"
+            f"  target >= 0.7: {met(ok['lookup/ceiling >= 0.7'])}"
         )
         lines.append(
             f"  lookup/pymemcache {r['lookup/pymemcache']:5.2f}  "
             f"(paired {p['lookup/pymemcache']:.2f})"
-            f"  target >= 2:   {'met' if ok['lookup/pymemcache >= 2'] else 'NOT MET'}"
+            f"  target >= 2:   {met(ok['lookup/pymemcache >= 2'])}"
         )
         lines.append(
             f"  create/ceiling    {r['create/ceiling']:5.2f}  (paired {p['create/ceiling']:.2f})"
         )
         lines.extend(
             f"  {name:<17} {r[name]:5.2f}  (paired {p[name]:.2f})"
-            f"  target >= 0.9: {'met' if ok[name + ' >= 0.9'] else 'NOT MET'}"
+            f"  target >= 0.9: {met(ok[name + ' >= 0.9'])}"
             for name in ("mixed/lookup", "mixed_eval/lookup")
         )
     mt = summary["many_tables"]
-    lines.append("")
-    lines.append(
+    lines += _rate_lines(
         f"{mt['tables']} tables x {mt['unique_ids_per_table']} unique ids, dim {mt['dim']} "
-        f"(a training step's lookups)"
-    )
-    lines.append(f"  {'method':<40} {'median ms':>10} {'rows/s':>9}")
-    lines.extend(
-        f"  {MANY_LABELS[x]:<40} {mt['median_seconds'][x] * 1e3:>10.1f} "
-        f"{fmt_rate(mt['rows_per_s'][x]):>9}"
-        for x in MANY_METHODS
+        f"(a training step's lookups)",
+        mt,
+        MANY_METHODS,
+        MANY_LABELS,
     )
     sp, sm = mt["speedup_median_of_paired_rounds"], mt["speedup_of_medians"]
     lines.extend(
@@ -751,17 +684,11 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
         for name in ("concurrent/many", "concurrent_mixed/many_mixed")
     )
     lc = summary["lifecycle"]
-    lines.append("")
-    lines.append(
+    title = (
         f"lifecycle: lookup_many of {n_ids:,} ids of one dim-{lc['dim']} Adam table "
         f"(ttl_s = {lc['ttl_s']}, admit_after = {lc['admit_after']})"
     )
-    lines.append(f"  {'method':<40} {'median ms':>10} {'rows/s':>9}")
-    lines.extend(
-        f"  {LIFE_LABELS[x]:<40} {lc['median_seconds'][x] * 1e3:>10.1f} "
-        f"{fmt_rate(lc['rows_per_s'][x]):>9}"
-        for x in LIFE_METHODS
-    )
+    lines += _rate_lines(title, lc, LIFE_METHODS, LIFE_LABELS)
     lines.extend(
         f"  {name:<28} {lc['ratios'][name]:5.2f}  "
         f"(paired {lc['ratios_median_of_paired_rounds'][name]:.2f})"
@@ -781,7 +708,23 @@ def render_table(summary: dict[str, Any], n_ids: int, rounds: int) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict[str, Any], path: Path, n_ids: int, rounds: int) -> None:
+def _rate_lines(
+    title: str, section: dict[str, Any], methods: tuple[str, ...], labels: dict[str, str]
+) -> list[str]:
+    """A section's head and table: median ms and rows/s per method."""
+    return [
+        "",
+        title,
+        f"  {'method':<40} {'median ms':>10} {'rows/s':>9}",
+        *(
+            f"  {labels[x]:<40} {section['median_seconds'][x] * 1e3:>10.1f} "
+            f"{fmt_rate(section['rows_per_s'][x]):>9}"
+            for x in methods
+        ),
+    ]
+
+
+def plot(summary: dict[str, Any], path: Path, *, n_ids: int, rounds: int) -> None:
     plot_rates(
         summary,
         path,
@@ -794,28 +737,11 @@ def plot(summary: dict[str, Any], path: Path, n_ids: int, rounds: int) -> None:
     )
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15)")
-    parser.add_argument("--ids", type=int, default=None, help="ids per batch (default 65536)")
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 3 rounds of 8,192 ids (unless given)"
-    )
-    parser.add_argument(
-        "--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where store.json/png go"
-    )
-    args = parser.parse_args(argv)
-    if args.rounds is None:
-        args.rounds = 3 if args.quick else 15
-    if args.ids is None:
-        args.ids = 8192 if args.quick else 65536
-    if args.rounds < 1 or args.ids < 1:
-        parser.error("--rounds and --ids must be positive")
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    options = Options(__doc__, quick="3 rounds of 8,192 ids (unless given)")
+    options.count("--rounds", full=15, quick=3, help="timed rounds")
+    options.count("--ids", full=65536, quick=8192, help="ids per batch")
+    args = options.parse(argv)
     import pymemcache
 
     machine = machine_info({"pymemcache": pymemcache.__version__})
@@ -828,7 +754,6 @@ def main(argv: list[str] | None = None) -> int:
     table = render_table(summary, args.ids, args.rounds)
     print(table)
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         **report_head("store", started, machine, code),
         "parameters": {
@@ -862,19 +787,12 @@ def main(argv: list[str] | None = None) -> int:
         },
         **summary,
     }
-    if lookup_table_fingerprint()["sha256_16"] != code["sha256_16"]:
-        # This process kept the code it imported at start (hashed in `code.files`).
-        report["code"]["changed_on_disk_during_run"] = True
-        print(
-            "warning: lookup_table/ changed on disk during the run; the figures belong to "
-            f"the code imported at start (sha256_16 {code['sha256_16']})",
-            file=sys.stderr,
-        )
-    json_path = args.out_dir / "store.json"
-    write_json(json_path, report)
-    png_path = args.out_dir / "store.png"
-    plot(summary, png_path, args.ids, args.rounds)
-    print(f"\nwrote {json_path} and {png_path}")
+    save(
+        report,
+        args.out_dir,
+        code_at_end=lookup_table_fingerprint(),
+        plot=partial(plot, summary, n_ids=args.ids, rounds=args.rounds),
+    )
     return 0
 
 

@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python benchmarks/write_coalescing.py           # 400 batches of the demo's data
-    python benchmarks/write_coalescing.py --quick   # smoke run: 60 batches
+    python -m benchmarks.write_coalescing           # 400 batches of the demo's data
+    python -m benchmarks.write_coalescing --quick   # smoke run: 60 batches
 
 No servers: it replays the demo's training data (`SyntheticSource`, the 26 categorical
 columns, batch 1024) and counts, per push, the unique ids a write-through replica writes
@@ -18,22 +18,17 @@ second half. Results go to `<out-dir>/write_coalescing.json` (default
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import machine_info, report_head, write_json
-
+from benchmarks.harness.data import first_batches
+from benchmarks.harness.options import Options
+from benchmarks.harness.report import machine_info, report_head, save
 from lookup_table.core.hashing import mix64
 from trainer.data.criteo import CATEGORICAL_NAMES
-from trainer.data.synthetic import SyntheticSource
 
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 INTERVALS = (1, 2, 5, 10, 20, 50, 100)
 
 
@@ -47,21 +42,14 @@ def step_keys(batch_features: dict[str, object]) -> np.ndarray:
     return np.unique(np.concatenate(parts))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, default=None, help="default 400")
-    parser.add_argument("--batch-size", type=int, default=1024)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 60 batches")
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    args = parser.parse_args()
-    batches = args.batches or (60 if args.quick else 400)
+def main(argv: list[str] | None = None) -> int:
+    options = Options(__doc__, quick="60 batches")
+    options.count("--batches", full=400, quick=60, help="batches of the demo's data")
+    options.count("--batch-size", full=1024, help="examples a batch")
+    args = options.parse(argv)
+    batches = args.batches
     started = time.time()
-    source = SyntheticSource(max(1_000_000, batches * args.batch_size))
-    steps = []
-    for i, batch in enumerate(source.batches(args.batch_size)):
-        if i >= batches:
-            break
-        steps.append(step_keys(batch.features))
+    steps = [step_keys(batch.features) for batch in first_batches(batches, args.batch_size)]
     if len(steps) < batches:
         raise SystemExit(f"the source gave {len(steps)} batches, {batches} asked")
     half = batches // 2
@@ -98,11 +86,9 @@ def main() -> None:
         "in_any_earlier_push": float(np.mean(in_any)),
         "intervals": rows,
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / "write_coalescing.json"
-    write_json(path, report)
-    print(f"wrote {path}")
+    save(report, args.out_dir)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

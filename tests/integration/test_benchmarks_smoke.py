@@ -1,8 +1,6 @@
-"""The benchmarks must keep running: `benchmarks/store.py --quick`,
-`benchmarks/optimizer.py --quick`, `benchmarks/train.py --quick`,
-`benchmarks/checkpoint.py --quick`, `benchmarks/sizing.py --quick`,
-`benchmarks/scaling.py --quick` and `benchmarks/push_replay.py --quick` end to end (and
-`benchmarks/write_coalescing.py --quick`, which needs no server).
+"""The benchmarks must keep running: `python -m benchmarks.<name> --quick` end to end for
+store, optimizer, train, checkpoint, sizing, scaling and push_replay (and
+write_coalescing, which needs no server).
 
 The figures of a quick run mean nothing (3 rounds of 8,192 or 4,096 ids, or 10
 or 12 training steps); this only checks that each script starts its cluster (and
@@ -35,11 +33,11 @@ RATIOS = (
 def _run_quick(
     name: str, tmp_path: Path, *, timeout_s: float, expect: str, args: Sequence[str] = ()
 ) -> dict[str, Any]:
-    """Run `benchmarks/<name>.py --quick [args]`; check it succeeded and printed `expect`;
-    return its JSON report. On a timeout it gets SIGTERM, so it stops the cluster it
-    started."""
+    """Run `python -m benchmarks.<name> --quick [args]`; check it succeeded and printed
+    `expect`; return its JSON report. On a timeout it gets SIGTERM, so it stops the
+    cluster it started."""
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick", *args]
+        [sys.executable, "-m", f"benchmarks.{name}", "--quick", *args]
         + ["--out-dir", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -150,7 +148,7 @@ def test_optimizer_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
-    """`benchmarks/train.py --quick`: local Keras and a local cluster, 12 steps each."""
+    """`python -m benchmarks.train --quick`: local Keras and a local cluster, 12 steps each."""
     from lookup_table.ops.localcluster import wait_for_port
 
     report = _run_quick("train", tmp_path, timeout_s=270, expect="distributed/local examples/s")
@@ -218,7 +216,7 @@ def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(200)
 def test_checkpoint_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
-    """`benchmarks/checkpoint.py --quick`: 50,000 rows, 2 rounds, both cases."""
+    """`python -m benchmarks.checkpoint --quick`: 50,000 rows, 2 rounds, both cases."""
     report = _run_quick("checkpoint", tmp_path, timeout_s=180, expect="save/ceiling_read")
     assert report["benchmark"] == "checkpoint"
     assert {"timestamp", "machine", "code", "parameters", "acceptance_targets"} <= set(report)
@@ -247,7 +245,7 @@ def test_checkpoint_benchmark_quick_run_writes_its_report(tmp_path: Path) -> Non
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_sizing_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
-    """`benchmarks/sizing.py --quick`: 10,000 rows per case, dims 8/16/64, sgd and adam."""
+    """`python -m benchmarks.sizing --quick`: 10,000 rows per case, dims 8/16/64, sgd and adam."""
     report = _run_quick("sizing", tmp_path, timeout_s=130, expect="GiB of -m per 100M rows")
     assert report["benchmark"] == "sizing"
     assert {"timestamp", "machine", "code", "parameters", "results"} <= set(report)
@@ -278,7 +276,8 @@ def test_sizing_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_scaling_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
-    """`benchmarks/scaling.py --quick`: 1 trainer, then 2, 10 steps each, on fresh clusters."""
+    """`python -m benchmarks.scaling --quick`: 1 trainer, then 2, 10 steps each, on fresh
+    clusters."""
     from lookup_table.ops.localcluster import wait_for_port
 
     report = _run_quick("scaling", tmp_path, timeout_s=130, expect="trainers/core")
@@ -329,7 +328,7 @@ def test_scaling_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(150)
 def test_write_coalescing_benchmark_quick_run_counts_every_interval(tmp_path: Path) -> None:
-    """`benchmarks/write_coalescing.py --quick`: no servers, the demo's data replayed."""
+    """`python -m benchmarks.write_coalescing --quick`: no servers, the demo's data replayed."""
     report = _run_quick("write_coalescing", tmp_path, timeout_s=120, expect="of write-through")
     assert report["benchmark"] == "write_coalescing"
     assert report["parameters"] == {"batches": 60, "batch_size": 1024, "tables": 26}
@@ -345,7 +344,7 @@ def test_write_coalescing_benchmark_quick_run_counts_every_interval(tmp_path: Pa
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_push_replay_benchmark_quick_run_measures_both_cases(tmp_path: Path) -> None:
-    """`benchmarks/push_replay.py --quick --row-flush-pushes 4 --replicas 2`: two fresh
+    """`python -m benchmarks.push_replay --quick --row-flush-pushes 4 --replicas 2`: two fresh
     clusters of two replicas writing rows behind (the reads go through the owners), each
     stopped; every process of each measured, the replicas summed."""
     report = _run_quick(

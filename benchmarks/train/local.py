@@ -1,0 +1,142 @@
+"""The local side: the same model with a `keras.layers.Embedding` per column, trained
+with plain Keras in this process."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.harness.cpu import cpu_snapshot, cpu_usage
+from benchmarks.harness.data import HIDDEN, MODEL_SEED
+from benchmarks.train.steps import timing
+from trainer.data import Batch
+from trainer.metrics import auc, logloss
+
+VOCABULARY = 100_000  # rows per local Keras table
+EMBEDDING_LR = 0.01  # deploy/demo.toml: C1..C26 Adam 0.01
+DENSE_LR = 0.001  # deploy/demo.toml: [optimizer] Adam 0.001
+
+
+def build_local_model(schema: Any, dims: Mapping[str, int]) -> Any:
+    """`build_model("mlp")` with a `keras.layers.Embedding(VOCABULARY, dim)` per column."""
+    import keras
+    from keras import ops
+
+    keras.utils.set_random_seed(MODEL_SEED)
+    inputs: dict[str, Any] = {}
+    embedded = []
+    for column in schema.categorical:
+        inputs[column] = keras.Input(shape=(), dtype="int64", name=column)
+        bucket = ops.mod(inputs[column], VOCABULARY)  # ids are mixed already: a fixed hash
+        layer = keras.layers.Embedding(VOCABULARY, dims[column], name=f"embedding_{column}")
+        embedded.append(layer(bucket))
+    numeric = []
+    for column in schema.numeric:
+        inputs[column] = keras.Input(shape=(), dtype="float32", name=column)
+        numeric.append(ops.expand_dims(inputs[column], -1))
+    x = ops.concatenate(embedded + [ops.concatenate(numeric, axis=-1)], axis=-1)
+    for width in HIDDEN:
+        x = keras.layers.Dense(width, activation="relu")(x)
+    out = keras.layers.Activation("sigmoid")(keras.layers.Dense(1)(x))
+    return keras.Model(inputs, out, name="mlp_local")
+
+
+def dense_weights(model: Any) -> list[Any]:
+    """The trainable weights that are not embedding tables, in creation order."""
+    return [w for w in model.trainable_weights if "embedding" not in w.path]
+
+
+def assign_dense(model: Any, values: Sequence[np.ndarray]) -> None:
+    """Give `model` the initial dense weights `values` (shapes checked)."""
+    weights = dense_weights(model)
+    shapes = [tuple(w.shape) for w in weights]
+    if shapes != [v.shape for v in values]:
+        raise RuntimeError(
+            f"the model's dense weights {shapes} differ from build_model('mlp')'s "
+            f"{[v.shape for v in values]}"
+        )
+    for w, v in zip(weights, values, strict=True):
+        w.assign(v)
+
+
+def save_weights(path: Path, values: Sequence[np.ndarray]) -> None:
+    np.savez(path, *values)
+
+
+def load_weights(path: Path) -> list[np.ndarray]:
+    with np.load(path) as f:
+        return [f[f"arr_{i}"] for i in range(len(f.files))]
+
+
+def run_local(
+    train: Sequence[Batch],
+    evals: Sequence[Batch],
+    schema: Any,
+    dims: Mapping[str, int],
+    *,
+    warmup: int,
+    initial_dense: Sequence[np.ndarray],
+) -> dict[str, Any]:
+    """Train the local Keras model on `train` in this process; time, CPU, eval."""
+    import keras
+    import tensorflow as tf
+
+    model = build_local_model(schema, dims)
+    assign_dense(model, initial_dense)
+    dense_vars = dense_weights(model)
+    emb_vars = [w for w in model.trainable_weights if "embedding" in w.path]
+    emb_opt = keras.optimizers.Adam(learning_rate=EMBEDDING_LR)
+    dense_opt = keras.optimizers.Adam(learning_rate=DENSE_LR)
+    emb_opt.build(emb_vars)
+    dense_opt.build(dense_vars)
+    loss_fn = keras.losses.BinaryCrossentropy()
+    names = [t.name for t in model.inputs]
+    n_emb = len(emb_vars)
+
+    @tf.function(reduce_retracing=True)
+    def step(inputs: Any, labels: Any) -> Any:
+        with tf.GradientTape() as tape:
+            preds = model(inputs, training=True)
+            loss = loss_fn(tf.reshape(labels, (-1, 1)), tf.reshape(preds, (-1, 1)))
+        grads = tape.gradient(loss, emb_vars + dense_vars)
+        emb_opt.apply_gradients(zip(grads[:n_emb], emb_vars, strict=True))
+        dense_opt.apply_gradients(zip(grads[n_emb:], dense_vars, strict=True))
+        return loss
+
+    @tf.function(reduce_retracing=True)
+    def predict(inputs: Any) -> Any:
+        return model(inputs, training=False)
+
+    def tensors(batch: Batch) -> dict[str, Any]:
+        return {n: tf.constant(np.asarray(batch.features[n])) for n in names}
+
+    pids = {"local": os.getpid()}
+    ends: list[float] = []
+    losses: list[float] = []
+    cpu_start: dict[str, Any] | None = None
+    for batch in train:
+        loss = float(step(tensors(batch), tf.constant(batch.labels)))
+        ends.append(time.perf_counter())
+        losses.append(loss)
+        if len(ends) == warmup:
+            cpu_start = cpu_snapshot(pids)
+    cpu_end = cpu_snapshot(pids)
+    if cpu_start is None:
+        raise RuntimeError(f"--warmup {warmup} needs more than {len(train)} steps")
+    preds = np.concatenate([np.asarray(predict(tensors(b))).reshape(-1) for b in evals])
+    labels = np.concatenate([b.labels for b in evals])
+    return {
+        "method": "local",
+        "steps": len(train),
+        **timing(ends, ends[-1], warmup, len(train[0].labels)),
+        "losses": losses,
+        "eval_auc": auc(labels, preds),
+        "eval_logloss": logloss(labels, preds),
+        "eval_examples": int(labels.shape[0]),
+        "cpu": cpu_usage(cpu_start, cpu_end, len(train) - warmup),
+    }

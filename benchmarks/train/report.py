@@ -1,0 +1,245 @@
+"""The summary over rounds, the table printed and the PNG."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.harness.cpu import memcached_work
+from benchmarks.harness.data import HIDDEN, MODEL
+from benchmarks.harness.plot import figure
+from benchmarks.harness.report import met
+from benchmarks.harness.rounds import DISTURBED_SHARE, undisturbed
+
+TARGET_RATIO = 1.0
+TARGET_CPU_RATIO = 1.0  # examples per CPU-second, distributed / local
+TARGET_INFRA_SHARE = 0.6  # (service + memcached CPU) / trainer CPU
+TARGET_AUC_GAP = 0.01
+METHODS = ("local", "distributed")
+LABELS = {"local": "local Keras", "distributed": "distributed"}
+CPU_COLORS = {"optimizer": "tab:green", "memcached-1": "tab:gray", "memcached-2": "silver"}
+
+
+def summarize(
+    rounds: Sequence[Mapping[str, Any]], reference_auc: float, batch_size: int
+) -> dict[str, Any]:
+    by: dict[str, list[Mapping[str, Any]]] = {}
+    out: dict[str, Any] = {}
+    for m in METHODS:
+        tried = [r for r in rounds if r["method"] == m]
+        rs = by[m] = undisturbed(tried)
+        cpu_names = sorted({k for r in rs for k in r["cpu"]["cpu_ms_per_step"]})
+        out[m] = {
+            "rounds_used": [f"{r['round']}.{r['attempt']}" for r in rs],
+            "rounds_run": len(tried),
+            "all_used_rounds_disturbed": all(r["disturbed"] for r in rs),
+            "examples_per_s": statistics.median(r["examples_per_s"] for r in rs),
+            "examples_per_s_rounds": [r["examples_per_s"] for r in rs],
+            "step_ms_median": statistics.median(r["step_ms_median"] for r in rs),
+            "eval_auc": statistics.fmean(r["eval_auc"] for r in rs),
+            "eval_auc_rounds": [r["eval_auc"] for r in rs],
+            "eval_logloss": statistics.fmean(r["eval_logloss"] for r in rs),
+            "final_train_loss_last10": statistics.fmean(
+                statistics.fmean(r["losses"][-10:]) for r in rs
+            ),
+            "cpu_ms_per_step": {
+                k: statistics.median(r["cpu"]["cpu_ms_per_step"][k] for r in rs) for k in cpu_names
+            },
+            "total_cpu_ms_per_step": statistics.median(
+                r["cpu"]["total_cpu_ms_per_step"] for r in rs
+            ),
+            # load-robust: examples per CPU-second of every process taking part
+            "examples_per_cpu_s": statistics.median(
+                batch_size * 1e3 / r["cpu"]["total_cpu_ms_per_step"] for r in rs
+            ),
+            "other_processes_share": statistics.median(
+                r["cpu"]["other_processes_share"] for r in rs
+            ),
+        }
+        memcached = [c for r in rs if (c := r["cpu"].get("memcached_per_step"))]
+        if memcached:
+            out[m]["memcached_per_step"] = {
+                k: statistics.median(c[k] for c in memcached) for k in memcached[0]
+            }
+    ratio = out["distributed"]["examples_per_s"] / out["local"]["examples_per_s"]
+    # rounds are ABBA: pair the k-th local round used with the k-th distributed one
+    paired = statistics.median(
+        d["examples_per_s"] / lo["examples_per_s"]
+        for lo, d in zip(by["local"], by["distributed"], strict=False)
+    )
+    gap = out["distributed"]["eval_auc"] - out["local"]["eval_auc"]
+    out["ratio_distributed_vs_local"] = ratio
+    out["ratio_median_of_paired_rounds"] = paired
+    out["ratio_examples_per_cpu_s"] = (
+        out["distributed"]["examples_per_cpu_s"] / out["local"]["examples_per_cpu_s"]
+    )
+    out["auc_gap_distributed_minus_local"] = gap
+    out["reference_auc_hidden_model"] = reference_auc
+    cpu = out["distributed"]["cpu_ms_per_step"]
+    trainer_ms = cpu.get("trainer", 0.0)
+    infra = sum(v for k, v in cpu.items() if k != "trainer")
+    out["infrastructure_cpu_per_trainer_cpu"] = infra / trainer_ms if trainer_ms else math.nan
+    out["acceptance"] = {
+        f"distributed/local examples/s >= {TARGET_RATIO}": ratio >= TARGET_RATIO,
+        f"|eval AUC gap| <= {TARGET_AUC_GAP}": abs(gap) <= TARGET_AUC_GAP,
+        f"distributed/local examples per CPU-second >= {TARGET_CPU_RATIO}": (
+            out["ratio_examples_per_cpu_s"] >= TARGET_CPU_RATIO
+        ),
+        f"infrastructure CPU / trainer CPU <= {TARGET_INFRA_SHARE}": (
+            out["infrastructure_cpu_per_trainer_cpu"] <= TARGET_INFRA_SHARE
+        ),
+    }
+    return out
+
+
+def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
+    lines = [
+        f"{MODEL} {HIDDEN}, 26 tables dim 16, batch {params['batch_size']}, {params['steps']} "
+        f"steps ({params['warmup']} warm-up steps not timed), {params['rounds']} round(s) each, "
+        f"eval on {params['eval_batches']} held-out batches; distributed: {params['mode']} "
+        f"mode, max_pushes_in_flight {params['pushes_in_flight']}",
+        "rounds used (other processes under "
+        f"{DISTURBED_SHARE * 100:.0f}% of the machine): "
+        + ", ".join(
+            f"{LABELS[m]} {len(summary[m]['rounds_used'])} of {summary[m]['rounds_run']}"
+            + (" (all disturbed)" if summary[m]["all_used_rounds_disturbed"] else "")
+            for m in METHODS
+        ),
+        "",
+        f"{'method':<13} {'examples/s':>10} {'ms/step':>8} {'eval AUC':>9} {'logloss':>8} "
+        f"{'CPU ms/step':>11} {'ex/CPU-s':>9} {'other CPU':>9}",
+    ]
+    for m in METHODS:
+        s = summary[m]
+        lines.append(
+            f"{LABELS[m]:<13} {s['examples_per_s']:>10,.0f} {s['step_ms_median']:>8.1f} "
+            f"{s['eval_auc']:>9.4f} {s['eval_logloss']:>8.4f} {s['total_cpu_ms_per_step']:>11.0f} "
+            f"{s['examples_per_cpu_s']:>9,.0f} {s['other_processes_share']:>9.0%}"
+        )
+    ok = list(summary["acceptance"].values())
+    lines += [
+        "",
+        f"distributed/local examples/s: {summary['ratio_distributed_vs_local']:.2f} "
+        f"(paired rounds {summary['ratio_median_of_paired_rounds']:.2f})  "
+        f"target >= {TARGET_RATIO}: {met(ok[0])}",
+        f"distributed/local examples per CPU-second (all processes; robust to other load): "
+        f"{summary['ratio_examples_per_cpu_s']:.2f}  target >= {TARGET_CPU_RATIO}: "
+        f"{met(ok[2])}",
+        f"eval AUC distributed - local: {summary['auc_gap_distributed_minus_local']:+.4f}  "
+        f"target |gap| <= {TARGET_AUC_GAP}: {met(ok[1])}",
+        f"AUC of the data's noise-free logit on the same batches (ceiling): "
+        f"{summary['reference_auc_hidden_model']:.4f}",
+        "",
+        "distributed CPU ms/step: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in summary["distributed"]["cpu_ms_per_step"].items())
+        + f" (total {summary['distributed']['total_cpu_ms_per_step']:.1f} over "
+        f"{summary['distributed']['step_ms_median']:.0f} ms wall, {os.cpu_count()} cores)",
+        *memcached_lines(summary["distributed"]),
+        f"infrastructure (service + memcached) CPU / trainer CPU: "
+        f"{summary['infrastructure_cpu_per_trainer_cpu']:.2f}  target <= {TARGET_INFRA_SHARE}: "
+        f"{met(ok[3])}",
+    ]
+    return "\n".join(lines)
+
+
+def memcached_lines(side: Mapping[str, Any]) -> list[str]:
+    """The memcached line of a method's summary (`memcached_work`), if it has counters."""
+    per_step = side.get("memcached_per_step")
+    if not per_step:
+        return []
+    cpu = sum(v for k, v in side["cpu_ms_per_step"].items() if k.startswith("memcached-"))
+    return [memcached_work(per_step, cpu)]
+
+
+def _smooth(values: Sequence[float], window: int) -> Any:
+    arr = np.asarray(values, dtype=np.float64)
+    if window <= 1 or arr.shape[0] < window:
+        return arr
+    head = np.cumsum(arr[: window - 1]) / np.arange(1, window)
+    return np.concatenate([head, np.convolve(arr, np.ones(window) / window, mode="valid")])
+
+
+def plot(
+    rounds: Sequence[Mapping[str, Any]],
+    summary: Mapping[str, Any],
+    path: Path,
+    params: Mapping[str, Any],
+) -> None:
+    with figure(
+        path, nrows=1, ncols=3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [2.2, 1, 1.2]}
+    ) as (_, (ax_loss, ax_rate, ax_cpu)):
+        _plot_loss(ax_loss, rounds, summary, params)
+        _plot_rate(ax_rate, summary)
+        _plot_cpu(ax_cpu, summary)
+
+
+_COLORS = {"local": "tab:blue", "distributed": "tab:orange"}
+
+
+def _plot_loss(
+    ax_loss: Any,
+    rounds: Sequence[Mapping[str, Any]],
+    summary: Mapping[str, Any],
+    params: Mapping[str, Any],
+) -> None:
+    colors = _COLORS
+    seen: set[str] = set()
+    window = max(1, min(10, len(rounds[0]["losses"]) // 5))
+    for r in rounds:
+        m = r["method"]
+        steps = np.arange(1, len(r["losses"]) + 1)
+        ax_loss.plot(steps, r["losses"], color=colors[m], alpha=0.15, lw=0.8)
+        ax_loss.plot(
+            steps,
+            _smooth(r["losses"], window),
+            color=colors[m],
+            lw=1.6,
+            label=None if m in seen else f"{LABELS[m]} (AUC {summary[m]['eval_auc']:.4f})",
+        )
+        seen.add(m)
+    ax_loss.axvline(params["warmup"], color="grey", ls=":", lw=1)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel(f"training loss (faint: per step; bold: mean of {window})")
+    ax_loss.set_title(f"loss, batch {params['batch_size']}, same batches")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+
+
+def _plot_rate(ax_rate: Any, summary: Mapping[str, Any]) -> None:
+    colors = _COLORS
+    x = np.arange(len(METHODS))
+    bars = ax_rate.bar(
+        x, [summary[m]["examples_per_s"] for m in METHODS], color=[colors[m] for m in METHODS]
+    )
+    ax_rate.bar_label(bars, fmt="%.0f")
+    for i, m in enumerate(METHODS):
+        pts = summary[m]["examples_per_s_rounds"]
+        ax_rate.plot([i] * len(pts), pts, "k.", ms=5)
+    ax_rate.set_xticks(x, [LABELS[m] for m in METHODS])
+    ax_rate.set_ylabel("examples/s (median of rounds; dots: rounds)")
+    ax_rate.set_title(f"distributed / local = {summary['ratio_distributed_vs_local']:.2f}")
+    ax_rate.grid(alpha=0.3, axis="y")
+
+
+def _plot_cpu(ax_cpu: Any, summary: Mapping[str, Any]) -> None:
+    colors = _COLORS
+    x = np.arange(len(METHODS))
+    for i, m in enumerate(METHODS):
+        bottom = 0.0
+        for k, v in summary[m]["cpu_ms_per_step"].items():
+            color = colors[m] if k in ("local", "trainer") else CPU_COLORS.get(k, "tab:gray")
+            ax_cpu.bar(i, v, bottom=bottom, color=color, edgecolor="white")
+            ax_cpu.text(i, bottom + v / 2, f"{k}\n{v:.0f}", ha="center", va="center", fontsize=7)
+            bottom += v
+        wall = summary[m]["step_ms_median"]
+        ax_cpu.plot([i - 0.4, i + 0.4], [wall * (os.cpu_count() or 1)] * 2, "k--", lw=1)
+    ax_cpu.set_xticks(x, [LABELS[m] for m in METHODS])
+    ax_cpu.set_ylabel("CPU ms per step (dashed: wall ms/step x cores)")
+    ax_cpu.set_title("where the CPU goes")
+    ax_cpu.grid(alpha=0.3, axis="y")
