@@ -29,7 +29,7 @@ per step of this process and of the cluster's processes over the same window
 median of the per-pair ratios keras_fit / trainer. The machine is shared: a round whose
 window saw other processes use more than 15 % of the machine is run again (`--retries`,
 default 2), and each round counts its least disturbed attempt (every attempt stays in
-the report's `rounds`). The target (issue 15): keras_fit
+the report's `rounds`). The target: keras_fit
 within 10 % of trainer (ratio >= 0.9); reported, not enforced.
 
 Results go to `<out-dir>/keras_fit.json` (default `benchmarks/results/`). Any failure

@@ -1,6 +1,6 @@
 """The aiohttp optimizer service: `make_app(config, replica=K)` and `lookup-table-optimizer`.
 
-Endpoints (DESIGN.md "Wire protocol"): `POST /v1/gradients`, `POST /v1/rows` (rows read
+Endpoints (docs/service.md, docs/wire-format.md): `POST /v1/gradients`, `POST /v1/rows` (rows read
 through their owner while they are written behind), `POST /v1/dense/init`,
 `GET /v1/dense`, `GET /v1/version?after=V`, `GET /v1/tables`, `POST /v1/admin/pause`,
 `POST /v1/admin/resume`, `GET /healthz` (JSON), `GET /metrics` (Prometheus text). Every endpoint but

@@ -113,7 +113,7 @@ PLAN = "_plan"  # in `apply`'s result: the write plan of the push this call appl
 # above this many floats per batch (`_computed`), the math runs in a thread: compiled
 # (lookup_table.core.jit), 2^18 floats of Adam take ~0.4 ms, less than the hand-off to a
 # thread costs the replica below that (the demo's pushes, 104,000 floats: ~0.35 ms of
-# CPU a push, in-process, session 26)
+# the replica's CPU a push)
 _OFFLOAD_FLOATS = 1 << 18
 # Rows written behind: a flush also comes once the journals it would clear hold this
 # many bytes, whatever `service.row_flush_pushes` says. They wait in memcached until the
@@ -1215,7 +1215,7 @@ class Updater:
             updates += await self._redone(plan.redo)
         # the jobs return None or set_blobs' stored flags; only their completion matters
         jobs: list[Awaitable[object]] = [self._write_updates(updates)]
-        if plan.dense_switch is not None:  # a journal of the previous service
+        if plan.dense_switch is not None:  # a journal of an older format
             jobs.append(
                 self.dense.switch(
                     plan.dense_switch.current,

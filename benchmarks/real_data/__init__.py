@@ -1,4 +1,4 @@
-"""Benchmark on real data (issue 12's acceptance): UCI Adult and MovieLens-100k from raw CSV.
+"""Benchmark on real data: UCI Adult and MovieLens-100k from raw CSV.
 
 Run from the repository root::
 
@@ -69,7 +69,7 @@ from the first step to the last push applied); keras is epochs x training rows /
 the wall time of `model.fit` (both include the first step's tracing; neither
 includes reading the CSV or evaluation).
 
-The acceptance (issue 12): on each data set, |eval AUC ours - keras| <= 0.005 and
+The acceptance: on each data set, |eval AUC ours - keras| <= 0.005 and
 |eval logloss ours / keras - 1| <= 1 %, judged on the seed-0 runs (the table's rows)
 and, as a check that a verdict is not one seed's luck, on the means over the seeds
 (each side's range is printed too). Results go to `<out-dir>/real_data.json`

@@ -19,7 +19,6 @@ from benchmarks.harness.rounds import DISTURBED_SHARE, undisturbed
 
 TARGET_RATIO = 1.0
 TARGET_CPU_RATIO = 1.0  # examples per CPU-second, distributed / local
-TARGET_INFRA_SHARE = 0.6  # (service + memcached CPU) / trainer CPU
 TARGET_AUC_GAP = 0.01
 METHODS = ("local", "distributed")
 LABELS = {"local": "local Keras", "distributed": "distributed"}
@@ -91,9 +90,6 @@ def summarize(
         f"distributed/local examples per CPU-second >= {TARGET_CPU_RATIO}": (
             out["ratio_examples_per_cpu_s"] >= TARGET_CPU_RATIO
         ),
-        f"infrastructure CPU / trainer CPU <= {TARGET_INFRA_SHARE}": (
-            out["infrastructure_cpu_per_trainer_cpu"] <= TARGET_INFRA_SHARE
-        ),
     }
     return out
 
@@ -142,8 +138,7 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
         f"{summary['distributed']['step_ms_median']:.0f} ms wall, {os.cpu_count()} cores)",
         *memcached_lines(summary["distributed"]),
         f"infrastructure (service + memcached) CPU / trainer CPU: "
-        f"{summary['infrastructure_cpu_per_trainer_cpu']:.2f}  target <= {TARGET_INFRA_SHARE}: "
-        f"{met(ok[3])}",
+        f"{summary['infrastructure_cpu_per_trainer_cpu']:.2f} (reported, no target)",
     ]
     return "\n".join(lines)
 

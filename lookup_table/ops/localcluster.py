@@ -65,10 +65,9 @@ SMALL_ITEM_BYTES = 256
 # evicted, so the segments choose no victim, and the thread's other jobs (slab page
 # rebalancing, scheduling the crawler that reclaims expired TTL rows) are still needed.
 # A HOT segment of up to 70 % (WARM 5 %: HOT + WARM may not pass 80 %) and ages of 100x
-# the COLD tail's keep most written items where they are. At the demo's shape (rows
-# written behind every 20 pushes) this took memcached's CPU a push from 3.9-4.1 to 3.5
-# ms (benchmarks/push_replay.py, 3 alternating pairs; docs/operations.md). 100x, not
-# more: memcached keeps that age in 32 bits, and 100x a year's COLD age still fits.
+# the COLD tail's keep most written items where they are: about 10 % less of
+# memcached's CPU a push at the demo's shape (docs/operations.md). 100x, not more:
+# memcached keeps that age in 32 bits, and 100x a year's COLD age still fits.
 LRU_OPTIONS = "hot_lru_pct=70,warm_lru_pct=5,hot_max_factor=100,warm_max_factor=100"
 
 
@@ -78,11 +77,9 @@ def local_threads(nodes: int) -> int:
     least 1, at most 4.
 
     A node's worker threads share its hash table's and LRU's locks; where they outnumber
-    the cores the node can have, they wait on each other instead of working. On a
-    2-core machine with 2 nodes (the demo's), -t 1 instead of 2 took memcached's CPU a push
-    from 3.9 / 3.6 to 3.2 / 3.1 ms (benchmarks/push_replay.py, 2 alternating pairs) and a
-    train.py step from 6.5 / 7.1 to 5.7 / 5.7 ms for both nodes (2 alternating pairs);
-    `store.py` read 65,536 rows the same within its noise. A dedicated memcached host
+    the cores the node can have, they wait on each other instead of working: on a
+    2-core machine with 2 nodes (the demo's), -t 1 instead of 2 costs memcached about
+    15 % less CPU a push and a training step, and reads are as fast. A dedicated memcached host
     takes `-t` about its cores (deploy/systemd/memcached.env, deploy/k8s).
     """
     try:

@@ -124,7 +124,7 @@ def test_optimizer_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None
     params = report["parameters"]
     assert (params["rounds"], params["ids_per_push"], params["quick"]) == (3, 4096, True)
     assert params["dims"] == [16, 64]
-    assert report["acceptance_targets"] == {"http/inprocess": 0.8}  # issue 14
+    assert report["acceptance_targets"] == {"http/inprocess": 0.8}
     assert params["cache_mb"] == 0  # the row cache off: the baseline makes the same reads
 
     for dim in (16, 64):
@@ -166,7 +166,6 @@ def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     assert report["acceptance_targets"] == {
         "distributed/local examples/s": 1.0,
         "distributed/local examples per CPU-second": 1.0,
-        "infrastructure CPU / trainer CPU": 0.6,
         "abs eval AUC gap": 0.01,
     }
 
@@ -201,7 +200,7 @@ def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     )
     assert summary["ratio_examples_per_cpu_s"] > 0
     assert 0.5 < summary["reference_auc_hidden_model"] <= 1
-    assert len(summary["acceptance"]) == 4
+    assert len(summary["acceptance"]) == 3
     assert (tmp_path / "train.png").stat().st_size > 0
 
     # the cluster was stopped: nothing listens on its ports any more

@@ -1,6 +1,6 @@
 """No lost and no doubled update: 8 client processes, 2 optimizer replicas, hot rows.
 
-Issue 8, items 1 and 2. Eight `python -m tests.reliability._pusher` processes start
+Eight `python -m tests.reliability._pusher` processes start
 together behind a barrier and push 200 steps each through `OptimizerClient` (which
 splits every push by replica) to two optimizer replicas (real subprocesses) over a
 fresh 2-node memcached cluster. Ids are Zipf-hot, so most pushes hit the same rows

@@ -1,4 +1,4 @@
-"""A memcached node lost, full or stopped while a real trainer trains (issue 8, items 3, 4, 7).
+"""A memcached node lost, full or stopped while a real trainer trains.
 
 End to end: `trainer.Trainer` (a small mlp over two `DistributedEmbedding` tables,
 synthetic batches) -> memcached, and trainer -> optimizer service (a subprocess) ->
