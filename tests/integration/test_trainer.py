@@ -344,6 +344,11 @@ def _train_in_turns(
         }
 
         async def stored() -> dict[str, Any]:
+            # a pause writes what the replica holds behind: memcached alone may be one
+            # timed flush behind in one run and not in the other
+            async with OptimizerClient(config) as client:
+                await client.pause(timeout_s=30)
+                await client.resume()
             async with EmbeddingStore(config) as store:
                 return {t: await store.lookup(t, i, create=False) for t, i in ids.items()}
 

@@ -239,16 +239,22 @@ def delete_keys(address: str, keys: Sequence[bytes]) -> None:
 
 
 async def metadump_keys(address: str) -> list[bytes]:
-    """Every key on a node, raw (memcached URL-encodes them in `lru_crawler metadump`)."""
+    """Every key on a node, raw (memcached URL-encodes them in `lru_crawler metadump`).
+
+    The hash walk lists every item that exists during the whole dump; the LRU walk
+    (`all`, for a memcached without `hash`) can miss one its LRU maintainer is moving."""
     host, port = host_port(address)
     data = b""
+    walk = b"hash"
     for _ in range(50):
         reader, writer = await asyncio.open_connection(host, port)
         try:
-            writer.write(b"lru_crawler metadump all\r\n")
+            writer.write(b"lru_crawler metadump " + walk + b"\r\n")
             await writer.drain()
             data = b""
-            while not (data.endswith(b"END\r\n") or data.startswith((b"BUSY", b"ERROR"))):
+            while not (
+                data.endswith(b"END\r\n") or data.startswith((b"BUSY", b"ERROR", b"CLIENT_ERROR"))
+            ):
                 chunk = await asyncio.wait_for(reader.read(1 << 16), timeout=5)
                 if not chunk:
                     break
@@ -262,6 +268,8 @@ async def metadump_keys(address: str) -> list[bytes]:
                 for line in data.splitlines()
                 if line.startswith(b"key=")
             ]
+        if data.startswith((b"ERROR", b"CLIENT_ERROR")):
+            walk = b"all"  # an older memcached
         await asyncio.sleep(0.05)  # the crawler is busy: try again
     raise AssertionError(f"lru_crawler metadump on {address} never finished: {data[:200]!r}")
 
