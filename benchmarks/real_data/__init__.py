@@ -56,7 +56,7 @@ are a function of (table seed, id), the same for every seed).
   real local cluster: 2 memcached nodes and 1 optimizer replica from `python -m
   lookup_table.ops.localcluster up` (always stopped), from a cluster file (fresh ports and
   namespace, `[optimizer]` adam lr 0.001) whose `[[tables]]` are what `lookup-table-train
-  --print-tables --dim 16` prints for the columns (checked: one per categorical and
+  --print-tables --tables-only --dim 16` prints for the columns (checked: one per categorical and
   multivalued column, `id_type = "string"`, dim 16, the default initializer uniform
   +-0.05). The CLI reads the CSV files itself and standardizes the numeric columns:
   `--data csv:train.csv --eval-data csv:eval.csv --label ... --categorical ...

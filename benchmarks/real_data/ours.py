@@ -49,7 +49,7 @@ def _column_options(ds: Dataset) -> list[str]:
 
 
 def print_tables(ds: Dataset, train_path: Path) -> str:
-    """The `[[tables]]` TOML that `lookup-table-train --print-tables` prints for `ds`."""
+    """The `[[tables]]` TOML that `lookup-table-train --print-tables --tables-only` prints."""
     cmd = [sys.executable, "-m", "trainer.cli", "--print-tables", "--tables-only"]
     cmd += ["--data", f"csv:{train_path}"]
     cmd += [*_column_options(ds), "--dim", str(EMBEDDING_DIM)]
