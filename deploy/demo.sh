@@ -66,7 +66,10 @@ text = urllib.request.urlopen(sys.argv[1], timeout=10).read().decode()
 keep = ("lookup_table_pushes_total", "lookup_table_rows_updated_total{table=\"C1\"",
         "lookup_table_rejected_pushes_total", "lookup_table_push_latency_seconds_count",
         "lookup_table_push_latency_seconds_sum", "lookup_table_version",
-        "lookup_table_node_items", "lookup_table_node_fill_ratio", "lookup_table_node_evictions")
+        "lookup_table_node_items", "lookup_table_node_fill_ratio", "lookup_table_node_evictions",
+        "lookup_table_info", "lookup_table_worker_examples_total",
+        "lookup_table_worker_last_push_timestamp_seconds", "lookup_table_worker_loss",
+        "lookup_table_unwritten_rows")
 for line in text.splitlines():
     if line.startswith(keep):
         print("   ", line)
