@@ -270,6 +270,19 @@ def test_synthetic_golden_values() -> None:
     assert np.flatnonzero(batch.labels).tolist() == [5]
 
 
+def test_a_text_label_says_to_write_it_as_numbers(tmp_path: Path) -> None:
+    """Raw files often spell the class (">50K"): the error says what a label must be."""
+    path = tmp_path / "adult.csv"
+    path.write_text("age,income\n30,<=50K\n40,>50K\n")
+    source = CsvSource(path, label="income", numeric=["age"])
+    with pytest.raises(
+        DataError,
+        match=r"row 1, column 'income': cannot parse '<=50K': labels "
+        r"are numbers .* write the label column as 0/1 first",
+    ):
+        list(source.batches(2, split="all"))
+
+
 def test_eval_split_golden_positions(tmp_path: Path) -> None:
     """Pinned: which examples are held out (by position, for every source)."""
     path = tmp_path / "rows.csv"

@@ -158,7 +158,11 @@ def _parse_labels(
         try:
             out = np.array(values, dtype=np.float64).astype(np.float32)
         except ValueError:
-            raise _bad_value(values, float, path, column, first_row) from None
+            bad = _bad_value(values, float, path, column, first_row)
+            raise DataError(
+                f"{bad}: labels are numbers (0 and 1 for a click or a class); write the "
+                f"label column as 0/1 first (e.g. 1 where {column} is the positive class)"
+            ) from None
     if not np.isfinite(out).all():
         row = first_row + int(np.flatnonzero(~np.isfinite(out))[0]) + 1
         raise DataError(f"{path}: row {row}, label column {column!r}: not a finite number")
