@@ -28,6 +28,7 @@ from lookup_table.config import ClusterConfig, parse_config
 from lookup_table.ops.localcluster import (
     LRU_OPTIONS,
     MemcachedProcess,
+    free_port,
     memcached_cluster,
     stop_process,
     wait_for_port,
@@ -124,6 +125,32 @@ async def written(config: ClusterConfig, *, timeout_s: float = 30.0) -> None:
     async with OptimizerClient(config) as client:
         await client.pause(timeout_s=timeout_s)
         await client.resume()
+
+
+async def serve_replica(config: ClusterConfig, aiohttp_server: Any, replica: int) -> Any:
+    """Replica `replica` of `config`: the real app, on its port of `config.optimizers`."""
+    from prometheus_client import CollectorRegistry
+
+    from optimizer_service.app import make_app
+
+    port = int(config.optimizers[replica].rsplit(":", 1)[1])
+    return await aiohttp_server(
+        make_app(config, replica=replica, registry=CollectorRegistry()), port=port
+    )
+
+
+async def serve_replicas(
+    nodes: list[str], aiohttp_server: Any, *, count: int = 2
+) -> tuple[ClusterConfig, list[Any]]:
+    """A fresh namespace of SERVICE_TABLES (sentinels written) served by `count` replicas
+    on free ports: (its config, their test servers)."""
+    ports = [free_port() for _ in range(count)]
+    config = make_config(
+        nodes, tables=SERVICE_TABLES, optimizers=[f"http://127.0.0.1:{p}" for p in ports]
+    )
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+    return config, [await serve_replica(config, aiohttp_server, k) for k in range(count)]
 
 
 def worker_metrics(config: ClusterConfig, name: str) -> dict[str, float]:

@@ -40,27 +40,22 @@ def _plot_evals(
     """Periodic evaluations as markers joined by a dashed line, the final one as a star."""
     periodic = [e for e in evals if not e.get("final")]
     final = [e for e in evals if e.get("final")]
-    if periodic:
-        ax.plot(
-            [e["step"] for e in periodic],
-            [e[key] for e in periodic],
-            linestyle="--",
-            marker="o",
-            markersize=4,
-            color=color,
-            label=label,
-        )
-    if final:
-        ax.plot(
-            [e["step"] for e in final],
-            [e[key] for e in final],
-            linestyle="none",
-            marker="*",
-            markersize=13,
-            color=color,
-            markeredgecolor="black",
-            label=None if periodic else label,
-        )
+    styles: list[tuple[list[Mapping[str, Any]], dict[str, Any]]] = [
+        (periodic, {"linestyle": "--", "marker": "o", "markersize": 4, "label": label}),
+        (
+            final,
+            {
+                "linestyle": "none",
+                "marker": "*",
+                "markersize": 13,
+                "markeredgecolor": "black",
+                "label": None if periodic else label,
+            },
+        ),
+    ]
+    for points, style in styles:
+        if points:
+            ax.plot([e["step"] for e in points], [e[key] for e in points], color=color, **style)
 
 
 def plot_training(summaries: Sequence[Mapping[str, Any]], path: str | Path) -> Path:

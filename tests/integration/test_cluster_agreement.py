@@ -5,16 +5,16 @@ and the replicas' rows stay as they were; a push of another file is refused (409
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
 
 from lookup_table import EmbeddingStore
 from lookup_table.client import OptimizerClient
@@ -22,10 +22,14 @@ from lookup_table.config import ClusterConfig, SGDConfig, StoreConfig, load_conf
 from lookup_table.core.sharding import owner_of
 from lookup_table.core.wire import encode_array, encode_ids, pack
 from lookup_table.errors import ClusterMismatchError, ConfigError
-from lookup_table.ops.localcluster import free_port
-from optimizer_service.app import make_app
-from tests.conftest import SERVICE_TABLES, make_config, written
-from tests.integration.test_keras_fit import _cluster, _data, _readme_model, _service_state
+from tests.conftest import serve_replica, serve_replicas, written
+from tests.integration.test_keras_fit import (
+    _cluster,
+    _data,
+    _item_count,
+    _readme_model,
+    _service_state,
+)
 from tests.integration.test_trainer import _cluster_file, _running, _train
 
 pytestmark = pytest.mark.integration
@@ -33,27 +37,12 @@ pytestmark = pytest.mark.integration
 IDS = np.arange(40, dtype=np.int64)
 
 
-async def _serve(config: ClusterConfig, aiohttp_server: Any, k: int) -> Any:
-    port = int(config.optimizers[k].rsplit(":", 1)[1])
-    return await aiohttp_server(
-        make_app(config, replica=k, registry=CollectorRegistry()), port=port
-    )
-
-
 @pytest.fixture
 async def running(
     memcached_nodes: list[str], aiohttp_server: Any
 ) -> tuple[ClusterConfig, list[Any]]:
     """Two replicas of one cluster file, serving: (the file, their servers)."""
-    ports = [free_port(), free_port()]
-    config = make_config(
-        memcached_nodes,
-        tables=SERVICE_TABLES,
-        optimizers=[f"http://127.0.0.1:{p}" for p in ports],
-    )
-    async with EmbeddingStore(config) as store:
-        await store.write_sentinels()
-    return config, [await _serve(config, aiohttp_server, k) for k in range(2)]
+    return await serve_replicas(memcached_nodes, aiohttp_server)
 
 
 def _table(config: ClusterConfig, name: str, **changes: Any) -> ClusterConfig:
@@ -195,7 +184,7 @@ async def test_a_replica_restarted_with_another_file_refuses_the_next_push(
         await client.push({"user": (ids[:2], grads[:2])})
         await servers[0].close()
         other = _table(config, "user", optimizer=SGDConfig(learning_rate=0.05))
-        await _serve(other, aiohttp_server, 0)
+        await serve_replica(other, aiohttp_server, 0)
         with pytest.raises(ClusterMismatchError) as info:
             await client.push({"user": (ids[2:], grads[2:])})
     message = str(info.value)
@@ -248,13 +237,17 @@ async def test_a_raw_push_of_another_file_is_409_and_writes_nothing(
 # ------------------------------------------------------------------ real trainers
 
 
-def _items(config: ClusterConfig) -> int:
-    async def count() -> int:
-        async with EmbeddingStore(config) as store:
-            stats = await store.stats()
-        return sum(int(s["curr_items"]) for s in stats.values())
+@contextlib.contextmanager
+def _compiled(model: Any, config: ClusterConfig) -> Iterator[None]:
+    """`model` compiled with a RemoteOptimizer of `config`, which is closed afterwards."""
+    from lookup_table.keras import RemoteOptimizer
 
-    return asyncio.run(count())
+    optimizer = RemoteOptimizer(config)
+    model.compile(optimizer=optimizer, loss="binary_crossentropy")
+    try:
+        yield
+    finally:
+        optimizer.close()
 
 
 @pytest.mark.timeout(300)
@@ -271,7 +264,7 @@ def test_the_trainer_cli_refuses_a_copy_of_the_file_with_another_learning_rate(
         text = path.read_text()
         assert text.count("learning_rate = 0.02") == 26
         copy.write_text(text.replace("learning_rate = 0.02", "learning_rate = 0.5", 1))
-        items = _items(config)
+        items = _item_count(config)
         proc = _train(copy, tmp_path / "out.json", worker=0, workers=1, steps=4)
         out = proc.communicate(timeout=240)[0]
         assert proc.returncode == 1, out[-3000:]
@@ -280,7 +273,7 @@ def test_the_trainer_cli_refuses_a_copy_of_the_file_with_another_learning_rate(
             "replica 0's" in out
         ), out[-3000:]
         assert "restart the replicas with this one (deploy/cluster.sh down/up" in out
-        assert _items(config) == items
+        assert _item_count(config) == items
         assert not (tmp_path / "out.json").exists()
 
 
@@ -296,19 +289,13 @@ def test_model_fit_refuses_another_namespace_continues_its_own_and_names_dense_c
     (logged); a model of other layer names gets the real causes."""
     import keras
 
-    from lookup_table.keras import RemoteOptimizer
-
     path = _cluster(tmp_path, "keras")
     with _running(path, tmp_path / "run"):
         config = load_config(path)
         x, y = _data(512, seed=1)
         model = _readme_model(config)
-        optimizer = RemoteOptimizer(config)
-        model.compile(optimizer=optimizer, loss="binary_crossentropy")
-        try:
+        with _compiled(model, config):
             model.fit(x, y, batch_size=128, epochs=1, verbose=0)
-        finally:
-            optimizer.close()
         ids = {"C1": np.unique(x["C1"]), "C2": np.unique(x["C2"])}
         rows, dense = _service_state(config, ids)
 
@@ -319,20 +306,15 @@ def test_model_fit_refuses_another_namespace_continues_its_own_and_names_dense_c
                 await store.write_sentinels()
 
         asyncio.run(init())
-        items = _items(config)
+        items = _item_count(config)
         model = _readme_model(moved)
-        optimizer = RemoteOptimizer(moved)
-        model.compile(optimizer=optimizer, loss="binary_crossentropy")
-        try:
-            with pytest.raises(ClusterMismatchError) as info:
-                model.fit(x, y, batch_size=128, epochs=1, verbose=0)
-        finally:
-            optimizer.close()
+        with _compiled(model, moved), pytest.raises(ClusterMismatchError) as info:
+            model.fit(x, y, batch_size=128, epochs=1, verbose=0)
         assert (
             f'namespace: "{moved.namespace}" in this trainer\'s cluster file, '
             f'"{config.namespace}" in replica 0\'s' in str(info.value)
         )
-        assert _items(config) == items  # neither namespace got a row
+        assert _item_count(config) == items  # neither namespace got a row
         after_rows, after_dense = _service_state(config, ids)
         for table in ids:
             np.testing.assert_array_equal(after_rows[table], rows[table])
@@ -341,12 +323,8 @@ def test_model_fit_refuses_another_namespace_continues_its_own_and_names_dense_c
 
         caplog.set_level(logging.INFO, logger="lookup_table.session")
         model = _readme_model(config, seed=1)
-        optimizer = RemoteOptimizer(config)
-        model.compile(optimizer=optimizer, loss="binary_crossentropy")
-        try:
+        with _compiled(model, config):
             model.fit(x, y, batch_size=128, epochs=1, verbose=0)
-        finally:
-            optimizer.close()
         continuing = [r for r in caplog.records if "continuing namespace" in r.getMessage()]
         assert len(continuing) == 1 and continuing[0].levelno == logging.WARNING
         assert re.fullmatch(
@@ -364,13 +342,8 @@ def test_model_fit_refuses_another_namespace_continues_its_own_and_names_dense_c
         x2 = DistributedEmbedding(config.table("C2"))(c2)
         hidden = keras.layers.Dense(16)(keras.layers.Concatenate()([x1, x2]))  # unnamed
         other = keras.Model({"C1": c1, "C2": c2}, keras.layers.Dense(1, name="out")(hidden))
-        optimizer = RemoteOptimizer(config)
-        other.compile(optimizer=optimizer, loss="binary_crossentropy")
-        try:
-            with pytest.raises(ConfigError) as refused:
-                other.fit(x, y, batch_size=128, epochs=1, verbose=0)
-        finally:
-            optimizer.close()
+        with _compiled(other, config), pytest.raises(ConfigError) as refused:
+            other.fit(x, y, batch_size=128, epochs=1, verbose=0)
         message = str(refused.value)
         assert "initialized by a model with other layer names" in message, message
         assert "['dense/bias', 'dense/kernel'] (2 in all) are not among them" in message

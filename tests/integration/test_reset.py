@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,13 @@ from lookup_table.config import ClusterConfig, load_config
 from lookup_table.core.keys import as_ids, encode_keys
 from lookup_table.ops.admin import main
 from lookup_table.ops.localcluster import free_port
-from tests.reliability.harness import cluster_file, memcache_client, metadump_keys
+from tests.reliability.harness import (
+    cluster_file,
+    localcluster,
+    memcache_client,
+    metadump_keys,
+    process_running,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -55,26 +59,6 @@ DENSE = {"kernel": np.ones((3, 2), np.float32), "bias": np.zeros(2, np.float32)}
 NEW_DENSE = {"kernel": np.full((3, 2), 2.0, np.float32), "bias": np.ones(2, np.float32)}
 
 
-def _cluster(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lookup_table.ops.localcluster", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited
-        return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
 def _admin(*argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()
@@ -87,12 +71,12 @@ def running(tmp_path: Path) -> Iterator[tuple[Path, ClusterConfig]]:
     nodes = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     path = cluster_file(tmp_path, nodes, free_port(), tables=TABLES, sections=SECTIONS)
     args = ["--config", str(path), "--run-dir", str(tmp_path / "run"), "--memory-mb", "16"]
-    up = _cluster("up", *args, cwd=tmp_path)
+    up = localcluster("up", *args, cwd=tmp_path)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         yield path, load_config(path)
     finally:
-        down = _cluster("down", *args, cwd=tmp_path)
+        down = localcluster("down", *args, cwd=tmp_path)
         assert down.returncode == 0, down.stderr
 
 
@@ -231,7 +215,7 @@ async def test_reset_needs_yes_and_refuses_while_a_replica_does_not_answer(
     pid = int((tmp_path / "run" / f"optimizer-127.0.0.1-{port}.pid").read_text())
     os.kill(pid, signal.SIGTERM)
     for _ in range(200):
-        if not _alive(pid):
+        if not process_running(pid):
             break
         await asyncio.sleep(0.05)
     code, out, err = await asyncio.to_thread(
@@ -241,7 +225,7 @@ async def test_reset_needs_yes_and_refuses_while_a_replica_does_not_answer(
     assert "not running (it reads the empty namespace when it starts)" in out
     assert await _namespace_keys(config) == _sentinels(config)
     args = ["--config", str(path), "--run-dir", str(tmp_path / "run"), "--memory-mb", "16"]
-    up = await asyncio.to_thread(_cluster, "up", *args, cwd=tmp_path)
+    up = await asyncio.to_thread(localcluster, "up", *args, cwd=tmp_path)
     assert up.returncode == 0, up.stdout + up.stderr
     async with OptimizerClient(config) as client:
         assert await client.version() == 0

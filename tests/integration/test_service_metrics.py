@@ -24,7 +24,7 @@ from lookup_table.config import ClusterConfig
 from lookup_table.core.wire import CONTENT_TYPE, encode_array, encode_ids, pack
 from lookup_table.errors import ConfigError
 from optimizer_service.app import UPDATER, make_app
-from tests.conftest import SERVICE_TABLES, make_config, written
+from tests.conftest import SERVICE_TABLES, make_config, serve_replicas, written
 
 pytestmark = pytest.mark.integration
 
@@ -215,9 +215,22 @@ def _push_request(
     return head.encode() + body
 
 
-def _went_away(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+async def _assert_went_away(
+    config: ClusterConfig, caplog: pytest.LogCaptureFixture, detail: str
+) -> None:
+    """No push counted as 500, no error logged, and one INFO line without a traceback:
+    the client went away during the push (`detail`: what the line says of it)."""
+    assert (await _closed_requests(config))[1] == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
-    return [r for r in caplog.records if "client went away" in r.getMessage()]
+    [line] = [r for r in caplog.records if "client went away" in r.getMessage()]
+    assert line.levelno == logging.INFO and line.exc_info is None
+    assert line.getMessage() == f"client went away during POST /v1/gradients ({detail})"
+
+
+async def _retry(config: ClusterConfig, push_id: str) -> dict[str, Any]:
+    """The trainer's retry of `push_id` (worker 1, the same gradients)."""
+    async with OptimizerClient(config, worker=1) as client:
+        return await client.push({"user": (_IDS, _GRADS)}, push_id=push_id)
 
 
 async def _closed_requests(config: ClusterConfig) -> tuple[float, float]:
@@ -252,15 +265,9 @@ async def test_a_push_cut_mid_body_is_not_applied_and_no_error(
         return (await _closed_requests(config))[0] == 1
 
     await _until(counted)
-    assert (await _closed_requests(config))[1] == 0
-    [line] = _went_away(caplog)
-    assert line.levelno == logging.INFO and line.exc_info is None
-    assert line.getMessage() == (
-        "client went away during POST /v1/gradients (before its body was read)"
-    )
+    await _assert_went_away(config, caplog, "before its body was read")
     np.testing.assert_array_equal(await _rows(config), before)
-    async with OptimizerClient(config, worker=1) as client:
-        retry = await client.push({"user": (_IDS, _GRADS)}, push_id="cut-1")
+    retry = await _retry(config, "cut-1")
     assert retry["applied"] and not retry["duplicate"]
     np.testing.assert_array_equal(await _rows(config), before - _LR * _GRADS)
 
@@ -301,15 +308,9 @@ async def test_a_client_gone_before_the_answer_leaves_the_push_applied_once(
         )
 
     await _until(counted)
-    assert (await _closed_requests(config))[1] == 0
-    [line] = _went_away(caplog)
-    assert line.levelno == logging.INFO and line.exc_info is None
-    assert line.getMessage() == (
-        "client went away during POST /v1/gradients (worker 1, push_id gone-1)"
-    )
+    await _assert_went_away(config, caplog, "worker 1, push_id gone-1")
     np.testing.assert_array_equal(await _rows(config), before - _LR * _GRADS)
-    async with OptimizerClient(config, worker=1) as client:
-        retry = await client.push({"user": (_IDS, _GRADS)}, push_id="gone-1")
+    retry = await _retry(config, "gone-1")
     assert retry["duplicate"] and not retry["applied"]
     np.testing.assert_array_equal(await _rows(config), before - _LR * _GRADS)
     await written(config)
@@ -323,18 +324,8 @@ async def test_a_push_to_two_replicas_counts_its_examples_once(
     """The stats go with the part of the lowest replica a push reaches: summed over the
     replicas, each example counts once; every part counts as a push of its replica."""
     from lookup_table.core.sharding import owner_of
-    from lookup_table.ops.localcluster import free_port
 
-    ports = [free_port(), free_port()]
-    config = make_config(
-        memcached_nodes,
-        tables=SERVICE_TABLES,
-        optimizers=[f"http://127.0.0.1:{p}" for p in ports],
-    )
-    async with EmbeddingStore(config) as store:
-        await store.write_sentinels()
-    for k, port in enumerate(ports):
-        await aiohttp_server(make_app(config, replica=k, registry=CollectorRegistry()), port=port)
+    config, _ = await serve_replicas(memcached_nodes, aiohttp_server)
     ids = np.arange(40, dtype=np.int64)
     owners = owner_of("user", ids, 2)
     assert set(owners.tolist()) == {0, 1}

@@ -49,6 +49,13 @@ def _env() -> dict[str, str]:
     return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONUNBUFFERED": "1"}
 
 
+def _run(cmd: list[str], *, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """`cmd` in the repository, quiet TensorFlow, its output captured."""
+    return subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=_env(), check=False
+    )
+
+
 def _signature_inputs(batch: Any) -> dict[str, Any]:
     """A raw batch as the SavedModel's serving_default takes it (ragged: values, lengths)."""
     import tensorflow as tf
@@ -96,15 +103,7 @@ def test_save_model_serves_raw_rows_as_the_trained_model_predicts(
     out = tmp_path / "summary.json"
     cmd = _cli(people_cluster, "--data", f"csv:{train}", "--eval-data", f"csv:{evals}")
     cmd += ["--batch-size", "128", "--epochs", "2", "--output", str(out)]
-    done = subprocess.run(
-        [*cmd, "--save-model", str(saved)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env=_env(),
-        check=False,
-    )
+    done = _run([*cmd, "--save-model", str(saved)], timeout=400)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "wrote the SavedModel" in done.stderr
     summary = json.loads(out.read_text())
@@ -145,23 +144,13 @@ def test_save_model_serves_raw_rows_as_the_trained_model_predicts(
     ):
         if args[0] == "export":
             args += ["--out", str(again)]
-        step = subprocess.run(
-            [*tool, *args], cwd=REPO, capture_output=True, text=True, env=_env(), check=False
-        )
+        step = _run([*tool, *args])
         assert step.returncode == 0, step.stdout + step.stderr
     np.testing.assert_allclose(_served(again, raw_batches), trained, atol=1e-5, rtol=0)
 
     # bad input: the target exists -> refused before training, nothing written
     started = time.monotonic()
-    refused = subprocess.run(
-        [*cmd, "--save-model", str(saved)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=200,
-        env=_env(),
-        check=False,
-    )
+    refused = _run([*cmd, "--save-model", str(saved)], timeout=200)
     assert refused.returncode == 1, refused.stderr[-2000:]
     assert f"--save-model {saved}: it exists and is not an empty directory" in refused.stderr
     assert "numeric statistics" not in refused.stderr and time.monotonic() - started < 60

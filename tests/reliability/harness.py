@@ -305,3 +305,27 @@ def rss_bytes(pid: int | None) -> int | None:
             assert unit == "kB", line
             return int(value) * 1024
     return None  # a zombie has no VmRSS line
+
+
+def process_running(pid: int) -> bool:
+    """Running: neither gone nor a zombie (exited; init reaps the processes `up` started,
+    whose parent has exited, in its own time)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+def localcluster(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`python -m lookup_table.ops.localcluster ARGS` (what `deploy/cluster.sh` runs), its
+    output captured, in `cwd`."""
+    return subprocess.run(
+        [sys.executable, "-m", "lookup_table.ops.localcluster", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )

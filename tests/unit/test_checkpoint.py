@@ -380,3 +380,19 @@ def test_run_blocking_returns_the_result_with_or_without_a_running_loop() -> Non
 
 async def _raise_inside(run_blocking: Any, where: Any) -> None:
     run_blocking(where(fail=True))
+
+
+@pytest.mark.parametrize("name", ["save_checkpoint", "restore_checkpoint"])
+def test_the_sync_save_and_restore_take_their_async_twins_parameters(name: str) -> None:
+    """`save_checkpoint` and `restore_checkpoint` are plain functions of their own name and
+    docstring, with the parameters of `*_async` (keyword-only tunables included)."""
+    import inspect
+
+    from lookup_table.ops import checkpoint
+
+    sync, coro_fn = getattr(checkpoint, name), getattr(checkpoint, name + "_async")
+    assert sync.__name__ == name and not inspect.iscoroutinefunction(sync)
+    assert inspect.signature(sync) == inspect.signature(coro_fn)
+    params = inspect.signature(sync).parameters.values()
+    assert [p.name for p in params if p.kind is p.KEYWORD_ONLY][-2:] == ["batch_ids", "progress"]
+    assert f"`{name}_async` instead" in (sync.__doc__ or "")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from tqdm import tqdm
 
@@ -17,12 +18,14 @@ __all__ = [
     "DEFAULT_BATCH_IDS",
     "DEFAULT_PAUSE_TIMEOUT_S",
     "WINDOW",
+    "blocking_twin",
     "progress_bar",
     "run_blocking",
     "run_bounded",
 ]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 DEFAULT_BATCH_IDS = 32_768
 DEFAULT_PAUSE_TIMEOUT_S = 3600.0
@@ -74,3 +77,18 @@ def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lookup-table-run") as pool:
         return pool.submit(asyncio.run, coro).result()
+
+
+def blocking_twin(
+    coro_fn: Callable[P, Coroutine[Any, Any, T]], *, name: str, doc: str
+) -> Callable[P, T]:
+    """The blocking function `name` of the coroutine function `coro_fn`: the same parameters
+    (mypy and `inspect.signature` see `coro_fn`'s), run to the end with `run_blocking`."""
+
+    @functools.wraps(coro_fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        return run_blocking(coro_fn(*args, **kwargs))
+
+    run.__name__ = run.__qualname__ = name
+    run.__doc__ = doc
+    return run

@@ -43,8 +43,8 @@ from lookup_table.ops.checkpoint.pipeline import (
     DEFAULT_BATCH_IDS,
     DEFAULT_PAUSE_TIMEOUT_S,
     WINDOW,
+    blocking_twin,
     progress_bar,
-    run_blocking,
     run_bounded,
 )
 from lookup_table.ops.checkpoint.verify import verify_checkpoint
@@ -53,28 +53,6 @@ from lookup_table.store import EmbeddingStore
 __all__ = ["restore_checkpoint", "restore_checkpoint_async"]
 
 logger = logging.getLogger(__name__)
-
-
-def restore_checkpoint(
-    config: ClusterConfig,
-    directory: str | os.PathLike[str],
-    *,
-    force: bool = False,
-    pause: bool = True,
-    batch_ids: int = DEFAULT_BATCH_IDS,
-    progress: bool | None = None,
-) -> dict[str, Any]:
-    """Restore a checkpoint into the namespace and nodes of `config`; return a summary.
-
-    Returns when the restore is done, also where an event loop runs (Jupyter: the
-    restore runs on a private thread's loop meanwhile). Async code awaits
-    `restore_checkpoint_async` instead, which takes the same arguments.
-    """
-    return run_blocking(
-        restore_checkpoint_async(
-            config, directory, force=force, pause=pause, batch_ids=batch_ids, progress=progress
-        )
-    )
 
 
 async def restore_checkpoint_async(
@@ -162,6 +140,18 @@ async def restore_checkpoint_async(
         "seconds": seconds,
         "rows_per_s": rows / seconds if seconds > 0 else 0.0,
     }
+
+
+restore_checkpoint = blocking_twin(
+    restore_checkpoint_async,
+    name="restore_checkpoint",
+    doc="""Restore a checkpoint into the namespace and nodes of `config`; return a summary.
+
+    Returns when the restore is done, also where an event loop runs (Jupyter: the
+    restore runs on a private thread's loop meanwhile). Async code awaits
+    `restore_checkpoint_async` instead, which takes the same arguments.
+    """,
+)
 
 
 class _PausedReplicas:

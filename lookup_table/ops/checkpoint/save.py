@@ -69,8 +69,8 @@ from lookup_table.ops.checkpoint.pipeline import (
     DEFAULT_BATCH_IDS,
     DEFAULT_PAUSE_TIMEOUT_S,
     WINDOW,
+    blocking_twin,
     progress_bar,
-    run_blocking,
     run_bounded,
 )
 from lookup_table.store import EmbeddingStore
@@ -140,33 +140,6 @@ def _check_placement(
         )
 
 
-def save_checkpoint(
-    config: ClusterConfig,
-    directory: str | os.PathLike[str],
-    *,
-    pause: bool = True,
-    pause_timeout_s: float = DEFAULT_PAUSE_TIMEOUT_S,
-    batch_ids: int = DEFAULT_BATCH_IDS,
-    progress: bool | None = None,
-) -> dict[str, Any]:
-    """Save the namespace of `config` into the new directory `directory`; return the manifest.
-
-    Returns when the checkpoint is written, also where an event loop runs (Jupyter: the
-    save runs on a private thread's loop meanwhile). Async code awaits
-    `save_checkpoint_async` instead, which takes the same arguments (module docstring).
-    """
-    return run_blocking(
-        save_checkpoint_async(
-            config,
-            directory,
-            pause=pause,
-            pause_timeout_s=pause_timeout_s,
-            batch_ids=batch_ids,
-            progress=progress,
-        )
-    )
-
-
 async def save_checkpoint_async(
     config: ClusterConfig,
     directory: str | os.PathLike[str],
@@ -230,6 +203,18 @@ async def save_checkpoint_async(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+save_checkpoint = blocking_twin(
+    save_checkpoint_async,
+    name="save_checkpoint",
+    doc="""Save the namespace of `config` into the new directory `directory`; return the manifest.
+
+    Returns when the checkpoint is written, also where an event loop runs (Jupyter: the
+    save runs on a private thread's loop meanwhile). Async code awaits
+    `save_checkpoint_async` instead, which takes the same arguments (module docstring).
+    """,
+)
 
 
 class _Held:
