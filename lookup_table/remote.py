@@ -38,7 +38,7 @@ import tensorflow as tf
 
 from lookup_table.config import ClusterConfig, parse_config
 from lookup_table.errors import ConfigError, PushRejectedError
-from lookup_table.keras import DistributedEmbedding, distributed_layers
+from lookup_table.layer import DistributedEmbedding, distributed_layers
 from lookup_table.session import (
     WHOLE,
     FedLayer,

@@ -85,7 +85,7 @@ from lookup_table.core.keys import IdArray, as_ids
 from lookup_table.errors import ConfigError, ExportTooLargeError
 
 if TYPE_CHECKING:
-    from lookup_table.keras import DistributedEmbedding
+    from lookup_table.layer import DistributedEmbedding
     from lookup_table.session import TrainingSession
 
 __all__ = [
@@ -516,7 +516,7 @@ def _int_sentinels(ids: NDArray[np.int64]) -> tuple[int, int, int]:
 
 
 def _embedding_layers(model: keras.Model) -> list[DistributedEmbedding]:
-    from lookup_table.keras import DistributedEmbedding
+    from lookup_table.layer import DistributedEmbedding
 
     return [
         layer
@@ -598,7 +598,7 @@ def _weighted_sparse(
     segments = inputs.indices[:, 0]
     groups = inputs.dense_shape[0]
     emb = tf.gather(table, index)
-    from lookup_table.keras import combine_segments  # keras.py imports this module
+    from lookup_table.layer import combine_segments
 
     w = weights * tf.cast(index < num_rows, tf.float32)
     return combine_segments(emb * w[:, None], w, segments, groups, layer.combiner)

@@ -22,10 +22,12 @@ LAYERS = [
     ("lookup_table.store", 4),
     ("lookup_table.dense", 4),
     ("lookup_table.client", 5),
-    ("lookup_table.keras", 5),
+    ("lookup_table.layer", 5),  # DistributedEmbedding
     ("lookup_table.session", 5),  # the cluster side of training (store, client, layers)
     ("lookup_table.remote", 5),  # RemoteOptimizer: Keras' model.fit on the session
-    ("lookup_table.serving", 5),  # keras.py re-exports its export_saved_model
+    # a bound model's export snapshots the cluster as a checkpoint does (ops/)
+    ("lookup_table.serving", 6),
+    ("lookup_table.keras", 6),  # the Keras facade: layer, optimizer, export, callback
     ("lookup_table", 6),  # the package itself (lazy re-exports) and ops/
     ("optimizer_service", 7),
     ("trainer", 8),

@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
 def _export_saved_model(args: argparse.Namespace) -> None:
     import keras
 
-    from lookup_table.keras import DistributedEmbedding
+    from lookup_table.layer import DistributedEmbedding
     from lookup_table.ops.checkpoint.savedmodel import export_checkpoint_saved_model
 
     if not args.model:

@@ -166,7 +166,7 @@ def export_checkpoint_saved_model(
         ExportTooLargeError: the export would not fit in memory.
         ConfigError: see `export_saved_model`.
     """
-    from lookup_table.keras import DistributedEmbedding
+    from lookup_table.layer import DistributedEmbedding
     from lookup_table.serving import check_export_memory, export_saved_model
 
     if dense not in DENSE_SOURCES:
