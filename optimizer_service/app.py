@@ -36,6 +36,7 @@ from lookup_table.errors import (
 from lookup_table.store import EmbeddingStore
 from optimizer_service.admin import post_pause, post_resume
 from optimizer_service.appkeys import CONFIG, METRICS, REPLICA, STORE, UPDATER
+from optimizer_service.engine.updater import Updater
 from optimizer_service.errors import UnauthorizedError
 from optimizer_service.handlers import (
     get_dense,
@@ -57,7 +58,6 @@ from optimizer_service.responses import (
     count_went_away,
     error_answer,
 )
-from optimizer_service.updater import Updater
 
 __all__ = ["CONFIG", "METRICS", "REPLICA", "STORE", "UPDATER", "main", "make_app"]
 

@@ -30,8 +30,9 @@ from lookup_table.core.wire import (
 )
 from lookup_table.errors import LookupTableError
 from optimizer_service.appkeys import CONFIG, METRICS, REPLICA, STORE, UPDATER
+from optimizer_service.engine.plan import WritePlan
+from optimizer_service.engine.updater import PLAN
 from optimizer_service.errors import BadRequestError, NotOwnerError
-from optimizer_service.plan import WritePlan
 from optimizer_service.push import Push, check_sender, parse_push, parse_rows_request
 from optimizer_service.responses import (
     COUNTED,
@@ -41,7 +42,6 @@ from optimizer_service.responses import (
     json_error,
     msgpack_response,
 )
-from optimizer_service.updater import PLAN
 
 __all__ = [
     "float_query",

@@ -39,9 +39,9 @@ from lookup_table.errors import ReplicaUnavailableError, StoreFullError
 from lookup_table.ops.admin import reinit_cluster
 from lookup_table.ops.localcluster import MemcachedProcess
 from optimizer_service.app import STORE, UPDATER, make_app
-from optimizer_service.journal import Journal
-from optimizer_service.plan import WritePlan
-from optimizer_service.updater import Updater
+from optimizer_service.engine.journal import Journal
+from optimizer_service.engine.plan import WritePlan
+from optimizer_service.engine.updater import Updater
 from tests.conftest import SERVICE_TABLES, make_config
 from tests.reliability.harness import memcache_client
 

@@ -29,10 +29,10 @@ from lookup_table.core.optimizers import make_optimizer
 from lookup_table.core.wire import decode_array, encode_ids, pack, unpack
 from lookup_table.errors import ClusterMismatchError, PushRejectedError
 from optimizer_service.app import UPDATER, make_app
+from optimizer_service.engine.journal import MAX_JOURNAL_SLOTS, Journal
+from optimizer_service.engine.updater import Updater
 from optimizer_service.errors import NotOwnerError
-from optimizer_service.journal import MAX_JOURNAL_SLOTS, Journal
 from optimizer_service.push import parse_push, parse_rows_request
-from optimizer_service.updater import Updater
 from tests.conftest import make_config, node_stat
 from tests.integration.test_service import _body
 
@@ -165,7 +165,7 @@ async def test_a_flush_comes_early_once_the_journals_waiting_for_it_hold_their_b
     """The journals of pushes written behind wait in memcached until a flush: however many
     pushes `row_flush_pushes` allows, once they hold `KEPT_JOURNAL_BYTES` the push that
     took them there starts the flush, which writes the rows and clears them."""
-    import optimizer_service.updater as updater_module
+    import optimizer_service.engine.updater as updater_module
 
     config, _, updater, ref, rng = await _replica(
         memcached_nodes, aiohttp_server, 2, row_flush_pushes=50
@@ -599,8 +599,8 @@ def test_a_journal_written_behind_keeps_values_where_steps_are_not_exact() -> No
     """Per table: gradients and steps for Adam while every new step is exact in float32
     (at most 2**24); the new values for a row past it, and for optimizers without a step
     (the newest value wins at a replay)."""
-    from optimizer_service.journal import decode_journal, encode_journal
-    from optimizer_service.plan import TableUpdate, WritePlan
+    from optimizer_service.engine.journal import decode_journal, encode_journal
+    from optimizer_service.engine.plan import TableUpdate, WritePlan
 
     ids = np.array([3, 5], dtype=np.int64)
     grads = np.ones((2, 2), np.float32)
@@ -630,8 +630,8 @@ def test_a_journal_written_behind_groups_the_tables_of_one_dim() -> None:
     concatenated; they decode to each table's own ids, gradients and steps, in the same
     bits. String ids, values and other dims stay entries of their own; a group whose
     counts do not add up is refused."""
-    from optimizer_service.journal import decode_journal, encode_journal
-    from optimizer_service.plan import TableUpdate, WritePlan
+    from optimizer_service.engine.journal import decode_journal, encode_journal
+    from optimizer_service.engine.plan import TableUpdate, WritePlan
 
     rng = np.random.default_rng(5)
 

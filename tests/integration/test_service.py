@@ -24,8 +24,8 @@ from lookup_table.core.optimizers.sgd import SGD
 from lookup_table.core.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
 from lookup_table.errors import StoreFullError
 from lookup_table.memcached.node import Node
-from optimizer_service import updater as updater_module
 from optimizer_service.app import UPDATER, make_app
+from optimizer_service.engine import updater as updater_module
 from optimizer_service.errors import NotOwnerError
 from optimizer_service.push import parse_push
 from tests.conftest import SERVICE_TABLES, make_config, raw_client, written

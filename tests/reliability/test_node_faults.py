@@ -46,7 +46,7 @@ from lookup_table.errors import (
 from lookup_table.ops.admin import init_cluster
 from lookup_table.ops.checkpoint import save_checkpoint, save_checkpoint_async
 from lookup_table.ops.localcluster import MemcachedProcess, free_port, start_memcached
-from optimizer_service.journal import JOURNAL_SLOTS
+from optimizer_service.engine.journal import JOURNAL_SLOTS
 from tests.conftest import written
 from tests.reliability.harness import (
     REPO,
@@ -634,9 +634,9 @@ async def test_failed_journaled_write_fails_other_pushes_fast_then_finishes_once
     answers StoreFullError, replays the push in the background, and meanwhile fails fast
     (not waits, possibly forever) for a push that needs its rows, or a journal slot when
     every slot is held so. Once the node has room, the push lands exactly once."""
-    from optimizer_service import journal
+    from optimizer_service.engine import journal
+    from optimizer_service.engine.updater import Updater
     from optimizer_service.push import Push, TableGrads
-    from optimizer_service.updater import Updater
     from tests.conftest import make_config
 
     monkeypatch.setattr(journal, "JOURNAL_SLOTS", 1)  # one stuck push holds every slot
@@ -729,8 +729,8 @@ async def test_full_node_stops_training_written_behind_and_loses_nothing() -> No
     evicted. With room again, each refused push, retried, applies exactly once, and the
     next flush writes every row at its newest value."""
     from lookup_table.core.optimizers import make_optimizer
+    from optimizer_service.engine.updater import Updater
     from optimizer_service.push import Push, TableGrads
-    from optimizer_service.updater import Updater
     from tests.conftest import make_config
 
     big = start_memcached(memory_mb=64)
@@ -820,8 +820,8 @@ async def test_unfinished_push_blocks_a_save_and_a_restore_drops_it(
 
     from lookup_table.errors import CheckpointError
     from lookup_table.ops.checkpoint import restore_checkpoint_async
-    from optimizer_service import journal
     from optimizer_service.app import UPDATER, make_app
+    from optimizer_service.engine import journal
     from tests.conftest import make_config
 
     monkeypatch.setattr(journal, "JOURNAL_SLOTS", 1)

@@ -79,9 +79,9 @@ from lookup_table.core.wire import (
 from lookup_table.errors import DataLossError, StoreError
 from lookup_table.memcached.protocol import Wire
 from lookup_table.store import EmbeddingStore
+from optimizer_service.engine.locks import LockSet, RowLocks
+from optimizer_service.engine.plan import DenseSwitch, TableRedo, TableStep, TableUpdate, WritePlan
 from optimizer_service.errors import UnavailableError
-from optimizer_service.locks import LockSet, RowLocks
-from optimizer_service.plan import DenseSwitch, TableRedo, TableStep, TableUpdate, WritePlan
 
 __all__ = [
     "JOURNAL_CHUNK_BYTES",

@@ -91,10 +91,9 @@ from lookup_table.core.wire import encode_array, encode_ids, unpack
 from lookup_table.dense import DenseLogError, DenseParams
 from lookup_table.errors import DataLossError
 from lookup_table.store import EmbeddingStore, TableRead, TableWrite
-from optimizer_service.errors import BadRequestError, NotOwnerError
-from optimizer_service.journal import JOURNAL_SLOTS, IncompleteJournalError, Journal
-from optimizer_service.locks import LockSet, RowLocks
-from optimizer_service.plan import (
+from optimizer_service.engine.journal import JOURNAL_SLOTS, IncompleteJournalError, Journal
+from optimizer_service.engine.locks import LockSet, RowLocks
+from optimizer_service.engine.plan import (
     TableRedo,
     TableStep,
     TableUpdate,
@@ -102,8 +101,9 @@ from optimizer_service.plan import (
     shares,
     stacked,
 )
+from optimizer_service.engine.sync import SyncRounds
+from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.push import Push, TableGrads
-from optimizer_service.sync import SyncRounds
 
 __all__ = ["PLAN", "Updater"]
 
