@@ -11,7 +11,7 @@ On startup the replica connects to memcached and finishes its journal (pushes
 that were journaled but not completed when it last stopped) *before* it serves.
 
 This module builds the app (the factory, the error and auth middleware) and runs it
-(`main`); the route handlers are in `handlers` and `admin`, the push path in `updater`.
+(`main`); the route handlers are in `handlers` and `admin`, the push path in `engine`.
 """
 
 from __future__ import annotations

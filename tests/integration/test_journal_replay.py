@@ -100,12 +100,12 @@ async def test_a_replay_finishes_a_push_whose_items_were_written_in_part_exactly
         await updater.store.set_many(writes)
         raise ConnectionResetError("simulated crash in the middle of the rows")
 
-    updater._write_updates = stop_part_way  # type: ignore[method-assign]
+    updater.items.write = stop_part_way  # type: ignore[method-assign]
     push_id = uuid.uuid4().hex
     body = _body(push_id, {"t": (ids, grads), "s": (words, wgrads)})
     with pytest.raises(ConnectionResetError):
         await updater.apply(parse_push(unpack(body), config=config))
-    for task in list(updater._finishers):
+    for task in list(updater.state.finishers):
         task.cancel()  # the dead process's background replay never runs
     await server.close()
 
@@ -126,7 +126,7 @@ async def test_a_replay_finishes_a_push_whose_items_were_written_in_part_exactly
     # the crash left some items new, others old
     assert (mid_rows == want_rows).all(axis=1).tolist() != [True] * 12
 
-    caplog.set_level(logging.WARNING, logger="optimizer_service.engine.updater")
+    caplog.set_level(logging.WARNING, logger="optimizer_service.engine.recovery")
     restarted = await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
     assert "replaying journaled push" in caplog.text
     assert "differ from the journaled" not in caplog.text  # every recomputation matched
@@ -138,7 +138,7 @@ async def test_a_replay_finishes_a_push_whose_items_were_written_in_part_exactly
         np.testing.assert_array_equal(got_slots, want_slots)
         assert [await journal.read(s) for s in range(journal.slots)] == [None] * journal.slots
     retry = await restarted.app[UPDATER].apply(parse_push(unpack(body), config=config))
-    assert retry["duplicate"]
+    assert retry.duplicate
 
 
 async def _initial(config: Any, ids: Any) -> Any:
@@ -233,17 +233,17 @@ async def test_a_replay_of_an_expired_rows_push_starts_from_fresh_slots_as_the_p
     async def crash(*_: Any) -> None:
         raise ConnectionResetError("simulated crash between the journal and the rows")
 
-    updater._write_updates = crash  # type: ignore[method-assign]
+    updater.items.write = crash  # type: ignore[method-assign]
     grads = rng.standard_normal((4, 8), dtype=np.float32)
     with pytest.raises(ConnectionResetError):
         await updater.apply(
             parse_push(unpack(_body(uuid.uuid4().hex, {"t": (ids, grads)})), config=config)
         )
-    for task in list(updater._finishers):
+    for task in list(updater.state.finishers):
         task.cancel()
     await server.close()
 
-    caplog.set_level(logging.WARNING, logger="optimizer_service.engine.updater")
+    caplog.set_level(logging.WARNING, logger="optimizer_service.engine.recovery")
     await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
     assert "replaying journaled push" in caplog.text
     assert "differ from the journaled" not in caplog.text
@@ -337,10 +337,10 @@ async def test_a_replay_never_steps_an_id_whose_gradient_admission_dropped(
         )
         raise ConnectionResetError("simulated crash in the middle of the rows")
 
-    updater._write_updates = stop_part_way  # type: ignore[method-assign]
+    updater.items.write = stop_part_way  # type: ignore[method-assign]
     with pytest.raises(ConnectionResetError):
         await updater.apply(parse_push(unpack(_body("p", {"t": (ids, grads)})), config=config))
-    for task in list(updater._finishers):
+    for task in list(updater.state.finishers):
         task.cancel()
     await server.close()
     async with EmbeddingStore(config) as store:
@@ -426,7 +426,7 @@ async def test_a_done_pushs_header_over_a_later_pushs_chunks_is_cleared_at_start
     memcached_nodes: list[str], aiohttp_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     config = await _torn_journal(memcached_nodes, "finished", done=True)
-    caplog.set_level(logging.WARNING, logger="optimizer_service.engine.updater")
+    caplog.set_level(logging.WARNING, logger="optimizer_service.engine.recovery")
     await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
     assert "fails its checksum; its push is done: cleared" in caplog.text
     async with EmbeddingStore(config) as store:
@@ -463,7 +463,7 @@ async def test_a_push_whose_optimizer_step_fails_writes_no_journal_header_and_no
     async def fails(*_: Any, **__: Any) -> None:
         raise FloatingPointError("simulated: the optimizer's step failed")
 
-    updater._computed = fails  # type: ignore[method-assign]
+    updater.stepper.step_tables = fails  # type: ignore[method-assign]
     grads = np.ones((30_000, 8), dtype=np.float32)
     caplog.set_level(logging.WARNING)
     with pytest.raises(FloatingPointError):
