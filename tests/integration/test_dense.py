@@ -5,7 +5,7 @@ Each update writes its gradients' log; a generation is written every
 restarted replica rebuilds what was not flushed from the logs of the journaled pushes.
 
 Real memcached and the real aiohttp app. Failures are simulated by replacing one step
-of the updater (as `test_service.py` does for `_write_updates`), never memcached.
+of the updater (as `test_service.py` does for `items.write`), never memcached.
 """
 
 from __future__ import annotations
