@@ -18,7 +18,7 @@ measures rows/s updated by one push of random float32 gradients for those ids:
   encoding and msgpack on the client, HTTP over loopback, and in the service
   process `parse_push` (validation, finiteness, `segment_sum`), the done-record
   check, row locks, reading rows + slots, Adam (in a worker thread above
-  `_OFFLOAD_FLOATS`), the journal, writing rows + slots, the done record and
+  `engine.stepping.OFFLOAD_FLOATS`), the journal, writing rows + slots, the done record and
   clearing the journal: the whole exactly-once path.
 * `inprocess`: the bare work in this process, on the same rows: one
   `store.get` of the rows with their slots (one request per node, as the

@@ -67,7 +67,7 @@ from lookup_table.ops.localcluster import MemcachedProcess, memcached_cluster
 from lookup_table.ops.stats import table_stats
 from lookup_table.store import EmbeddingStore
 from optimizer_service.app import make_app
-from optimizer_service.journal import JOURNAL_SLOTS
+from optimizer_service.engine.journal import JOURNAL_SLOTS
 
 DIMS = (8, 16, 64)
 OPTIMIZERS = ("sgd", "adam")

@@ -11,7 +11,7 @@ On startup the replica connects to memcached and finishes its journal (pushes
 that were journaled but not completed when it last stopped) *before* it serves.
 
 This module builds the app (the factory, the error and auth middleware) and runs it
-(`main`); the route handlers are in `handlers` and `admin`, the push path in `updater`.
+(`main`); the route handlers are in `handlers` and `admin`, the push path in `engine`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from lookup_table.errors import (
 from lookup_table.store import EmbeddingStore
 from optimizer_service.admin import post_pause, post_resume
 from optimizer_service.appkeys import CONFIG, METRICS, REPLICA, STORE, UPDATER
+from optimizer_service.engine.updater import Updater
 from optimizer_service.errors import UnauthorizedError
 from optimizer_service.handlers import (
     get_dense,
@@ -57,7 +58,6 @@ from optimizer_service.responses import (
     count_went_away,
     error_answer,
 )
-from optimizer_service.updater import Updater
 
 __all__ = ["CONFIG", "METRICS", "REPLICA", "STORE", "UPDATER", "main", "make_app"]
 

@@ -6,8 +6,8 @@ from aiohttp import web
 
 from lookup_table.config import ClusterConfig
 from lookup_table.store import EmbeddingStore
+from optimizer_service.engine.updater import Updater
 from optimizer_service.metrics import ServiceMetrics
-from optimizer_service.updater import Updater
 
 __all__ = ["CONFIG", "METRICS", "REPLICA", "STORE", "UPDATER"]
 

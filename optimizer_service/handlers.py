@@ -30,8 +30,8 @@ from lookup_table.core.wire import (
 )
 from lookup_table.errors import LookupTableError
 from optimizer_service.appkeys import CONFIG, METRICS, REPLICA, STORE, UPDATER
+from optimizer_service.engine.plan import Applied, WritePlan
 from optimizer_service.errors import BadRequestError, NotOwnerError
-from optimizer_service.plan import WritePlan
 from optimizer_service.push import Push, check_sender, parse_push, parse_rows_request
 from optimizer_service.responses import (
     COUNTED,
@@ -41,7 +41,6 @@ from optimizer_service.responses import (
     json_error,
     msgpack_response,
 )
-from optimizer_service.updater import PLAN
 
 __all__ = [
     "float_query",
@@ -95,7 +94,7 @@ async def post_gradients(request: web.Request) -> web.StreamResponse:
     applying = asyncio.ensure_future(_apply(request, push))
     applying.add_done_callback(_retrieve)
     result = await asyncio.shield(applying)
-    return msgpack_response({k: v for k, v in result.items() if k != PLAN})
+    return msgpack_response(result.to_wire())
 
 
 async def post_rows(request: web.Request) -> web.Response:
@@ -134,11 +133,11 @@ async def post_rows(request: web.Request) -> web.Response:
 
 async def _apply(
     request: web.Request, push: Push, on_plan: Callable[[WritePlan], None] | None = None
-) -> dict[str, Any]:
+) -> Applied:
     metrics = request.app[METRICS]
     with metrics.push_latency.time():
         result = await request.app[UPDATER].apply(push, on_plan=on_plan)
-    if result["duplicate"]:
+    if result.duplicate:
         metrics.duplicates.inc()
         metrics.pushes.labels(status="duplicate").inc()
     else:
@@ -163,16 +162,16 @@ async def _answered(request: web.Request, push: Push) -> web.StreamResponse:
     either: list[asyncio.Future[Any]] = [applying, planned]
     await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     if planned.done():
-        first = await updater.answer(push, {PLAN: planned.result()})
+        first = await updater.answer(push, planned.result())
     else:  # a duplicate, a sync round, or an error: nothing was sent yet
-        first = await updater.answer(push, applying.result())
+        first = await updater.answer(push, applying.result().plan)
     response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
     response[COUNTED] = True
     await response.prepare(request)
     await response.write(pack_view(first))
     try:
         result = await asyncio.shield(applying)
-        outcome = {k: v for k, v in result.items() if k != PLAN}
+        outcome = result.to_wire()
         status, reason = 200, None
     except Exception as exc:
         status, outcome, reason = error_answer(exc)

@@ -5,7 +5,7 @@ Each update writes its gradients' log; a generation is written every
 restarted replica rebuilds what was not flushed from the logs of the journaled pushes.
 
 Real memcached and the real aiohttp app. Failures are simulated by replacing one step
-of the updater (as `test_service.py` does for `_write_updates`), never memcached.
+of the updater (as `test_service.py` does for `items.write`), never memcached.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from lookup_table.errors import ReplicaUnavailableError, StoreFullError
 from lookup_table.ops.admin import reinit_cluster
 from lookup_table.ops.localcluster import MemcachedProcess
 from optimizer_service.app import STORE, UPDATER, make_app
-from optimizer_service.journal import Journal
-from optimizer_service.plan import WritePlan
-from optimizer_service.updater import Updater
+from optimizer_service.engine.journal import Journal
+from optimizer_service.engine.plan import WritePlan
+from optimizer_service.engine.updater import Updater
 from tests.conftest import SERVICE_TABLES, make_config
 from tests.reliability.harness import memcache_client
 
@@ -143,7 +143,7 @@ async def _logs_present(config: ClusterConfig, versions: range) -> list[int]:
 
 async def _flushed(server: TestServer) -> None:
     """Wait for the replica's background flush of the dense parameters, if one runs."""
-    task = server.app[UPDATER]._flushing
+    task = server.app[UPDATER].dense_flushes.flushing
     if task is not None:
         async with asyncio.timeout(10):
             await task
@@ -158,7 +158,7 @@ async def _die(server: TestServer) -> None:
     updater = server.app[UPDATER]
     await _flushed(server)
     updater.dense.flush = no_flush  # type: ignore[method-assign]
-    for task in list(updater._finishers):
+    for task in list(updater.state.finishers):
         task.cancel()  # the dead process's background replay never runs
     await server.close()
 
@@ -483,7 +483,7 @@ async def test_a_push_journaled_before_its_writes_is_finished_by_the_next_replic
     async def crash(*_: Any, **__: Any) -> None:
         raise ConnectionResetError("simulated crash between the journal and the writes")
 
-    updater._write_plan = crash  # type: ignore[method-assign]  # the process "dies" here
+    updater.writes.write_plan = crash  # type: ignore[method-assign]  # the process "dies" here
     push_id = uuid.uuid4().hex
     async with OptimizerClient(config, max_retries=0) as client:
         with pytest.raises(ReplicaUnavailableError, match="ConnectionResetError"):
@@ -610,10 +610,10 @@ async def test_a_dense_push_waits_for_the_replay_of_a_failed_dense_write(
         _FailingVersionWrite(updater.store, monkeypatch, fail_calls=1, slow_s=0.5)
         with pytest.raises(StoreFullError, match="simulated"):
             await client.push({}, dense=a)
-        assert len(updater._finishers) == 1
+        assert len(updater.state.finishers) == 1
         result = await client.push({}, dense=b)
         assert result["applied"] and result["version"] == 2
-        assert not updater._finishers
+        assert not updater.state.finishers
         await client.pause(timeout_s=30)  # flushes: memcached then holds what is served
         await client.resume()
         version, params = await client.dense()
@@ -651,7 +651,7 @@ async def test_a_dense_push_fails_fast_while_a_failed_dense_write_keeps_failing(
 
         failing.heal()
         async with asyncio.timeout(15):
-            await asyncio.wait(set(updater._finishers))
+            await asyncio.wait(set(updater.state.finishers))
         assert updater.locks.held == 0
         result = await client.push({}, dense=c)
         assert result["applied"] and result["version"] == 2

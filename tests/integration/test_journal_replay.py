@@ -2,7 +2,7 @@
 
 The journal carries a push's summed gradients and a change witness per id (one word of
 its item, the row and slots, that the push changes, with its bits before the push), not
-the new values (optimizer_service/plan.py). A write that fails part-way can leave any
+the new values (optimizer_service/engine/plan.py). A write that fails part-way can leave any
 id's item written or not: every mix, plus rows never created, must end with the values
 the push computed, bit for bit, and nothing applied twice. Journals of older services
 (each item's hash before the push; the new values' hashes) still replay. Real memcached,
@@ -30,8 +30,8 @@ from lookup_table.core.rows import change_witnesses, value_hashes
 from lookup_table.core.wire import unpack
 from lookup_table.store import TableWrite
 from optimizer_service.app import UPDATER, make_app
-from optimizer_service.journal import JOURNAL_CHUNK_BYTES, Journal, decode_journal
-from optimizer_service.plan import TableUpdate, WritePlan
+from optimizer_service.engine.journal import JOURNAL_CHUNK_BYTES, Journal, decode_journal
+from optimizer_service.engine.plan import TableUpdate, WritePlan
 from optimizer_service.push import parse_push
 from tests.conftest import make_config
 from tests.integration.test_service import _body
@@ -100,12 +100,12 @@ async def test_a_replay_finishes_a_push_whose_items_were_written_in_part_exactly
         await updater.store.set_many(writes)
         raise ConnectionResetError("simulated crash in the middle of the rows")
 
-    updater._write_updates = stop_part_way  # type: ignore[method-assign]
+    updater.items.write = stop_part_way  # type: ignore[method-assign]
     push_id = uuid.uuid4().hex
     body = _body(push_id, {"t": (ids, grads), "s": (words, wgrads)})
     with pytest.raises(ConnectionResetError):
         await updater.apply(parse_push(unpack(body), config=config))
-    for task in list(updater._finishers):
+    for task in list(updater.state.finishers):
         task.cancel()  # the dead process's background replay never runs
     await server.close()
 
@@ -126,7 +126,7 @@ async def test_a_replay_finishes_a_push_whose_items_were_written_in_part_exactly
     # the crash left some items new, others old
     assert (mid_rows == want_rows).all(axis=1).tolist() != [True] * 12
 
-    caplog.set_level(logging.WARNING, logger="optimizer_service.updater")
+    caplog.set_level(logging.WARNING, logger="optimizer_service.engine.recovery")
     restarted = await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
     assert "replaying journaled push" in caplog.text
     assert "differ from the journaled" not in caplog.text  # every recomputation matched
@@ -138,7 +138,7 @@ async def test_a_replay_finishes_a_push_whose_items_were_written_in_part_exactly
         np.testing.assert_array_equal(got_slots, want_slots)
         assert [await journal.read(s) for s in range(journal.slots)] == [None] * journal.slots
     retry = await restarted.app[UPDATER].apply(parse_push(unpack(body), config=config))
-    assert retry["duplicate"]
+    assert retry.duplicate
 
 
 async def _initial(config: Any, ids: Any) -> Any:
@@ -150,8 +150,8 @@ async def _initial(config: Any, ids: Any) -> Any:
 
 def test_a_small_journal_is_one_item_and_a_big_one_is_chunked() -> None:
     """The body travels inside the header when it fits in one item (one `set`)."""
-    from optimizer_service.journal import encode_journal
-    from optimizer_service.plan import WritePlan
+    from optimizer_service.engine.journal import encode_journal
+    from optimizer_service.engine.plan import WritePlan
 
     def plan(n: int) -> WritePlan:
         rows = np.ones((n, 16), np.float32)
@@ -174,8 +174,8 @@ def test_a_small_journal_is_one_item_and_a_big_one_is_chunked() -> None:
 def test_an_older_format_journal_holds_each_tables_own_old_hashes() -> None:
     """The older format of old hashes, with tables of several row and slot widths: each
     table's journaled hashes are `value_hashes` of its own rows and slots."""
-    from optimizer_service.journal import encode_journal
-    from optimizer_service.plan import TableStep
+    from optimizer_service.engine.journal import encode_journal
+    from optimizer_service.engine.plan import TableStep
 
     rng = np.random.default_rng(4)
     shapes = {
@@ -233,17 +233,17 @@ async def test_a_replay_of_an_expired_rows_push_starts_from_fresh_slots_as_the_p
     async def crash(*_: Any) -> None:
         raise ConnectionResetError("simulated crash between the journal and the rows")
 
-    updater._write_updates = crash  # type: ignore[method-assign]
+    updater.items.write = crash  # type: ignore[method-assign]
     grads = rng.standard_normal((4, 8), dtype=np.float32)
     with pytest.raises(ConnectionResetError):
         await updater.apply(
             parse_push(unpack(_body(uuid.uuid4().hex, {"t": (ids, grads)})), config=config)
         )
-    for task in list(updater._finishers):
+    for task in list(updater.state.finishers):
         task.cancel()
     await server.close()
 
-    caplog.set_level(logging.WARNING, logger="optimizer_service.updater")
+    caplog.set_level(logging.WARNING, logger="optimizer_service.engine.recovery")
     await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
     assert "replaying journaled push" in caplog.text
     assert "differ from the journaled" not in caplog.text
@@ -270,7 +270,7 @@ async def test_a_journal_of_an_older_service_still_replays(
     new rows and slots (recompute the items that do not have them), the next one the hash
     of each item before the push (recompute the items that still have it). A replica of
     this version finishes either push, and steps no item twice."""
-    from optimizer_service.plan import TableStep
+    from optimizer_service.engine.plan import TableStep
 
     tables = [{"name": "t", "dim": 8, "seed": 5}]  # Adam
     config = make_config(
@@ -337,10 +337,10 @@ async def test_a_replay_never_steps_an_id_whose_gradient_admission_dropped(
         )
         raise ConnectionResetError("simulated crash in the middle of the rows")
 
-    updater._write_updates = stop_part_way  # type: ignore[method-assign]
+    updater.items.write = stop_part_way  # type: ignore[method-assign]
     with pytest.raises(ConnectionResetError):
         await updater.apply(parse_push(unpack(_body("p", {"t": (ids, grads)})), config=config))
-    for task in list(updater._finishers):
+    for task in list(updater.state.finishers):
         task.cancel()
     await server.close()
     async with EmbeddingStore(config) as store:
@@ -426,7 +426,7 @@ async def test_a_done_pushs_header_over_a_later_pushs_chunks_is_cleared_at_start
     memcached_nodes: list[str], aiohttp_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     config = await _torn_journal(memcached_nodes, "finished", done=True)
-    caplog.set_level(logging.WARNING, logger="optimizer_service.updater")
+    caplog.set_level(logging.WARNING, logger="optimizer_service.engine.recovery")
     await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
     assert "fails its checksum; its push is done: cleared" in caplog.text
     async with EmbeddingStore(config) as store:
@@ -463,7 +463,7 @@ async def test_a_push_whose_optimizer_step_fails_writes_no_journal_header_and_no
     async def fails(*_: Any, **__: Any) -> None:
         raise FloatingPointError("simulated: the optimizer's step failed")
 
-    updater._computed = fails  # type: ignore[method-assign]
+    updater.stepper.step_tables = fails  # type: ignore[method-assign]
     grads = np.ones((30_000, 8), dtype=np.float32)
     caplog.set_level(logging.WARNING)
     with pytest.raises(FloatingPointError):

@@ -29,10 +29,10 @@ from lookup_table.core.optimizers import make_optimizer
 from lookup_table.core.wire import decode_array, encode_ids, pack, unpack
 from lookup_table.errors import ClusterMismatchError, PushRejectedError
 from optimizer_service.app import UPDATER, make_app
+from optimizer_service.engine.journal import MAX_JOURNAL_SLOTS, Journal
+from optimizer_service.engine.updater import Updater
 from optimizer_service.errors import NotOwnerError
-from optimizer_service.journal import MAX_JOURNAL_SLOTS, Journal
 from optimizer_service.push import parse_push, parse_rows_request
-from optimizer_service.updater import Updater
 from tests.conftest import make_config, node_stat
 from tests.integration.test_service import _body
 
@@ -165,17 +165,17 @@ async def test_a_flush_comes_early_once_the_journals_waiting_for_it_hold_their_b
     """The journals of pushes written behind wait in memcached until a flush: however many
     pushes `row_flush_pushes` allows, once they hold `KEPT_JOURNAL_BYTES` the push that
     took them there starts the flush, which writes the rows and clears them."""
-    import optimizer_service.updater as updater_module
+    import optimizer_service.engine.write_behind as write_behind
 
     config, _, updater, ref, rng = await _replica(
         memcached_nodes, aiohttp_server, 2, row_flush_pushes=50
     )
     await _push(updater, config, ref, rng)
-    one = sum(updater._journal_bytes.values())
+    one = sum(updater.row_flushes.journal_bytes.values())
     assert one > IDS.shape[0] * 8 * 4  # the summed gradients at least
     await asyncio.sleep(0.1)
     assert not (await _stored(config, "t", IDS))[2].any()  # 1 of 50 pushes: no flush
-    monkeypatch.setattr(updater_module, "KEPT_JOURNAL_BYTES", one + one // 2)
+    monkeypatch.setattr(write_behind, "KEPT_JOURNAL_BYTES", one + one // 2)
     await _push(updater, config, ref, rng)  # two journals: past the budget
 
     async def flushed() -> bool:
@@ -205,18 +205,18 @@ async def test_rows_stepped_in_the_row_cache_train_exactly_when_it_changed_meanw
     config, _, updater, ref, rng = await _replica(memcached_nodes, aiohttp_server, 5)
     for _ in range(2):
         await _push(updater, config, ref, rng)
-    prepared = updater._prepared
+    prepared = updater.stepper.read_starts
     calls = []
 
     async def then_change(tables: Any, *peek: Any) -> Any:
         out = await prepared(tables, *peek)
         calls.append(len(tables))
         if len(calls) == 1 and meanwhile == "cache dropped":
-            await updater._flush_rows()  # what a sentinel change does before it drops
-            updater._forget_rows()
+            await updater.row_flushes.flush()  # what a sentinel change does before it drops
+            updater.state.forget_rows()
         return out
 
-    monkeypatch.setattr(updater, "_prepared", then_change)
+    monkeypatch.setattr(updater.stepper, "read_starts", then_change)
     if meanwhile == "map reused":
         values_of = updater.cache.values_of
         first = []
@@ -250,14 +250,14 @@ async def test_rows_read_through_the_owner_are_its_newest_and_create_nothing(
     g = rng.standard_normal((IDS.shape[0], 8), dtype=np.float32)
     pushed = parse_push(unpack(_body(uuid.uuid4().hex, {"t": (IDS, g)})), config=config)
     result = await updater.apply(pushed)
-    assert result["created"] == {"t": IDS.shape[0]}  # no trainer created them: this push
+    assert result.created == {"t": IDS.shape[0]}  # no trainer created them: this push
     ref.step("t", g)
     await _push(updater, config, ref, rng)
     assert not (await _stored(config, "t", IDS))[2].any()  # memcached: nothing yet
     unseen = np.array([5, 10**15, -(2**62)], dtype=np.int64)
 
     async def recorded() -> bool:  # the pushes' done records, written in the background
-        return not updater._recording
+        return not updater.state.recording
 
     await _until(recorded)
     # items stored since the nodes started, not items held: the nodes are shared, and
@@ -343,7 +343,7 @@ async def test_a_new_id_is_read_from_memcached_once_then_known_until_its_push_cr
         pushed = parse_push(unpack(_body(uuid.uuid4().hex, {"t": (IDS, g)})), config=config)
         result = await updater.apply(pushed)
         ref.step("t", g)
-        assert result["created"] == {"t": IDS.shape[0]}
+        assert result.created == {"t": IDS.shape[0]}
         assert gets() - after_first < 10  # the second read and the push: no row read
         rows, new = (await client.rows({"t": IDS}))["t"]
         assert new == 0
@@ -369,9 +369,9 @@ async def test_only_the_only_creator_of_a_tables_rows_remembers_ids_without_one(
         async with EmbeddingStore(config) as store:
             await store.write_sentinels()
             updater = Updater(config, store)
-            updater._sentinels = await updater._cache_sentinels()
+            updater.state.sentinels = await updater.state.cache_sentinels()
             names = [t["name"] for t in tables if updater.cache.caches(t["name"])]
-            got = await updater._rows_now([(n, unseen) for n in names])
+            got = await updater.answers.rows_now([(n, unseen) for n in names])
             assert all(not found.any() for _, found in got)  # no row: initial values
             known = updater.cache.lookup_many([(n, unseen) for n in names])
             assert {
@@ -389,7 +389,7 @@ async def test_a_crash_before_the_flush_is_replayed_in_order_and_loses_nothing(
     bodies = [await _push(updater, config, ref, rng) for _ in range(5)]
     await asyncio.sleep(0.2)  # the done records land
     # the process dies: no flush, no close
-    updater._cancel_row_timer()
+    updater.row_flushes.cancel_timer()
     await server.runner.shutdown()
     _, _, found = await _stored(config, "t", IDS)
     assert not found.any()
@@ -407,13 +407,13 @@ async def test_a_crash_before_the_flush_is_replayed_in_order_and_loses_nothing(
     again = restarted.app[UPDATER]
     for body in bodies:  # every retry is a duplicate: nothing applied twice
         result = await again.apply(parse_push(unpack(body), config=config))
-        assert result["duplicate"]
+        assert result.duplicate
     # and the restarted replica goes on from there, writing behind again; an answer read
     # back (not the push's own plan) takes the rows memcached does not hold yet from the
     # row cache
     await _push(again, config, ref, rng)
     probe = _body("probe", {"t": (IDS[:7], np.zeros((7, 8), np.float32))}, answer=["rows"])
-    got = await again.answer(parse_push(unpack(probe), config=config), {})
+    got = await again.answer(parse_push(unpack(probe), config=config), None)
     answered = decode_array(got["updated"]["t"]["rows"], field="rows")
     np.testing.assert_array_equal(answered, ref.state["t"][0][:7])
     stale, _, _ = await _stored(config, "t", IDS[:7])
@@ -457,14 +457,14 @@ async def test_a_flush_writes_nothing_to_a_node_that_lost_its_data(
     async def done_records_written() -> bool:
         # first: a done record that fails on the lost node is finished from its journal,
         # whose replay writes that push's own rows (the store's window, not the flush)
-        return not updater._recording
+        return not updater.state.recording
 
     await _until(done_records_written)
     lost = memcached_nodes[1]
     with raw_client(lost) as raw:
         raw.flush_all()
     with pytest.raises(DataLossError, match=lost) as info:
-        await updater._flush_rows()
+        await updater.row_flushes.flush()
     assert info.value.nodes == (lost,)
     async with EmbeddingStore(config, check_sentinels=False) as store:
         _, found = await store.get("t", IDS)
@@ -491,7 +491,7 @@ async def _crashed_after(
         await _push(updater, config, ref, rng)
         after.append({n: (ref.state[n][0].copy(), ref.state[n][1].copy()) for n in ("t", "s")})
     await asyncio.sleep(0.2)  # the done records land
-    updater._cancel_row_timer()
+    updater.row_flushes.cancel_timer()
     await server.runner.shutdown()
     return config, ref, after
 
@@ -599,8 +599,8 @@ def test_a_journal_written_behind_keeps_values_where_steps_are_not_exact() -> No
     """Per table: gradients and steps for Adam while every new step is exact in float32
     (at most 2**24); the new values for a row past it, and for optimizers without a step
     (the newest value wins at a replay)."""
-    from optimizer_service.journal import decode_journal, encode_journal
-    from optimizer_service.plan import TableUpdate, WritePlan
+    from optimizer_service.engine.journal import decode_journal, encode_journal
+    from optimizer_service.engine.plan import TableUpdate, WritePlan
 
     ids = np.array([3, 5], dtype=np.int64)
     grads = np.ones((2, 2), np.float32)
@@ -630,8 +630,8 @@ def test_a_journal_written_behind_groups_the_tables_of_one_dim() -> None:
     concatenated; they decode to each table's own ids, gradients and steps, in the same
     bits. String ids, values and other dims stay entries of their own; a group whose
     counts do not add up is refused."""
-    from optimizer_service.journal import decode_journal, encode_journal
-    from optimizer_service.plan import TableUpdate, WritePlan
+    from optimizer_service.engine.journal import decode_journal, encode_journal
+    from optimizer_service.engine.plan import TableUpdate, WritePlan
 
     rng = np.random.default_rng(5)
 

@@ -24,8 +24,8 @@ from lookup_table.core.optimizers.sgd import SGD
 from lookup_table.core.wire import CONTENT_TYPE, encode_array, encode_ids, pack, unpack
 from lookup_table.errors import StoreFullError
 from lookup_table.memcached.node import Node
-from optimizer_service import updater as updater_module
 from optimizer_service.app import UPDATER, make_app
+from optimizer_service.engine import stepping
 from optimizer_service.errors import NotOwnerError
 from optimizer_service.push import parse_push
 from tests.conftest import SERVICE_TABLES, make_config, raw_client, written
@@ -249,13 +249,13 @@ async def test_tables_with_equal_optimizers_are_stepped_together_bit_for_bit(
         for n, v in ids.items()
     }
     calls = []
-    compute = updater_module._step
+    compute = stepping.step_rows
 
     async def counted(optimizer: Any, rows: Any, g: Any, slots: Any) -> Any:
         calls.append(("arrays", rows.shape))
         return await compute(optimizer, rows, g, slots)
 
-    monkeypatch.setattr(updater_module, "_step", counted)
+    monkeypatch.setattr(stepping, "step_rows", counted)
 
     def counting(kind: Any) -> Any:
         original = kind.update_at
@@ -516,10 +516,10 @@ async def test_journaled_push_is_finished_by_the_next_replica_exactly_once(
     async def crash(*_: Any) -> None:
         raise ConnectionResetError("simulated crash between journal and rows")
 
-    updater._write_updates = crash  # type: ignore[method-assign]  # the process "dies" here
+    updater.items.write = crash  # type: ignore[method-assign]  # the process "dies" here
     with pytest.raises(ConnectionResetError):
         await updater.apply(push)
-    for task in list(updater._finishers):
+    for task in list(updater.state.finishers):
         task.cancel()  # the dead process's background replay never runs
     await server.close()
     np.testing.assert_array_equal(await _rows(config, "user", ids, flush=False), before)
@@ -542,25 +542,25 @@ async def test_a_push_answered_before_its_done_record_is_still_applied_once(
         before = await store.lookup("user", ids)
     grads = np.ones((2, 8), dtype=np.float32)
     hold = asyncio.Event()
-    real = updater._write_record
+    real = updater.writes.write_record
 
     async def slow_record(push_id: str) -> None:
         await hold.wait()
         await real(push_id)
 
-    updater._write_record = slow_record  # type: ignore[method-assign]
+    updater.writes.write_record = slow_record  # type: ignore[method-assign]
     first = uuid.uuid4().hex
     push = parse_push(unpack(_body(first, {"user": (ids, grads)})), config=config)
-    assert (await updater.apply(push))["applied"]  # answered, its record not stored
+    assert (await updater.apply(push)).applied  # answered, its record not stored
     np.testing.assert_allclose(await _rows(config, "user", ids), before - 0.5, rtol=1e-6)
     assert await updater.is_done(first)
-    assert (await updater.apply(push))["duplicate"]
+    assert (await updater.apply(push)).duplicate
     other = parse_push(unpack(_body(uuid.uuid4().hex, {"user": (ids, grads)})), config=config)
     waiting = asyncio.ensure_future(updater.apply(other))
     await asyncio.sleep(0.2)
     assert not waiting.done()  # the rows are locked until the record is stored
     hold.set()
-    assert (await waiting)["applied"]
+    assert (await waiting).applied
     np.testing.assert_allclose(await _rows(config, "user", ids), before - 1.0, rtol=1e-6)
     async with EmbeddingStore(config) as store:
         (record,) = await store.get_blobs(
@@ -572,8 +572,8 @@ async def test_a_push_answered_before_its_done_record_is_still_applied_once(
     hold.clear()
     last = uuid.uuid4().hex
     push = parse_push(unpack(_body(last, {"user": (ids, grads)})), config=config)
-    assert (await updater.apply(push))["applied"]
-    for task in list(updater._cleanups):
+    assert (await updater.apply(push)).applied
+    for task in list(updater.state.cleanups):
         task.cancel()
     await server.close()
     np.testing.assert_allclose(await _rows(config, "user", ids), before - 1.5, rtol=1e-6)
@@ -590,7 +590,7 @@ async def test_a_done_record_whose_write_fails_is_finished_from_the_journal(serv
     async with EmbeddingStore(config) as store:
         before = await store.lookup("user", ids)
     grads = np.ones((2, 8), dtype=np.float32)
-    real = updater._write_record
+    real = updater.writes.write_record
     failures = 0
 
     async def failing_once(push_id: str) -> None:
@@ -602,16 +602,16 @@ async def test_a_done_record_whose_write_fails_is_finished_from_the_journal(serv
             )
         await real(push_id)
 
-    updater._write_record = failing_once  # type: ignore[method-assign]
+    updater.writes.write_record = failing_once  # type: ignore[method-assign]
     push_id = uuid.uuid4().hex
     async with OptimizerClient(config) as client:
         result = await client.push({"user": (ids, grads)}, push_id=push_id)
         assert result["applied"]
         for _ in range(200):
-            if failures and not updater._cleanups and not updater._finishers:
+            if failures and not updater.state.cleanups and not updater.state.finishers:
                 break
             await asyncio.sleep(0.05)
-        assert failures == 1 and not updater._finishers
+        assert failures == 1 and not updater.state.finishers
         assert (await client.push({"user": (ids, grads)}, push_id=push_id))["duplicate"]
     np.testing.assert_allclose(await _rows(config, "user", ids), before - 0.5, rtol=1e-6)
 
@@ -698,7 +698,7 @@ async def test_an_answered_push_whose_write_fails_raises_the_store_error_after_a
 
     config, server = served
     updater = server.app[UPDATER]
-    real = updater._write_plan
+    real = updater.writes.write_plan
     failures = 0
     store_full = True
 
@@ -709,7 +709,7 @@ async def test_an_answered_push_whose_write_fails_raises_the_store_error_after_a
         failures += 1
         raise StoreFullError("memcached node n1 is full (SERVER_ERROR out of memory)", node="n1")
 
-    updater._write_plan = write_plan
+    updater.writes.write_plan = write_plan
     answers: list[dict[str, Any]] = []
     ids = np.array([5, 6], dtype=np.int64)
     async with EmbeddingStore(config) as store:
@@ -728,10 +728,10 @@ async def test_an_answered_push_whose_write_fails_raises_the_store_error_after_a
         np.testing.assert_allclose(rows, before - 0.5, rtol=1e-6)  # SGD lr 0.5
         store_full = False  # the store "recovers": the background replay writes the push
         for _ in range(200):
-            if not updater._finishers:
+            if not updater.state.finishers:
                 break
             await asyncio.sleep(0.05)
-        assert failures >= 1 and not updater._finishers
+        assert failures >= 1 and not updater.state.finishers
     np.testing.assert_array_equal(await _rows(config, "user", ids), rows)
 
 

@@ -46,7 +46,7 @@ from lookup_table.errors import (
 from lookup_table.ops.admin import init_cluster
 from lookup_table.ops.checkpoint import save_checkpoint, save_checkpoint_async
 from lookup_table.ops.localcluster import MemcachedProcess, free_port, start_memcached
-from optimizer_service.journal import JOURNAL_SLOTS
+from optimizer_service.engine.journal import JOURNAL_SLOTS
 from tests.conftest import written
 from tests.reliability.harness import (
     REPO,
@@ -634,9 +634,9 @@ async def test_failed_journaled_write_fails_other_pushes_fast_then_finishes_once
     answers StoreFullError, replays the push in the background, and meanwhile fails fast
     (not waits, possibly forever) for a push that needs its rows, or a journal slot when
     every slot is held so. Once the node has room, the push lands exactly once."""
-    from optimizer_service import journal
+    from optimizer_service.engine import journal
+    from optimizer_service.engine.updater import Updater
     from optimizer_service.push import Push, TableGrads
-    from optimizer_service.updater import Updater
     from tests.conftest import make_config
 
     monkeypatch.setattr(journal, "JOURNAL_SLOTS", 1)  # one stuck push holds every slot
@@ -675,7 +675,7 @@ async def test_failed_journaled_write_fails_other_pushes_fast_then_finishes_once
                 )
                 with pytest.raises(StoreFullError, match=f"{small.address} is out of memory"):
                     await updater.apply(stuck)
-                assert len(updater._finishers) == 1  # journaled, replayed in the background
+                assert len(updater.state.finishers) == 1  # journaled, replayed in the background
                 other_ids = _ids_on("C1", 0, nodes, 4, start=10**13)
                 other = Push(
                     push_id=_push_id_on(0, nodes, "other"),
@@ -699,10 +699,10 @@ async def test_failed_journaled_write_fails_other_pushes_fast_then_finishes_once
                     if k.startswith(f"{config.namespace}/C3/w/".encode())
                 ]
                 delete_keys(small.address, keys)
-                done, _ = await asyncio.wait(updater._finishers, timeout=30)
-                assert len(done) == 1 and not updater._finishers
-                assert (await updater.apply(stuck))["duplicate"]
-                assert (await updater.apply(other))["applied"]
+                done, _ = await asyncio.wait(updater.state.finishers, timeout=30)
+                assert len(done) == 1 and not updater.state.finishers
+                assert (await updater.apply(stuck)).duplicate
+                assert (await updater.apply(other)).applied
                 for pushed in (ids, other_ids):
                     values, found = await store.get("C1", pushed)
                     assert found.all()
@@ -710,7 +710,7 @@ async def test_failed_journaled_write_fails_other_pushes_fast_then_finishes_once
                         values, _sgd_rows(config, "C1", pushed, grads), rtol=0, atol=1e-6
                     )
             finally:
-                for task in list(updater._finishers):
+                for task in list(updater.state.finishers):
                     task.cancel()
                 await updater.close()
     finally:
@@ -729,8 +729,8 @@ async def test_full_node_stops_training_written_behind_and_loses_nothing() -> No
     evicted. With room again, each refused push, retried, applies exactly once, and the
     next flush writes every row at its newest value."""
     from lookup_table.core.optimizers import make_optimizer
+    from optimizer_service.engine.updater import Updater
     from optimizer_service.push import Push, TableGrads
-    from optimizer_service.updater import Updater
     from tests.conftest import make_config
 
     big = start_memcached(memory_mb=64)
@@ -792,8 +792,8 @@ async def test_full_node_stops_training_written_behind_and_loses_nothing() -> No
                 ]
                 delete_keys(small.address, keys)
                 for push, grads in refused:
-                    assert (await updater.apply(push))["applied"]
-                    assert (await updater.apply(push))["duplicate"]
+                    assert (await updater.apply(push)).applied
+                    assert (await updater.apply(push)).duplicate
                     want = sgd.update(want, grads, np.empty((ids.size, 0), np.float32))[0]
                 await updater.pause()  # the flush: memcached holds the newest rows
                 values, found = await store.get("C1", ids)
@@ -820,8 +820,8 @@ async def test_unfinished_push_blocks_a_save_and_a_restore_drops_it(
 
     from lookup_table.errors import CheckpointError
     from lookup_table.ops.checkpoint import restore_checkpoint_async
-    from optimizer_service import journal
     from optimizer_service.app import UPDATER, make_app
+    from optimizer_service.engine import journal
     from tests.conftest import make_config
 
     monkeypatch.setattr(journal, "JOURNAL_SLOTS", 1)
@@ -858,7 +858,7 @@ async def test_unfinished_push_blocks_a_save_and_a_restore_drops_it(
             with pytest.raises(StoreFullError, match=small.address):
                 await client.push({"C1": (ids, grads)}, push_id=_push_id_on(0, nodes, "stuck"))
         updater = app[UPDATER]
-        assert len(updater._finishers) == 1  # journaled, replayed in the background
+        assert len(updater.state.finishers) == 1  # journaled, replayed in the background
 
         async with asyncio.timeout(MARGIN_S + 5):  # refused, not hung in the pause
             with pytest.raises(CheckpointError, match="replica 0: 1; see their logs"):
@@ -867,7 +867,7 @@ async def test_unfinished_push_blocks_a_save_and_a_restore_drops_it(
 
         summary = await restore_checkpoint_async(config, ck, force=True, progress=False)
         assert summary["replicas_reloaded"] == list(config.optimizers)
-        assert not updater._finishers and updater.locks.held == 0 and not updater.paused
+        assert not updater.state.finishers and updater.locks.held == 0 and not updater.paused
         # the checkpoint filled the node again: make room, so a replay still alive would
         # now write its rows
         keys = [

@@ -1,4 +1,4 @@
-"""The replica's row locks (optimizer_service/locks.py): overlap against Python sets,
+"""The replica's row locks (optimizer_service/engine/locks.py): overlap against Python sets,
 and what waiting, failing and releasing do, on a real event loop (no servers)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from optimizer_service.locks import LockSet, RowLocks
+from optimizer_service.engine.locks import LockSet, RowLocks
 
 pytestmark = pytest.mark.unit
 

@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from numpy.typing import NDArray
 
 from lookup_table.core.optimizers import segment_sum
+from optimizer_service.engine.plan import Applied
 from optimizer_service.errors import BadRequestError, StaleVersionError
 from optimizer_service.push import Push, TableGrads
 
 __all__ = ["SyncRounds", "mean_push"]
 
-ApplyMerged = Callable[[Push, int], Awaitable[dict[str, Any]]]
+ApplyMerged = Callable[[Push, int], Awaitable[Applied]]
 """Applies a round's merged push, making the given version the replica's new one."""
 
 
@@ -32,7 +32,7 @@ class _Round:
     """The pushes of one version, until every worker has pushed."""
 
     pushes: dict[int, Push] = field(default_factory=dict)
-    done: asyncio.Future[dict[str, Any]] | None = None
+    done: asyncio.Future[Applied] | None = None
 
 
 class SyncRounds:
@@ -41,19 +41,19 @@ class SyncRounds:
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self._rounds: dict[int, _Round] = {}
-        self._recent: dict[str, dict[str, Any]] = {}
+        self._recent: dict[str, Applied] = {}
 
     def clear(self) -> None:
         """Forget every round (after a restore: the version may go back)."""
         self._rounds.clear()
         self._recent.clear()
 
-    async def join(self, push: Push, *, version: int, apply: ApplyMerged) -> dict[str, Any]:
+    async def join(self, push: Push, *, version: int, apply: ApplyMerged) -> Applied:
         """Add `push` to the round of `version` (the replica's current one) and wait for
         the round's result; the last worker's push applies the mean with `apply`."""
         recent = self._recent.get(push.push_id)
         if recent is not None:
-            return {**_shared(recent), "applied": False, "duplicate": True}
+            return replace(_shared(recent), applied=False, duplicate=True)
         workers = self.workers
         if push.worker >= workers:
             raise BadRequestError(
@@ -89,14 +89,14 @@ class SyncRounds:
                 self._recent[p.push_id] = result
             while len(self._recent) > 64 * workers:
                 self._recent.pop(next(iter(self._recent)))
-            return dict(result)  # the rows the round created: told to this worker only
+            return result  # the rows the round created: told to this worker only
         return _shared(await asyncio.shield(done))
 
 
-def _shared(result: dict[str, Any]) -> dict[str, Any]:
+def _shared(result: Applied) -> Applied:
     """A round's result as the workers that did not apply it get it: without `created`,
     so that each row the round created is counted once, by the worker that applied it."""
-    return {k: v for k, v in result.items() if k != "created"}
+    return replace(result, created={})
 
 
 def mean_push(push_id: str, pushes: list[Push], workers: int) -> Push:

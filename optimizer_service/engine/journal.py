@@ -26,7 +26,7 @@ every one, in `seq` order, before it serves. Per table it keeps (`_encode_behind
 * for an optimizer that counts a row's steps (Adam: `optimizers.step_slot`), the push's
   summed gradients and each row's step before the push. A replay reads the rows from
   memcached and applies the journals in order to the rows whose step is the journaled
-  one; a row with a later step was written by a flush after that push (`Updater._restep`);
+  one; a row with a later step was written by a flush after that push (`Recovery.restep`);
 * otherwise (SGD, Adagrad, or a row past float32's exact steps) the new values: the
   newest wins.
 
@@ -79,9 +79,9 @@ from lookup_table.core.wire import (
 from lookup_table.errors import DataLossError, StoreError
 from lookup_table.memcached.protocol import Wire
 from lookup_table.store import EmbeddingStore
+from optimizer_service.engine.locks import LockSet, RowLocks
+from optimizer_service.engine.plan import DenseSwitch, TableRedo, TableStep, TableUpdate, WritePlan
 from optimizer_service.errors import UnavailableError
-from optimizer_service.locks import LockSet, RowLocks
-from optimizer_service.plan import DenseSwitch, TableRedo, TableStep, TableUpdate, WritePlan
 
 __all__ = [
     "JOURNAL_CHUNK_BYTES",
@@ -105,8 +105,7 @@ MAX_JOURNAL_SLOTS = 64  # config.MAX_ROW_FLUSH_PUSHES + JOURNAL_SLOTS
 JOURNAL_CHUNK_BYTES = 1024 * 1024 - 8 * 1024
 # Above this many bytes of ids and gradients, a journal's start is encoded in a thread:
 # its packing and CRC then take a few ms, which the loop spends on other work. Below, a
-# thread's handoff and GIL contention cost more than they free (at ~1.3 MB a push,
-# encoding inline cost the replica ~3 ms less CPU a step than a thread did).
+# thread's handoff and GIL contention cost more than they free.
 _OFFLOAD_JOURNAL_BYTES = 2 << 20
 # A start smaller than this is not written by itself: it goes with the end, in the header
 # (one `set` for a small push), when the two fit in one item.

@@ -28,7 +28,7 @@ the new values (`WritePlan.dense`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ from lookup_table.core.keys import IdArray
 from lookup_table.core.rows import blocks
 
 __all__ = [
+    "Applied",
     "DenseSwitch",
     "DenseWrite",
     "TableRedo",
@@ -158,3 +159,31 @@ class WritePlan:
     dense_logged: bool = False  # the dense update to `version` is in its log
     seq: int | None = None  # a live push's: the replica's how-manieth change of its rows
     journal_seq: int = 0  # a journal of values written behind: its place in their order
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What `Updater.apply` returns: whether this call applied the push (else it is a
+    duplicate), the push's rows, the replica's version after it, and the rows it created
+    per table (counted once: told only to the call that applied it). `plan` is the write
+    plan of the push this call applied (its answer reads it); it is never sent."""
+
+    applied: bool
+    duplicate: bool
+    rows: int
+    version: int
+    plan: WritePlan | None = None
+    created: Mapping[str, int] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The outcome as the service sends it: `{applied, duplicate, rows, version}`, and
+        `created` when the push created rows."""
+        out: dict[str, Any] = {
+            "applied": self.applied,
+            "duplicate": self.duplicate,
+            "rows": self.rows,
+            "version": self.version,
+        }
+        if self.created:
+            out["created"] = dict(self.created)
+        return out

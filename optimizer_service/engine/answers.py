@@ -1,0 +1,143 @@
+"""What a push asks back (read your writes) and `POST /v1/rows`: rows as this replica
+knows them, from the row cache, memcached, or their initial values."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lookup_table.core.keys import IdArray
+from lookup_table.core.wire import encode_array, encode_ids
+from lookup_table.store import TableRead
+from optimizer_service.engine.items import Items
+from optimizer_service.engine.plan import WritePlan
+from optimizer_service.engine.replica import ReplicaState
+from optimizer_service.push import Push
+
+
+class Answers:
+    """A push's answer and the rows read through this replica."""
+
+    def __init__(self, state: ReplicaState, items: Items) -> None:
+        self.state = state
+        self.items = items
+
+    async def answer(self, push: Push, plan: WritePlan | None) -> dict[str, Any]:
+        """What `push.answer` asks back once `apply` returned (read your writes).
+
+        `updated`: per table of the push, its unique ids and their rows after the push;
+        `params` and `dense_version`: the dense parameters (replica 0). Taken from `plan`,
+        the push's own write plan, when this call applied it (`Applied.plan`); otherwise
+        (a duplicate, a sync round's merged push) read back from the store, then at least
+        as new as the push.
+        """
+        out: dict[str, Any] = {}
+        if plan is not None and plan.seq is not None and self.state.sentinels is not None:
+            # while the row cache is in use, this replica knows every change of its rows:
+            # its `plan.seq`-th change since `epoch` is this push's
+            out["stamp"] = [self.state.epoch, plan.seq]
+        if "rows" in push.answer:
+            done = {u.table: u for u in plan.updates} if plan is not None else {}
+            updated: dict[str, Any] = {}
+            reads = []
+            for t in push.tables:
+                u = done.get(t.table)
+                if u is not None:
+                    ids, rows = (u.ids, u.rows) if u.answer is None else u.answer
+                    if ids is t.ids or (ids.shape == t.ids.shape and np.array_equal(ids, t.ids)):
+                        updated[t.table] = (t.ids, rows)
+                        continue
+                reads.append(t)
+            if reads:
+                got = await self.rows_now([(t.table, t.ids) for t in reads])
+                for t, (rows, _) in zip(reads, got, strict=True):
+                    updated[t.table] = (t.ids, rows)
+            grouped = []
+            for group in push.groups:  # as the push came: one array each, in its order
+                if all(name in updated for name in group):
+                    parts = [updated.pop(name) for name in group]
+                    grouped.append(
+                        {
+                            "tables": list(group),
+                            "counts": [int(ids.shape[0]) for ids, _ in parts],
+                            "ids": encode_array(np.concatenate([ids for ids, _ in parts])),
+                            "rows": encode_array(np.concatenate([rows for _, rows in parts])),
+                        }
+                    )
+            if grouped:
+                out["updated_groups"] = grouped
+            out["updated"] = {
+                name: {"ids": encode_ids(ids), "rows": encode_array(rows)}
+                for name, (ids, rows) in updated.items()
+            }
+        if "dense" in push.answer:
+            params: Mapping[str, NDArray[np.float32]]
+            if plan is not None and plan.dense is not None and plan.version is not None:
+                version, params = plan.version, plan.dense[0]
+            else:
+                state = await self.state.dense.read()
+                if state is None:
+                    return out
+                version, params = state.version, state.params
+            out["dense_version"] = version
+            out["params"] = {n: encode_array(v) for n, v in params.items()}
+        return out
+
+    async def rows_now(
+        self, reads: Sequence[tuple[str, IdArray]]
+    ) -> list[tuple[NDArray[np.float32], NDArray[np.bool_]]]:
+        """(rows, found) of each (table, unique ids): the row cache's (written behind,
+        memcached may not hold them yet), memcached's for the rest (one request per node),
+        initial values where neither has a row (not created, not admitted, or expired).
+
+        The cache is asked first: a row it lacks is one memcached holds at its newest
+        (this replica is its only writer, and never drops a row it has not written), so a
+        read that follows returns that value or a newer one. Ids of tables read through
+        their owner (`ClusterConfig.reads_through_owner`: this replica is the only one to
+        create their rows) that memcached has no row for are remembered as initial
+        entries (`lookup_table.core.rowcache`): the push that creates them, and the reads
+        before it, do not ask memcached again. Elsewhere trainers create rows with `add`
+        (and count sightings first with `admit_after`), so "no row" would not stay true."""
+        use = [self.state.sentinels is not None and self.state.cache.caches(t) for t, _ in reads]
+        cached = iter(
+            self.state.cache.lookup_many([r for r, u in zip(reads, use, strict=True) if u])
+        )
+        out: list[tuple[NDArray[np.float32], NDArray[np.bool_]]] = []
+        misses: list[tuple[int, NDArray[np.bool_]]] = []
+        for k, ((table, ids), cache_it) in enumerate(zip(reads, use, strict=True)):
+            n = ids.shape[0]
+            if cache_it:
+                hit, rows, _, initial = next(cached)
+                found = hit & ~initial  # an initial entry holds its initial value already
+            else:
+                rows = np.empty((n, self.state.config.table(table).dim), dtype=np.float32)
+                hit = found = np.zeros(n, dtype=bool)
+            out.append((rows, found))
+            if not hit.all():
+                misses.append((k, ~hit))
+        if not misses:
+            return out
+        got = await self.state.store.get_many(
+            [TableRead(reads[k][0], reads[k][1][miss]) for k, miss in misses], unique=True
+        )
+        fresh: list[tuple[int, NDArray[np.intp]]] = []  # no row anywhere: initial values
+        for (k, miss), (rows_m, found_m) in zip(misses, got, strict=True):
+            rows, found = out[k]
+            at = np.flatnonzero(miss)
+            rows[at], found[at] = rows_m, found_m
+            if not found_m.all():
+                fresh.append((k, at[~found_m]))
+        starting = self.items.initial_rows([(reads[k][0], reads[k][1][new]) for k, new in fresh])
+        remember: list[tuple[str, IdArray, NDArray[np.float32], NDArray[np.float32]]] = []
+        for (k, new), values in zip(fresh, starting, strict=True):
+            table, ids = reads[k]
+            out[k][0][new] = values
+            if use[k] and self.state.config.reads_through_owner(table):
+                slots = self.state.optimizers[table].initial_slots(new.size, values.shape[1])
+                remember.append((table, ids[new], values, slots))
+        if remember:  # only where the cache holds nothing newer since the read
+            self.state.cache.put_many(remember, initial=True)
+        return out
