@@ -60,7 +60,6 @@ aiomcache#489). `stats` runs on a connection of its own (`memcached.commands`).
 from __future__ import annotations
 
 import asyncio
-import bisect
 import itertools
 import json
 import logging
@@ -69,7 +68,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -92,16 +91,14 @@ from lookup_table.core.rows import ROW_DTYPE, encode_rows, row_bytes
 from lookup_table.core.sharding import node_of, node_of_many
 from lookup_table.errors import (
     ClusterNotInitializedError,
-    CorruptValueError,
     DataLossError,
     KeyEncodingError,
     LookupTableError,
-    ProtocolError,
     StorageFormatError,
     StoreError,
-    StoreFullError,
 )
-from lookup_table.memcached import commands, protocol
+from lookup_table.memcached import batch, commands
+from lookup_table.memcached.batch import Segment, Values
 from lookup_table.memcached.node import Node
 from lookup_table.memcached.protocol import Keys, Wire
 
@@ -110,13 +107,7 @@ __all__ = ["EmbeddingStore", "TableRead", "TableWrite"]
 logger = logging.getLogger(__name__)
 
 
-class _Reply(Protocol):
-    @property
-    def end(self) -> int: ...
-
-
 T = TypeVar("T")
-R = TypeVar("R", bound=_Reply)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,10 +151,6 @@ class TableWrite:
     values: NDArray[np.float32]
     kind: str = Kind.ROW
     slots: NDArray[np.float32] | None = None
-
-
-_Values: TypeAlias = "tuple[NDArray[np.uint8], NDArray[np.intp]] | Sequence[Wire]"
-"""A write segment's values: rows `index` of a value matrix (matrix, index), or blobs."""
 
 
 @dataclass(slots=True, eq=False)
@@ -214,7 +201,7 @@ class _Part:
         """Bytes of each value a read keeps."""
         return self.take or self.nbytes
 
-    def values_at(self, index: NDArray[np.intp]) -> _Values:
+    def values_at(self, index: NDArray[np.intp]) -> Values:
         """The values of the ids at positions `index`: a value matrix with the rows of
         theirs in it (not gathered: `_ms` lays them out from there), or the blobs."""
         if self.rank is not None:
@@ -224,110 +211,6 @@ class _Part:
         if self.values is None:
             raise ValueError("a read part has no values")
         return [self.values[i] for i in index.tolist()]
-
-
-@dataclass(slots=True, eq=False)
-class _Segment:
-    """The ids of one part that go to one node in one round trip, and their keys."""
-
-    part: int
-    index: NDArray[np.intp]  # positions in the part's ids
-    keys: Keys
-    exptime: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class _Replies:
-    """The quiet-read replies of the segments of one round trip; `end` is the final MN."""
-
-    replies: list[protocol.MgReply]
-    end: int
-
-
-@dataclass(slots=True, eq=False)
-class _WriteReplies:
-    """The replies of a write round trip: its `ms`, then its `ma`; `end` is the final MN."""
-
-    sets: protocol.MsReply
-    counts: protocol.MaReply
-    end: int
-
-
-@dataclass(slots=True, eq=False)
-class _ReadGroup:
-    """The segments of one round trip whose values have one size: one group of quiet reads.
-
-    Its reads are numbered across the segments (`starts[k]` is segment k's first).
-    """
-
-    nbytes: int
-    segments: list[_Segment]
-    starts: list[int]
-    n: int
-    take: int = 0  # the leading bytes of each value its parts keep, at most
-
-    @classmethod
-    def of(cls, parts: Sequence[_Part], segments: Sequence[_Segment]) -> list[_ReadGroup]:
-        by_size: dict[int, _ReadGroup] = {}
-        for s in segments:
-            part = parts[s.part]
-            group = by_size.get(part.nbytes)
-            if group is None:
-                group = by_size[part.nbytes] = cls(part.nbytes, [], [], 0)
-            group.segments.append(s)
-            group.starts.append(group.n)
-            group.n += s.index.shape[0]
-            group.take = max(group.take, part.kept)
-        return list(by_size.values())
-
-    def request(self) -> list[bytes]:
-        """The group's quiet reads, numbered across its segments. Segments one after
-        another whose keys are a matrix of one width (and one TTL) are built as one: a
-        read of 26 tables costs a few calls per node, not one per table and node."""
-        out: list[bytes] = []
-        run: list[_Segment] = []
-        first = 0
-
-        def flush() -> None:
-            if run:
-                keys = run[0].keys if len(run) == 1 else np.concatenate([s.keys for s in run])
-                exptime = run[0].exptime
-                out.append(
-                    protocol.build_mg_quiet(keys, first=first, total=self.n, exptime=exptime)
-                )
-                run.clear()
-
-        for s, start in zip(self.segments, self.starts, strict=True):
-            if not (
-                run
-                and isinstance(s.keys, np.ndarray)
-                and isinstance(run[0].keys, np.ndarray)
-                and s.keys.shape[1] == run[0].keys.shape[1]
-                and s.exptime == run[0].exptime
-            ):
-                flush()
-                first = start
-            run.append(s)
-        flush()
-        return out
-
-    def segment_at(self, i: int) -> tuple[_Segment, int]:
-        """The segment of read i of the group, and i's position in it."""
-        k = bisect.bisect_right(self.starts, i) - 1
-        return self.segments[k], i - self.starts[k]
-
-    def key_text(self, i: int) -> str:
-        segment, local = self.segment_at(i)
-        return _key_text(segment.keys, local)
-
-
-def _num_keys(keys: Keys) -> int:
-    return keys.shape[0] if isinstance(keys, np.ndarray) else len(keys)
-
-
-def _key_text(keys: Keys, i: int) -> str:
-    key = keys[i].tobytes() if isinstance(keys, np.ndarray) else keys[i]
-    return key.decode("ascii", "replace")
 
 
 def _raise_first(errors: Sequence[BaseException]) -> None:
@@ -446,6 +329,67 @@ class _TableLookup:
         return self.part(only, nbytes=self.rows.nbytes, take=self.rows.take)
 
 
+class _Sentinels:
+    """The data-loss sentinel of a namespace on every node, and the storage format it records.
+
+    What a batch reads in front of its commands (`memcached.batch.Sentinel`).
+    """
+
+    def __init__(self, namespace: str) -> None:
+        self._namespace = namespace
+        self.key = sentinel_key(namespace)
+        self._formats_ok: set[bytes] = set()  # sentinel values whose storage format is ours
+        self._verified: set[str] = set()  # nodes whose sentinel was checked before a batch
+
+    def verified(self, address: str) -> bool:
+        return address in self._verified
+
+    def check_format(self, address: str, sentinel: bytes) -> None:
+        """Raise StorageFormatError unless `sentinel` (node `address`'s) records this
+        version's storage format (`core.keyspace.STORAGE_FORMAT`)."""
+        try:
+            found = sentinel_format(sentinel)
+        except ValueError as exc:
+            raise StorageFormatError(
+                f"memcached node {address} holds a sentinel for namespace {self._namespace!r} "
+                f"that this version cannot read ({exc}); was it written by another program?",
+                node=address,
+            ) from exc
+        if found != STORAGE_FORMAT:
+            raise StorageFormatError(
+                f"memcached node {address} holds namespace {self._namespace!r} in storage "
+                f"format {found}, and this version reads format {STORAGE_FORMAT} (a row and "
+                f"its optimizer slots in one item; docs/storage.md): nothing is read from "
+                f"it or written to it. Migrate: save a checkpoint with the version that wrote it "
+                f"(lookup-table-checkpoint save), then restore it with this one "
+                f"(lookup-table-checkpoint restore --force)",
+                node=address,
+            )
+
+    def lost(self, node: Node, *, writes: bool) -> DataLossError:
+        """What a batch raises that found `node`'s sentinel gone."""
+        done = (
+            "This batch's writes may have reached it, but nothing is read from it until you restore"
+            if writes
+            else "Nothing was created on it. Restore"
+        )
+        return DataLossError(
+            f"memcached node {node.address} has lost its data: its sentinel "
+            f"{self.key.decode()!r} is gone (the server restarted or was "
+            f"flushed). {done} a checkpoint (lookup-table-checkpoint restore) or accept "
+            f"the loss (lookup-table-admin reinit --yes)",
+            nodes=(node.address,),
+        )
+
+    def accept(self, address: str, value: bytes) -> None:
+        """`check_format` of a node's sentinel (once per sentinel value); the node is then
+        verified for the writes that follow (a write batch checks a node it has not)."""
+        if value not in self._formats_ok:
+            self.check_format(address, value)
+            self._formats_ok.add(value)
+        self._verified.add(address)
+
+
 class EmbeddingStore:
     """Batched, async access to the rows and slots of every table in memcached.
 
@@ -469,7 +413,10 @@ class EmbeddingStore:
         self.nodes: tuple[str, ...] = config.node_addresses
         self._nodes = [Node(spec, config.store) for spec in config.memcached]
         self._check_sentinels = check_sentinels
-        self._sentinel_key = sentinel_key(config.namespace)
+        self._sentinels = _Sentinels(config.namespace)
+        self._sentinel_key = self._sentinels.key
+        # what every batch reads in front of its commands (None: nothing)
+        self._guard = self._sentinels if check_sentinels else None
         self.created: dict[str, int] = {}  # rows this store created, per table
         self.refresh_ttl = refresh_ttl
         self._ttls = {t.name: t.ttl_s for t in config.tables if t.ttl_s is not None}
@@ -479,8 +426,6 @@ class EmbeddingStore:
             t.name: (t.dim, row_bytes(t.dim + self._optimizers[t.name].slot_width(t.dim)))
             for t in config.tables
         }
-        self._formats_ok: set[bytes] = set()  # sentinel values whose storage format is ours
-        self._verified: set[str] = set()  # nodes whose sentinel was checked before a batch
 
     async def __aenter__(self) -> EmbeddingStore:
         return self
@@ -892,7 +837,7 @@ class EmbeddingStore:
         out: list[bytes | None] = [None] * id_array.shape[0]
 
         async def one(node: Node, index: NDArray[np.intp], keys: Keys) -> None:
-            values = await self._mg_blobs(node, keys)
+            values = await batch.mg_blobs(node, keys, sentinel=self._guard)
             for i, value in zip(index.tolist(), values, strict=True):
                 out[i] = value
 
@@ -923,8 +868,12 @@ class EmbeddingStore:
         expiry = [exptime(ttl_s, time.time()) if ttl_s > 0 else 0]
 
         async def one(node: Node, index: NDArray[np.intp], keys: Keys) -> None:
-            (stored[index],), _ = await self._ms(
-                node, [(keys, [values[i] for i in index.tolist()])], add=add, exptimes=expiry
+            (stored[index],), _ = await batch.ms(
+                node,
+                [(keys, [values[i] for i in index.tolist()])],
+                add=add,
+                exptimes=expiry,
+                sentinel=self._guard,
             )
 
         await self._fan_out(table, kind, id_array, one)  # an overwrite that failed raised
@@ -936,7 +885,7 @@ class EmbeddingStore:
         existed = np.zeros(id_array.shape[0], dtype=bool)
 
         async def one(node: Node, index: NDArray[np.intp], keys: Keys) -> None:
-            existed[index] = await self._md(node, keys)
+            existed[index] = await batch.md(node, keys, sentinel=self._guard)
 
         await self._fan_out(table, kind, id_array, one)
         return existed
@@ -967,7 +916,7 @@ class EmbeddingStore:
             for p, (_, _, kind) in zip(placed, reads, strict=True)
         ]
         out: list[list[bytes | None]] = [[None] * p.ids.shape[0] for p in placed]
-        segments: dict[Node, list[_Segment]] = {node: [] for node in self._nodes}
+        segments: dict[Node, list[Segment]] = {node: [] for node in self._nodes}
         for node, chunk in self._chunks(parts):  # a node's keys: one request, however many
             segments[node] += chunk
 
@@ -975,7 +924,7 @@ class EmbeddingStore:
             keys = [self._sentinel_key]
             for s in segments[node]:
                 keys += [bytes(k) for k in s.keys] if isinstance(s.keys, np.ndarray) else s.keys
-            sentinel, *values = await self._mg_blobs(node, keys, check=False)
+            sentinel, *values = await batch.mg_blobs(node, keys, sentinel=None)
             if segments[node] and self._check_sentinels:
                 if sentinel is None:
                     raise self._lost(node, writes=False)
@@ -1011,8 +960,8 @@ class EmbeddingStore:
                     "created": time.time(),
                 }
             ).encode()
-            (stored,), _ = await self._ms(
-                node, [([self._sentinel_key], [value])], add=True, check=False
+            (stored,), _ = await batch.ms(
+                node, [([self._sentinel_key], [value])], add=True, sentinel=None
             )
             return bool(stored[0])
 
@@ -1023,24 +972,7 @@ class EmbeddingStore:
     def check_format(self, address: str, sentinel: bytes) -> None:
         """Raise StorageFormatError unless `sentinel` (node `address`'s) records this
         version's storage format (`core.keyspace.STORAGE_FORMAT`)."""
-        try:
-            found = sentinel_format(sentinel)
-        except ValueError as exc:
-            raise StorageFormatError(
-                f"memcached node {address} holds a sentinel for namespace {self.namespace!r} "
-                f"that this version cannot read ({exc}); was it written by another program?",
-                node=address,
-            ) from exc
-        if found != STORAGE_FORMAT:
-            raise StorageFormatError(
-                f"memcached node {address} holds namespace {self.namespace!r} in storage "
-                f"format {found}, and this version reads format {STORAGE_FORMAT} (a row and "
-                f"its optimizer slots in one item; docs/storage.md): nothing is read from "
-                f"it or written to it. Migrate: save a checkpoint with the version that wrote it "
-                f"(lookup-table-checkpoint save), then restore it with this one "
-                f"(lookup-table-checkpoint restore --force)",
-                node=address,
-            )
+        self._sentinels.check_format(address, sentinel)
 
     async def stats(self) -> dict[str, dict[str, str]]:
         """memcached `stats` of every node (values as text), each on its own connection."""
@@ -1288,15 +1220,15 @@ class EmbeddingStore:
 
     # ------------------------------------------------------------ internals: fan-out
 
-    def _chunks(self, parts: Sequence[_Part]) -> list[tuple[Node, list[_Segment]]]:
+    def _chunks(self, parts: Sequence[_Part]) -> list[tuple[Node, list[Segment]]]:
         """Each node's ids of every part, as round trips of at most `max_batch_keys` keys.
 
         Every key is built here, before anything is sent.
         """
         step = self.config.store.max_batch_keys
-        out: list[tuple[Node, list[_Segment]]] = []
+        out: list[tuple[Node, list[Segment]]] = []
         for j, node in enumerate(self._nodes):
-            segments: list[_Segment] = []
+            segments: list[Segment] = []
             size = 0
             for p, part in enumerate(parts):
                 positions = part.by_node[j]
@@ -1304,7 +1236,7 @@ class EmbeddingStore:
                 while start < positions.shape[0]:
                     index = positions[start : start + step - size]
                     keys = prefixed_keys(part.prefix, part.placed.bodies.bodies, index)
-                    segments.append(_Segment(p, index, keys, part.exptime))
+                    segments.append(Segment(p, index, keys, part.exptime))
                     size += index.shape[0]
                     start += index.shape[0]
                     if size == step:
@@ -1341,7 +1273,13 @@ class EmbeddingStore:
             for p in parts
         ]
         chunks = self._chunks(parts)
-        await self._run([self._mg_rows(node, parts, segs, results) for node, segs in chunks])
+        describe = self._describer(parts)
+        await self._run(
+            [
+                batch.mg_rows(node, parts, segs, results, sentinel=self._guard, describe=describe)
+                for node, segs in chunks
+            ]
+        )
         return results
 
     async def _write(self, parts: Sequence[_Part], *, add: bool) -> list[NDArray[np.bool_]]:
@@ -1364,15 +1302,16 @@ class EmbeddingStore:
         stored = [np.zeros(p.placed.ids.shape[0], dtype=bool) for p in writes]
         counted = [np.zeros(p.placed.ids.shape[0], dtype=np.uint64) for p in counts]
 
-        async def one(node: Node, segments: list[_Segment]) -> None:
+        async def one(node: Node, segments: list[Segment]) -> None:
             sets = [s for s in segments if s.part < len(writes)]
             mas = [s for s in segments if s.part >= len(writes)]
-            flags, values = await self._ms(
+            flags, values = await batch.ms(
                 node,
                 [(s.keys, parts[s.part].values_at(s.index)) for s in sets],
                 add=add,
                 exptimes=[s.exptime for s in sets],
                 counts=[(s.keys, s.exptime) for s in mas],
+                sentinel=self._guard,
             )
             for s, ok in zip(sets, flags, strict=True):
                 stored[s.part][s.index] = ok
@@ -1399,167 +1338,21 @@ class EmbeddingStore:
 
     # ------------------------------------------------------------ internals: round trips
 
-    def _sentinel_request(self) -> bytes:
-        return protocol.build_mg([self._sentinel_key]) if self._check_sentinels else b""
-
-    def _check_sentinel(self, node: Node, data: bytes, *, writes: bool = False) -> int | None:
-        """Parse the sentinel reply at the start of `data`; return the offset after it.
-
-        The commands pipelined behind the sentinel read ran whatever it found: the writes
-        of a batch (`writes`) may have reached a node that has lost its data.
-        """
-        if not self._check_sentinels:
-            return 0
-        reply = protocol.parse_mg(data, 0, 1)
-        if reply is None:
-            return None
-        if reply.errors:
-            raise StoreError(
-                f"memcached node {node.address} answered {reply.errors[0]!r}", node=node.address
-            )
-        if not reply.found[0]:
-            raise self._lost(node, writes=writes)
-        start, size = int(reply.starts[0]), int(reply.sizes[0])
-        self._accept_sentinel(node.address, bytes(data[start : start + size]))
-        return reply.end
-
     def _lost(self, node: Node, *, writes: bool) -> DataLossError:
-        """What a batch raises that found `node`'s sentinel gone."""
-        done = (
-            "This batch's writes may have reached it, but nothing is read from it until you restore"
-            if writes
-            else "Nothing was created on it. Restore"
-        )
-        return DataLossError(
-            f"memcached node {node.address} has lost its data: its sentinel "
-            f"{self._sentinel_key.decode()!r} is gone (the server restarted or was "
-            f"flushed). {done} a checkpoint (lookup-table-checkpoint restore) or accept "
-            f"the loss (lookup-table-admin reinit --yes)",
-            nodes=(node.address,),
-        )
+        return self._sentinels.lost(node, writes=writes)
 
     def _accept_sentinel(self, address: str, value: bytes) -> None:
-        """`check_format` of a node's sentinel (once per sentinel value); the node is then
-        verified for the writes that follow (`_verify_format`)."""
-        if value not in self._formats_ok:
-            self.check_format(address, value)
-            self._formats_ok.add(value)
-        self._verified.add(address)
+        self._sentinels.accept(address, value)
 
-    async def _verify_format(self, node: Node) -> None:
-        """Before the first write batch sent to `node` (unless a read checked it before):
-        read its sentinel alone and check its storage format, so that no write of this
-        version lands on another format's data. A read batch checks the sentinel it
-        reads in front (`_check_sentinel`) before it parses anything. (A missing
-        sentinel is left to the batch's own sentinel read.)"""
-        (value,) = await self._mg_blobs(node, [self._sentinel_key], check=False)
-        if value is not None:
-            self._accept_sentinel(node.address, value)
+    def _describer(self, parts: Sequence[_Part]) -> Callable[[int, int], tuple[str, str]]:
+        """For a read's CorruptValueError: the table of an id of a part, and what its
+        values should hold."""
 
-    async def _batch(
-        self,
-        node: Node,
-        commands: Sequence[protocol.Wire],
-        parse_reply: Callable[[bytes, int], R | None],
-        finish: Callable[[bytes, R], T],
-        *,
-        check: bool = True,
-        writes: bool = False,
-    ) -> T:
-        """One pipelined round trip: [sentinel read] + `commands` (in parts) + `mn`.
+        def describe(p: int, position: int) -> tuple[str, str]:
+            table = parts[p].placed.table_at(position)
+            return table, self._layout_text(parts[p], table)
 
-        `parse_reply(data, pos)` parses the commands' replies from `pos` (None while
-        incomplete); the sentinel and completeness are checked here once for every
-        kind of batch, then `finish(data, reply)` checks the replies' error lines and
-        builds the result.
-        """
-        check = check and self._check_sentinels
-        if check and writes and node.address not in self._verified:
-            await self._verify_format(node)
-        request = [self._sentinel_request(), *commands] if check else list(commands)
-
-        def parse(data: bytes) -> T | None:
-            pos = self._check_sentinel(node, data, writes=writes) if check else 0
-            if pos is None:
-                return None
-            reply = parse_reply(data, pos)
-            if reply is None or data[reply.end :] != protocol.END_REPLY:
-                return self._incomplete(node, data, reply)
-            return finish(data, reply)
-
-        return await node.roundtrip(request, parse)
-
-    async def _mg_rows(
-        self,
-        node: Node,
-        parts: Sequence[_Part],
-        segments: list[_Segment],
-        results: list[tuple[NDArray[np.float32], NDArray[np.bool_]]],
-    ) -> None:
-        """Quiet fixed-width reads of `segments` in one round trip: one group per value size.
-
-        The segments whose values have one size (rows of every table of one dim, say)
-        are one group of quiet reads, numbered across the segments, closed by `mn`, so
-        their hits parse as one fixed-stride block (protocol.parse_mg_quiet) whatever
-        the tables and the misses (which send nothing); the `mn` marks where the
-        group's replies end. The sentinel read in front is not quiet, so its miss is
-        an explicit EN. Only the leading bytes of each value that a part keeps are
-        copied out (rows without their slots).
-        """
-        groups = _ReadGroup.of(parts, segments)
-
-        def parse_reply(data: bytes, pos: int) -> _Replies | None:
-            replies: list[protocol.MgReply] = []
-            for k, group in enumerate(groups):
-                if k:
-                    pos += len(protocol.END_REPLY)  # the MN that closed the group before
-                reply = protocol.parse_mg_quiet(data, pos, group.n, nbytes=group.nbytes)
-                if reply is None:
-                    return None
-                replies.append(reply)
-                pos = reply.end
-            return _Replies(replies, end=pos)
-
-        def finish(data: bytes, got: _Replies) -> _Replies:  # not None: None means "incomplete"
-            for group, reply in zip(groups, got.replies, strict=True):
-                if reply.errors:
-                    i, line = next(iter(reply.errors.items()))
-                    # A quiet read's error line carries no token: it answers this key or a
-                    # later one.
-                    key = f"{group.key_text(i)!r} or a later key of the batch"
-                    self._raise_reply_error(node, key, line)
-            for group, reply in zip(groups, got.replies, strict=True):
-                bad = np.flatnonzero(reply.found & (reply.sizes != group.nbytes))
-                if bad.size:
-                    i = int(bad[0])
-                    segment, local = group.segment_at(i)
-                    part = parts[segment.part]
-                    table = part.placed.table_at(int(segment.index[local]))
-                    raise CorruptValueError(
-                        f"value of key {group.key_text(i)!r} of table {table!r} "
-                        f"on memcached node {node.address} has {int(reply.sizes[i])} bytes, "
-                        f"expected {self._layout_text(part, table)}: the table's dim or optimizer "
-                        f"changed or the value is corrupt; restore the table's dim and "
-                        f"optimizer or use a new table name",
-                        node=node.address,
-                    )
-            for group, reply in zip(groups, got.replies, strict=True):
-                raw = protocol.gather_values(data, reply, group.nbytes, take=group.take)
-                floats = raw.view(ROW_DTYPE)
-                found = reply.found
-                for s, start in zip(group.segments, group.starts, strict=True):
-                    end = start + s.index.shape[0]
-                    values_out, found_out = results[s.part]
-                    values_out[s.index] = floats[start:end, : values_out.shape[1]]
-                    found_out[s.index] = found[start:end]
-            return got
-
-        commands: list[bytes] = []
-        for k, group in enumerate(groups):
-            if k:
-                commands.append(protocol.END)  # closes the group before
-            commands.extend(group.request())
-        await self._batch(node, commands, parse_reply, finish)
+        return describe
 
     def _layout_text(self, part: _Part, table: str) -> str:
         """What a value of `table` in a fixed-width read should hold, for a
@@ -1572,148 +1365,4 @@ class EmbeddingStore:
         return (
             f"{part.nbytes} (its dim {spec.dim} and {width} slot floats of its "
             f"{spec.optimizer.name!r} optimizer, float32)"
-        )
-
-    async def _mg_blobs(self, node: Node, keys: Keys, *, check: bool = True) -> list[bytes | None]:
-        n = _num_keys(keys)
-
-        def finish(data: bytes, reply: protocol.MgReply) -> list[bytes | None]:
-            self._raise_reply_errors(node, keys, reply.errors)
-            return [
-                data[s : s + z] if s >= 0 else None
-                for s, z in zip(reply.starts.tolist(), reply.sizes.tolist(), strict=True)
-            ]
-
-        return await self._batch(
-            node,
-            [protocol.build_mg(keys)],
-            lambda data, pos: protocol.parse_mg(data, pos, n),
-            finish,
-            check=check,
-        )
-
-    async def _ms(
-        self,
-        node: Node,
-        segments: Sequence[tuple[Keys, _Values]],
-        *,
-        add: bool,
-        check: bool = True,
-        exptimes: Sequence[int] | None = None,
-        counts: Sequence[tuple[Keys, int]] = (),
-    ) -> tuple[list[NDArray[np.bool_]], list[NDArray[np.uint64]]]:
-        """`ms` of every (keys, values) segment, then `ma` (count one sighting) of every
-        (keys, exptime) of `counts`, in one round trip.
-
-        Returns the stored flags per segment and the counts per `counts` entry. The
-        `ms` are quiet: memcached answers only failures, and an add whose key exists
-        (`NS` with its position's token: `parse_ms_quiet_add`), so a batch of stored
-        values costs no reply lines (each line is a wake-up of this loop as they
-        trickle in); an `mn` closes them, then the `ma` replies follow. A failure
-        line names no key: any fails the batch. `exptimes[k]` > 0 gives segment k's
-        items that TTL (memcached's T flag, `core.expiry.exptime`).
-        """
-        sizes = [_num_keys(keys) for keys, _ in segments]
-        bounds = list(itertools.accumulate(sizes, initial=0))
-        count_sizes = [_num_keys(keys) for keys, _ in counts]
-        count_bounds = list(itertools.accumulate(count_sizes, initial=0))
-
-        def key_text(i: int) -> str:
-            k = int(np.searchsorted(bounds, i, side="right")) - 1
-            return _key_text(segments[k][0], i - bounds[k])
-
-        def parse_reply(data: bytes, pos: int) -> _WriteReplies | None:
-            parse = protocol.parse_ms_quiet_add if add else protocol.parse_ms_quiet
-            sets = parse(data, pos, bounds[-1])
-            if sets is None:
-                return None
-            after = sets.end + (len(protocol.END_REPLY) if counts else 0)  # the sets' mn
-            mas = protocol.parse_ma(data, after, count_bounds[-1])
-            return None if mas is None else _WriteReplies(sets, mas, mas.end)
-
-        def finish(
-            data: bytes, got: _WriteReplies
-        ) -> tuple[list[NDArray[np.bool_]], list[NDArray[np.uint64]]]:
-            reply = got.sets
-            if got.counts.errors:
-                i, line = next(iter(got.counts.errors.items()))
-                k = int(np.searchsorted(count_bounds, i, side="right")) - 1
-                self._raise_reply_error(
-                    node, repr(_key_text(counts[k][0], i - count_bounds[k])), line
-                )
-            if reply.errors:
-                i, line = next(iter(reply.errors.items()))
-                # a quiet failure names no key: one of the batch's failed (an add's: this
-                # one or a later one)
-                key = f"one of {bounds[-1] - i} keys (the first {key_text(i)!r})"
-                self._raise_reply_error(node, key, line)
-            # without error lines a quiet reply holds only STORED, and an add's NOT_STORED
-            ok: NDArray[np.bool_] = np.equal(reply.status, protocol.STATUS_STORED)
-            values = got.counts.values
-            return (
-                [ok[bounds[k] : bounds[k + 1]] for k in range(len(segments))],
-                [values[count_bounds[k] : count_bounds[k + 1]] for k in range(len(counts))],
-            )
-
-        ttls = [0] * len(segments) if exptimes is None else exptimes
-        commands: list[protocol.Wire] = []
-        rows = [(k, *v) for k, v in segments if isinstance(k, np.ndarray) and isinstance(v, tuple)]
-        if rows and len(rows) == len(segments) and not add:
-            # fixed-width keys and rows of value matrices: laid out from where the values
-            # are, in one buffer (protocol.build_ms_rows)
-            commands.append(protocol.build_ms_rows(rows, ttls=ttls))
-        else:
-            for (k, v), t, b in zip(segments, ttls, bounds, strict=False):
-                values = v[0][v[1]] if isinstance(v, tuple) else v
-                commands += protocol.build_ms_parts(
-                    k, values, add=add, ttl_s=t, quiet=True, first=b, total=bounds[-1]
-                )
-        if counts:  # the quiet sets end at this mn; the counts' replies follow it
-            commands.append(protocol.END)
-            commands += [protocol.build_ma_count(k, t) for k, t in counts]
-        return await self._batch(node, commands, parse_reply, finish, check=check, writes=True)
-
-    async def _md(self, node: Node, keys: Keys) -> NDArray[np.bool_]:
-        n = _num_keys(keys)
-
-        def finish(data: bytes, reply: protocol.MsReply) -> NDArray[np.bool_]:
-            self._raise_reply_errors(node, keys, reply.errors)
-            existed: NDArray[np.bool_] = np.equal(reply.status, protocol.STATUS_STORED)
-            return existed
-
-        return await self._batch(
-            node,
-            [protocol.build_md(keys)],
-            lambda data, pos: protocol.parse_ms(data, pos, n),
-            finish,
-        )
-
-    @staticmethod
-    def _incomplete(node: Node, data: bytes, reply: object) -> None:
-        if reply is not None and len(data) > getattr(reply, "end", 0) + len(protocol.END_REPLY):
-            raise ProtocolError(
-                f"memcached node {node.address} sent more replies than commands",
-                node=node.address,
-            )
-        return None
-
-    @classmethod
-    def _raise_reply_errors(cls, node: Node, keys: Keys, errors: dict[int, bytes]) -> None:
-        """Raise for the first error line of a reply that has one line per key."""
-        if errors:
-            i, line = next(iter(errors.items()))
-            cls._raise_reply_error(node, repr(_key_text(keys, i)), line)
-
-    @staticmethod
-    def _raise_reply_error(node: Node, key: str, line: bytes) -> None:
-        if b"out of memory" in line:
-            raise StoreFullError(
-                f"memcached node {node.address} is out of memory (started with -M) and refused "
-                f"key {key}: {line.decode('ascii', 'replace')}. Add memory (-m) or nodes; "
-                f"rows already stored stay readable",
-                node=node.address,
-            )
-        raise StoreError(
-            f"memcached node {node.address} refused key {key}: {line.decode('ascii', 'replace')}",
-            node=node.address,
         )
