@@ -204,12 +204,12 @@ async def store(config: ClusterConfig) -> AsyncIterator[EmbeddingStore]:
 @pytest.fixture(params=["inline", "thread"])
 def in_order(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Both ways a creating lookup puts its rows in the ids' order: after its adds, or in
-    a thread while they are in flight (`lookup_table.store._OVERLAP_FLOATS`), for every
+    a thread while they are in flight (`lookup_table.store.api._OVERLAP_FLOATS`), for every
     batch whatever its size."""
-    import lookup_table.store
+    import lookup_table.store.api
 
     monkeypatch.setattr(
-        lookup_table.store, "_OVERLAP_FLOATS", 1 << 62 if request.param == "inline" else 0
+        lookup_table.store.api, "_OVERLAP_FLOATS", 1 << 62 if request.param == "inline" else 0
     )
     return str(request.param)
 

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import lookup_table.store as store_module
+import lookup_table.store.placement as placement_module
 from lookup_table import (
     ConfigError,
     CorruptValueError,
@@ -298,8 +298,8 @@ async def test_rows_and_slots_of_26_tables_are_one_request_per_node(
         # The ids of a table are placed once (all int tables in one node_of_many call), and
         # a row and its slots are one item: one mg.
         placements: list[str] = []
-        original_node_of = store_module.node_of
-        original_node_of_many = store_module.node_of_many
+        original_node_of = placement_module.node_of
+        original_node_of_many = placement_module.node_of_many
 
         def counting_node_of(table: str, *args: Any) -> Any:
             placements.append(table)
@@ -309,8 +309,8 @@ async def test_rows_and_slots_of_26_tables_are_one_request_per_node(
             placements.extend(tables)
             return original_node_of_many(tables, *args)
 
-        monkeypatch.setattr(store_module, "node_of", counting_node_of)
-        monkeypatch.setattr(store_module, "node_of_many", counting_node_of_many)
+        monkeypatch.setattr(placement_module, "node_of", counting_node_of)
+        monkeypatch.setattr(placement_module, "node_of_many", counting_node_of_many)
         reads = [TableRead(t, table_ids, slots=True) for t, table_ids in ids.items()]
         gets_before = sum(node_stat(n, "cmd_get") for n in store.nodes)
         results = await store.get_many(reads)
@@ -691,7 +691,7 @@ def test_placing_many_tables_at_once_equals_one_at_a_time(
             ids = np.array(data.draw(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=30)))
             ids = ids.astype(np.int64)
         items.append((table, ids))
-    for (table, ids), many in zip(items, store._place_many(items), strict=True):
+    for (table, ids), many in zip(items, store._placement.place_many(items), strict=True):
         where = node_of(table, ids, store.nodes)
         expected = [np.flatnonzero(where == j) for j in range(n_nodes)]
         assert many.table == table and many.ids is ids

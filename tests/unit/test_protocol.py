@@ -13,6 +13,7 @@ from hypothesis.extra.numpy import arrays
 
 from lookup_table.core.keys import int_key_matrix, key_prefix
 from lookup_table.errors import ProtocolError, StoreError
+from lookup_table.memcached.batch import ReadGroup, Segment
 from lookup_table.memcached.protocol import (
     END,
     END_REPLY,
@@ -37,7 +38,6 @@ from lookup_table.memcached.protocol import (
     parse_ms_quiet_add,
     token_width,
 )
-from lookup_table.store import _ReadGroup, _Segment
 from tests.strategies import int_id_arrays
 
 pytestmark = pytest.mark.unit
@@ -1015,7 +1015,7 @@ def test_parse_ma_counts_and_errors() -> None:
 
 
 def test_a_read_groups_segments_of_one_key_width_are_built_as_one_request() -> None:
-    """`_ReadGroup.request` (the store's quiet reads of many tables on one node) joins
+    """`ReadGroup.request` (the store's quiet reads of many tables on one node) joins
     segments one after another whose keys have one width and TTL: the bytes are exactly
     those of one `build_mg_quiet` per segment, numbered across the group."""
 
@@ -1023,16 +1023,16 @@ def test_a_read_groups_segments_of_one_key_width_are_built_as_one_request() -> N
         return np.full((n, width), ord("a") + fill, dtype=np.uint8)
 
     segments = [
-        _Segment(0, np.arange(3), keys(10, 3, 0)),
-        _Segment(1, np.arange(2), keys(10, 2, 1)),
-        _Segment(2, np.arange(4), keys(11, 4, 2)),
-        _Segment(3, np.arange(2), [b"var-1", b"variable-2"]),
-        _Segment(4, np.arange(1), keys(11, 1, 3), exptime=5),
-        _Segment(5, np.arange(2), keys(11, 2, 4), exptime=5),
-        _Segment(6, np.arange(1), keys(11, 1, 5)),
+        Segment(0, np.arange(3), keys(10, 3, 0)),
+        Segment(1, np.arange(2), keys(10, 2, 1)),
+        Segment(2, np.arange(4), keys(11, 4, 2)),
+        Segment(3, np.arange(2), [b"var-1", b"variable-2"]),
+        Segment(4, np.arange(1), keys(11, 1, 3), exptime=5),
+        Segment(5, np.arange(2), keys(11, 2, 4), exptime=5),
+        Segment(6, np.arange(1), keys(11, 1, 5)),
     ]
     starts = np.cumsum([0, *(s.index.shape[0] for s in segments)]).tolist()
-    group = _ReadGroup(64, segments, starts[:-1], starts[-1])
+    group = ReadGroup(64, segments, starts[:-1], starts[-1])
     expected = [
         build_mg_quiet(s.keys, first=start, total=group.n, exptime=s.exptime)
         for s, start in zip(segments, starts, strict=False)
