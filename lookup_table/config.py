@@ -161,7 +161,7 @@ class ServiceConfig:
     row_flush_s: float = 10.0
 
 
-# a replica's journal slots (optimizer_service.journal.MAX_JOURNAL_SLOTS) hold the pushes
+# a replica's journal slots (optimizer_service.engine.journal.MAX_JOURNAL_SLOTS) hold the pushes
 # written behind (row_flush_pushes) and those in flight (8)
 MAX_ROW_FLUSH_PUSHES = 56
 

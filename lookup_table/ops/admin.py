@@ -107,7 +107,7 @@ async def reinit_cluster(config: ClusterConfig) -> dict[str, str]:
 
 _RESET_ROUNDS = 8  # listings until two in a row find nothing left
 _RELIST_S = 0.2  # between them: memcached relinks the items read last in the background
-# optimizer_service.journal.MAX_JOURNAL_SLOTS (lookup_table does not import the service)
+# optimizer_service.engine.journal.MAX_JOURNAL_SLOTS (lookup_table does not import the service)
 _JOURNAL_SLOTS_AT_MOST = 64
 
 

@@ -53,7 +53,7 @@ _OVERLAP_FLOATS = 1 << 18
 """From this many floats, a lookup that creates rows puts them in the caller's order in a
 thread while its adds are in flight (`_in_order_during`): a big gather after the adds'
 round trip is on the critical path. The bound is the service's for its optimizer steps
-(`optimizer_service.updater._OFFLOAD_FLOATS`); smaller gathers stay inline (a thread's
+(`optimizer_service.engine.stepping.OFFLOAD_FLOATS`); smaller gathers stay inline (a thread's
 hand-off would cost more than it frees)."""
 
 

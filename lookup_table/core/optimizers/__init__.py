@@ -102,7 +102,7 @@ def step_slot(optimizer: Optimizer, dim: int) -> int | None:
     is below `MAX_EXACT_STEP` (float32: above it, `step + 1 == step`). A stored row's step
     then says exactly which of the updates journaled for it it has already had: the
     journal of rows written behind keeps the gradients and each row's step before the
-    push instead of the new values (`optimizer_service.journal`).
+    push instead of the new values (`optimizer_service.engine.journal`).
     """
     names = optimizer.slot_names
     return optimizer.slot_width(dim) - 1 if names and names[-1] == "step" else None

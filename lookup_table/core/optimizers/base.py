@@ -85,7 +85,7 @@ class Optimizer(Protocol):
         """`update` of rows laid out as items (a row, then its slots: dim + slot_width
         floats), read where they are: row i's item is `values[at[i]]`, or `extra[-1 -
         at[i]]` where `at[i] < 0`. The row cache's map is `values`, the rows it does not
-        hold are `extra` (`optimizer_service.updater`): no gather of the items first.
+        hold are `extra` (`optimizer_service.engine.stepping`): no gather of the items first.
 
         Returns the new rows (n, dim) and the new items (n, dim + slot_width), new arrays,
         bit for bit `update`'s; `values` and `extra` are left untouched.
