@@ -98,23 +98,15 @@ class FanOut:
             await node.close()
 
     async def sentinels(self) -> dict[str, bytes | None]:
-        """Each node's sentinel value (None where it is missing), one round trip per node
-        (`peek` of nothing else)."""
+        """`EmbeddingStore.sentinels`."""
         sentinels, _ = await self.peek([])
         return sentinels
 
     async def peek(
         self, reads: Sequence[tuple[str, Any, str]]
     ) -> tuple[dict[str, bytes | None], list[list[bytes | None]]]:
-        """Every node's sentinel (`sentinels`) and the blobs of each (table, unique ids,
-        kind) of `reads` (`get_blobs`), in one round trip per node: its sentinel read,
-        then its keys. A push's bookkeeping reads (its done record, the dense pointer)
-        ride on the sentinel reads it makes anyway.
-
-        Raises:
-            DataLossError: a node that lost its sentinel holds some of the keys (a
-                batch's sentinel in front refuses its reads the same way).
-        """
+        """`EmbeddingStore.peek`: every node's sentinel and the blobs of `reads`, one
+        round trip per node."""
         placed = self._placement.place_many(
             [(table, as_ids(ids, table=table)) for table, ids, _ in reads]
         )
