@@ -442,7 +442,7 @@ class OptimizerClient:
 
     async def _check_replica(self, k: int) -> None:
         url = self.config.optimizers[k]
-        doc = await self._request(k, "GET", "/v1/tables", None)
+        doc = await self.tables(replica=k)
         fix = (
             "the replicas run another cluster file: use the same file for trainers and "
             "replicas, or restart the replicas with this one (deploy/cluster.sh down/up, or "
