@@ -227,8 +227,8 @@ async def _delete_namespace(
         label = _kind_label(kind)
         by_kind[label] = by_kind.get(label, 0) + n
 
-    # the keys that make a namespace continue are deleted by name first, on every node
-    # (a listing can miss an item memcached is moving between its LRUs): the sentinels
+    # the keys that make a namespace continue are deleted by name first, on every node,
+    # so that a reset stopped halfway leaves no namespace to continue from: the sentinels
     # (trainers reading meanwhile get DataLossError), the versions, the dense
     # parameters' pointer, the journal headers (a replica's start replays what they list)
     replicas = range(max(len(config.optimizers), 1))
@@ -254,8 +254,7 @@ async def _delete_namespace(
         for _ in range(_RESET_ROUNDS):
             dumps = await namespace_keys(store)
             if not any(found.count for found in dumps.values()):
-                # twice in a row: memcached's crawler can miss an item its LRU
-                # maintainer is moving
+                # twice in a row: nothing wrote to the namespace in between
                 empty += 1
                 if empty == 2:
                     return deleted, per_node
