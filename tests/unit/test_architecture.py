@@ -25,8 +25,9 @@ LAYERS = [
     ("lookup_table.layer", 5),  # DistributedEmbedding
     ("lookup_table.session", 5),  # the cluster side of training (store, client, layers)
     ("lookup_table.remote", 5),  # RemoteOptimizer: Keras' model.fit on the session
+    ("lookup_table.serving", 5),  # the SavedModel writer: a model and rows given, no cluster
     # a bound model's export snapshots the cluster as a checkpoint does (ops/)
-    ("lookup_table.serving", 6),
+    ("lookup_table.export", 6),
     ("lookup_table.keras", 6),  # the Keras facade: layer, optimizer, export, callback
     ("lookup_table", 6),  # the package itself (lazy re-exports) and ops/
     ("optimizer_service", 7),
@@ -184,3 +185,22 @@ def test_import_cycles_are_found() -> None:
 def test_no_import_cycles_function_level_imports_included() -> None:
     cycles = [" -> ".join(group) for group in import_cycles(_runtime_graph())]
     assert cycles == []
+
+
+def test_the_savedmodel_writer_reaches_no_cluster() -> None:
+    """lookup_table.serving writes what it is given: nothing it runs, directly or through
+    another module, opens a connection to memcached or to the service."""
+    graph = _runtime_graph()
+    reached: set[str] = set()
+    todo = [
+        m for m in graph if m == "lookup_table.serving" or m.startswith("lookup_table.serving.")
+    ]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(graph[module])
+    cluster = ("lookup_table.memcached", "lookup_table.store", "lookup_table.client")
+    cluster += ("lookup_table.session", "lookup_table.remote", "lookup_table.ops")
+    wrong = sorted(m for m in reached if m.startswith(cluster))
+    assert wrong == []
