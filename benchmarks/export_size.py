@@ -8,7 +8,7 @@ Run from the repository root::
 Per case (dim 16 and 64 x int64 and string ids) a fresh process builds n rows
 (int ids spread over int64; string ids "user:<i>" of about 11 bytes, the length
 of hashed or short categorical values) and writes a SavedModel of a model with one
-`DistributedEmbedding` through `lookup_table.serving.export_saved_model`
+`DistributedEmbedding` through `lookup_table.keras.export_saved_model`
 (`rows=TableRows(...)`, as `checkpoint_rows` passes them). It reports the bytes on
 disk (total, `variables/`, the graph), bytes per row, the hash table's buckets,
 the export's time and peak memory (VmHWM growth from before the rows were built)
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             "id_types": list(ID_TYPES),
             "notes": [
                 "one DistributedEmbedding table per SavedModel, exported with "
-                "lookup_table.serving.export_saved_model(rows=...)",
+                "lookup_table.keras.export_saved_model(rows=...)",
                 "int ids: n random int64s (unique); string ids: 'user:<i>'",
                 "export_peak_bytes: VmHWM growth of the exporting process from before the "
                 "rows were built (they count in the estimate); serve_*: growth of a process "

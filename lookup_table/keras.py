@@ -28,6 +28,7 @@ import numpy as np
 
 from lookup_table.config import ClusterConfig
 from lookup_table.errors import ConfigError
+from lookup_table.export import export_saved_model
 from lookup_table.layer import (
     DistributedEmbedding,
     RecordedLookup,
@@ -35,7 +36,6 @@ from lookup_table.layer import (
     distributed_layers,
 )
 from lookup_table.remote import RemoteOptimizer
-from lookup_table.serving import export_saved_model
 
 __all__ = [
     "CheckpointCallback",

@@ -25,8 +25,9 @@ LAYERS = [
     ("lookup_table.layer", 5),  # DistributedEmbedding
     ("lookup_table.session", 5),  # the cluster side of training (store, client, layers)
     ("lookup_table.remote", 5),  # RemoteOptimizer: Keras' model.fit on the session
+    ("lookup_table.serving", 5),  # the SavedModel writer: a model and rows given, no cluster
     # a bound model's export snapshots the cluster as a checkpoint does (ops/)
-    ("lookup_table.serving", 6),
+    ("lookup_table.export", 6),
     ("lookup_table.keras", 6),  # the Keras facade: layer, optimizer, export, callback
     ("lookup_table", 6),  # the package itself (lazy re-exports) and ops/
     ("optimizer_service", 7),
@@ -110,4 +111,96 @@ def test_no_module_imports_another_modules_private_names() -> None:
         for name in names
         if name.startswith("_") and not name.startswith("__")
     ]
+    assert wrong == []
+
+
+def _module_of(imported: str, modules: set[str]) -> str | None:
+    """The project module an import runs: the longest prefix that is one."""
+    parts = imported.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of two or more modules (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(groups)
+
+
+def _runtime_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports when it runs, in a function or not
+    (imports under TYPE_CHECKING never run and are left out)."""
+    paths = dict(_modules())
+    modules = set(paths)
+    graph: dict[str, set[str]] = {module: set() for module in modules}
+    for module, path in paths.items():
+        for target, names, typing_only, _ in _imports(path):
+            if typing_only or target.split(".")[0] not in PACKAGES:
+                continue
+            for imported in [f"{target}.{n}" for n in names] or [target]:
+                found = _module_of(imported, modules)
+                if found is not None and found != module:
+                    graph[module].add(found)
+    return graph
+
+
+def test_import_cycles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_function_level_imports_included() -> None:
+    cycles = [" -> ".join(group) for group in import_cycles(_runtime_graph())]
+    assert cycles == []
+
+
+def test_the_savedmodel_writer_reaches_no_cluster() -> None:
+    """lookup_table.serving writes what it is given: nothing it runs, directly or through
+    another module, opens a connection to memcached or to the service."""
+    graph = _runtime_graph()
+    reached: set[str] = set()
+    todo = [
+        m for m in graph if m == "lookup_table.serving" or m.startswith("lookup_table.serving.")
+    ]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(graph[module])
+    cluster = ("lookup_table.memcached", "lookup_table.store", "lookup_table.client")
+    cluster += ("lookup_table.session", "lookup_table.remote", "lookup_table.ops")
+    wrong = sorted(m for m in reached if m.startswith(cluster))
     assert wrong == []

@@ -26,6 +26,7 @@ from lookup_table.serving import (
     estimate_export_bytes,
     id_hashes_tf,
     initial_rows_tf,
+    write_saved_model,
 )
 
 pytestmark = pytest.mark.unit
@@ -226,3 +227,23 @@ def test_a_model_without_keras_inputs_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="functional or Sequential model"):
         export_saved_model(_Subclassed(), tmp_path / "m", rows={"user": _rows(USER, [1])})
     assert _leftovers(tmp_path) == []
+
+
+def test_the_writer_takes_rows_given_and_refuses_rows_that_do_not_fit(tmp_path: Path) -> None:
+    """`write_saved_model`, what a checkpoint's export calls: rows in, a SavedModel out,
+    no cluster; the refusals `export_saved_model` makes of `rows=` are its own."""
+    rows = {"user": _rows(USER, [5]), "word": _rows(WORD, ["a"])}
+    with pytest.raises(ConfigError, match=r"tables \['word'\] are not in rows"):
+        write_saved_model(_model(), tmp_path / "m", {"user": rows["user"]}, unseen="zeros")
+    with pytest.raises(ConfigError, match="normal initializer"):
+        write_saved_model(_model(), tmp_path / "m", rows)  # unseen="initializer"
+    with pytest.raises(ConfigError, match="unseen must be"):
+        write_saved_model(_model(), tmp_path / "m", rows, unseen="none")  # type: ignore[arg-type]
+    assert _leftovers(tmp_path) == []
+    info = write_saved_model(_model(), tmp_path / "m", rows, unseen="zeros")
+    assert info["tables"] == {"user": 1, "word": 1} and _leftovers(tmp_path) == ["m"]
+    serve = tf.saved_model.load(str(tmp_path / "m")).signatures["serving_default"]
+    (out,) = serve(user=tf.constant([5], tf.int64), word=tf.constant(["a"])).values()
+    assert np.array_equal(
+        np.asarray(out)[0], np.concatenate([rows["user"].rows[0], rows["word"].rows[0]])
+    )

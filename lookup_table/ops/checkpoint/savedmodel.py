@@ -5,8 +5,8 @@ file `model.save("model.keras")` wrote), its embedding rows from the checkpoint,
 and its dense weights from the checkpoint (`dense="checkpoint"`: the trained
 weights the save read from the cluster, matched by variable path as the trainer
 pushed them) or from the model as it is (`dense="model"`).
-`lookup_table.serving.export_saved_model` writes the SavedModel; its docstring
-says what the SavedModel holds and how it serves.
+`lookup_table.serving.write_saved_model` writes the SavedModel (docs/serving.md says
+what it holds and how it serves).
 
 TensorFlow is imported only when an export runs: `save` and `restore` never load it.
 """
@@ -42,7 +42,8 @@ def checkpoint_rows(
     tables: Iterable[str] | None = None,
     manifest: Mapping[str, Any] | None = None,
 ) -> dict[str, TableRows]:
-    """The ids and rows of a checkpoint's tables, for `export_saved_model(rows=...)`.
+    """The ids and rows of a checkpoint's tables, for `export_saved_model(rows=...)`
+    and `write_saved_model`.
 
     Rows are memory-mapped (read when the export copies them); string ids are
     unpacked into str. The specs (dim, id type, seed, initializer) are the saved
@@ -158,29 +159,23 @@ def export_checkpoint_saved_model(
     set to the checkpoint's dense parameters (matched by variable path).
 
     Returns:
-        What `export_saved_model` returns, plus "dense": the source of the weights.
+        What `write_saved_model` returns, plus "dense": the source of the weights.
 
     Raises:
         CheckpointError: a partial or corrupt checkpoint, a table or dense parameter
             of the model it lacks.
         ExportTooLargeError: the export would not fit in memory.
-        ConfigError: see `export_saved_model`.
+        ConfigError: see `write_saved_model`.
     """
-    from lookup_table.layer import DistributedEmbedding
-    from lookup_table.serving import check_export_memory, export_saved_model
+    from lookup_table.layer import distributed_layers
+    from lookup_table.serving import check_export_memory, write_saved_model
 
     if dense not in DENSE_SOURCES:
         raise ConfigError(f"dense must be 'checkpoint' or 'model', got {dense!r}")
     root = Path(directory)
     manifest = verify_checkpoint(root)
     saved = {t["name"]: t for t in manifest["tables"]}
-    wanted = sorted(
-        {
-            layer.table
-            for layer in model._flatten_layers(include_self=False)
-            if isinstance(layer, DistributedEmbedding)
-        }
-    )
+    wanted = sorted({layer.table for layer in distributed_layers(model)})
     missing = [name for name in wanted if name not in saved]
     if missing:
         raise CheckpointError(
@@ -192,8 +187,6 @@ def export_checkpoint_saved_model(
     if dense == "checkpoint":
         _assign_dense(root, manifest, model)
     rows = checkpoint_rows(root, tables=wanted, manifest=manifest)
-    result = export_saved_model(
-        model, out, rows=rows, unseen=unseen, memory_limit_bytes=memory_limit_bytes
-    )
+    result = write_saved_model(model, out, rows, unseen=unseen)
     result["dense"] = dense
     return result
