@@ -263,8 +263,8 @@ def build_ms_rows(
 
     The same bytes as `build_ms_parts(keys, values[index], quiet=True, ttl_s=ttl)` of
     every segment, joined, in one compiled pass: each value is copied once, from where
-    it is, into the request (a flush of rows written behind is megabytes, which the
-    gather, the layout and the join each copied before).
+    it is, into the request (a flush of rows written behind is megabytes, which a
+    gather, a layout and a join would each copy).
 
     Raises:
         ValueError: index and keys of different lengths, or an index out of range.

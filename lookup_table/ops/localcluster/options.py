@@ -18,9 +18,8 @@ __all__ = [
 
 # memcached serves at most `-R` requests of one connection before it turns to the others
 # (default 20). Our clients pipeline thousands of requests per batch, so at 20 a node goes
-# back to epoll after every 20: at the demo's shape, -R 1000 cuts a node's CPU per step by
-# about 12 % (mostly system time), and 1000 requests still take well under a millisecond,
-# so no connection waits long behind another.
+# back to epoll after every 20 (system time: docs/operations.md), while 1000 requests
+# still take well under a millisecond, so no connection waits long behind another.
 REQUESTS_PER_EVENT = 1000
 
 # memcached's hash table starts at 2^16 buckets and doubles whenever it holds 1.5 items a
@@ -29,8 +28,8 @@ REQUESTS_PER_EVENT = 1000
 # training step's reads are of ids with no row yet). Our nodes fill up with small items (a
 # dim-16 row with its Adam slots is ~250 bytes), so each node's table is sized at start
 # for a full node of such items: at most 1.5 a bucket then, as memcached would end up
-# anyway, for 8 bytes a bucket (32 MiB beside `-m 1024`, 3 %). Rows written behind, at
-# the demo's shape, this cut memcached's CPU a push by ~10 % (docs/operations.md).
+# anyway, for 8 bytes a bucket (32 MiB beside `-m 1024`): no table grows under load
+# (docs/operations.md).
 SMALL_ITEM_BYTES = 256
 
 
@@ -41,9 +40,9 @@ SMALL_ITEM_BYTES = 256
 # evicted, so the segments choose no victim, and the thread's other jobs (slab page
 # rebalancing, scheduling the crawler that reclaims expired TTL rows) are still needed.
 # A HOT segment of up to 70 % (WARM 5 %: HOT + WARM may not pass 80 %) and ages of 100x
-# the COLD tail's keep most written items where they are: about 10 % less of
-# memcached's CPU a push at the demo's shape (docs/operations.md). 100x, not more:
-# memcached keeps that age in 32 bits, and 100x a year's COLD age still fits.
+# the COLD tail's keep most written items where they are, so the thread moves fewer
+# (docs/operations.md). 100x, not more: memcached keeps that age in 32 bits, and 100x a
+# year's COLD age still fits.
 LRU_OPTIONS = "hot_lru_pct=70,warm_lru_pct=5,hot_max_factor=100,warm_max_factor=100"
 
 
@@ -53,10 +52,9 @@ def local_threads(nodes: int) -> int:
     least 1, at most 4.
 
     A node's worker threads share its hash table's and LRU's locks; where they outnumber
-    the cores the node can have, they wait on each other instead of working: on a
-    2-core machine with 2 nodes (the demo's), -t 1 instead of 2 costs memcached about
-    15 % less CPU a push and a training step, and reads are as fast. A dedicated memcached host
-    takes `-t` about its cores (deploy/systemd/memcached.env, deploy/k8s).
+    the cores the node can have, they wait on each other instead of working
+    (docs/operations.md). A dedicated memcached host takes `-t` about its cores
+    (deploy/systemd/memcached.env, deploy/k8s).
     """
     try:
         cores = len(os.sched_getaffinity(0))

@@ -11,7 +11,7 @@ __all__ = ["holds_port", "listener_pid", "pid_alive"]
 def pid_alive(pid: int) -> bool:
     """Whether `pid` still runs. A zombie does not: it has exited and waits for its parent
     to reap it, which for the processes `up` started (their parent has exited) is init,
-    and init may take seconds (`down` waited ~1.5 s per process for that)."""
+    and init may take seconds to do it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
