@@ -183,9 +183,9 @@ def _parts_of(config_path: Path, run_dir: Path) -> tuple[list[Any], list[Any]]:
     """The memcached nodes and optimizer replicas of `config_path` with the pid and log
     files `localcluster up` keeps for them in `run_dir` (one per address)."""
     from lookup_table.config import load_config
-    from lookup_table.ops.localcluster import _parts
+    from lookup_table.ops.localcluster.files import cluster_parts
 
-    return _parts(load_config(config_path), run_dir)
+    return cluster_parts(load_config(config_path), run_dir)
 
 
 def service_log_errors(config_path: Path, run_dir: Path, replica: int = 0) -> list[str]:

@@ -2,7 +2,7 @@
 
 A batch is one pipelined round trip (`node.Node.roundtrip`): the node's data-loss
 sentinel read in front (`Sentinel`, the store's), the commands, then `mn`. Here the
-replies are parsed (`protocol`), checked (sentinel, completeness, error lines) and
+replies are parsed (`replies`), checked (sentinel, completeness, error lines) and
 turned into results or the errors of `lookup_table.errors`.
 """
 
@@ -28,6 +28,19 @@ from lookup_table.errors import (
 from lookup_table.memcached import protocol
 from lookup_table.memcached.node import Node
 from lookup_table.memcached.protocol import Keys, Wire
+from lookup_table.memcached.replies import (
+    STATUS_STORED,
+    MaReply,
+    MgReply,
+    MsReply,
+    gather_values,
+    parse_ma,
+    parse_mg,
+    parse_mg_quiet,
+    parse_ms,
+    parse_ms_quiet,
+    parse_ms_quiet_add,
+)
 
 __all__ = [
     "ReadGroup",
@@ -100,7 +113,7 @@ class Segment:
 class _Replies:
     """The quiet-read replies of the segments of one round trip; `end` is the final MN."""
 
-    replies: list[protocol.MgReply]
+    replies: list[MgReply]
     end: int
 
 
@@ -108,8 +121,8 @@ class _Replies:
 class _WriteReplies:
     """The replies of a write round trip: its `ms`, then its `ma`; `end` is the final MN."""
 
-    sets: protocol.MsReply
-    counts: protocol.MaReply
+    sets: MsReply
+    counts: MaReply
     end: int
 
 
@@ -231,7 +244,7 @@ def _check_sentinel(
     The commands pipelined behind the sentinel read ran whatever it found: the writes
     of a batch (`writes`) may have reached a node that has lost its data.
     """
-    reply = protocol.parse_mg(data, 0, 1)
+    reply = parse_mg(data, 0, 1)
     if reply is None:
         return None
     if reply.errors:
@@ -269,7 +282,7 @@ async def mg_rows(
 
     The segments whose values have one size (rows of every table of one dim, say)
     are one group of quiet reads, numbered across the segments, closed by `mn`, so
-    their hits parse as one fixed-stride block (protocol.parse_mg_quiet) whatever
+    their hits parse as one fixed-stride block (replies.parse_mg_quiet) whatever
     the tables and the misses (which send nothing); the `mn` marks where the
     group's replies end. The sentinel read in front is not quiet, so its miss is
     an explicit EN. Only the leading bytes of each value that a part keeps are
@@ -279,11 +292,11 @@ async def mg_rows(
     groups = ReadGroup.of(parts, segments)
 
     def parse_reply(data: bytes, pos: int) -> _Replies | None:
-        replies: list[protocol.MgReply] = []
+        replies: list[MgReply] = []
         for k, group in enumerate(groups):
             if k:
                 pos += len(protocol.END_REPLY)  # the MN that closed the group before
-            reply = protocol.parse_mg_quiet(data, pos, group.n, nbytes=group.nbytes)
+            reply = parse_mg_quiet(data, pos, group.n, nbytes=group.nbytes)
             if reply is None:
                 return None
             replies.append(reply)
@@ -313,7 +326,7 @@ async def mg_rows(
                     node=node.address,
                 )
         for group, reply in zip(groups, got.replies, strict=True):
-            raw = protocol.gather_values(data, reply, group.nbytes, take=group.take)
+            raw = gather_values(data, reply, group.nbytes, take=group.take)
             floats = raw.view(ROW_DTYPE)
             found = reply.found
             for s, start in zip(group.segments, group.starts, strict=True):
@@ -334,7 +347,7 @@ async def mg_rows(
 async def mg_blobs(node: Node, keys: Keys, *, sentinel: Sentinel | None) -> list[bytes | None]:
     n = num_keys(keys)
 
-    def finish(data: bytes, reply: protocol.MgReply) -> list[bytes | None]:
+    def finish(data: bytes, reply: MgReply) -> list[bytes | None]:
         _raise_reply_errors(node, keys, reply.errors)
         return [
             data[s : s + z] if s >= 0 else None
@@ -344,7 +357,7 @@ async def mg_blobs(node: Node, keys: Keys, *, sentinel: Sentinel | None) -> list
     return await batch(
         node,
         [protocol.build_mg(keys)],
-        lambda data, pos: protocol.parse_mg(data, pos, n),
+        lambda data, pos: parse_mg(data, pos, n),
         finish,
         sentinel=sentinel,
     )
@@ -380,12 +393,12 @@ async def ms(
         return key_text(segments[k][0], i - bounds[k])
 
     def parse_reply(data: bytes, pos: int) -> _WriteReplies | None:
-        parse = protocol.parse_ms_quiet_add if add else protocol.parse_ms_quiet
+        parse = parse_ms_quiet_add if add else parse_ms_quiet
         sets = parse(data, pos, bounds[-1])
         if sets is None:
             return None
         after = sets.end + (len(protocol.END_REPLY) if counts else 0)  # the sets' mn
-        mas = protocol.parse_ma(data, after, count_bounds[-1])
+        mas = parse_ma(data, after, count_bounds[-1])
         return None if mas is None else _WriteReplies(sets, mas, mas.end)
 
     def finish(
@@ -403,7 +416,7 @@ async def ms(
             key = f"one of {bounds[-1] - i} keys (the first {set_key(i)!r})"
             _raise_reply_error(node, key, line)
         # without error lines a quiet reply holds only STORED, and an add's NOT_STORED
-        ok: NDArray[np.bool_] = np.equal(reply.status, protocol.STATUS_STORED)
+        ok: NDArray[np.bool_] = np.equal(reply.status, STATUS_STORED)
         values = got.counts.values
         return (
             [ok[bounds[k] : bounds[k + 1]] for k in range(len(segments))],
@@ -432,15 +445,15 @@ async def ms(
 async def md(node: Node, keys: Keys, *, sentinel: Sentinel | None) -> NDArray[np.bool_]:
     n = num_keys(keys)
 
-    def finish(data: bytes, reply: protocol.MsReply) -> NDArray[np.bool_]:
+    def finish(data: bytes, reply: MsReply) -> NDArray[np.bool_]:
         _raise_reply_errors(node, keys, reply.errors)
-        existed: NDArray[np.bool_] = np.equal(reply.status, protocol.STATUS_STORED)
+        existed: NDArray[np.bool_] = np.equal(reply.status, STATUS_STORED)
         return existed
 
     return await batch(
         node,
         [protocol.build_md(keys)],
-        lambda data, pos: protocol.parse_ms(data, pos, n),
+        lambda data, pos: parse_ms(data, pos, n),
         finish,
         sentinel=sentinel,
     )

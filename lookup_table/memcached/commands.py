@@ -18,7 +18,7 @@ import numpy as np
 
 from lookup_table.config import NodeSpec, StoreConfig
 from lookup_table.errors import NodeUnavailableError, StoreError, StoreTimeoutError
-from lookup_table.memcached import protocol
+from lookup_table.memcached import protocol, replies
 from lookup_table.memcached.node import READ_CHUNK, open_connection
 
 __all__ = ["curr_items", "delete_keys", "exchange", "metadump", "stats"]
@@ -215,12 +215,12 @@ async def delete_keys(spec: NodeSpec, cfg: StoreConfig, keys: Sequence[bytes]) -
         data = await exchange(
             spec, cfg, protocol.build_md(part) + protocol.END, _md_done, what="md"
         )
-        reply = protocol.parse_ms(data, 0, n)
+        reply = replies.parse_ms(data, 0, n)
         if reply is None or reply.errors or data[reply.end :] != protocol.END_REPLY:
             raise StoreError(
                 f"memcached node {spec.address} refused a delete: "
                 f"{next(iter(reply.errors.values()), b'') if reply else b''!r}",
                 node=spec.address,
             )
-        deleted += int(np.count_nonzero(reply.status == protocol.STATUS_STORED))
+        deleted += int(np.count_nonzero(reply.status == replies.STATUS_STORED))
     return deleted

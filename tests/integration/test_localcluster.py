@@ -12,12 +12,12 @@ import pytest
 from lookup_table.ops.localcluster import (
     REQUESTS_PER_EVENT,
     MemcachedProcess,
-    _server_pid,
     free_port,
     hashpower_for,
     local_threads,
     start_memcached,
 )
+from lookup_table.ops.localcluster.servers import server_pid
 from tests.conftest import assert_lru_options, memcached_settings
 from tests.reliability.harness import localcluster, process_running
 
@@ -119,7 +119,7 @@ def test_a_node_on_a_taken_port_fails_naming_the_holder_and_leaves_it_serving() 
         with pytest.raises(RuntimeError, match=rf"taken by another process \(pid {holder.pid}\)"):
             node.start(timeout_s=5.0)
         assert node.proc is None or node.proc.poll() is not None
-        assert _server_pid(holder.host, holder.port) == holder.pid
+        assert server_pid(holder.host, holder.port) == holder.pid
     finally:
         holder.stop()
 

@@ -15,7 +15,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
 from lookup_table import EmbeddingStore, PushRejectedError, StorageFormatError, initial_rows
-from lookup_table.client import OptimizerClient, _updated_rows
+from lookup_table.client import OptimizerClient
+from lookup_table.client.answers import updated_rows
+from lookup_table.client.requests import wire_tables
 from lookup_table.config import ClusterConfig
 from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id, sentinel_key
 from lookup_table.core.optimizers import make_optimizer
@@ -871,8 +873,8 @@ async def test_tables_sent_as_a_group_train_bit_for_bit_as_one_by_one(
                     ids = [f"w{int(i)}" for i in ids]
                 dim = spec["dim"]
                 tables[spec["name"]] = (ids, rng.standard_normal((len(ids), dim), np.float32))
-            singles, groups = grouped._grouped(
-                {n: (_ids(i), g) for n, (i, g) in tables.items()}, grads=True
+            singles, groups = wire_tables(
+                grouped.config, {n: (_ids(i), g) for n, (i, g) in tables.items()}, grads=True
             )
             assert [g["tables"] for g in groups] == [["c1", "c2", "c3"]]
             assert set(singles) == {"wide", "word"}
@@ -885,7 +887,7 @@ async def test_tables_sent_as_a_group_train_bit_for_bit_as_one_by_one(
                 await client._request(0, "POST", "/v1/gradients", pack(body), first=raw.append)
             assert [g["tables"] for g in raw[0]["updated_groups"]] == [["c1", "c2", "c3"]]
             assert "updated_groups" not in raw[1]
-            a, b = _updated_rows([raw[0]]), _updated_rows([raw[1]])
+            a, b = updated_rows([raw[0]]), updated_rows([raw[1]])
             assert set(a) == set(b) == set(tables)
             for name, (ids, rows) in a.items():
                 np.testing.assert_array_equal(ids, b[name][0])

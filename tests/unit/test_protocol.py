@@ -1,4 +1,4 @@
-"""memcached meta protocol (lookup_table.memcached.protocol): build and parse pipelined batches."""
+"""memcached meta protocol (lookup_table.memcached protocol and replies): build, parse batches."""
 
 from __future__ import annotations
 
@@ -17,18 +17,21 @@ from lookup_table.memcached.batch import ReadGroup, Segment
 from lookup_table.memcached.protocol import (
     END,
     END_REPLY,
-    STATUS_ERROR,
-    STATUS_EXISTS,
-    STATUS_NOT_FOUND,
-    STATUS_NOT_STORED,
-    STATUS_STORED,
-    MgReply,
     build_ma_count,
     build_mg,
     build_mg_quiet,
     build_ms,
     build_ms_parts,
     build_ms_rows,
+    token_width,
+)
+from lookup_table.memcached.replies import (
+    STATUS_ERROR,
+    STATUS_EXISTS,
+    STATUS_NOT_FOUND,
+    STATUS_NOT_STORED,
+    STATUS_STORED,
+    MgReply,
     gather_values,
     parse_ma,
     parse_mg,
@@ -36,7 +39,6 @@ from lookup_table.memcached.protocol import (
     parse_ms,
     parse_ms_quiet,
     parse_ms_quiet_add,
-    token_width,
 )
 from tests.strategies import int_id_arrays
 

@@ -1,22 +1,6 @@
-"""`OptimizerClient`: push gradients to the optimizer service replicas.
-
-    async with OptimizerClient(config, worker=0) as client:
-        await client.push({"user": (ids, grads)})
-
-One aiohttp session per client. A push is split by replica (each replica owns a
-fixed hash partition of the rows); every part carries the same `push_id`, and a
-part that fails with a connection error, a timeout or a 5xx is retried with that
-same `push_id` and exponential backoff, so a retry is applied at most once.
-Before its first request that reads or changes the model, the client compares its
-cluster file with each replica's (`GET /v1/tables`: `ClusterConfig.agreement`) and
-raises `ClusterMismatchError` naming each field that differs; every push and read of
-rows also carries the file's fingerprint, which the replica checks (409).
-A 4xx raises `PushRejectedError` with the service's message. A memcached error
-the replica reports is raised at once, without retries, as the store's own
-error naming the node: `DataLossError` (a node lost its data), `StoreFullError`
-(a `-M` node is full), `StoreTimeoutError`/`NodeUnavailableError` (a node did
-not answer within `store.timeout_s` or refused), `CorruptValueError`; so a push
-fails within about `store.timeout_s`, as a trainer's own lookups do.
+"""`OptimizerClient`: push gradients to the optimizer service replicas, read rows and dense
+parameters through them, pause and resume them; before its first request that reads or
+changes the model, it checks that each replica runs a cluster file that agrees with its own.
 """
 
 from __future__ import annotations
@@ -25,89 +9,52 @@ import asyncio
 import functools
 import json
 import logging
-import numbers
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import aiohttp
-import msgpack
 import numpy as np
 from numpy.typing import NDArray
 
+from lookup_table.client.answers import (
+    created,
+    error_of,
+    merged_answer,
+    params_of,
+    rows_answer,
+    store_error,
+    two_part_answer,
+)
+from lookup_table.client.requests import push_stats, wire_tables
 from lookup_table.config import ClusterConfig
 from lookup_table.core.keys import IdArray, as_ids
-from lookup_table.core.rows import blocks
 from lookup_table.core.sharding import owner_of
-from lookup_table.core.wire import (
-    CONTENT_TYPE,
-    decode_array,
-    decode_ids,
-    encode_array,
-    encode_ids,
-    pack,
-    unpack,
-)
+from lookup_table.core.wire import CONTENT_TYPE, encode_array, pack, unpack
 from lookup_table.errors import (
     ClusterMismatchError,
-    ConfigError,
-    CorruptValueError,
-    DataLossError,
     LookupTableError,
-    NodeUnavailableError,
-    ProtocolError,
     PushRejectedError,
     ReplicaUnavailableError,
-    StorageFormatError,
-    StoreError,
-    StoreFullError,
-    StoreTimeoutError,
 )
-from lookup_table.store import EmbeddingStore
 
-__all__ = ["OptimizerClient"]  # RowReader: the training session's, re-exported there
+__all__ = ["OptimizerClient"]
 
 logger = logging.getLogger(__name__)
-
-# The store errors a replica answers with (JSON `type`), re-raised here without retries.
-_STORE_ERRORS: dict[str, type[StoreError]] = {
-    cls.__name__: cls
-    for cls in (
-        StoreError,
-        StoreFullError,
-        CorruptValueError,
-        StorageFormatError,
-        ProtocolError,
-        NodeUnavailableError,
-        StoreTimeoutError,
-    )
-}
-
-
-def _stats(examples: Any, loss: Any) -> dict[str, Any]:
-    """A push's `stats` (what is given of examples and loss), checked."""
-    stats: dict[str, Any] = {}
-    if examples is not None:
-        if isinstance(examples, bool) or not isinstance(examples, int | np.integer):
-            raise ConfigError(
-                f"examples must be the step's number of training examples, an int >= 0. "
-                f"Received: examples={examples!r}"
-            )
-        if examples < 0:
-            raise ConfigError(f"examples must be an int >= 0. Received: examples={examples}")
-        stats["examples"] = int(examples)
-    if loss is not None:
-        if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
-            raise ConfigError(
-                f"loss must be a real number (a Python or numpy float: convert a tensor with "
-                f"float(t)). Received: loss of type {type(loss).__name__}"
-            )
-        stats["loss"] = float(loss)
-    return stats
 
 
 class OptimizerClient:
     """Async client of every optimizer replica of a cluster.
+
+        async with OptimizerClient(config, worker=0) as client:
+            await client.push({"user": (ids, grads)})
+
+    A push is split by replica (each replica owns a fixed hash partition of the rows);
+    every part carries the same `push_id`, and a part that fails with a connection
+    error, a timeout or a 5xx is retried with that `push_id` and exponential backoff, so
+    a retry is applied at most once. A 4xx raises `PushRejectedError`; a memcached error
+    a replica reports is raised at once, without retries, as the store's own error
+    naming the node.
 
     Args:
         config: the cluster file; `optimizers` lists the replicas in partition order.
@@ -202,7 +149,7 @@ class OptimizerClient:
             DataLossError, StoreFullError: the store refused; not retried.
             ReplicaUnavailableError: a replica stayed unreachable through every retry.
         """
-        stats = _stats(examples, loss)
+        stats = push_stats(examples, loss)
         push_id = push_id or uuid.uuid4().hex
         n_replicas = len(self.config.optimizers)
         await self._agree(range(n_replicas))
@@ -221,7 +168,7 @@ class OptimizerClient:
                 if sub_ids.shape[0] == 0 and n_replicas > 1:
                     continue
                 split[k][name] = (sub_ids, g[mine])
-        parts = [self._grouped(mine, grads=True) for mine in split]
+        parts = [wire_tables(self.config, mine, grads=True) for mine in split]
         bodies: dict[int, bytes] = {}
         every = self.config.mode == "sync"  # each replica counts every worker's push
         want_dense = "dense" in answer
@@ -252,7 +199,7 @@ class OptimizerClient:
                 return
             answers[k] = doc
             if on_answer is not None and len(answers) == len(bodies):
-                on_answer(_merged_answer(answers, answer))
+                on_answer(merged_answer(answers, answer))
 
         results = await asyncio.gather(
             *(
@@ -273,10 +220,10 @@ class OptimizerClient:
             "rows": sum(int(r.get("rows", 0)) for r in results),
             "replicas": sorted(bodies),
             "version": max((int(r.get("version", 0)) for r in results), default=version),
-            "created": _created(results),
+            "created": created(results),
         }
         if answer:
-            summary.update(_merged_answer(answers, answer))
+            summary.update(merged_answer(answers, answer))
         return summary
 
     async def rows(self, tables: Mapping[str, Any]) -> dict[str, tuple[NDArray[np.float32], int]]:
@@ -316,7 +263,7 @@ class OptimizerClient:
                     where.append((k, mine))
             unique[name] = (uniq, inverse, where)
         ks = [k for k in range(n_replicas) if split[k]]
-        requests = {k: self._grouped(split[k], grads=False) for k in ks}
+        requests = {k: wire_tables(self.config, split[k], grads=False) for k in ks}
         bodies = {
             k: pack(
                 {
@@ -336,7 +283,7 @@ class OptimizerClient:
                 strict=True,
             )
         )
-        answered = {k: _rows_answer(docs[k], requests[k][1], k) for k in ks}
+        answered = {k: rows_answer(docs[k], requests[k][1], k) for k in ks}
         out: dict[str, tuple[NDArray[np.float32], int]] = {}
         for name, (uniq, inverse, where) in unique.items():
             dim = self.config.table(name).dim
@@ -354,51 +301,6 @@ class OptimizerClient:
                 new += their_new
             out[name] = (rows[inverse], new)
         return out
-
-    def _grouped(
-        self, tables: Mapping[str, tuple[IdArray, NDArray[Any] | None]], *, grads: bool
-    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The wire form of one request's tables: (`tables`, `groups`). The tables of
-        int64 ids and one dim go as one group (`{tables, counts, ids, grads}`, each array
-        theirs concatenated; `grads` only in a push), so the service decodes and checks
-        one array of each kind, not one per table; the others (string ids, a dim alone)
-        go under `tables` as `{ids[, grads]}`."""
-        by_dim: dict[int, list[str]] = {}
-        for name, (ids, values) in tables.items():
-            # a table the cluster file lacks, or grads of another shape, go alone: the
-            # service's answer then names the table and what is wrong
-            if not (
-                isinstance(ids, np.ndarray)
-                and ids.dtype == np.int64
-                and ids.ndim == 1
-                and self.config.has_table(name)
-            ):
-                continue
-            dim = self.config.table(name).dim
-            if grads and (values is None or np.shape(values) != (ids.shape[0], dim)):
-                continue
-            by_dim.setdefault(dim, []).append(name)
-        grouped = {name for names in by_dim.values() if len(names) > 1 for name in names}
-        singles: dict[str, Any] = {}
-        for name, (ids, values) in tables.items():
-            if name not in grouped:
-                singles[name] = {"ids": encode_ids(ids)}
-                if grads:
-                    singles[name]["grads"] = encode_array(np.asarray(values))
-        groups: list[dict[str, Any]] = []
-        for names in by_dim.values():
-            if len(names) > 1:
-                group: dict[str, Any] = {
-                    "tables": names,
-                    "counts": [int(tables[n][0].shape[0]) for n in names],
-                    "ids": encode_array(np.concatenate([tables[n][0] for n in names])),
-                }
-                if grads:
-                    group["grads"] = encode_array(
-                        np.concatenate([np.asarray(tables[n][1], dtype=np.float32) for n in names])
-                    )
-                groups.append(group)
-        return singles, groups
 
     async def tables(self, *, replica: int = 0) -> dict[str, Any]:
         """`GET /v1/tables` of replica `replica`: the cluster file it runs (not checked)."""
@@ -488,13 +390,13 @@ class OptimizerClient:
         await self._agree(range(len(self.config.optimizers)))
         body = pack({"params": {n: encode_array(v) for n, v in params.items()}})
         doc = await self._request(0, "POST", "/v1/dense/init", body)
-        return int(doc["version"]), _arrays(doc["params"])
+        return int(doc["version"]), params_of(doc["params"])
 
     async def dense(self) -> tuple[int, dict[str, NDArray[np.float32]]]:
         """The current dense parameters and their version (replica 0)."""
         await self._agree(range(len(self.config.optimizers)))
         doc = await self._request(0, "GET", "/v1/dense", None)
-        return int(doc["version"]), _arrays(doc["params"])
+        return int(doc["version"]), params_of(doc["params"])
 
     async def version(self, *, after: int | None = None) -> int:
         """The model version: with `after`, waits until every replica is past it (sync mode)."""
@@ -568,14 +470,14 @@ class OptimizerClient:
                         if first is None:
                             result: dict[str, Any] = unpack(await resp.read())
                             return result
-                        outcome = await _two_part_answer(resp, first)
+                        outcome = await two_part_answer(resp, first)
                         if "error" not in outcome:
                             return outcome
                         status = int(outcome.get("status", 500))
                         message, doc = str(outcome["error"]), outcome
                     else:
-                        message, doc = _error_of(await resp.read(), status)
-                    typed = _store_error(doc, f"replica {replica} ({url}): {message}")
+                        message, doc = error_of(await resp.read(), status)
+                    typed = store_error(doc, f"replica {replica} ({url}): {message}")
                     if doc.get("type") == "ClusterMismatchError":
                         raise ClusterMismatchError(
                             f"replica {replica} ({url}) refused the request ({status}): {message}",
@@ -611,198 +513,3 @@ def _shown(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k} = {_shown(v)}" for k, v in value.items()) + "}"
     return json.dumps(value)
-
-
-def _created(results: Sequence[Mapping[str, Any]]) -> dict[str, int]:
-    """Per table, the rows the replicas created applying a push or, in sync mode, the
-    round it completed (ids that had no row, which the trainer read as new through their
-    owner)."""
-    out: dict[str, int] = {}
-    for r in results:
-        for table, n in r.get("created", {}).items():
-            out[str(table)] = out.get(str(table), 0) + int(n)
-    return out
-
-
-def _merged_answer(
-    answers: Mapping[int, Mapping[str, Any]], asked: Sequence[str]
-) -> dict[str, Any]:
-    """The replicas' answers to one push as one: `updated` rows, `params`, `dense_version`,
-    and `stamps` (replica -> (epoch, seq) of the replicas that stamped their answer)."""
-    out: dict[str, Any] = {}
-    if "rows" in asked:
-        out["updated"] = _updated_rows([answers[k] for k in sorted(answers)])
-    out["stamps"] = {
-        k: (str(a["stamp"][0]), int(a["stamp"][1])) for k, a in answers.items() if "stamp" in a
-    }
-    first = answers.get(0, {})
-    if "dense" in asked and "params" in first:
-        out["params"] = _arrays(first["params"])
-        out["dense_version"] = int(first["dense_version"])
-    return out
-
-
-def _updated_rows(results: Sequence[Mapping[str, Any]]) -> dict[str, tuple[Any, Any]]:
-    """Per table, (unique ids sorted, rows) from every replica's `updated` answer (and
-    `updated_groups`: tables that came grouped, their rows as one array)."""
-    parts: dict[str, list[tuple[Any, NDArray[np.float32]]]] = {}
-    for r in results:
-        for i, group in enumerate(r.get("updated_groups", [])):
-            where = f"updated_groups[{i}]"
-            ids = decode_ids(group["ids"], field=f"{where}.ids")
-            rows = decode_array(group["rows"], field=f"{where}.rows", dtype="<f4", ndim=2)
-            for name, (table_ids, table_rows) in _cut(
-                group["tables"], group["counts"], [ids, rows], where
-            ):
-                parts.setdefault(name, []).append((table_ids, table_rows))
-        for name, doc in r.get("updated", {}).items():
-            ids = decode_ids(doc["ids"], field=f"updated.{name}.ids")
-            rows = decode_array(doc["rows"], field=f"updated.{name}.rows", dtype="<f4", ndim=2)
-            parts.setdefault(name, []).append((ids, rows))
-    out: dict[str, tuple[Any, Any]] = {}
-    for name, got in parts.items():
-        if len(got) == 1:
-            ids, rows = got[0]
-            if ids.dtype == np.int64 and bool((ids[1:] > ids[:-1]).all()):
-                out[name] = (ids, rows)  # one replica's: sorted already
-                continue
-        else:
-            ids = np.concatenate([i for i, _ in got])
-            rows = np.concatenate([r for _, r in got])
-        order = np.argsort(ids, kind="stable")
-        out[name] = (ids[order], rows[order])
-    return out
-
-
-def _cut(
-    names: Any, counts: Any, arrays: Sequence[NDArray[Any]], where: str
-) -> list[tuple[str, list[NDArray[Any]]]]:
-    """Each table of a group in an answer with its block of each of the group's `arrays`
-    (`rows.blocks`); LookupTableError where the tables and counts do not fit them."""
-    total = arrays[0].shape[0]
-    if (
-        not isinstance(names, list)
-        or not isinstance(counts, list)
-        or len(names) != len(counts)
-        or not all(isinstance(c, int) and c >= 0 for c in counts)
-        or sum(counts) != total
-        or any(a.shape[0] != total for a in arrays)
-    ):
-        raise LookupTableError(
-            f"{where}: tables {names!r} with counts {counts!r} do not fit its {total} rows"
-        )
-    cut = [blocks(a, counts) for a in arrays]
-    return [(str(n), [c[k] for c in cut]) for k, n in enumerate(names)]
-
-
-def _rows_answer(
-    doc: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], replica: int
-) -> dict[str, tuple[NDArray[np.float32], int]]:
-    """Per table, (rows, how many had no row) from one replica's `POST /v1/rows` answer,
-    the tables of the request's `groups` taken from its `groups` (one array each)."""
-    out: dict[str, tuple[NDArray[np.float32], int]] = {}
-    answered = doc.get("groups", [])
-    if len(answered) != len(groups):
-        raise LookupTableError(
-            f"replica {replica} answered {len(answered)} groups of rows for {len(groups)}"
-        )
-    for i, (sent, got) in enumerate(zip(groups, answered, strict=True)):
-        where = f"groups[{i}]"
-        rows = decode_array(got["rows"], field=f"{where}.rows", dtype="<f4", ndim=2)
-        new = got["new"]
-        if not isinstance(new, list) or len(new) != len(sent["tables"]):
-            raise LookupTableError(
-                f"replica {replica} answered {where}.new {new!r} for tables {sent['tables']!r}"
-            )
-        for (name, (table_rows,)), fresh in zip(
-            _cut(sent["tables"], sent["counts"], [rows], where), new, strict=True
-        ):
-            out[name] = (table_rows, int(fresh))
-    for name, value in doc["rows"].items():
-        got = decode_array(value, field=f"rows.{name}", dtype="<f4", ndim=2)
-        out[name] = (got, int(doc["new"][name]))
-    return out
-
-
-async def _two_part_answer(
-    resp: aiohttp.ClientResponse, first: Callable[[dict[str, Any]], None]
-) -> dict[str, Any]:
-    """Read a streamed answer: hand its first map to `first` on arrival, return the second.
-    A reply cut before the second map raises ClientPayloadError (the push is retried)."""
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, use_list=True)
-    docs: list[Any] = []
-    async for chunk in resp.content.iter_any():
-        unpacker.feed(chunk)
-        for doc in unpacker:
-            if not isinstance(doc, dict):
-                raise aiohttp.ClientPayloadError(f"expected msgpack maps, got {type(doc).__name__}")
-            docs.append(doc)
-            if len(docs) == 1:
-                first(doc)
-    if len(docs) != 2:
-        raise aiohttp.ClientPayloadError(f"the answer was cut after {len(docs)} of 2 maps")
-    outcome: dict[str, Any] = docs[1]
-    return outcome
-
-
-def _arrays(doc: Mapping[str, Any]) -> dict[str, NDArray[np.float32]]:
-    return {n: decode_array(v, field=f"params.{n}", dtype="<f4").copy() for n, v in doc.items()}
-
-
-def _error_of(raw: bytes, status: int) -> tuple[str, dict[str, Any]]:
-    """The message and the whole document of a JSON error body (or its first bytes)."""
-    try:
-        doc = json.loads(raw)
-        return str(doc.get("error", doc)), doc
-    except (ValueError, AttributeError):
-        return raw[:200].decode("utf-8", "replace") or f"HTTP {status}", {}
-
-
-def _store_error(doc: Mapping[str, Any], message: str) -> LookupTableError | None:
-    """The store error a replica answered with (its `type`, `node`, `nodes`), if any."""
-    kind = doc.get("type")
-    if kind == "DataLossError":
-        nodes = doc.get("nodes")
-        return DataLossError(
-            message, nodes=tuple(str(n) for n in nodes) if isinstance(nodes, list) else ()
-        )
-    cls = _STORE_ERRORS.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        return None
-    node = doc.get("node")
-    return cls(message, node=node if isinstance(node, str) else None)
-
-
-class RowReader:
-    """Where a trainer reads rows: memcached (`EmbeddingStore.lookup_many`: missing rows
-    created with `add`), or, for tables whose rows are written behind
-    (`ClusterConfig.reads_through_owner`), their owning replicas (`OptimizerClient.rows`:
-    memcached may not hold the newest values yet; a missing row gets its initial value
-    and its first push creates it)."""
-
-    def __init__(self, store: EmbeddingStore, client: OptimizerClient) -> None:
-        self.config = store.config
-        self._store = store
-        self._client = client
-        config = store.config
-        self._owned = {t.name for t in config.tables if config.reads_through_owner(t.name)}
-
-    async def lookup(self, table: str, ids: Any, *, create: bool = True) -> NDArray[np.float32]:
-        return (await self.lookup_many({table: ids}, create=create))[table]
-
-    async def lookup_many(
-        self, ids: Mapping[str, Any], *, create: bool = True
-    ) -> dict[str, NDArray[np.float32]]:
-        """`EmbeddingStore.lookup_many`'s answer, each table read where it must be (the
-        store and the replicas at once)."""
-        owned = {t: i for t, i in ids.items() if t in self._owned}
-        rest = {t: i for t, i in ids.items() if t not in self._owned}
-        if not owned:
-            return await self._store.lookup_many(rest, create=create)
-        if rest:
-            from_store, from_owners = await asyncio.gather(
-                self._store.lookup_many(rest, create=create), self._client.rows(owned)
-            )
-        else:
-            from_store, from_owners = {}, await self._client.rows(owned)
-        return {**from_store, **{table: rows for table, (rows, _) in from_owners.items()}}
