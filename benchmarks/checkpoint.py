@@ -47,7 +47,7 @@ DIM = 16
 MEMORY_MB = 3072
 # --quick: `lru_crawler metadump hash` (the ceiling's read, every save's enumeration and
 # every clear) walks the node's whole hash table, whose size follows -m (`hashpower_for`:
-# 2^24 buckets at 3 GiB, ~1.7 s a walk however few the rows). 64 MiB (2^18 buckets) holds
+# 2^24 buckets at 3 GiB, seconds a walk however few the rows). 64 MiB (2^18 buckets) holds
 # the quick run's data with room to spare: at most a case's 50,000 rows and one restored
 # copy live at once, ~300 bytes an item with Adam slots, ~15 MiB a node.
 QUICK_MEMORY_MB = 64

@@ -387,8 +387,8 @@ async def _save_table(
         utf8, offsets = pack_str_ids(ids.tolist())
         save_array(tmp / files["ids_utf8"], utf8)
         save_array(tmp / files["ids_offsets"], offsets.astype("<i8"))
-    # in memory, then written at once: filling a memory-mapped file page by page was 3x
-    # slower here, and a table whose rows do not fit in memory does not fit metadump either
+    # in memory, then written at once: filling a memory-mapped file page by page is
+    # slower, and a table whose rows do not fit in memory does not fit metadump either
     rows = np.empty((n, spec.dim), dtype="<f4")
     slots = np.zeros((n, width), dtype="<f4") if width else None
 
