@@ -326,7 +326,7 @@ async def bench_dim(
 
 
 async def bench_many_tables(store: EmbeddingStore, *, rounds: int) -> Timings:
-    """lookup_many of 26 tables against 26 concurrent lookups (see the module docstring)."""
+    """lookup_many of 26 tables against 26 concurrent lookups (docs/benchmarks.md#store)."""
     rng = np.random.default_rng(SEED + 1)
     tables = [f"many{k}" for k in range(MANY_TABLES)]
     n_new = MANY_IDS // 10
@@ -373,7 +373,7 @@ async def bench_many_tables(store: EmbeddingStore, *, rounds: int) -> Timings:
 
 async def bench_lifecycle(store: EmbeddingStore, *, n_ids: int, rounds: int) -> Timings:
     """`lookup_many` of one dim-16 table with and without `ttl_s`, with and without
-    `admit_after` (see the module docstring); every table's existing rows have slots."""
+    `admit_after` (docs/benchmarks.md#store); every table's existing rows have slots."""
     rng = np.random.default_rng(SEED + 2)
     n_new = max(1, round(n_ids * NEW_FRACTION))
     blocks = unique_id_blocks(rng, 1 + 4 * (rounds + 1), n_ids)

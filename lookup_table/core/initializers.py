@@ -244,7 +244,8 @@ def _normal_to_float32(
     u1: NDArray[np.float64],
     u2: NDArray[np.float64],
 ) -> NDArray[np.float32]:
-    """float32 (n, dim) nearest to mean + stddev * z, the same on every CPU (module docstring)."""
+    """float32 (n, dim) nearest to mean + stddev * z, the same on every CPU
+    (docs/storage.md#initial-rows)."""
     scaled = stddev * z
     value = mean + scaled
     out = value.astype(np.float32)

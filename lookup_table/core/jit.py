@@ -22,7 +22,8 @@ PREFETCH_AHEAD = 8  # rows: far enough to hide a memory access, near enough to s
 _LINE = 64  # bytes of a cache line on x86-64 (and most others)
 
 
-# float32 arrays: C-contiguous, writable or read-only (vectorized loops), and any (module doc)
+# float32 arrays: C-contiguous, writable or read-only (vectorized loops), and any
+# (docs/architecture.md#compiled-loops)
 C1 = types.Array(types.float32, 1, "C")
 C2 = types.Array(types.float32, 2, "C")
 RC1 = types.Array(types.float32, 1, "C", readonly=True)
@@ -33,7 +34,7 @@ A2 = types.Array(types.float32, 2, "A", readonly=True)
 
 def compiled(signatures: Any) -> Callable[[Callable[..., Any]], Any]:
     """`njit(signatures, nogil=True, error_model="numpy")`, cached on disk where
-    possible (module doc)."""
+    possible (docs/architecture.md#compiled-loops)."""
 
     def wrap(fn: Callable[..., Any]) -> Any:
         options: dict[str, Any] = {"nogil": True, "error_model": "numpy"}
@@ -76,7 +77,7 @@ def _prefetch(typingctx: Any, arr: Any, row: Any, offset: Any) -> Any:  # pragma
 @njit(inline="always")
 def prefetch_row(arr, row):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Ask for every cache line of row `row` of an array (an element of a 1-D one; a hint:
-    see the module doc)."""
+    docs/architecture.md#compiled-loops)."""
     size = arr.strides[0]
     for offset in range(0, size, _LINE):
         _prefetch(arr, row, offset)  # type: ignore[call-arg]  # typed by numba
