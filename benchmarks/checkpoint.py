@@ -1,41 +1,9 @@
 """Benchmark `lookup-table-checkpoint` save and restore against the raw ceiling.
 
-Run from the repository root::
+docs/benchmarks.md says how it measures and how to read it::
 
     python -m benchmarks.checkpoint            # 1,000,000 rows of dim 16, 2 nodes, 3 rounds
     python -m benchmarks.checkpoint --quick    # smoke run: 50,000 rows, 2 rounds, -m 64
-
-It starts 2 local memcached nodes (`-M`) and fills two cases, each in its own
-namespace (untimed, through `EmbeddingStore.set`):
-
-* `rows`: one table of dim 16 with SGD (no slots): N row keys.
-* `adam`: one table of dim 16 with Adam: N rows, each stored with its 33 slot floats
-  in one item (storage format 2): N keys (`--no-adam` skips it).
-
-Per case, four methods, interleaved round by round (order rotated), `gc.collect()`
-before each, after one untimed warm-up round that checks that the ceiling and the
-checkpoint hold the same rows:
-
-* `ceiling_read`: raw. `lru_crawler metadump hash` on every node at once, the
-  case's keys pulled out of each dump with one regex, then raw pipelined `mg`
-  requests (65,536 keys each) to the node that listed them, every reply checked
-  and sliced at a fixed stride with numpy into one float32 array per kind. No id
-  decoding, no files: the floor of what any save must do.
-* `save`: `save_checkpoint(config, dir, pause=False)` into a new directory:
-  enumeration, id decoding, pipelined reads, .npy files, sha256, fsync, rename.
-* `restore`: `restore_checkpoint` of the warm-up checkpoint into an empty
-  namespace: full verification (sha256 of every file), the emptiness check,
-  pipelined writes, sentinels.
-* `ceiling_write`: raw pipelined `ms` (65,536 keys per request, nodes in
-  parallel) of the same keys and values into an empty namespace.
-
-rows/s is the table's rows per second (in the `adam` case each row moves two
-values). The ratios save/ceiling_read and restore/ceiling_read are the
-acceptance figures (target >= 0.5); restore/ceiling_write is for information.
-Restored namespaces are deleted between rounds, and each case's data after it
-(untimed), so every dump lists about the case's own keys only. Results go to
-`<out-dir>/checkpoint.json` (default `benchmarks/results/`). memcached is always
-stopped; a failure exits non-zero.
 """
 
 from __future__ import annotations
@@ -79,7 +47,7 @@ DIM = 16
 MEMORY_MB = 3072
 # --quick: `lru_crawler metadump hash` (the ceiling's read, every save's enumeration and
 # every clear) walks the node's whole hash table, whose size follows -m (`hashpower_for`:
-# 2^24 buckets at 3 GiB, ~1.7 s a walk however few the rows). 64 MiB (2^18 buckets) holds
+# 2^24 buckets at 3 GiB, seconds a walk however few the rows). 64 MiB (2^18 buckets) holds
 # the quick run's data with room to spare: at most a case's 50,000 rows and one restored
 # copy live at once, ~300 bytes an item with Adam slots, ~15 MiB a node.
 QUICK_MEMORY_MB = 64

@@ -1,24 +1,9 @@
 """Measure how big a SavedModel export gets, and the memory exporting and serving it take.
 
-Run from the repository root::
+docs/benchmarks.md says how it measures and how to read it::
 
     python -m benchmarks.export_size            # 1,000,000 rows per case
     python -m benchmarks.export_size --quick    # smoke run: 20,000 rows per case
-
-Per case (dim 16 and 64 x int64 and string ids) a fresh process builds n rows
-(int ids spread over int64; string ids "user:<i>" of about 11 bytes, the length
-of hashed or short categorical values) and writes a SavedModel of a model with one
-`DistributedEmbedding` through `lookup_table.keras.export_saved_model`
-(`rows=TableRows(...)`, as `checkpoint_rows` passes them). It reports the bytes on
-disk (total, `variables/`, the graph), bytes per row, the hash table's buckets,
-the export's time and peak memory (VmHWM growth from before the rows were built)
-against `estimate_export_bytes`, and, in another fresh process that imports only
-TensorFlow, the memory and time `tf.saved_model.load` and one request take.
-
-Bytes per row depend on where n falls between powers of two: the hash table has
-2**k >= (n + 1) / 0.8 buckets (1.25 to 2.5 per row), each saved with its key and
-an int64 index, empty ones included. Results go to `<out-dir>/export_size.json`
-(default `benchmarks/results/`).
 """
 
 from __future__ import annotations

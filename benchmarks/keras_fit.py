@@ -1,39 +1,9 @@
 """Benchmark Keras' own `model.fit` (with `RemoteOptimizer`) against `Trainer.fit`.
 
-Run from the repository root::
+docs/benchmarks.md says how it measures and how to read it::
 
     python -m benchmarks.keras_fit            # 150 steps of 1,024 examples, 3 rounds each
     python -m benchmarks.keras_fit --quick    # smoke run: 12 steps, 1 round each
-
-Both train the demo's shape (`trainer.models.build_model("mlp")`: 26 embeddings of dim
-16 and 13 numeric columns, Dense 256-128-1, the same seed) on the same
-`SyntheticSource` batches (seed 0, batch 1,024, eval fraction 0.2), each round on a
-fresh local cluster (deploy/demo.toml's tables and optimizers, fresh ports and
-namespace, async mode, 1 worker: 2 memcached nodes and 1 optimizer replica):
-
-* `trainer`: `trainer.Trainer(config, model).fit(batches)` with its defaults;
-* `keras_fit`: `model.compile(optimizer=RemoteOptimizer(config),
-  loss="binary_crossentropy")` then `model.fit(x, y, batch_size=1024, shuffle=False)`
-  on the same examples as numpy columns (the same batches, in order), with
-  RemoteOptimizer's defaults (the same as Trainer's).
-
-Both methods run in this one process, side by side: rounds alternate A B B A ... so a
-drift of the machine's load hits both; every round builds a new model. Timing: steps
-`warmup+1 .. steps` (the first `--warmup`, default 10, are not timed: tracing, first
-connections, first rows), from the end of step `warmup` to the return of `fit` (which
-for both waits for the last push to be written; model.fit then also reads the
-service's dense weights once). A step ends when Trainer's loss is back in Python, or at
-Keras' `on_train_batch_end`. examples/s = timed steps x batch / window seconds; CPU ms
-per step of this process and of the cluster's processes over the same window
-(/proc/<pid>/stat). The summary is the median over rounds of each method and the
-median of the per-pair ratios keras_fit / trainer. The machine is shared: a round whose
-window saw other processes use more than 15 % of the machine is run again (`--retries`,
-default 2), and each round counts its least disturbed attempt (every attempt stays in
-the report's `rounds`). The target: keras_fit
-within 10 % of trainer (ratio >= 0.9); reported, not enforced.
-
-Results go to `<out-dir>/keras_fit.json` (default `benchmarks/results/`). Any failure
-exits non-zero; the clusters are always stopped.
 """
 
 from __future__ import annotations

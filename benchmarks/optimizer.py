@@ -1,56 +1,10 @@
 """Benchmark a gradient push through the optimizer service against the bare in-process update.
 
-Run from the repository root::
+docs/benchmarks.md says how it measures and how to read it::
 
     python -m benchmarks.optimizer            # 15 rounds, 16,384 ids per push
     python -m benchmarks.optimizer --quick    # smoke run: 3 rounds, 4,096 ids
     python -m benchmarks.optimizer --py-spy   # also profile the service (pip install py-spy)
-
-It starts 2 local memcached nodes (`-M`, 1024 MB each), writes the sentinels,
-writes the cluster file as TOML in a temporary directory and starts one real
-optimizer service replica in its own process
-(`python -m optimizer_service.app --config FILE --port P`), waiting for
-`GET /healthz` to answer 200. For a dim-16 and a dim-64 table, both Adam, it
-creates the rows of 16,384 unique random int64 ids with `store.lookup`, and then
-measures rows/s updated by one push of random float32 gradients for those ids:
-
-* `http`: `await OptimizerClient.push({table: (ids, grads)})` from this process:
-  encoding and msgpack on the client, HTTP over loopback, and in the service
-  process `parse_push` (validation, finiteness, `segment_sum`), the done-record
-  check, row locks, reading rows + slots, Adam (in a worker thread above
-  `engine.stepping.OFFLOAD_FLOATS`), the journal, writing rows + slots, the done record and
-  clearing the journal: the whole exactly-once path.
-* `inprocess`: the bare work in this process, on the same rows: one
-  `store.get` of the rows with their slots (one request per node, as the
-  service reads them), `optimizer.update` (Adam, inline), one `store.set_many`
-  of the rows and the slots. No HTTP, no validation, no journal, no done record.
-  This process takes the service's malloc policy (`tune_malloc`), so neither side
-  pays page faults the other does not.
-
-Every round pushes fresh gradients (generated before timing). The two methods
-run on the same process, cluster, ids and rows, interleaved round by round (the
-order alternates), after an untimed warm-up that also checks that the service's
-update equals `optimizer.update` on the rows and slots read just before, bit for
-bit. `gc.collect()` runs before each timed call. Figures are medians of the
-rounds; the ratio is http rows/s / inprocess rows/s, within one run
-(absolute figures vary 15-30% between runs on a shared machine). The target is a
-ratio >= 0.8. The replica's row cache is off (`--cache-mb` turns it on): every
-round pushes the same ids, which it would serve without the reads the baseline makes.
-
-The service's own `lookup_table_push_latency_seconds` histogram (time inside
-`Updater.apply`) is scraped from `/metrics` before and after each dim's rounds,
-so the report also splits the HTTP path's mean time into "inside apply" and
-"outside apply" (client encoding, HTTP, msgpack unpack and `parse_push`).
-
-With `--py-spy`, after each dim's timed rounds, as many more HTTP pushes run with
-`py-spy record --threads --idle` attached to the service process (never during
-the timed rounds: sampling slows the service); the raw collapsed stacks go to
-`<out-dir>/optimizer-service-dim<D>.pyspy.txt` and the report gets the busy time
-of the service's event-loop thread per push, by project function.
-
-Results go to `<out-dir>/optimizer.json` and `<out-dir>/optimizer.png`
-(default `benchmarks/results/`). Any failure exits non-zero; the service and
-memcached are always stopped.
 """
 
 from __future__ import annotations

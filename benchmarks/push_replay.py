@@ -1,47 +1,12 @@
 """Benchmark the infrastructure's CPU per push without TensorFlow: the replica and memcached.
 
-Run from the repository root::
+The demo's pushes replayed in seconds, as 26 tables and as one; docs/benchmarks.md says
+how it measures and how to read it::
 
     python -m benchmarks.push_replay            # 150 pushes (20 warm-up), 2 rounds
     python -m benchmarks.push_replay --quick    # smoke run: 20 pushes, 1 round
     python -m benchmarks.push_replay --row-flush-pushes 1    # rows written through
     python -m benchmarks.push_replay --replicas 2   # the rows split between two replicas
-
-`benchmarks.train` measures the infrastructure figure of the throughput work (replica +
-memcached CPU per step against the trainer's), but a run takes minutes and TensorFlow's
-own load makes it noisy. This replays what a trainer sends instead, in seconds, so a
-change of the push path can be A/B-tested: the demo's data (`SyntheticSource`, batch
-1024, the 26 categorical columns, each batch's unique ids per column), gradients and dense
-gradients drawn at random (the demo's 143,105 dense parameters: `mlp` 256-128), on a fresh
-local cluster of the demo's shape (`harness.cluster.local_cluster`: 2 memcached nodes, 1 replica,
-deploy/demo.toml's tables and optimizers). Each step reads the rows its previous push did
-not answer (`lookup_many`: a trainer with answered rows reads about that; its cache of older
-answers makes it read somewhat less), then pushes with `answer=("rows", "dense")`, as
-`trainer.Trainer` does, one push at a time. With `--row-flush-pushes K` (> 1) the cluster
-writes rows behind every K pushes and the reads of those tables go through their owner
-(`POST /v1/rows`), as a trainer's do then.
-
-Two cases, side by side in each round (alternating which runs first):
-
-* **tables**: the pushes as a trainer sends them, one table per column;
-* **one table**: the same rows pushed as one table (each column's ids moved to their own
-  range of `C1`), so the same reads, optimizer steps and writes: the difference is what
-  the service pays per table of a push.
-
-With `--replicas N` the rows are split between N replicas (their hash partitions; replica
-0 also steps the dense parameters), and the replica column is all of them together: what
-a push costs the service as a whole when each replica gets its share of every table.
-
-Printed: CPU ms per push of the replica(s) and of each memcached node (utime + stime from
-/proc over the timed pushes), the client's own CPU (not infrastructure), the ratio
-tables / one table, and memcached's key operations per push (`stats` of the nodes over the
-same pushes) with its CPU per key operation. `benchmarks.train` prints the same line: the
-same operations have cost memcached 1.0-1.9 us each in training within one hour on one
-machine, against 1.05-1.2 here, so the line tells which phase of the machine a run saw.
-With `benchmarks/results/train.json` present (`benchmarks.train`), the infrastructure CPU
-per push is also shown against that run's trainer CPU per step (the infrastructure/trainer
-ratio, from another run: an estimate). Results go to `<out-dir>/push_replay.json` (default
-`benchmarks/results/`).
 """
 
 from __future__ import annotations

@@ -1,56 +1,9 @@
 """Benchmark what a trainer costs each component, to size a fleet: CPU per 1,000 examples.
 
-Run from the repository root::
+Checked with 2 trainers; docs/benchmarks.md says how it measures and how to read it::
 
     python -m benchmarks.scaling            # 1 and 2 trainers, 100 steps each, 2 rounds
     python -m benchmarks.scaling --quick    # smoke run: 10 steps, 1 round
-
-The shape is the demo's (deploy/demo.toml): the `mlp` model (`trainer.models.build_model`,
-Dense 256-128) on the 26 tables C1..C26 of dim 16 (Adam, lr 0.01; dense weights Adam
-0.001), batch 1024, `SyntheticSource` Criteo-like data (seed 0, eval fraction 0.2,
-worker I of N gets batches I, I+N, ...), async mode, `trainer.Trainer` with its defaults
-(`max_pushes_in_flight` 0 as `lookup-table-train` has it, dense weights pulled every step).
-
-Each run starts a fresh local cluster (`harness.cluster.local_cluster`: 2 memcached nodes and 1
-optimizer replica, a fresh namespace, `workers` = N) and N trainer processes (this module
-with `--role trainer`). Every trainer builds its batches and model first, then waits at a
-barrier so that all start training together, and at a second one after its `--warmup`
-steps so that all start their timed steps together (the time it passes that one counts as
-the end of its last warm-up step). It records the monotonic time at the end of each step.
-Meanwhile this process samples, every `SAMPLE_S`, utime + stime of every process taking
-part (/proc/<pid>/stat) and the whole machine's busy time (/proc/stat).
-
-The window of a run is from the moment the last trainer finished its `--warmup`-th step to
-the moment the first trainer finished its last step: every trainer is training throughout.
-Each process's CPU over the window is interpolated between samples, and each trainer's
-examples in it from its step times. Then, per component:
-
-* **CPU ms per 1,000 examples**: a trainer's own CPU over its own examples (the mean over
-  the trainers); the optimizer replica's and each memcached node's over all examples.
-  CPU time is robust to other load on a shared machine, wall time is not.
-* **cores per trainer** = CPU-s per 1,000 examples x a trainer's examples/s / 1,000, with
-  a trainer's examples/s as measured with 1 trainer; **trainers per core** = 1 / that.
-
-Validation with 2 trainers (2 trainers + 1 replica + 2 nodes on this machine):
-
-* per-component CPU per 1,000 examples with 2 trainers / with 1 (the model says ~1.0);
-* the load of the replica and of each node predicted by the sizing rule (1 trainer's CPU
-  per 1,000 examples x the examples/s measured with 2 trainers / 1,000) against the cores
-  they used;
-* the throughput predicted for 2 trainers: each keeps its 1-trainer speed r1 unless the
-  machine runs out of cores, min(2 x r1, cores available / CPU-s per example of all the
-  components), where cores available = the machine's cores less what other processes
-  used in the 2-trainer window; against the measured examples/s.
-
-Rounds run in the order 1, 2, 2, 1, ... trainers so a drift of the machine's load hits both;
-figures are medians over rounds. As in `benchmarks.train`, before each run it waits (up to
-`--quiet-wait-s`) for the machine to be quiet, and a run whose window saw other processes
-use more than 15% of the machine is marked disturbed and run again (`--retries`, default
-2); the summary uses the undisturbed runs of a trainer count if it has any (every attempt
-stays in the report's `runs`). CPU per example moves little with other load; a trainer's
-examples/s, and so cores per trainer, moves with it. Results go to `<out-dir>/scaling.json`
-and `<out-dir>/scaling.png` (default `benchmarks/results/`). Any failure exits non-zero;
-the cluster and the trainers are always stopped.
 """
 
 from __future__ import annotations

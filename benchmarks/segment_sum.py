@@ -1,32 +1,9 @@
 """Benchmark the segment sum of a push: duplicate ids' gradients summed per unique id.
 
-Run from the repository root::
+docs/benchmarks.md says how it measures and how to read it::
 
     python -m benchmarks.segment_sum            # 15 rounds, 65,536 x 64 float32 grads
     python -m benchmarks.segment_sum --quick    # smoke run: 3 rounds, 8,192 x 64
-
-The ids are Zipf-distributed (a=1.2, a few hot ids and a long tail of rare ones,
-as in a recommendation batch). Every method returns the sorted unique ids and
-float32 sums. Before timing, each is checked against the Python loop: the
-sequential ones (`add_at_*`, `segment_sum`) bit for bit, the `reduceat` ones
-within the float32 rounding bound, since numpy's reduceat adds the rows of a
-segment in its own blocked order, not one after another:
-
-* `add_at_2d`: `np.unique(return_inverse=True)`, then `np.add.at(out, inv, grads)`.
-* `add_at_flat`: the same inverse, then 1-D `np.add.at` on flat indices
-  `inv * dim + column`.
-* `unique_reduceat`: the same inverse, a stable argsort of it, then
-  `np.add.reduceat` over the sorted rows.
-* `argsort_reduceat`: one stable argsort of the ids themselves (no inverse), the
-  segment starts where the sorted ids change, then `np.add.reduceat`.
-* `segment_sum`: the library function (`lookup_table.core.optimizers.segment_sum`).
-* `python_loop`: a dict of id -> row, `row += grad` per id: the baseline.
-
-A second section does the same for string ids (an object array of str), where
-sorting compares Python strings. Methods are interleaved round by round (order
-rotated) with `gc.collect()` before each call; figures are medians, and ratios
-are python_loop / method (higher is faster). Results go to
-`<out-dir>/segment_sum.json` (default `benchmarks/results/`).
 """
 
 from __future__ import annotations

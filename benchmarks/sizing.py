@@ -1,39 +1,9 @@
 """Measure how much memcached memory a row takes, with and without Adam slots.
 
-Run from the repository root::
+docs/benchmarks.md says how it measures and how to read it::
 
     python -m benchmarks.sizing            # 500,000 rows per case, dims 8, 16, 64
     python -m benchmarks.sizing --quick    # smoke run: 10,000 rows per case, -m 256
-
-Per case (dim x optimizer: `sgd`, rows only; `adam`, rows and slots) it starts a
-fresh local memcached (`-M`, one node: a row's size does not depend on the node
-count), writes the sentinel, and fills it the way production does, in two equal
-halves:
-
-* rows: `EmbeddingStore.lookup` of new ids (each row created with `add`, its
-  deterministic initial value);
-* then one gradient push per batch of those ids through the real optimizer
-  service, in this process (`optimizer_service.app.make_app` on aiohttp's
-  `TestServer`, `OptimizerClient.push` over loopback), so the slots (Adam: m, v
-  and the row's step, 2 * dim + 1 floats) and the bookkeeping (push records) are
-  exactly what the service writes.
-
-After the sentinel (the empty baseline), after the first half and at the end it
-reads memcached's `stats` (`bytes`: the items' own size, header + key + value,
-and `hash_bytes`), `stats slabs` (`total_malloced`: the 1 MiB slab pages taken
-from the `-m` limit; `chunk_size` x `used_chunks`: the chunks the items occupy)
-and the server's RSS (`/proc/<pid>/status`). At the end
-`lookup_table.ops.stats.table_stats` splits the bytes into rows (each item holds
-a row and its slots: storage format 2) and bookkeeping from the key listing.
-
-Per row it reports: item bytes (what `stats bytes` grows by), chunk bytes (items
-rounded up to their slab class), `-m` bytes (pages taken; the average over all
-rows, and the marginal cost between the half and the end, which leaves out the
-first, partly used page of each slab class), and RSS bytes (adds the hash table,
-which is outside `-m`). `-m` bytes per row is the figure to size `-m` with:
-`rows per node x that x (1 + headroom)`. Results go to `<out-dir>/sizing.json`
-(default `benchmarks/results/`). memcached and the service are always stopped; a
-failure exits non-zero.
 """
 
 from __future__ import annotations

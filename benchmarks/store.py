@@ -1,86 +1,10 @@
 """Benchmark `EmbeddingStore.lookup` against the raw pipelined ceiling and pymemcache.
 
-Run from the repository root::
+Also a step's many-table lookups, the lifecycle knobs (`ttl_s`, `admit_after`) and key
+encoding; docs/benchmarks.md says how it measures and how to read it::
 
     python -m benchmarks.store                # 15 rounds, 65,536 ids per batch
     python -m benchmarks.store --quick        # smoke run: 3 rounds, 8,192 ids
-
-It starts 2 local memcached nodes (`-M`, 1024 MB each), writes the sentinels,
-and for a dim-16 and a dim-64 table measures rows/s of, per batch of unique
-random int64 ids:
-
-* `ceiling`: the raw meta-protocol pipeline over plain asyncio streams. One
-  connection per node; every `mg <key> v` of the node in one write, then `mn`;
-  the reply read until its known end and parsed with numpy at a fixed stride
-  (all hits; the `VA`/CRLF framing of every row is still checked). The keys come
-  from `lookup_table.core.keys.int_key_matrix` and the node split from
-  `lookup_table.core.sharding.node_of`, so they are exactly the store's keys. Key
-  building, node split and request building are timed, as the store does them too.
-* `lookup`: `await store.lookup(table, ids)` on rows that exist.
-* `create`: `await store.lookup(table, ids)` on ids never seen before (a fresh id
-  block per round): a read of all misses, the initializer, and an `add` per row.
-* `mixed`: `await store.lookup(table, ids)` where 90 % of the ids exist and 10 %
-  are new (fresh each round, in random order among the others): the read answers
-  hits and misses mixed, then the new rows are created with `add`. The batch of a
-  training step looks like this.
-* `mixed_eval`: the same mix with `create=False` (evaluation): nothing is written,
-  the new rows come back as their initial values (the same new ids every round).
-* `pymemcache`: what a user would write: `Client.get_many` with one client per
-  node, the nodes queried one after the other (the client is synchronous), keys
-  from `encode_keys`, values decoded with `np.frombuffer` over the joined values
-  (the fastest simple decoding, so the baseline is not flattered down).
-
-All six run on the same process, cluster and keys, interleaved round by round
-(the order rotates each round), after one untimed warm-up round that also checks
-that the three readers return identical rows. `gc.collect()` runs before each
-timed call. Figures are medians of the rounds; ratios are taken within one run
-(absolute figures vary 15-30% between runs on a shared machine). `mixed/lookup` and
-`mixed_eval/lookup` compare the mixed batches with the all-existing one of the
-same size (target >= 0.9: new rows in a batch should cost little more than
-their share of the adds).
-
-The ceiling is a ceiling for Python, not for memcached: with 2 nodes on a 2-core
-machine, memcached's own CPU (~1.3 us per key) sets the pace, and the store, which
-splits each node's keys into `store.max_batch_keys` chunks over its pooled
-connections, overlaps parsing one chunk with memcached serving the next. So
-`lookup/ceiling` can come out near or above 1.0 there; it reads "no Python
-overhead left to win", not "faster than possible".
-
-A multi-table section times a training step's shape: 26 tables of dim 16 (the
-demo model's), 400 unique random int64 ids each (10,400 rows, about a step's
-unique ids), read two ways in the same run, interleaved:
-
-* `many`: `await store.lookup_many({table: ids})`: one request per node for
-  every table.
-* `concurrent`: `await asyncio.gather(*(store.lookup(t, ids) ...))`: what a
-  trainer did before, one request per node per table, all concurrent.
-* `many_mixed` / `concurrent_mixed`: the same with 10 % new ids per table (fresh
-  every round): the reads, then the `add` of the new rows (one more request per
-  node for `lookup_many`, one per table and node for the concurrent lookups).
-
-`concurrent/many` is the speed-up (seconds of the concurrent lookups / seconds of
-lookup_many, the median of the rounds' ratios), checked first to return the
-same rows.
-
-A lifecycle section times what `ttl_s` and `admit_after` cost (docs/storage.md):
-`lookup_many` of one dim-16 Adam table, 65,536 ids, in the same run, interleaved:
-
-* `hit` / `hit_ttl`: existing rows (each with its slots, one item) of a table
-  without / with `ttl_s`: the reads then carry `T<ttl>`.
-* `mixed` / `mixed_ttl`: 10 % new ids, their rows added (with the TTL).
-* `mixed_admit_count`: 10 % new ids of an `admit_after = 2` table, first sighting:
-  `ma` on their counters instead of an `add`, nothing stored.
-* `mixed_admit_add`: the same at their second sighting (counted untimed before):
-  `ma`, then the adds of the rows that reached K, one more request per node.
-
-Ratios are rows/s of the case over rows/s of its reference (`hit_ttl/hit`, ...).
-
-A last, pure section times key encoding of the same ids:
-`keys.encode_keys` (vectorized) against a naive per-id f-string loop.
-
-Results go to `<out-dir>/store.json` and `<out-dir>/store.png`
-(default `benchmarks/results/`). Any failure exits non-zero; memcached is
-always stopped.
 """
 
 from __future__ import annotations
@@ -402,7 +326,7 @@ async def bench_dim(
 
 
 async def bench_many_tables(store: EmbeddingStore, *, rounds: int) -> Timings:
-    """lookup_many of 26 tables against 26 concurrent lookups (see the module docstring)."""
+    """lookup_many of 26 tables against 26 concurrent lookups (docs/benchmarks.md#store)."""
     rng = np.random.default_rng(SEED + 1)
     tables = [f"many{k}" for k in range(MANY_TABLES)]
     n_new = MANY_IDS // 10
@@ -449,7 +373,7 @@ async def bench_many_tables(store: EmbeddingStore, *, rounds: int) -> Timings:
 
 async def bench_lifecycle(store: EmbeddingStore, *, n_ids: int, rounds: int) -> Timings:
     """`lookup_many` of one dim-16 table with and without `ttl_s`, with and without
-    `admit_after` (see the module docstring); every table's existing rows have slots."""
+    `admit_after` (docs/benchmarks.md#store); every table's existing rows have slots."""
     rng = np.random.default_rng(SEED + 2)
     n_new = max(1, round(n_ids * NEW_FRACTION))
     blocks = unique_id_blocks(rng, 1 + 4 * (rounds + 1), n_ids)

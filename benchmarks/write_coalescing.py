@@ -1,19 +1,9 @@
-"""How many row writes a replica would save by writing rows behind (docs/write-behind.md).
+"""How many row writes a replica would save by writing rows behind (no servers).
 
-Run from the repository root::
+docs/benchmarks.md says how it measures and how to read it::
 
     python -m benchmarks.write_coalescing           # 400 batches of the demo's data
     python -m benchmarks.write_coalescing --quick   # smoke run: 60 batches
-
-No servers: it replays the demo's training data (`SyntheticSource`, the 26 categorical
-columns, batch 1024) and counts, per push, the unique ids a write-through replica writes
-(all of them, every push) against a replica that writes the distinct ids of K pushes once
-per K (`items written per push / write-through`). It also counts how many of a step's
-ids were in the previous step's push (read-your-writes serves them from the answer) and
-in any earlier one (an owner replica keeping its rows could serve them from memory).
-The first half of the batches warms up (a Zipf vocabulary fills); figures are over the
-second half. Results go to `<out-dir>/write_coalescing.json` (default
-`benchmarks/results/`).
 """
 
 from __future__ import annotations

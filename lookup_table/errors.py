@@ -1,38 +1,7 @@
-"""The one error hierarchy of the lookup table.
+"""The one error hierarchy of the lookup table, rooted at `LookupTableError`.
 
-::
-
-    LookupTableError
-    ├── ConfigError (ValueError)            bad cluster file or argument: fix the config
-    │   └── ClusterMismatchError            the optimizer replicas run another cluster file
-    │                                       (namespace, nodes, tables, optimizers): use one file
-    ├── KeyEncodingError (ValueError)       an id or name that cannot become a memcached key
-    ├── DenseParamError (ValueError)        dense parameters or gradients that do not fit the
-    │                                       model's (unknown name, wrong shape, not finite)
-    ├── ClusterNotInitializedError          no node has a sentinel: run `lookup-table-admin init`
-    ├── CheckpointError                     a checkpoint is missing, partial, corrupt or does not
-    │                                       fit the cluster file: fix or pick another checkpoint
-    ├── NamespaceNotEmptyError              a restore target already holds data: --force or a new
-    │                                       namespace
-    ├── DataLossError                       a node lost its data (restart, flush): restore or reinit
-    ├── StoreError                          memcached said or did something we cannot use
-    │   ├── StoreFullError                  `-M` server out of memory: add nodes or memory
-    │   ├── CorruptValueError               a stored value of the wrong length: never a miss
-    │   ├── StorageFormatError              the nodes hold another storage format: migrate with
-    │   │                                   a checkpoint saved by the version that wrote them
-    │   ├── ProtocolError                   an unexpected reply: bug or version mismatch
-    │   └── NodeUnavailableError (OSError)  refused, reset, closed: transient, retry later
-    │       └── StoreTimeoutError (TimeoutError)  no answer within `store.timeout_s`
-    ├── ExportTooLargeError (MemoryError)   a SavedModel export would not fit in memory: export
-    │                                       fewer ids or on a bigger machine (nothing written)
-    ├── PushRejectedError                   the optimizer service said 4xx; carries its message
-    ├── ReplicaUnavailableError (OSError)   an optimizer replica refused, cut or timed out every
-    │                                       retry: transient, is it running?
-    └── WireError (ValueError)              a body that does not follow the wire format: a bug
-                                            or a version mismatch; names the field
-
-Every message names the node, table, key or config key involved and, where there
-is one, what the user can do about it.
+Every message names the node, table, key or config key involved and, where there is
+one, what the user can do about it. docs/architecture.md#errors draws the tree.
 """
 
 from __future__ import annotations

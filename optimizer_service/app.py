@@ -1,17 +1,9 @@
 """The aiohttp optimizer service: `make_app(config, replica=K)` and `lookup-table-optimizer`.
 
-Endpoints (docs/service.md, docs/wire-format.md): `POST /v1/gradients`, `POST /v1/rows` (rows read
-through their owner while they are written behind), `POST /v1/dense/init`,
-`GET /v1/dense`, `GET /v1/version?after=V`, `GET /v1/tables`, `POST /v1/admin/pause`,
-`POST /v1/admin/resume`, `GET /healthz` (JSON), `GET /metrics` (Prometheus text). Every endpoint but
-`/healthz` and `/metrics` requires `Authorization: Bearer <token>` when the
-cluster has a token. Errors are JSON `{"error": ...}` with a 4xx/5xx status.
-
-On startup the replica connects to memcached and finishes its journal (pushes
-that were journaled but not completed when it last stopped) *before* it serves.
-
 This module builds the app (the factory, the error and auth middleware) and runs it
-(`main`); the route handlers are in `handlers` and `admin`, the push path in `engine`.
+(`main`); on startup a replica finishes its journal before it serves. The route handlers
+are in `handlers` and `admin`, the push path in `engine`; the endpoints are in
+docs/service.md.
 """
 
 from __future__ import annotations

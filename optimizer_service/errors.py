@@ -1,21 +1,7 @@
 """Errors of the optimizer service, each with the HTTP status it is answered with.
 
-::
-
-    OptimizerServiceError
-    ├── BadRequestError        400  malformed body, unknown table, wrong dim/dtype, NaN
-    ├── UnauthorizedError      401  missing or wrong bearer token
-    ├── NotOwnerError          409  rows owned by another replica (the client splits pushes)
-    ├── StaleVersionError      409  sync mode: a push for an old version
-    └── UnavailableError       503  the service is pausing or recovering
-
-A request from a process whose cluster file differs (lookup_table.errors
-ClusterMismatchError) is answered 409 with `type` ClusterMismatchError. Store errors
-(lookup_table.errors) are mapped by the error middleware:
-StoreFullError 507, every other store error (DataLossError, NodeUnavailableError,
-StoreTimeoutError, CorruptValueError, ...) 503; the JSON body carries the error's
-`type` and its `node` (`nodes` for DataLossError), and OptimizerClient re-raises it
-as that error without retrying.
+`OptimizerServiceError` and its subclasses (400, 401, 409, 503); the library's errors
+are mapped to statuses by the error middleware. The table of both: docs/service.md#endpoints.
 """
 
 from __future__ import annotations

@@ -1,34 +1,9 @@
 """glibc's malloc for the service: large blocks reused from the heap, its free pages trimmed.
 
-Two costs pull against each other:
-
-* Speed. A block that glibc mmaps (a numpy array, a request body, a socket read) goes
-  back to the OS when freed, and the next one is page-faulted in again, every page
-  zeroed by the kernel. With glibc's initial mmap threshold of 128 KiB kept fixed, a
-  push of 16,384 Adam rows spent about 30 ms of its 85 ms in page faults
-  (`benchmarks/optimizer.py`), and the demo's replica 8-10 ms of system time in every
-  42 ms step of CPU.
-* Memory. glibc's own policy raises the threshold to the size of each large block freed
-  (up to 32 MiB), so those blocks then come from the heap. Blocks of ever different sizes
-  leave holes there that later ones do not fit: the service's RSS grew ~600 bytes per
-  push without bound in the soak (`tests/reliability/test_soak.py`).
-
-`tune_malloc` fixes the mmap threshold at 32 MiB and the trim threshold at 1 GiB, so
-the blocks of a push come from the heap and stay mapped for the next push; the service
-then calls `trim` (`malloc_trim(0)`) every `TRIM_INTERVAL_S` seconds, which gives back
-every free page of every arena, holes included. The RSS so stays at what is in use plus
-what the last half minute left free, and a push pays no page faults but for the pages a
-trim gave back. (With the trim threshold at 64 MiB, what glibc pairs with a 32 MiB mmap
-threshold, a push of 16,384 dim-64 Adam rows, ~60 MB of blocks, left more than that
-free at the heap's top: free() gave it back and the next push faulted it in again,
-~11,500 minor faults and 86 -> 108 ms a push.)
-
-Each trim gives back the pushes' working set too (their temporaries, freed between
-pushes), and the pushes after it fault it in again: at the demo's shape 106-179 minor
-faults (~0.4-0.7 MB of pages zeroed again, 0.5-0.9 ms of system time) after each trim.
-A trim every 2 s would pay that every few pushes; every 30 s it is one burst per ~900
-pushes. The holes that trims are for grow ~600 bytes a push (docs/guarantees.md):
-~0.5 MB in 30 s; the 2-minute soak's RSS grew 0.2 % after warm-up.
+`tune_malloc` fixes the mmap threshold at 32 MiB and the trim threshold at 1 GiB, so a
+push's blocks stay mapped for the next push instead of being page-faulted in again; the
+service calls `trim` (`malloc_trim(0)`) every `TRIM_INTERVAL_S` seconds to give back the
+holes those blocks leave in the heap. Why these values: docs/guarantees.md.
 """
 
 from __future__ import annotations

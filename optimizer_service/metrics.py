@@ -168,8 +168,8 @@ class ServiceMetrics:
 class _TableCounter:
     """A counter per table (and row kind) counted at every push and read: a plain dict
     added to, published at scrape time as a Prometheus counter family of the same name and
-    labels. A `Counter` child's `inc` takes a lock and checks its amount (~2 us), and a
-    push and read of 26 tables made ~60 of them."""
+    labels. A `Counter` child's `inc` takes a lock and checks its amount, and a push and
+    read of many tables would make dozens of them."""
 
     def __init__(
         self, name: str, documentation: str, labels: tuple[str, ...], registry: CollectorRegistry

@@ -172,7 +172,7 @@ def sigstop(pid: int, *, timeout_s: float = 5.0) -> None:
     """SIGSTOP `pid` and wait until every thread of it has stopped.
 
     kill() returns before the stop reaches every thread: a worker thread still
-    running can answer one more request (seen here on a loaded 2-core machine).
+    running can answer one more request, more often on a loaded machine.
     """
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout_s

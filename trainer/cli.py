@@ -1,31 +1,10 @@
 """`lookup-table-train`: train a model on a cluster, with progress, evaluation and a summary.
 
-    lookup-table-train --config C --data synthetic:200000 [--model mlp] [--batch-size 1024]
-        [--epochs E | --steps S] [--max-seconds T] [--eval-fraction 0.2 | --eval-data SPEC]
-        [--numeric-transform standardize] [--shuffle-buffer N]
-        [--worker-index I --num-workers N] [--plot loss.png] [--output summary.json]
-        [--save-model DIR]
+    lookup-table-train --config C --data synthetic:200000 [--model mlp] [--epochs E | --steps S]
+        [--eval-data SPEC] [--worker-index I --num-workers N] [--output summary.json]
     lookup-table-train --data csv:PATH --label y --categorical a,b --print-tables > c.toml
 
-Training stops at the end of the data (`--epochs`, default 1), after `--steps`, or
-after `--max-seconds` of training, whichever comes first; `--max-seconds` alone
-repeats the data until the time is up. Worker I of N trains on every N-th batch;
-every worker evaluates on the same held-out batches: a stable `--eval-fraction` of
-the data file, or with `--eval-data` a file of its own, evaluated whole at the end
-(and its first `--eval-batches` every `--eval-every` steps).
-
-Numeric columns are standardized with the mean and variance of the training rows
-(`--numeric-transform`, see `trainer.numeric`): every worker computes the same
-statistics from the same file in one pass, or reads them from `--numeric-stats
-PATH` when it exists (and writes them there when not). Multi-epoch runs shuffle
-through a bounded buffer (`--shuffle-buffer`), reseeded each epoch from `--seed`.
-
-The final summary (JSON, also printed) has examples/s, the training loss, eval AUC
-and log loss, the rows this worker created per table and the numeric statistics;
-`python -m trainer.plot` draws every worker's into one PNG. `--save-model` writes a
-SavedModel of the raw columns (the numeric transform inside). `--print-tables`
-prints a whole cluster file for the columns. The first ctrl-C ends training after
-the step under way and still writes the summary (exit status 130).
+Every option, and what the summary holds: docs/training.md#the-command-line-lookup-table-train.
 """
 
 from __future__ import annotations

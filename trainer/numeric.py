@@ -1,27 +1,10 @@
 """Numeric features as a model wants them: statistics of the training rows, applied everywhere.
 
-Raw numeric columns (`fnlwgt` ~ 1e5, `capital_gain` up to 99,999) saturate a
-sigmoid on the first step; Keras users put a `Normalization` layer adapted on the
-training data in front. `NumericStats` is that layer's state, computed once by
-`fit_numeric_stats` and then applied to every batch of training, evaluation and
-every worker (`DataSource.with_numeric(stats)`), so all of them read the same
-features. Transforms:
-
-* `standardize` (default): `(x - mean) / sqrt(variance)`, Keras' `Normalization`
-  (population variance over the training rows).
-* `log1p`: `sign(x) * log1p(|x|)` first, then standardized with the statistics
-  of the transformed values: for heavy-tailed counts (Criteo's reader already
-  gives `log1p` of its counts, so plain `standardize` suits it).
-* `none`: the values as read.
-
-A missing value (empty, NaN) becomes the training mean, i.e. 0 after
-standardizing (0.0 under `none`). A column that is constant (or always missing)
-in the training rows carries no information: it enters as 0 everywhere, rather
-than dividing by a zero deviation.
-
-The statistics are a pure function of the training split (one pass in source
-order, float64, merged per batch), so workers that compute them from the same
-file get the same values; they are saved as JSON (`save`/`load`) with the run.
+`NumericStats` is what a Keras `Normalization` layer adapted on the training rows holds,
+computed once by `fit_numeric_stats` (one pass, float64, a pure function of the training
+split) and applied to every batch of every worker (`DataSource.with_numeric`), so all of
+them read the same features. Transforms `standardize`, `log1p`, `none`; missing values
+and constant columns: docs/training.md#the-command-line-lookup-table-train.
 """
 
 from __future__ import annotations

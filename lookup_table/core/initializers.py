@@ -1,34 +1,9 @@
 """Deterministic initial rows: a pure, vectorized function of (table seed, id).
 
-Every trainer that meets a new id computes the same row, whichever batch, process
-or node count it runs with, so the `add` race between trainers is harmless and
-runs are reproducible. NumPy's `Generator` promises the same stream only on the
-same build and machine, so rows come from a counter-based generator instead:
-
-    bits[i, c] = mix64(mix64(id_hash[i] ^ seed_salt) + (c + 1) * 0x9E3779B97F4A7C15)
-    u[i, c]    = (bits[i, c] >> 11) * 2**-53          # uniform in [0, 1)
-
-Initializers follow Keras' names and defaults: `zeros`, `constant(value=0)`,
-`uniform(minval=-0.05, maxval=0.05)` (alias `random_uniform`), `normal(mean=0,
-stddev=0.05)` (alias `random_normal`, Box-Muller), `truncated_normal(mean=0,
-stddev=0.05)` (values beyond two stddev are redrawn from the next counters, as
-Keras' TruncatedNormal does). Math is float64, the result float32 (n, dim).
-Changing any of this changes the first value of every new row: golden values in
-`tests/unit/test_initializers.py` pin it.
-
-The same on every CPU. Box-Muller needs log1p and cos, which are not correctly
-rounded, and numpy picks their SIMD kernel by CPU: its AVX-512 and AVX2 float64
-log1p differ from the baseline one in the last bit for about 7% of inputs (at
-most 1 ulp). A float64 result a few ulps off changes its float32 rounding only
-when it lies within those few ulps of a float32 rounding boundary. So a normal
-value is `mean + stddev * z` in float64 rounded to float32, except where that
-float64 lies within 2**-40 (relative; 2**13 float64 ulps, far above any kernel's
-error) of a boundary: there, about 1 value in 30,000, the exact value is computed
-with `decimal` (50 digits, no libm) and rounded to the nearest float32. Either
-way the result is the float32 nearest to the exact formula with the same float64
-inputs, whatever the CPU, numpy build or libm. Truncation decides |z| > 2 the
-same way. (Uniform rows use only +, *, which are exact IEEE operations. The uniform
-draws, and uniform rows, run compiled in one pass, op for op the formula's.)
+Keras' initializer names and defaults, drawn from a counter-based generator so that
+every trainer computes the same row on any CPU, numpy build or libm; the formula and how
+the same bits are kept: docs/storage.md#initial-rows. Golden values in
+tests/unit/test_initializers.py pin the first value of every new row.
 """
 
 from __future__ import annotations
@@ -141,8 +116,7 @@ def _draw(base, counter):  # type: ignore[no-untyped-def]  # pragma: no cover
 @compiled(types.void(_U64, types.uint64, types.Array(types.float64, 2, "C")))
 def _uniform_block(base, first_counter, out):  # type: ignore[no-untyped-def]  # pragma: no cover
     """`_uniform` of (base[i], first_counter + j) into out[i, j], in one pass (numpy's
-    version makes ~10 passes over (n, count) uint64 temporaries, ~6 ms per million
-    values)."""
+    version makes ~10 passes over (n, count) uint64 temporaries)."""
     for i in range(out.shape[0]):
         b = base[i]
         row = out[i]
@@ -270,7 +244,8 @@ def _normal_to_float32(
     u1: NDArray[np.float64],
     u2: NDArray[np.float64],
 ) -> NDArray[np.float32]:
-    """float32 (n, dim) nearest to mean + stddev * z, the same on every CPU (module docstring)."""
+    """float32 (n, dim) nearest to mean + stddev * z, the same on every CPU
+    (docs/storage.md#initial-rows)."""
     scaled = stddev * z
     value = mean + scaled
     out = value.astype(np.float32)

@@ -1,23 +1,9 @@
 """The key codec: ids <-> memcached keys (pure; numpy + stdlib).
 
-Key format, version 1 (stored data depends on it; see docs/wire-format.md)::
-
-    {namespace}/{table}/{kind}/{encoded id}
-
-* `namespace` and `table` match `[A-Za-z0-9][A-Za-z0-9_.-]{0,63}`; names starting
-  with `_` are reserved for bookkeeping (`_meta`).
-* `kind` is a short lowercase tag: `w` row, `s` slots, `d` dense chunk, `m` meta,
-  `p` push record, `j` journal.
-* An int64 id is `i` + 16 lowercase hex digits of its two's complement
-  (`7` -> `i0000000000000007`, `-1` -> `iffffffffffffffff`). Fixed width, so a
-  batch of int keys is built as one uint8 matrix without a Python loop.
-* A str id is `s` + its UTF-8 bytes percent-encoded (everything but
-  `A-Za-z0-9_.~-` becomes `%XX`), so spaces, slashes, `\\r\\n` and control
-  characters never reach memcached raw (`"banana"` -> `sbanana`, `"a b"` -> `sa%20b`).
-
-The tags make `7` and `"7"` different ids, and the encoding is reversible:
-`decode_key` recovers the id (checkpoints rely on it). Keys are at most 250 bytes;
-an id that cannot fit raises `KeyEncodingError` naming the id.
+`{namespace}/{table}/{kind}/{encoded id}`: an int64 id as `i` + 16 hex digits (fixed
+width, so a batch is one uint8 matrix), a str id as `s` + its percent-encoded UTF-8, so
+`7` and `"7"` differ and `decode_key` recovers the id. docs/wire-format.md is the format;
+an id that cannot fit 250 bytes raises `KeyEncodingError` naming it.
 """
 
 from __future__ import annotations

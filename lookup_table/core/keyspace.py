@@ -1,29 +1,8 @@
 """Every key the system writes: the kinds, the bookkeeping tables and their ids (pure).
 
-A key is `{namespace}/{table}/{kind}/{encoded id}` (`keys.py` encodes the id;
-`STORAGE_FORMAT` of the stored data depends on all of this, see docs/wire-format.md).
-This module is the one place that names the kinds and builds or parses the ids of
-bookkeeping keys; the store, the service, checkpoints and `admin stats` all use it.
-
-| table    | kind | id                  | value |
-|----------|------|---------------------|-------|
-| a table  | `w`  | the feature id      | the row, then its optimizer slots: float32 |
-| a table  | `c`  | the feature id      | admission counter: sightings of an id without row (TTL) |
-| `_meta`  | `m`  | `sentinel`          | JSON from `lookup-table-admin init`, on every node |
-| `_meta`  | `m`  | `version-r{K}`      | replica K's model version (ASCII int) |
-| `_meta`  | `p`  | `r{K}:{push_id}`    | done record of a push replica K applied (TTL) |
-| `_meta`  | `j`  | `r{K}-j{slot}`      | replica K's journal header (msgpack; empty: clear) |
-| `_meta`  | `j`  | `r{K}-j{slot}-c{i}` | chunk i of that journal |
-| `_dense` | `m`  | `current`           | msgpack pointer to the dense parameters' generation |
-| `_dense` | `d`  | `{gen}/{param}/{i}` | chunk i of a dense parameter's float32 values |
-| `_dense` | `ds` | `{gen}/{param}/{i}` | chunk i of its optimizer slots |
-
-All bookkeeping ids are strings (key body `s...`); feature ids are int64 or str.
-
-Storage format 2 keeps a row and its optimizer slots in one item (`dim` + `slot_width`
-float32: one memcached operation per id where format 1 needed two, `w` and `s`). The
-sentinel records the format; a store refuses a node whose sentinel names another one
-(`sentinel_format`), because it would read format 1's rows as corrupt or missing.
+The one place that names the kinds and builds or parses the ids of bookkeeping keys;
+the store, the service, checkpoints and `admin stats` all use it. The table of keys and
+`STORAGE_FORMAT` (a row and its slots in one item) are in docs/wire-format.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Open-addressing probes of the row cache's maps, compiled (numba): pure, no I/O.
 
-A map (`lookup_table.core.rowcache._IntMap`) keys a slot by a 16-byte row of `meta`:
-the id, then the table number (low 32 bits) with a *used* and a *valid* flag. Linear
-probing from a position mixed from (id, table number), at most `MAX_PROBES` slots, no
-deletions. Finding a batch of keys is one pass here, a slot after the other per key;
-numpy needs a pass per probe step over the whole batch (a dozen calls and temporaries
-each), which made the cache's share of a push of 6,500 ids ~1.7x what it is compiled
-(the rest is numpy gathering and scattering the values). Compiled at import
-(`lookup_table.core.jit`).
-
-Only integer work happens here (the values are copied, never computed), so the result
-is the same on every CPU.
+A map (`lookup_table.core.rowcache._IntMap`) keys a slot by a 16-byte row of `meta`: the
+id, then the table number (low 32 bits) with a *used* and a *valid* flag; linear probing
+from a position mixed from (id, table number), at most `MAX_PROBES` slots, no deletions.
+Compiled, a batch's keys are found in one pass, where numpy needs a pass over the whole
+batch per probe step. Only integer work happens here, so the result is the same on every CPU.
 """
 
 from __future__ import annotations

@@ -1,55 +1,10 @@
 """Rows (and slots) by table and int64 id, kept in memory: bounded, vectorized.
 
-Two users, the same structure:
-
-* the optimizer replica's row cache (`optimizer_service.engine`): the rows and slots it
-  last wrote;
-* a trainer's answered rows (`lookup_table.session`): the rows its pushes' answers
-  brought, used while no other push changed its replicas' rows (the answers' stamps).
-
-The replica's case: a replica is the only writer of the rows it owns (trainers only
-`add` rows that do not exist yet), so after it wrote a row and its slots, memcached holds
-exactly what it wrote until the replica writes them again, or the data goes away: a
-checkpoint restore (`Updater.reload` clears the cache), or a node that lost its data and
-was re-initialized (the sentinel's value changes: the updater clears the cache when it
-sees a new one). A push whose ids are all cached reads no row from memcached.
-
-One `_IntMap` per value width (dim + slot width) and generation, shared by the tables of
-that width (keys: table number and id): open addressing with linear probing over
-numpy arrays, no deletions; a batch's probes, gathers and scatters run compiled
-(`lookup_table.core.probing`), asking for the slots a few keys ahead
-(`jit.prefetch_row`). Two generations bound the memory: lookups look in the young map,
-then in the old one (a hit there moves to the young map); when the young map is half
-full it becomes the old one and the old one is dropped, so what was not used for a
-generation is forgotten (an approximate LRU).
-
-*Located* keys (`locate_many`, the replica's step of rows written behind): their slots
-in the young map, for a caller that holds their locks, reads their values where they are
-(`values_of`: until the map is cleared, see `Spots`) and puts the new ones back there
-(`put_items`: by key if the young map changed meanwhile).
-
-The caller says which tables to cache. Both users leave out tables of string ids (the
-maps hold int64 keys) and tables with `ttl_s`: memcached expires their rows by itself,
-so what was written is not what memcached holds once the TTL passed (caching them would
-serve expired rows).
-
-*Dirty* entries (the replica's row write-behind, `put_many(..., dirty=True)`): rows and
-slots memcached does not hold yet. Each carries the stamp of the `put_many` that made it
-(a counter of this cache). A rotation never drops one: the dirty entries of the map it
-drops move to the young map (unless the young map has a newer value of the key).
-`dirty()` copies every dirty entry at one instant, with the stamp it was taken at;
-once they are written, `clean(stamp)` marks clean those not put again since. The caller
-bounds how many there are (`room_for`): the young map must have room for them.
-
-*Initial* entries (`put_many(..., initial=True)`): ids memcached holds no row for, with
-their initial row and slots, which is what reading them from memcached gives (a missing
-row reads as its initial value). Only for tables whose rows the cache's owner alone
-creates (the replica's tables read through it): where trainers `add` rows, "no row"
-does not stay true. Their
-stamp is `INITIAL` (< 0): clean, never flushed, and `lookup_many` tells them apart, so
-the owner reads a new id from memcached once, not at every read and push until its first
-write. They are only inserted where neither generation holds the key (valid or
-forgotten): a value put since the caller's read of memcached is newer, and is kept.
+Two users, one structure: the optimizer replica's row cache (the rows and slots it last
+wrote, with the dirty, initial and located entries of rows written behind) and a
+trainer's answered rows. Two generations of open-addressing maps per value width bound
+the memory (an approximate LRU). docs/service.md#row-cache says why a replica may trust
+what it wrote and how the entries work.
 """
 
 from __future__ import annotations
@@ -236,7 +191,7 @@ class _IntMap:
 
 def _by_table(tabs: NDArray[np.int32]) -> NDArray[np.intp]:
     """A stable order of entries by table number: numpy's radix sort where the numbers fit
-    in 16 bits (54,000 entries: 0.24 ms, against 1.5 ms for int32's merge sort)."""
+    in 16 bits (int32's is a merge sort, several times slower)."""
     if tabs.shape[0] and int(tabs.max()) < 1 << 15:
         return np.argsort(tabs.astype(np.int16), kind="stable")
     return np.argsort(tabs, kind="stable")
@@ -249,9 +204,8 @@ class _TableCache:
     whole bound at once: the young map grows to `max_capacity` and the second
     generation's map is allocated beside it (`_spare`, which the first rotation takes).
     A cache that is needed at all soon holds that much; this way its memory is allocated
-    and touched once (on these VMs the first touch of memory is the expensive part:
-    ~0.2 s per 100 MB), with one rehash, early, and no later rotation stops the
-    service to allocate."""
+    and touched once (the first touch of memory is the expensive part), with one
+    rehash, early, and no later rotation stops the service to allocate."""
 
     def __init__(self, width: int, max_capacity: int) -> None:
         self.width = width

@@ -1,19 +1,8 @@
 """Rendezvous (highest-random-weight) placement of rows on nodes and replicas (pure).
 
-A row's node is `argmax_j mix64(h ^ salt_j)` where `h` is the row's id hash salted
-with its table (`hashing.id_hashes`, so `7` and `"7"` differ) and `salt_j` is
-`stable_hash("node:" + address_j)`. Scores for the (n ids x k nodes) pairs are
-computed as one uint64 array and reduced with `argmax(axis=1)`: no Python loop
-per id. Because a node's salt depends only on its own address, adding a node
-moves only the rows it now wins (about 1/(k+1) of them) and removing one moves
-only its own rows; no row moves between two nodes that stayed.
-
-Rows and slots of one id land on the same node (the hash ignores the kind), so
-the optimizer reads both in one pipelined round trip per node.
-
-The optimizer replica that owns a row is chosen the same way over the replica
-partition numbers, with a different seed, so replica ownership and node placement
-are independent.
+A row's node is the argmax over nodes of a mix of its id hash with the node's salt,
+computed for a whole batch as one uint64 array; replicas own rows the same way with
+another seed. Why this moves the fewest rows: docs/wire-format.md.
 """
 
 from __future__ import annotations

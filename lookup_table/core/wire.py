@@ -59,7 +59,7 @@ def pack_view(obj: Any) -> memoryview:
     """`pack` without its last copy: a read-only view of the packer's own buffer, for the
     megabyte bodies (a push's answer, journal and dense log) that are sent or cut into
     chunks, not kept. `packb` packs into that buffer too, then copies it into a bytes
-    object: ~0.25 ms a push of the demo's replica, in copies and fresh pages."""
+    object: one more copy of every body, into fresh pages."""
     packer = msgpack.Packer(use_bin_type=True, autoreset=False)
     packer.pack(obj)
     view: memoryview = packer.getbuffer().toreadonly()

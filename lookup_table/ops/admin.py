@@ -5,23 +5,7 @@
     lookup-table-admin reinit --config C --yes  # accept that a node lost its data
     lookup-table-admin reset  --config C --yes  # start the namespace over (deletes it all)
 
-`init` is safe to run twice. It refuses when some nodes have a sentinel and others
-do not: that is a node that lost its data, and only `reinit --yes` (or a
-checkpoint restore) may accept it.
-
-`reset` (`reset_namespace`) deletes every key of the namespace on every node (rows,
-slots, dense parameters, versions, journals, push records), writes fresh sentinels,
-and makes the running replicas drop what they hold of it in memory, so training
-starts from version 0 and initial rows. It refuses while a replica of the cluster
-file does not answer (its memory could write the old model back), unless told that
-it is stopped (`--replicas-stopped`).
-
-`stats` (`lookup_table.ops.stats`) lists every key of the namespace on every node
-(memcached's `lru_crawler metadump hash`, as a checkpoint does) and sums the keys
-and their bytes per table and kind, per node and in total, next to each whole
-node's figures. A node that does not answer is reported as DOWN (the others are
-still listed), and a missing sentinel is flagged; either makes `stats` exit 1, so
-it can serve as a health check.
+What each refuses and why: docs/operations.md.
 """
 
 from __future__ import annotations

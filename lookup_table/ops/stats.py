@@ -1,14 +1,9 @@
 """`lookup-table-admin stats`: keys and bytes per table and kind, per node and in total.
 
-The namespace's keys on every node come from memcached's `lru_crawler metadump
-hash` (as a checkpoint lists them), summed per table and kind (rows `w`, each
-with its slots; for the bookkeeping tables `_dense` and `_meta` their own kinds). The
-bytes are memcached's own item sizes (`size=` of the dump: header, key, value),
-so they add up to the node's `stats bytes`. Keys of other namespaces on the same
-nodes are not counted, but the per-node figures (items, bytes, memory limit,
-fill, pages taken, evictions) are the whole node's, from `stats` and `stats
-slabs`. A node that does not answer is reported as DOWN (the others are still
-listed), and a missing sentinel is flagged as a problem.
+The namespace's keys come from memcached's `lru_crawler metadump hash` (as a checkpoint
+lists them) and their bytes from the dump's own item sizes, so they add up to `stats
+bytes`; the per-node figures are the whole node's. A node that does not answer is DOWN,
+a missing sentinel is flagged. docs/operations.md#inspecting-a-namespace shows the output.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ class LockSet:
     row: a push that updates them holds it from its read to its write, and a failed
     write hands it to its replay.
 
-    Numpy arrays, not Python sets: a push of 16,384 rows costs ~0.1 ms to lock instead of
-    ~2 ms of `tolist` and set arithmetic. Two lock sets are compared only while both are
+    Numpy arrays, not Python sets: locking a push's rows is a few vectorized calls,
+    not `tolist` and set arithmetic per row. Two lock sets are compared only while both are
     held or waited for, by binary search in the held one's sorted hashes (sorted once).
     """
 

@@ -332,7 +332,7 @@ async def test_calls_queued_behind_a_stopped_node_fail_within_two_timeouts(own_n
             took = await asyncio.gather(*(one(i) for i in range(6)))
         finally:
             os.kill(stopped.pid, signal.SIGCONT)
-        assert max(took) < 2.0, took  # 6 x 0.5 = 3 s before the fix
+        assert max(took) < 2.0, took  # one timeout per queued batch would be 6 x 0.5 = 3 s
         await s.lookup("user", np.arange(10, dtype=np.int64))  # the pool recovers
 
 

@@ -1,18 +1,12 @@
 """A trainer-like client process for the reliability suite: deterministic pushes, no TF.
 
-    python -m tests.reliability._pusher --config C --proc P --pushes N --run R \\
+    python -m tests.reliability._pusher --config C --proc P --pushes N --run R \
         --ready FILE --start FILE --out FILE [--max-retries K --backoff-s S]
 
-The process builds its `OptimizerClient`, touches `--ready`, waits for `--start` to
-exist (a barrier, so every process pushes at the same time), then sends push
-0..N-1 one after another, each with the push_id `push_id(run, proc, i)` and the
-gradients `make_push(proc, i)`. It writes a JSON report to `--out`: the start and
-end time (time.time()) of every push and the client's summary, or the error that
-stopped it (exit status 1).
-
-The workload is a pure function of (proc, i), so the test recomputes every
-gradient in its own process instead of reading files back. It imports numpy,
-aiohttp and lookup_table only (starts in under a second, unlike a TF trainer).
+It touches `--ready`, waits for `--start` (a barrier), sends pushes 0..N-1 with push_ids
+`push_id(run, proc, i)` and gradients `make_push(proc, i)`, a pure function of (proc, i)
+that the test recomputes, and writes a JSON report of every push's times and the
+client's summary, or the error that stopped it (exit 1), to `--out`.
 """
 
 from __future__ import annotations

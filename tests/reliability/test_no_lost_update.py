@@ -1,25 +1,11 @@
 """No lost and no doubled update: 8 client processes, 2 optimizer replicas, hot rows.
 
-Eight `python -m tests.reliability._pusher` processes start
-together behind a barrier and push 200 steps each through `OptimizerClient` (which
-splits every push by replica) to two optimizer replicas (real subprocesses) over a
-fresh 2-node memcached cluster. Ids are Zipf-hot, so most pushes hit the same rows
-at the same moment, and every push repeats an id (the service sums repeats).
-
-At the end every row is read back with the store:
-
-* SGD rows == init - lr * (sum of every gradient of that id), computed in float64
-  from the workload (a pure function of (process, push)); float32 within 1e-5 for
-  `sgd`, exactly for `words` (dyadic gradients, exact sums).
-* Adam: the step count in each row's slots == the number of pushes that touched the
-  row (a push naming an id twice counts once), so a push applied twice shows even
-  when its gradient is tiny.
-* Ids that no push touched have no row (or keep the row a lookup created, with the
-  optimizer's initial slots: a row and its slots are one item).
-
-The crash variant kill -9's replica 1 three times while pushes flow through it and
-restarts it (it replays its journal before serving); clients retry with the same
-push_id, and the same exact checks must hold.
+Eight `tests.reliability._pusher` processes push 200 steps each at once, over Zipf-hot ids
+that repeat within a push, through `OptimizerClient` to two real replicas on a fresh
+2-node cluster; the crash variant kill -9's replica 1 three times meanwhile. Every row is
+then read back: SGD rows equal init - lr * (sum of their gradients), computed from the
+workload; every Adam row's step equals the pushes that touched it; untouched ids have no
+row (or the one a lookup created). docs/guarantees.md states the promise.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Soak: 2 trainer processes + 1 optimizer service + 2 fresh memcached nodes for minutes.
 
-Two real `python -m trainer.cli` processes train one model (async mode, synthetic data,
-a small MLP over six tables with Adam, Adagrad and SGD rows, dense updates every step)
-against the service as a subprocess, for `LOOKUP_TABLE_SOAK_S` seconds (default 120)
-counted from the moment both trainers are stepping (TensorFlow takes 10-20 s to start).
-Every `SAMPLE_S` seconds the test reads the resident memory (VmRSS) of the service, both
-memcached nodes and both trainers, and scrapes `/metrics`.
-
-The promise: after a warm-up (the first 30 % of the run, at least 30 s, while caches and
-pools fill), the service's RSS less its row cache (`lookup_table_row_cache_bytes`, bounded
-by `service.cache_mb`) grows by less than 10 % to the end; and nothing fails:
-both trainers exit 0 with their summaries, the service logs no unexpected error, answers
-no 5xx and rejects no push, every step's push was applied exactly once and the model
-version advanced with each. The samples go to `soak.json` (and `soak.png`) under the
-test's tmp_path; `pytest -s` prints a summary.
-
-`test_soak_10_minutes` is the long variant (marked slow: only with LOOKUP_TABLE_SLOW=1).
+Two real `python -m trainer.cli` processes train one model (six tables with Adam, Adagrad
+and SGD) for `LOOKUP_TABLE_SOAK_S` seconds (default 120) counted from when both step,
+while the test samples every process's RSS and the service's `/metrics`. The promise
+(docs/guarantees.md): after warm-up the service's RSS less its row cache grows by less
+than 10 %, and nothing fails. The samples go to `soak.json` and `soak.png` under the
+test's tmp_path. `test_soak_10_minutes` is the long variant (`LOOKUP_TABLE_SLOW=1`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The Kubernetes manifests in deploy/k8s/ are valid, not just plausible.
 
-Every object validates against the Kubernetes OpenAPI schemas of 1.28 (the oldest
-release the manifests support: they read the `apps.kubernetes.io/pod-index` label,
-beta and on by default since 1.28) and 1.30, offline and strict (unknown fields are
-errors), with the schemas the `kubernetes-validate` package bundles. Every container
-that runs one of our console scripts gets its command line checked by our real argparse
-parsers, once per pod the controller would create, with `$(VAR)` references expanded the
-way the kubelet does from the env the pod would have (the downward API's labels and
-annotations as the StatefulSet and Job controllers set them). memcached is started with
-its manifest's arguments; the ConfigMap's cluster file loads with `load_config`; the
-counts that must agree (nodes, replicas, trainers) do; the trainers' wait for the fleet
-runs against a stand-in /healthz; and the Dockerfile copies what the package build needs
-and `.dockerignore` keeps.
+Every object against the Kubernetes 1.28 and 1.30 schemas, offline and strict; every
+command line of ours through our real argparse parsers, once per pod, with `$(VAR)`
+expanded as the kubelet does; memcached's flags, the ConfigMap's cluster file, the counts
+that must agree, the trainers' wait for the fleet and the Dockerfile. docs/kubernetes.md
+lists what each check covers.
 """
 
 from __future__ import annotations

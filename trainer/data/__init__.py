@@ -1,37 +1,11 @@
 """Data readers of the trainer: minibatches of ids, numeric features and labels.
 
-A `DataSource` streams `Batch`es; it never holds a file in memory (text is read
-in 256 KiB chunks, parquet in record batches). Four sources:
-
-* `SyntheticSource`: a seeded, Criteo-like generator with a hidden logistic model.
-* `CriteoSource`: Criteo's TSV (label, I1-I13, C1-C26), plain or gzip.
-* `CsvSource`: CSV with a header; columns chosen by name.
-* `ParquetSource`: parquet via pyarrow (an optional dependency).
-
-`parse_data_spec` builds one from the CLI's `--data SPEC` and column options.
-
-Splits and sharding, the same for every source:
-
-* The eval split is a fixed subset of *examples*: example `r` (its 0-based
-  position in the source) is in eval iff a stable 64-bit hash of `r` falls
-  below `eval_fraction`. It does not depend on the batch size, the number of
-  workers, the epoch or the process, so eval examples are never trained on.
-* The examples of the chosen split are cut, in source order, into batches of
-  `batch_size` (the last one of an epoch may be smaller). Worker `I` of `N`
-  gets the batches whose index within the split is `I mod N`: the workers'
-  batches are disjoint, their union is the single-worker stream, and their
-  counts differ by at most one per epoch. Every worker still reads the whole
-  source; for many workers, give each its own file.
-* Shuffling (`shuffle_buffer` > 0): within the chosen split, examples pass
-  through a bounded buffer, like `tf.data.Dataset.shuffle`: whenever it holds
-  1.5x its size, a random third of it leaves, in random order. The order is a
-  pure function of (seed, epoch) computed with counter-based hashes, so every
-  worker sees the same shuffled stream (their batches stay disjoint) on any
-  machine, and each epoch has another order. Without it, examples come in
-  source order, every epoch.
-* Missing numeric values (empty, NaN): readers keep them as NaN; `batches`
-  fills them with 0.0, or a numeric transform (`with_numeric`, see
-  `trainer.numeric`) with the training mean. `raw_batches` keeps the NaN.
+A `DataSource` streams `Batch`es without holding a file in memory: `SyntheticSource`
+(seeded, Criteo-like), `CriteoSource` (TSV, plain or gzip), `CsvSource` and
+`ParquetSource`; `parse_data_spec` builds one from the CLI's `--data SPEC`. Every source
+splits, shards and shuffles the same way (a stable eval subset of examples, worker I of
+N gets every N-th batch, a bounded shuffle that is a pure function of seed and epoch):
+docs/training.md#the-command-line-lookup-table-train.
 """
 
 from __future__ import annotations

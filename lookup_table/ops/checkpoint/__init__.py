@@ -1,19 +1,9 @@
 """Consistent checkpoints of a namespace that do not depend on the node count.
 
-    lookup-table-checkpoint save    --config C --dir D [--no-pause]
-    lookup-table-checkpoint restore --config C --dir D [--force] [--no-pause]
-    lookup-table-checkpoint export  --dir D --out model.npz
-    lookup-table-checkpoint export  --dir D --format savedmodel --model model.keras --out DIR
-
-From Python, `save_checkpoint(config, dir)` and `restore_checkpoint(config, dir)` return
-when done (also in Jupyter, where a loop runs); async code awaits their `_async` twins.
-
-One concept per module: `format` (names, manifest, string-id packing, fit with a
-cluster file), `files` (`.npy`, sha256, fsync, the atomic rename), `verify`,
-`listing` (the namespace's keys from `lru_crawler metadump`), `pipeline`
-(batches in flight, progress), `save`, `restore`, `export` (the `.npz`),
-`savedmodel` (a TF SavedModel, TensorFlow loaded only when it runs) and `cli`
-(the command line, the only module that prints).
+`save_checkpoint(config, dir)` and `restore_checkpoint(config, dir)` return when done
+(async code awaits their `_async` twins); `lookup-table-checkpoint` is `cli`, the only
+module that prints. One concept per module: `format`, `files`, `verify`, `listing`,
+`pipeline`, `save`, `restore`, `export`. docs/checkpoints.md is the manual.
 """
 
 from __future__ import annotations

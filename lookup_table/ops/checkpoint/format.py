@@ -1,23 +1,8 @@
 """The checkpoint format: its names, the manifest's promises, string-id packing, fit.
 
-Format, version 1 (numpy `.npy` files, never pickled)::
-
-    manifest.json                    written last: format, namespace, config tables,
-                                     counts, dense shapes, versions, sha256 of every file
-    tables/<table>/ids.npy           int64 (n,), ascending            (int64 tables)
-    tables/<table>/ids_utf8.npy      uint8 (total,): every id's UTF-8 (string tables;
-    tables/<table>/ids_offsets.npy   int64 (n + 1,)   id i = utf8[off[i]:off[i+1]],
-                                                      sorted by code point)
-    tables/<table>/rows.npy          float32 (n, dim)
-    tables/<table>/slots.npy         float32 (n, slot_width)         (slot_width > 0)
-    tables/<table>/has_slots.npy     bool (n,): all True when saved from storage format 2
-                                     (a row and its slots are one item); from format 1,
-                                     False for a row never updated (no slots): a restore
-                                     gives it the optimizer's initial slots
-    dense/<file>.npy                 float32, the parameter's shape  (names in the manifest)
-    dense_slots/<file>.npy           float32 (1, slot_width(size))
-
-Pure: no I/O (`files` reads and writes them, `verify` checks a directory).
+Format version 1 is a directory of numpy `.npy` files (never pickled) and
+`manifest.json`, written last; docs/checkpoints.md#format lists every file. Pure: no I/O
+(`files` reads and writes them, `verify` checks a directory).
 """
 
 from __future__ import annotations

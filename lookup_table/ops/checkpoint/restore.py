@@ -1,20 +1,9 @@
 """Restore a checkpoint into any number of nodes (`lookup-table-checkpoint restore`).
 
-The restore verifies the checkpoint first (manifest, format version, every
-file's size, sha256, dtype and shape, and that its tables fit the cluster file:
-same dim, id type, optimizer and slot width) and writes nothing if anything is
-wrong. It refuses a namespace that holds any key but its sentinels unless
-`--force` (then every key of the namespace is deleted first, so rows trained
-after the checkpoint and stale journals cannot survive). It deletes the
-namespace's sentinels, writes rows, slots, the dense generation, its `current`
-pointer and the version keys into the cluster file's nodes (any number: the
-placement is recomputed), and writes the sentinels last: a restore that fails
-part-way leaves the namespace without sentinels, so trainers get
-`DataLossError` instead of training on half a model. The running optimizer
-replicas are paused for the whole restore (no push mixes old and restored rows)
-and resumed with `?reload=1`, which makes them read the restored version; a
-replica that is not running loads it when it starts (`--no-pause`: leave them
-alone and restart them afterwards).
+It verifies the whole checkpoint and writes nothing if anything is wrong, refuses a
+namespace holding data unless `--force`, pauses the running replicas, and writes the
+sentinels last, so a restore that fails part-way leaves trainers a `DataLossError`
+rather than half a model. The steps and why: docs/checkpoints.md#restore.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Save a namespace into a new checkpoint directory (`lookup-table-checkpoint save`).
 
-The save pauses every optimizer replica (in-flight pushes finish, new ones wait;
-they resume when the save has read everything, or by themselves after
-`--pause-timeout-s`), lists the namespace's keys on every node with memcached's
-`lru_crawler metadump hash`, and reads, for every table of the cluster file, the
-rows (`w`) and slots (`s`) of every id found, in pipelined batches through
-`EmbeddingStore.get`. The dense parameters (the current generation, with their
-slots) and the replicas' version keys are read too; push records and journals
-are transient and skipped. Everything is written to a temporary sibling
-directory that is renamed to `D` only after `manifest.json` (written last) and
-every file are on disk, so a crash never leaves a directory that looks complete.
-Ids are sorted, so the files depend only on the data, not on the nodes.
-
-Rows a trainer creates while the save runs (lookups are not paused) are either
-in the checkpoint or not; both are fine, since a missing row is re-created with
-the same deterministic initial value.
+It pauses the replicas while it lists the namespace's keys (`lru_crawler metadump`) and
+reads every row with its slots, the dense parameters and the version keys; the files go
+to a temporary directory renamed into place after `manifest.json`, ids sorted so the
+files depend only on the data. The steps and why: docs/checkpoints.md#save.
 """
 
 from __future__ import annotations
@@ -398,8 +387,8 @@ async def _save_table(
         utf8, offsets = pack_str_ids(ids.tolist())
         save_array(tmp / files["ids_utf8"], utf8)
         save_array(tmp / files["ids_offsets"], offsets.astype("<i8"))
-    # in memory, then written at once: filling a memory-mapped file page by page was 3x
-    # slower here, and a table whose rows do not fit in memory does not fit metadump either
+    # in memory, then written at once: filling a memory-mapped file page by page is
+    # slower, and a table whose rows do not fit in memory does not fit metadump either
     rows = np.empty((n, spec.dim), dtype="<f4")
     slots = np.zeros((n, width), dtype="<f4") if width else None
 
