@@ -44,7 +44,7 @@ background while the replica lives (`Journal.finish_later`), or by the next repl
 before it serves (`Updater.recover`).
 
 A dense update is journaled as `dense_log: true`: its gradients are in the dense log of
-the plan's version (`lookup_table.dense`), written before the journal header. Journals
+the plan's version (`engine.dense`), written before the journal header. Journals
 of older services carry the switch of `current` to a generation written before them
 (`dense_switch`) or the dense values inline (`dense`): they still decode, and their
 replay switches `current` or writes the values as a new generation.

@@ -19,7 +19,7 @@ same item, which gives it again. Journals of older services carry a hash of each
 before the push (`TableRedo.old_hashes`: recompute the items that still have it) or the
 hashes of the new rows and slots (`TableRedo.row_hashes`: recompute those without them).
 
-The dense update is written behind (`lookup_table.dense`): its gradients go to a log
+The dense update is written behind (`engine.dense`): its gradients go to a log
 of its version, written before the journal header, and the journal says only that the
 push has one (`WritePlan.dense_logged`). Journals of the previous service carry a switch
 of the `current` pointer to a generation written before them (`DenseSwitch`); older ones

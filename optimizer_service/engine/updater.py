@@ -115,7 +115,7 @@ class Updater:
         Returns how many pushes are still being finished in the background (their write
         failed and their journal is replayed until it sticks), plus the pushes whose rows
         and the dense updates that could not be written behind now (`RowFlushes.flush`,
-        `DenseParams.flush`): memcached does not hold all they wrote, so a checkpoint
+        `DenseReplica.flush`): memcached does not hold all they wrote, so a checkpoint
         taken now would not be consistent.
         `drop_unfinished` cancels those replays and a dense flush under way first, and
         writes nothing behind: only for a restore or a reset, which replaces every row
