@@ -85,7 +85,7 @@ class TableStep:
     """One table's optimizer step, known before the optimizer runs: the unique ids (n,)
     it updates, their summed gradients (n, dim), and their rows (n, dim) and slots
     (n, slot width) before the push. The arrays are not written afterwards. (An older
-    journal format keeps a hash of each id's item from here: `journal.encode_journal`
+    journal format keeps a hash of each id's item from here: `journal_format.encode_journal`
     still writes it, for the tests of its replay.)"""
 
     table: str
