@@ -420,7 +420,7 @@ async def test_a_crash_before_the_flush_is_replayed_in_order_and_loses_nothing(
     # row cache
     await _push(again, config, ref, rng)
     probe = _body("probe", {"t": (IDS[:7], np.zeros((7, 8), np.float32))}, answer=["rows"])
-    got = await again.answer(parse_push(unpack(probe), config=config), None)
+    got = (await again.answer(parse_push(unpack(probe), config=config), None)).to_wire()
     answered = decode_array(got["updated"]["t"]["rows"], field="rows")
     np.testing.assert_array_equal(answered, ref.state["t"][0][:7])
     stale, _, _ = await _stored(config, "t", IDS[:7])
