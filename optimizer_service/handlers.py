@@ -168,7 +168,7 @@ async def _answered(request: web.Request, push: Push) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
     response[COUNTED] = True
     await response.prepare(request)
-    await response.write(pack_view(first))
+    await response.write(pack_view(first.to_wire()))
     try:
         result = await asyncio.shield(applying)
         outcome = result.to_wire()

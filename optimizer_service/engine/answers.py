@@ -4,6 +4,7 @@ knows them, from the row cache, memcached, or their initial values."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,46 +18,32 @@ from optimizer_service.engine.plan import WritePlan
 from optimizer_service.engine.replica import ReplicaState
 from optimizer_service.push import Push
 
+__all__ = ["Answer", "Answers"]
 
-class Answers:
-    """A push's answer and the rows read through this replica."""
 
-    def __init__(self, state: ReplicaState, items: Items) -> None:
-        self.state = state
-        self.items = items
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a push asks back (`Answers.answer`): `stamp` (epoch, the push's place in this
+    replica's changes of its rows) while the row cache is in use; `updated`, when the
+    push asked for rows, each table's unique ids and their rows after the push, sent
+    grouped as the push came (`groups`); `dense`, when it asked for them and they exist,
+    the dense parameters' version and values."""
 
-    async def answer(self, push: Push, plan: WritePlan | None) -> dict[str, Any]:
-        """What `push.answer` asks back once `apply` returned (read your writes).
+    stamp: tuple[str, int] | None = None
+    updated: Mapping[str, tuple[IdArray, NDArray[np.float32]]] | None = None
+    groups: Sequence[Sequence[str]] = ()
+    dense: tuple[int, Mapping[str, NDArray[np.float32]]] | None = None
 
-        `updated`: per table of the push, its unique ids and their rows after the push;
-        `params` and `dense_version`: the dense parameters (replica 0). Taken from `plan`,
-        the push's own write plan, when this call applied it (`Applied.plan`); otherwise
-        (a duplicate, a sync round's merged push) read back from the store, then at least
-        as new as the push.
-        """
+    def to_wire(self) -> dict[str, Any]:
+        """The answer as the service sends it: `stamp`, `updated_groups` (one array per
+        group of the push, in its order), `updated`, `dense_version` and `params`."""
         out: dict[str, Any] = {}
-        if plan is not None and plan.seq is not None and self.state.sentinels is not None:
-            # while the row cache is in use, this replica knows every change of its rows:
-            # its `plan.seq`-th change since `epoch` is this push's
-            out["stamp"] = [self.state.epoch, plan.seq]
-        if "rows" in push.answer:
-            done = {u.table: u for u in plan.updates} if plan is not None else {}
-            updated: dict[str, Any] = {}
-            reads = []
-            for t in push.tables:
-                u = done.get(t.table)
-                if u is not None:
-                    ids, rows = (u.ids, u.rows) if u.answer is None else u.answer
-                    if ids is t.ids or (ids.shape == t.ids.shape and np.array_equal(ids, t.ids)):
-                        updated[t.table] = (t.ids, rows)
-                        continue
-                reads.append(t)
-            if reads:
-                got = await self.rows_now([(t.table, t.ids) for t in reads])
-                for t, (rows, _) in zip(reads, got, strict=True):
-                    updated[t.table] = (t.ids, rows)
+        if self.stamp is not None:
+            out["stamp"] = list(self.stamp)
+        if self.updated is not None:
+            updated = dict(self.updated)
             grouped = []
-            for group in push.groups:  # as the push came: one array each, in its order
+            for group in self.groups:  # as the push came: one array each, in its order
                 if all(name in updated for name in group):
                     parts = [updated.pop(name) for name in group]
                     grouped.append(
@@ -73,6 +60,52 @@ class Answers:
                 name: {"ids": encode_ids(ids), "rows": encode_array(rows)}
                 for name, (ids, rows) in updated.items()
             }
+        if self.dense is not None:
+            version, params = self.dense
+            out["dense_version"] = version
+            out["params"] = {n: encode_array(v) for n, v in params.items()}
+        return out
+
+
+class Answers:
+    """A push's answer and the rows read through this replica."""
+
+    def __init__(self, state: ReplicaState, items: Items) -> None:
+        self.state = state
+        self.items = items
+
+    async def answer(self, push: Push, plan: WritePlan | None) -> Answer:
+        """What `push.answer` asks back once `apply` returned (read your writes).
+
+        `updated`: per table of the push, its unique ids and their rows after the push;
+        `params` and `dense_version`: the dense parameters (replica 0). Taken from `plan`,
+        the push's own write plan, when this call applied it (`Applied.plan`); otherwise
+        (a duplicate, a sync round's merged push) read back from the store, then at least
+        as new as the push.
+        """
+        stamp = None
+        if plan is not None and plan.seq is not None and self.state.sentinels is not None:
+            # while the row cache is in use, this replica knows every change of its rows:
+            # its `plan.seq`-th change since `epoch` is this push's
+            stamp = (self.state.epoch, plan.seq)
+        updated: dict[str, tuple[IdArray, NDArray[np.float32]]] | None = None
+        if "rows" in push.answer:
+            done = {u.table: u for u in plan.updates} if plan is not None else {}
+            updated = {}
+            reads = []
+            for t in push.tables:
+                u = done.get(t.table)
+                if u is not None:
+                    ids, rows = (u.ids, u.rows) if u.answer is None else u.answer
+                    if ids is t.ids or (ids.shape == t.ids.shape and np.array_equal(ids, t.ids)):
+                        updated[t.table] = (t.ids, rows)
+                        continue
+                reads.append(t)
+            if reads:
+                got = await self.rows_now([(t.table, t.ids) for t in reads])
+                for t, (rows, _) in zip(reads, got, strict=True):
+                    updated[t.table] = (t.ids, rows)
+        dense = None
         if "dense" in push.answer:
             params: Mapping[str, NDArray[np.float32]]
             if plan is not None and plan.dense is not None and plan.version is not None:
@@ -80,11 +113,10 @@ class Answers:
             else:
                 state = await self.state.dense.read()
                 if state is None:
-                    return out
+                    return Answer(stamp=stamp, updated=updated, groups=push.groups)
                 version, params = state.version, state.params
-            out["dense_version"] = version
-            out["params"] = {n: encode_array(v) for n, v in params.items()}
-        return out
+            dense = (version, params)
+        return Answer(stamp=stamp, updated=updated, groups=push.groups, dense=dense)
 
     async def rows_now(
         self, reads: Sequence[tuple[str, IdArray]]

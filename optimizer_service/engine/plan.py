@@ -1,29 +1,9 @@
 """What one push writes: computed once, journaled, then written.
 
-A `WritePlan` holds the new rows and slots of every table of a push, and where it has
-them the replica's new version and the dense parameters' update. Its values are
-absolute, not deltas, so writing one plan twice is harmless.
-
-The journal does not carry those values: it carries each table's ids and summed gradients,
-written as soon as the push is parsed (while its rows are read), and, once the new values
-are computed, one *change witness* per id (`TableUpdate.witness`): the position of a
-32-bit word that the update changes in the id's item, and that word's bits before the
-push (or `UNCHANGED`, or `NOT_UPDATED` for a gradient admission dropped). A replay reads
-the items and recomputes exactly those whose witness word still has its old bits
-(`rows.still_old`): an item the push wrote differs there, and no other push touches those
-rows before the journal is cleared (they stay locked). A row and its slots are one item
-(storage format 2), written together or not at all, so every mix of written and
-unwritten items a failed write can leave is so finished exactly once, with no hash and
-no chance of a collision. An update that leaves an item unchanged is recomputed from that
-same item, which gives it again. Journals of older services carry a hash of each item
-before the push (`TableRedo.old_hashes`: recompute the items that still have it) or the
-hashes of the new rows and slots (`TableRedo.row_hashes`: recompute those without them).
-
-The dense update is written behind (`lookup_table.dense`): its gradients go to a log
-of its version, written before the journal header, and the journal says only that the
-push has one (`WritePlan.dense_logged`). Journals of the previous service carry a switch
-of the `current` pointer to a generation written before them (`DenseSwitch`); older ones
-the new values (`WritePlan.dense`).
+A `WritePlan` holds a push's new rows and slots per table and, where it has them, the
+replica's new version and the dense update: absolute values, so writing one twice is
+harmless. The journal keeps gradients and change witnesses instead of the values
+(`TableUpdate.witness`, `TableRedo`); docs/service.md says how a replay uses them.
 """
 
 from __future__ import annotations
@@ -85,7 +65,7 @@ class TableStep:
     """One table's optimizer step, known before the optimizer runs: the unique ids (n,)
     it updates, their summed gradients (n, dim), and their rows (n, dim) and slots
     (n, slot width) before the push. The arrays are not written afterwards. (An older
-    journal format keeps a hash of each id's item from here: `journal.encode_journal`
+    journal format keeps a hash of each id's item from here: `journal_format.encode_journal`
     still writes it, for the tests of its replay.)"""
 
     table: str

@@ -14,7 +14,7 @@ from lookup_table.core.keys import IdArray
 from lookup_table.core.keyspace import META_TABLE, Kind, version_id
 from lookup_table.core.optimizers import step_slot
 from lookup_table.core.wire import unpack
-from lookup_table.dense import DenseLogError
+from optimizer_service.engine.dense import DenseLogError
 from optimizer_service.engine.items import Items
 from optimizer_service.engine.journal import IncompleteJournalError
 from optimizer_service.engine.plan import TableUpdate, WritePlan

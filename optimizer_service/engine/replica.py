@@ -13,8 +13,8 @@ from lookup_table.config import ClusterConfig
 from lookup_table.core.keyspace import META_TABLE, Kind, push_record_id
 from lookup_table.core.optimizers import make_optimizer, step_slot
 from lookup_table.core.rowcache import RowCache
-from lookup_table.dense import DenseParams
 from lookup_table.store import EmbeddingStore
+from optimizer_service.engine.dense import DenseReplica
 from optimizer_service.engine.journal import Journal
 from optimizer_service.engine.locks import RowLocks
 
@@ -42,7 +42,7 @@ class ReplicaState:
             t.name: step_slot(self.optimizers[t.name], t.dim) if t.ttl_s is None else None
             for t in config.tables
         }
-        self.dense = DenseParams(store, make_optimizer(config.optimizer))
+        self.dense = DenseReplica(store, make_optimizer(config.optimizer))
         self.locks = RowLocks()
         # rows written behind (docs/write-behind.md): every row_flush_pushes pushes
         self.flush_every = config.service.row_flush_pushes

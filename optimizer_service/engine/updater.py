@@ -20,7 +20,7 @@ from lookup_table.config import ClusterConfig
 from lookup_table.core.keys import IdArray
 from lookup_table.core.sharding import row_hashes_many
 from lookup_table.store import EmbeddingStore
-from optimizer_service.engine.answers import Answers
+from optimizer_service.engine.answers import Answer, Answers
 from optimizer_service.engine.items import Items
 from optimizer_service.engine.locks import LockSet
 from optimizer_service.engine.plan import Applied, WritePlan
@@ -89,7 +89,7 @@ class Updater:
         (`Recovery.recover`). Call before serving. Returns how many pushes were finished."""
         return await self.recovery.recover()
 
-    async def answer(self, push: Push, plan: WritePlan | None) -> dict[str, Any]:
+    async def answer(self, push: Push, plan: WritePlan | None) -> Answer:
         """What `push.answer` asks back (`Answers.answer`): `plan` is the push's own write
         plan when this replica applied it (`Applied.plan`), else None."""
         return await self.answers.answer(push, plan)
@@ -115,7 +115,7 @@ class Updater:
         Returns how many pushes are still being finished in the background (their write
         failed and their journal is replayed until it sticks), plus the pushes whose rows
         and the dense updates that could not be written behind now (`RowFlushes.flush`,
-        `DenseParams.flush`): memcached does not hold all they wrote, so a checkpoint
+        `DenseReplica.flush`): memcached does not hold all they wrote, so a checkpoint
         taken now would not be consistent.
         `drop_unfinished` cancels those replays and a dense flush under way first, and
         writes nothing behind: only for a restore or a reset, which replaces every row

@@ -39,6 +39,7 @@ from lookup_table.errors import ReplicaUnavailableError, StoreFullError
 from lookup_table.ops.admin import reinit_cluster
 from lookup_table.ops.localcluster import MemcachedProcess
 from optimizer_service.app import STORE, UPDATER, make_app
+from optimizer_service.engine.dense import DenseReplica
 from optimizer_service.engine.journal import Journal
 from optimizer_service.engine.plan import WritePlan
 from optimizer_service.engine.updater import Updater
@@ -362,7 +363,8 @@ async def test_a_log_that_fits_one_item_goes_in_its_index_and_a_bigger_one_is_ch
     stored whole, no checksum); a bigger one is cut into chunks with a CRC-32, and a
     chunk of another write (a torn log), or chunks without a checksum, stop its read."""
     from lookup_table.core.wire import pack, unpack
-    from lookup_table.dense import CHUNK_BYTES, INLINE_LOG_BYTES, DenseLogError
+    from lookup_table.dense import CHUNK_BYTES
+    from optimizer_service.engine.dense import INLINE_LOG_BYTES, DenseLogError
 
     config = _config(memcached_nodes)
     rng = np.random.default_rng(3)
@@ -370,7 +372,7 @@ async def test_a_log_that_fits_one_item_goes_in_its_index_and_a_bigger_one_is_ch
     big = {"w": rng.standard_normal(INLINE_LOG_BYTES // 4 + 10, dtype=np.float32)}
     async with EmbeddingStore(config) as store:
         await store.write_sentinels()
-        dense = DenseParams(store, make_optimizer(config.optimizer))
+        dense = DenseReplica(store, make_optimizer(config.optimizer))
         await dense.write_log(1, small)
         await dense.write_log(2, big)
         raw1, raw2 = await store.get_blobs(
@@ -380,7 +382,7 @@ async def test_a_log_that_fits_one_item_goes_in_its_index_and_a_bigger_one_is_ch
         one, two = unpack(raw1), unpack(raw2)
         assert one["chunks"] == 0 and one["crc32"] is None and "body" in one
         assert two["chunks"] == 2 and isinstance(two["crc32"], int) and "body" not in two
-        got = await DenseParams(store, make_optimizer(config.optimizer)).read_logs([1, 2])
+        got = await DenseReplica(store, make_optimizer(config.optimizer)).read_logs([1, 2])
         np.testing.assert_array_equal(got[0]["w"], small["w"])
         np.testing.assert_array_equal(got[1]["w"], big["w"])
         # a torn log: its first chunk from another write (of the same size: the CRC-32
@@ -540,7 +542,7 @@ async def test_a_journal_of_the_previous_service_with_inline_dense_values_is_rep
     adam = make_optimizer(config.optimizer)
     async with EmbeddingStore(config) as store:
         await store.write_sentinels()
-        dense = DenseParams(store, adam)
+        dense = DenseReplica(store, adam)
         await dense.init(INIT)
         old = await _stored(config)
         assert old is not None

@@ -23,14 +23,19 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from lookup_table import EmbeddingStore, initial_rows
+from lookup_table import EmbeddingStore, StorageFormatError, initial_rows
 from lookup_table.core.keyspace import META_TABLE, Kind, journal_id, push_record_id
 from lookup_table.core.optimizers import make_optimizer
 from lookup_table.core.rows import change_witnesses, value_hashes
-from lookup_table.core.wire import unpack
+from lookup_table.core.wire import pack, unpack
 from lookup_table.store import TableWrite
 from optimizer_service.app import UPDATER, make_app
-from optimizer_service.engine.journal import JOURNAL_CHUNK_BYTES, Journal, decode_journal
+from optimizer_service.engine.journal import Journal
+from optimizer_service.engine.journal_format import (
+    JOURNAL_CHUNK_BYTES,
+    START_END,
+    decode_journal,
+)
 from optimizer_service.engine.plan import TableUpdate, WritePlan
 from optimizer_service.push import parse_push
 from tests.conftest import make_config
@@ -52,6 +57,22 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
 MIX = [True, False, False, True]
 
 
+async def renumber_journals(config: Any, number: int | None) -> list[int | None]:
+    """Give every journal header of replica 0 the format `number` (None: no number, as
+    services wrote them before formats were numbered); returns the formats they had."""
+    had = []
+    async with EmbeddingStore(config) as store:
+        journal = Journal(store, replica=0)
+        for slot, raw in enumerate(await journal.headers()):
+            if raw:
+                header = dict(unpack(raw))
+                had.append(header.pop("format", None))
+                if number is not None:
+                    header["format"] = number
+                await journal.write_header(slot, pack(header))
+    return had
+
+
 async def _read(store: EmbeddingStore, table: str, ids: Any) -> tuple[Any, Any, Any]:
     """(rows, slots, found) of `ids`: a row and its slots are one item."""
     items, found = await store.get(table, ids, unique=True, slots=True)
@@ -59,10 +80,20 @@ async def _read(store: EmbeddingStore, table: str, ids: Any) -> tuple[Any, Any, 
     return items[:, :dim], items[:, dim:], found
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(
+    ("name", "numbered"),
+    [(name, True) for name in sorted(OPTIMIZERS)] + [("adam", False)],
+    ids=[*sorted(OPTIMIZERS), "adam-unnumbered"],
+)
 async def test_a_replay_finishes_a_push_whose_items_were_written_in_part_exactly_once(
-    memcached_nodes: list[str], aiohttp_server: Any, caplog: pytest.LogCaptureFixture, name: str
+    memcached_nodes: list[str],
+    aiohttp_server: Any,
+    caplog: pytest.LogCaptureFixture,
+    name: str,
+    numbered: bool,
 ) -> None:
+    """`numbered=False`: the journal's header has no format number, as services wrote
+    it before formats were numbered; its shape says it is a start and an end."""
     tables = [
         {"name": "t", "dim": 8, "seed": 5, "optimizer": OPTIMIZERS[name]},
         {"name": "s", "dim": 4, "seed": 6, "id_type": "string", "optimizer": OPTIMIZERS[name]},
@@ -125,6 +156,8 @@ async def test_a_replay_finishes_a_push_whose_items_were_written_in_part_exactly
         mid_rows, _, _ = await _read(store, "t", ids)
     # the crash left some items new, others old
     assert (mid_rows == want_rows).all(axis=1).tolist() != [True] * 12
+    if not numbered:
+        assert await renumber_journals(config, None) == [START_END]
 
     caplog.set_level(logging.WARNING, logger="optimizer_service.engine.recovery")
     restarted = await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
@@ -150,7 +183,7 @@ async def _initial(config: Any, ids: Any) -> Any:
 
 def test_a_small_journal_is_one_item_and_a_big_one_is_chunked() -> None:
     """The body travels inside the header when it fits in one item (one `set`)."""
-    from optimizer_service.engine.journal import encode_journal
+    from optimizer_service.engine.journal_format import encode_journal
     from optimizer_service.engine.plan import WritePlan
 
     def plan(n: int) -> WritePlan:
@@ -174,7 +207,7 @@ def test_a_small_journal_is_one_item_and_a_big_one_is_chunked() -> None:
 def test_an_older_format_journal_holds_each_tables_own_old_hashes() -> None:
     """The older format of old hashes, with tables of several row and slot widths: each
     table's journaled hashes are `value_hashes` of its own rows and slots."""
-    from optimizer_service.engine.journal import encode_journal
+    from optimizer_service.engine.journal_format import encode_journal
     from optimizer_service.engine.plan import TableStep
 
     rng = np.random.default_rng(4)
@@ -296,6 +329,7 @@ async def test_a_journal_of_an_older_service_still_replays(
         await Journal(store, replica=0).write(2, plan)
         (raw,) = await store.get_blobs(META_TABLE, [journal_id(0, 2)], kind=Kind.JOURNAL)
     assert raw is not None and holds in raw and lacks not in raw
+    assert "format" not in unpack(raw)  # format 1, as older services wrote it: no number
 
     await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
     async with EmbeddingStore(config) as store:
@@ -478,3 +512,41 @@ async def test_a_push_whose_optimizer_step_fails_writes_no_journal_header_and_no
     np.testing.assert_array_equal(after, before)
     await server.close()
     assert "never retrieved" not in caplog.text
+
+
+async def test_a_journal_of_an_unknown_format_stops_the_start_and_says_which(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    """A journal a newer service wrote (a format number this version does not know) is
+    neither replayed nor cleared: the replica refuses to start, naming the number and the
+    formats it reads, and memcached keeps the journal for the version that wrote it."""
+    tables = [{"name": "t", "dim": 4, "seed": 5}]
+    config = make_config(
+        memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"], service=THROUGH
+    )
+    ids = np.arange(4, dtype=np.int64)
+    grads = np.ones((4, 4), np.float32)
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        await store.lookup("t", ids)
+        rows, _, _ = await _read(store, "t", ids)
+        journal = Journal(store, replica=0)
+        start = await journal.write_start(2, [("t", ids, grads)])
+        witness = np.zeros(4, np.int64)
+        plan = WritePlan(
+            push_id="newer", updates=[TableUpdate("t", ids, rows, rows, witness=witness)]
+        )
+        await journal.write_end(2, start, plan)
+    assert await renumber_journals(config, 9) == [START_END]
+    with pytest.raises(
+        StorageFormatError,
+        match=r"journal slot 2 of replica 0 \(push newer\) is in journal format 9, which this "
+        r"version does not read; it reads formats 1 \(.*\), 2 \(.*\), 3 \(.*\)\. A newer "
+        r"service wrote it",
+    ):
+        await aiohttp_server(make_app(config, replica=0, registry=CollectorRegistry()))
+    async with EmbeddingStore(config) as store:
+        after, _, _ = await _read(store, "t", ids)
+        (raw,) = await store.get_blobs(META_TABLE, [journal_id(0, 2)], kind=Kind.JOURNAL)
+    np.testing.assert_array_equal(after, rows)  # nothing replayed
+    assert raw and unpack(raw)["format"] == 9  # nor cleared

@@ -30,10 +30,12 @@ from lookup_table.core.wire import decode_array, encode_ids, pack, unpack
 from lookup_table.errors import ClusterMismatchError, PushRejectedError
 from optimizer_service.app import UPDATER, make_app
 from optimizer_service.engine.journal import MAX_JOURNAL_SLOTS, Journal
+from optimizer_service.engine.journal_format import BEHIND
 from optimizer_service.engine.updater import Updater
 from optimizer_service.errors import NotOwnerError
 from optimizer_service.push import parse_push, parse_rows_request
 from tests.conftest import make_config, node_stat
+from tests.integration.test_journal_replay import renumber_journals
 from tests.integration.test_service import _body
 
 pytestmark = pytest.mark.integration
@@ -380,9 +382,12 @@ async def test_only_the_only_creator_of_a_tables_rows_remembers_ids_without_one(
             assert all(hit.all() == initial.all() for hit, _, _, initial in known)
 
 
+@pytest.mark.parametrize("numbered", [True, False], ids=["numbered", "unnumbered"])
 async def test_a_crash_before_the_flush_is_replayed_in_order_and_loses_nothing(
-    memcached_nodes: list[str], aiohttp_server: Any
+    memcached_nodes: list[str], aiohttp_server: Any, numbered: bool
 ) -> None:
+    """`numbered=False`: the journals' headers have no format number, as services wrote
+    them before formats were numbered; their `seq` says they are of rows written behind."""
     config, server, updater, ref, rng = await _replica(
         memcached_nodes, aiohttp_server, 1, row_flush_pushes=10
     )
@@ -396,6 +401,8 @@ async def test_a_crash_before_the_flush_is_replayed_in_order_and_loses_nothing(
     async with EmbeddingStore(config) as store:
         headers = await Journal(store, replica=0).headers()
         assert len(headers) == MAX_JOURNAL_SLOTS and sum(bool(h) for h in headers) == 5
+    if not numbered:
+        assert await renumber_journals(config, None) == [BEHIND] * 5
 
     restarted = await _start(config, aiohttp_server, sentinels=False)
     rows, slots, found = await _stored(config, "t", IDS)
@@ -413,7 +420,7 @@ async def test_a_crash_before_the_flush_is_replayed_in_order_and_loses_nothing(
     # row cache
     await _push(again, config, ref, rng)
     probe = _body("probe", {"t": (IDS[:7], np.zeros((7, 8), np.float32))}, answer=["rows"])
-    got = await again.answer(parse_push(unpack(probe), config=config), None)
+    got = (await again.answer(parse_push(unpack(probe), config=config), None)).to_wire()
     answered = decode_array(got["updated"]["t"]["rows"], field="rows")
     np.testing.assert_array_equal(answered, ref.state["t"][0][:7])
     stale, _, _ = await _stored(config, "t", IDS[:7])
@@ -599,7 +606,7 @@ def test_a_journal_written_behind_keeps_values_where_steps_are_not_exact() -> No
     """Per table: gradients and steps for Adam while every new step is exact in float32
     (at most 2**24); the new values for a row past it, and for optimizers without a step
     (the newest value wins at a replay)."""
-    from optimizer_service.engine.journal import decode_journal, encode_journal
+    from optimizer_service.engine.journal_format import decode_journal, encode_journal
     from optimizer_service.engine.plan import TableUpdate, WritePlan
 
     ids = np.array([3, 5], dtype=np.int64)
@@ -630,7 +637,7 @@ def test_a_journal_written_behind_groups_the_tables_of_one_dim() -> None:
     concatenated; they decode to each table's own ids, gradients and steps, in the same
     bits. String ids, values and other dims stay entries of their own; a group whose
     counts do not add up is refused."""
-    from optimizer_service.engine.journal import decode_journal, encode_journal
+    from optimizer_service.engine.journal_format import decode_journal, encode_journal
     from optimizer_service.engine.plan import TableUpdate, WritePlan
 
     rng = np.random.default_rng(5)
