@@ -9,6 +9,8 @@
     ├── KeyEncodingError (ValueError)       an id or name that cannot become a memcached key
     ├── DenseParamError (ValueError)        dense parameters or gradients that do not fit the
     │                                       model's (unknown name, wrong shape, not finite)
+    ├── RowOverflowError (ValueError)       a stepped row value beyond its table's dtype (float16:
+    │                                       65504): store the table as bfloat16 or lower the rate
     ├── ClusterNotInitializedError          no node has a sentinel: run `lookup-table-admin init`
     ├── CheckpointError                     a checkpoint is missing, partial, corrupt or does not
     │                                       fit the cluster file: fix or pick another checkpoint
@@ -53,6 +55,7 @@ __all__ = [
     "ProtocolError",
     "PushRejectedError",
     "ReplicaUnavailableError",
+    "RowOverflowError",
     "StorageFormatError",
     "StoreError",
     "StoreFullError",
@@ -105,6 +108,20 @@ class DenseParamError(LookupTableError, ValueError):
     def __init__(self, message: str, *, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class RowOverflowError(LookupTableError, ValueError):
+    """A row value beyond the largest finite value of its table's dtype (float16: 65504)
+    was to be stored: refused instead of stored as inf. Nothing was written.
+
+    `.table`, `.dtype` and `.value` (the first value that does not fit) name it.
+    """
+
+    def __init__(self, message: str, *, table: str, dtype: str, value: float) -> None:
+        super().__init__(message)
+        self.table = table
+        self.dtype = dtype
+        self.value = value
 
 
 class ClusterNotInitializedError(LookupTableError):
