@@ -172,7 +172,10 @@ def _check_fits(
     where = np.argwhere(beyond)
     row, col = (int(v) for v in where[0])
     value = float(values[row, col])
-    named = f" (id {ids[row]!r})" if ids is not None and row < len(ids) else ""
+    named = ""
+    if ids is not None and row < len(ids):
+        bad_id = ids[row]
+        named = f" (id {bad_id.item() if isinstance(bad_id, np.generic) else bad_id!r})"
     other = "bfloat16" if dtype == "float16" else "float32"
     raise RowOverflowError(
         f"{table}: row value {value:.8g} at row {row}, column {col}{named} does not fit "
