@@ -101,6 +101,10 @@ def rounding_keys(
             f"steps: expected an int or an integer array (n,), got {step_arr.dtype} "
             f"{step_arr.shape}; convert a float32 step slot with .astype(np.int64)"
         )
+    if step_arr.ndim == 1 and step_arr.shape != hashes.shape:
+        raise ValueError(
+            f"steps: expected one step or one a row ({hashes.shape[0]},), got {step_arr.shape}"
+        )
     if step_arr.dtype.kind == "i" and step_arr.size and int(step_arr.min()) < 0:
         raise ValueError(f"steps: expected counts >= 0, got {int(step_arr.min())}")
     salt = mix64(np.array([(seed ^ _ROUND_TAG) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))

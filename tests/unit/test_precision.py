@@ -352,6 +352,8 @@ def test_bad_input_says_what_is_wrong() -> None:
         rounding_keys(1, id_hashes(np.arange(2)), np.zeros(2, np.float32))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"steps: expected counts >= 0, got -1"):
         rounding_keys(1, id_hashes(np.arange(2)), np.array([0, -1]))
+    with pytest.raises(ValueError, match=r"one a row \(2,\), got \(3,\)"):
+        rounding_keys(1, id_hashes(np.arange(2)), np.arange(3))
     with pytest.raises(ValueError, match=r"id_hashes: expected a uint64 array"):
         rounding_keys(1, np.arange(2), 0)  # type: ignore[arg-type]
 
