@@ -33,6 +33,7 @@ from lookup_table.core.optimizers.layout import (
     value_bytes,
 )
 from lookup_table.core.precision import ROW_DTYPES, rounding_keys
+from lookup_table.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 
@@ -140,7 +141,7 @@ def test_initial_slots_and_step_column() -> None:
 
 
 def test_bad_arguments_say_what_is_wrong() -> None:
-    with pytest.raises(ValueError, match="momentum_dtype 'float16': expected 'float32' or"):
+    with pytest.raises(ConfigError, match="momentum_dtype 'float16': expected 'float32' or"):
         RowwiseAdamConfig(momentum_dtype="float16")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="slot 'm': width must be >= 0, got -1"):
         StoredSlot("m", -1)

@@ -7,14 +7,9 @@
     v    += (mean(g**2 over the row) - v) * (1 - beta_2)
     w    -= m * alpha / (sqrt(v) + epsilon)
 
-This is `adam` with v shared by a row's coordinates: at dim 1 it is `adam` (and Keras'
-Adam) bit for bit when m is stored as float32. FBGEMM writes the same update as
-`lr * m_hat / (sqrt(v_hat) + eps)` with one global iteration count; we keep Adam's
-conventions (module `adam`): the row's own step in its slots, and Keras' epsilon after
-the bias correction, i.e. FBGEMM's eps equals `epsilon / sqrt(1 - beta_2**t)`. The
-mean of g**2 is `rowwise_adagrad.mean_square` (column order, float32). With
-`momentum_dtype = "bfloat16"` each new m is rounded to nearest bfloat16 (ties to even,
-as FBGEMM's bf16 momentum1) before anything uses it, so the slots are what is stored.
+At dim 1 with a float32 m this is `adam`, bit for bit. FBGEMM's eps equals
+`epsilon / sqrt(1 - beta_2**t)` and its step is global (module `adam`: why per row). A
+bfloat16 m is rounded to nearest before anything uses it: the slots are what is stored.
 """
 
 # formula: pytorch/FBGEMM fbgemm_gpu/codegen/genscript/optimizers.py, partial_rowwise_adam()
@@ -30,6 +25,7 @@ from lookup_table.core.optimizers.adam import step_sizes
 from lookup_table.core.optimizers.base import Float32Array, GatheredUpdateAt, StoredSlot, step
 from lookup_table.core.optimizers.rowwise_adagrad import mean_square
 from lookup_table.core.precision import round_to
+from lookup_table.errors import ConfigError
 
 __all__ = ["RowwiseAdam", "RowwiseAdamConfig"]
 
@@ -50,8 +46,9 @@ class RowwiseAdamConfig:
 
     def __post_init__(self) -> None:
         if self.momentum_dtype not in ("float32", "bfloat16"):
-            raise ValueError(
-                f"momentum_dtype {self.momentum_dtype!r}: expected 'float32' or 'bfloat16'"
+            raise ConfigError(
+                f"momentum_dtype {self.momentum_dtype!r}: expected 'float32' or 'bfloat16' "
+                f"(the first moment needs float32's range: bfloat16 keeps it in 2 bytes)"
             )
 
 
