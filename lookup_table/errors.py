@@ -22,6 +22,7 @@ __all__ = [
     "ProtocolError",
     "PushRejectedError",
     "ReplicaUnavailableError",
+    "RowOverflowError",
     "StorageFormatError",
     "StoreError",
     "StoreFullError",
@@ -74,6 +75,20 @@ class DenseParamError(LookupTableError, ValueError):
     def __init__(self, message: str, *, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class RowOverflowError(LookupTableError, ValueError):
+    """A row value beyond the largest finite value of its table's dtype (float16: 65504)
+    was to be stored: refused instead of stored as inf. Nothing was written.
+
+    `.table`, `.dtype` and `.value` (the first value that does not fit) name it.
+    """
+
+    def __init__(self, message: str, *, table: str, dtype: str, value: float) -> None:
+        super().__init__(message)
+        self.table = table
+        self.dtype = dtype
+        self.value = value
 
 
 class ClusterNotInitializedError(LookupTableError):

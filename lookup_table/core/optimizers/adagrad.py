@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lookup_table.core.optimizers.base import Float32Array, GatheredUpdateAt, step
+from lookup_table.core.optimizers.base import Float32Array, GatheredUpdateAt, StoredSlot, step
 
 if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
     from lookup_table.config import AdagradConfig
@@ -41,6 +41,9 @@ class Adagrad(GatheredUpdateAt):
 
     def slot_width(self, dim: int) -> int:
         return dim
+
+    def slot_storage(self, dim: int) -> tuple[StoredSlot, ...]:
+        return (StoredSlot("accumulator", dim),)
 
     def initial_slots(self, n: int, dim: int) -> Float32Array:
         """Every accumulator at float32(initial_accumulator_value)."""

@@ -63,12 +63,12 @@ from numba import types
 from numpy.typing import NDArray
 
 from lookup_table.core.jit import A1, A2, C1, C2, PREFETCH_AHEAD, RC1, RC2, compiled, prefetch_row
-from lookup_table.core.optimizers.base import Float32Array, check_update_at_args, step
+from lookup_table.core.optimizers.base import Float32Array, StoredSlot, check_update_at_args, step
 
 if TYPE_CHECKING:  # the runtime imports stay pure (numpy, numba, stdlib)
     from lookup_table.config import AdamConfig
 
-__all__ = ["Adam"]
+__all__ = ["Adam", "step_sizes"]
 
 _F32 = np.float32
 _F32_TINY = float(np.finfo(np.float32).tiny)
@@ -144,6 +144,17 @@ def _beta_powers(beta: float, t: Float32Array) -> Float32Array:
     steps, inverse = np.unique(flat, return_inverse=True)
     table = np.array([_scalar_power(beta_32, s) for s in steps.tolist()], dtype=np.float32)
     return table[inverse.reshape(-1)].reshape(t.shape)
+
+
+def step_sizes(learning_rate: float, beta_1: float, beta_2: float, t: Float32Array) -> Float32Array:
+    """Each row's `alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)` for its new step
+    `t`, float32 as Keras computes it (the powers: `_beta_powers`)."""
+    beta_1_power = _beta_powers(beta_1, t)
+    beta_2_power = _beta_powers(beta_2, t)
+    alpha: Float32Array = (
+        _F32(learning_rate) * np.sqrt(_F32(1) - beta_2_power) / (_F32(1) - beta_1_power)
+    )
+    return alpha
 
 
 @compiled(
@@ -311,6 +322,9 @@ class Adam:
     def slot_width(self, dim: int) -> int:
         return 2 * dim + 1
 
+    def slot_storage(self, dim: int) -> tuple[StoredSlot, ...]:
+        return (StoredSlot("momentum", dim), StoredSlot("velocity", dim), StoredSlot("step", 1))
+
     def initial_slots(self, n: int, dim: int) -> Float32Array:
         """All zeros: m = v = 0 and step 0 (the first update uses t = 1)."""
         return np.zeros((n, self.slot_width(dim)), dtype=np.float32)
@@ -333,10 +347,8 @@ class Adam:
         if new_slots.shape != (weights.shape[0], self.slot_width(dim)):
             raise ValueError(f"slots {new_slots.shape} do not fit rows {weights.shape}")
         t = new_slots[:, 2 * dim]
-        beta_1_power = _beta_powers(c.beta_1, t)
-        beta_2_power = _beta_powers(c.beta_2, t)
         # one alpha a row (its own step): numpy, per row; the rest per element, compiled
-        alpha = _F32(c.learning_rate) * np.sqrt(_F32(1) - beta_2_power) / (_F32(1) - beta_1_power)
+        alpha = step_sizes(c.learning_rate, c.beta_1, c.beta_2, t)
         out = np.empty_like(weights)
         _moved(weights, new_slots, alpha, _F32(c.epsilon), out)
         return out
@@ -386,8 +398,6 @@ class Adam:
         t = np.empty(n, dtype=np.float32)
         _column_at(values, at, extra, 3 * dim, t)
         t += _F32(1)
-        beta_1_power = _beta_powers(c.beta_1, t)
-        beta_2_power = _beta_powers(c.beta_2, t)
-        alpha = _F32(c.learning_rate) * np.sqrt(_F32(1) - beta_2_power) / (_F32(1) - beta_1_power)
+        alpha = step_sizes(c.learning_rate, c.beta_1, c.beta_2, t)
         _stepped_at(values, at, extra, grads, alpha, _EMPTY, _EMPTY, *constants, rows, items)
         return rows, items

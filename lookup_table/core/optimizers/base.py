@@ -10,24 +10,45 @@ worker thread whose caller was cancelled: the thread "still runs its course"
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeAlias, cast
 
 import numpy as np
 from numpy.typing import NDArray
 
+from lookup_table.core.precision import RowDtype, check_dtype
+
 if TYPE_CHECKING:
     from lookup_table.config import OptimizerConfig
+    from lookup_table.core.optimizers.rowwise_adagrad import RowwiseAdagradConfig
+    from lookup_table.core.optimizers.rowwise_adam import RowwiseAdamConfig
 
-__all__ = ["Float32Array", "Optimizer", "items_at"]
+__all__ = ["AnyOptimizerConfig", "Float32Array", "Optimizer", "StoredSlot", "items_at"]
 
 Float32Array: TypeAlias = NDArray[np.float32]
+AnyOptimizerConfig: TypeAlias = "OptimizerConfig | RowwiseAdagradConfig | RowwiseAdamConfig"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSlot:
+    """How one slot of a row is stored: its next `width` float32 columns of the slots,
+    each as `dtype` (`lookup_table.core.precision`: float32 is the float as it is)."""
+
+    name: str
+    width: int
+    dtype: RowDtype = "float32"
+
+    def __post_init__(self) -> None:
+        check_dtype(self.dtype)
+        if self.width < 0:
+            raise ValueError(f"slot {self.name!r}: width must be >= 0, got {self.width}")
 
 
 class Optimizer(Protocol):
     """Updates rows and their slots; one instance per table, stateless between calls."""
 
     @property
-    def config(self) -> OptimizerConfig:
+    def config(self) -> AnyOptimizerConfig:
         """The hyperparameters, Keras names and defaults (lookup_table.config)."""
         ...
 
@@ -38,6 +59,12 @@ class Optimizer(Protocol):
 
     def slot_width(self, dim: int) -> int:
         """Floats of slots per row of a table of `dim` floats (0: no slots stored)."""
+        ...
+
+    def slot_storage(self, dim: int) -> tuple[StoredSlot, ...]:
+        """The slots in order, each with its width and the dtype its columns are stored
+        as; the widths sum to `slot_width(dim)`. The values `next_slots` gives a column
+        stored as a 16-bit dtype are already that dtype's, so storing them loses nothing."""
         ...
 
     def initial_slots(self, n: int, dim: int) -> Float32Array:

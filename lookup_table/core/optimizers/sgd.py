@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lookup_table.core.optimizers.base import Float32Array, GatheredUpdateAt, step
+from lookup_table.core.optimizers.base import Float32Array, GatheredUpdateAt, StoredSlot, step
 
 if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
     from lookup_table.config import SGDConfig
@@ -44,6 +44,9 @@ class SGD(GatheredUpdateAt):
 
     def slot_width(self, dim: int) -> int:
         return dim if self.config.momentum != 0 else 0
+
+    def slot_storage(self, dim: int) -> tuple[StoredSlot, ...]:
+        return (StoredSlot("momentum", dim),) if self.config.momentum != 0 else ()
 
     def initial_slots(self, n: int, dim: int) -> Float32Array:
         """Zero momentum, or an (n, 0) array when there is no momentum."""

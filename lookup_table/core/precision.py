@@ -1,0 +1,293 @@
+"""Row precision (pure numpy): rows stepped in float32, stored as float32, float16 or bfloat16.
+
+`encode` rounds float32 values to a dtype's stored little-endian words (`<f4`, or `<u2`
+bits for the 16-bit dtypes); `decode` gives them back as float32, exactly (every float16
+and bfloat16 value is a float32). float32 is the identity, bit for bit. Rounding is to
+nearest, ties to even, or stochastic and unbiased, its random bits a counter-based hash
+of (table seed, id hash, step, element): the same bits in a replay and on every CPU.
+NaN stays NaN; a finite value beyond the dtype's largest is a `RowOverflowError`, never
+an inf.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeAlias, get_args
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lookup_table.core.hashing import mix64
+from lookup_table.errors import ConfigError, RowOverflowError
+
+__all__ = [
+    "MAX_FINITE",
+    "ROUNDINGS",
+    "ROW_DTYPES",
+    "RowDtype",
+    "Rounding",
+    "check_dtype",
+    "decode",
+    "encode",
+    "itemsize",
+    "round_to",
+    "rounding_keys",
+    "storage_dtype",
+]
+
+RowDtype: TypeAlias = Literal["float32", "float16", "bfloat16"]
+Rounding: TypeAlias = Literal["nearest", "stochastic"]
+ROW_DTYPES: tuple[RowDtype, ...] = get_args(RowDtype)
+ROUNDINGS: tuple[Rounding, ...] = get_args(Rounding)
+
+# the largest finite value of each dtype: anything beyond it is refused (module doc)
+MAX_FINITE: dict[RowDtype, float] = {
+    "float32": float(np.finfo(np.float32).max),
+    "float16": 65504.0,
+    "bfloat16": float(np.uint32(0x7F7F0000).view(np.float32)),  # 3.3895314e38
+}
+_STORED: dict[str, np.dtype[Any]] = {
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<u2"),
+    "bfloat16": np.dtype("<u2"),
+}
+
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment: counters spread over 2**64
+_ROUND_TAG = 0x726F756E642D7372  # "round-sr": rounding's keys are no other hash's
+_U16 = np.uint32(16)
+_SIGN = np.uint32(0x80000000)
+_MAGNITUDE = np.uint32(0x7FFFFFFF)
+_INF_BITS = np.uint32(0x7F800000)
+_F16_TINY_BITS = np.uint32(0x33800000)  # 2**-24, float16's smallest subnormal, as float32
+
+
+def check_dtype(dtype: object) -> RowDtype:
+    """`dtype` if it is a row dtype; ConfigError saying which ones there are otherwise."""
+    if dtype not in ROW_DTYPES:
+        raise ConfigError(
+            f"row dtype {dtype!r} is not one of {', '.join(ROW_DTYPES)}; "
+            f"set the table's dtype to one of them (float32, the default, stores rows as is)"
+        )
+    return dtype  # narrowed by `in ROW_DTYPES`
+
+
+def itemsize(dtype: RowDtype) -> int:
+    """Bytes one stored element of `dtype` takes: 4 for float32, 2 for the others."""
+    return int(_STORED[check_dtype(dtype)].itemsize)
+
+
+def storage_dtype(dtype: RowDtype) -> np.dtype[Any]:
+    """The numpy dtype of `encode`'s words: `<f4` for float32, `<u2` (the bits) otherwise."""
+    return _STORED[check_dtype(dtype)]
+
+
+def rounding_keys(
+    seed: int, id_hashes: NDArray[np.uint64], steps: int | NDArray[np.integer[Any]]
+) -> NDArray[np.uint64]:
+    """One key a row for stochastic rounding: a hash of the table's seed, the id's hash
+    (`hashing.id_hashes`) and the step (broadcast: one for all rows, or one a row).
+
+    The step must be what a replay of the same update sees again, and differ between
+    successive updates of a row (its update count before the step): the same key twice
+    rounds the same way twice, and the errors no longer average out.
+    """
+    hashes = np.asarray(id_hashes)
+    if hashes.dtype != np.uint64 or hashes.ndim != 1:
+        raise ValueError(
+            f"id_hashes: expected a uint64 array (n,), got {hashes.dtype} {hashes.shape}"
+        )
+    step_arr = np.asarray(steps)
+    if step_arr.dtype.kind not in "iu" or step_arr.ndim > 1:
+        raise ValueError(
+            f"steps: expected an int or an integer array (n,), got {step_arr.dtype} "
+            f"{step_arr.shape}; convert a float32 step slot with .astype(np.int64)"
+        )
+    if step_arr.ndim == 1 and step_arr.shape != hashes.shape:
+        raise ValueError(
+            f"steps: expected one step or one a row ({hashes.shape[0]},), got {step_arr.shape}"
+        )
+    if step_arr.dtype.kind == "i" and step_arr.size and int(step_arr.min()) < 0:
+        raise ValueError(f"steps: expected counts >= 0, got {int(step_arr.min())}")
+    salt = mix64(np.array([(seed ^ _ROUND_TAG) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
+    with np.errstate(over="ignore"):
+        counter = (step_arr.astype(np.uint64) + np.uint64(1)) * _GAMMA
+        return mix64(mix64(hashes ^ salt) + counter)
+
+
+def _element_bits(keys: NDArray[np.uint64], width: int) -> NDArray[np.uint64]:
+    """64 random bits per element: splitmix64 of the row's key plus the element's counter."""
+    counters = (np.arange(1, width + 1, dtype=np.uint64) * _GAMMA)[None, :]
+    return mix64(keys[:, None] + counters)
+
+
+def _bf16_nearest(bits: NDArray[np.uint32]) -> NDArray[np.uint16]:
+    """bfloat16 bits of float32 `bits`, to nearest, ties to even: add 0x7FFF plus the
+    lowest kept bit, then truncate (a carry into the exponent is the right result)."""
+    kept_lsb = (bits >> _U16) & np.uint32(1)
+    return ((bits + np.uint32(0x7FFF) + kept_lsb) >> _U16).astype(np.uint16)
+
+
+def _bf16_stochastic(bits: NDArray[np.uint32], random16: NDArray[np.uint32]) -> NDArray[np.uint16]:
+    """bfloat16 bits of float32 `bits`, rounded away from zero with probability (dropped
+    bits) / 2**16: add 16 uniform bits to the magnitude's dropped ones, truncate. The
+    grid is uniform within a binade and the carry moves to the next one, so each value
+    goes up exactly as often as its distance from the lower neighbour says."""
+    return ((bits + random16) >> _U16).astype(np.uint16)
+
+
+def _f16_stochastic(
+    values: NDArray[np.float32], random64: NDArray[np.uint64]
+) -> NDArray[np.uint16]:
+    """float16 bits of finite `values` (|x| <= 65504), rounded stochastically.
+
+    float16 keeps 10 of float32's 23 mantissa bits for normal values (13 dropped), fewer
+    for its subnormals (14..23 dropped, one more each binade down: the grid there is
+    2**-24); the dropped bits take `random` as in `_bf16_stochastic`. Below 2**-24 the
+    neighbours are 0 and 2**-24: up with probability |x| * 2**24, to 2**-40.
+    """
+    bits = values.view(np.uint32)
+    sign = bits & _SIGN
+    magnitude = bits & _MAGNITUDE
+    exponent = (magnitude >> np.uint32(23)).astype(np.int32)  # biased: 127 is 2**0
+    dropped = np.clip(126 - exponent, 13, 23).astype(np.uint32)  # 113 (2**-14) and up: 13
+    mask = (np.uint32(1) << dropped) - np.uint32(1)
+    random32 = (random64 >> np.uint64(32)).astype(np.uint32)
+    rounded = (magnitude + (random32 & mask)) & ~mask
+    tiny = exponent < 103  # below 2**-24
+    if tiny.any():
+        scaled = np.floor(np.abs(values[tiny]).astype(np.float64) * 2.0**64)  # < 2**40, exact
+        up = (random64[tiny] >> np.uint64(24)).astype(np.float64) < scaled
+        rounded[tiny] = np.where(up, _F16_TINY_BITS, np.uint32(0))
+    exact = (sign | rounded).view(np.float32)  # every one a float16 value: the cast is exact
+    return exact.astype(np.float16).view(np.uint16)
+
+
+def _check_fits(
+    values: NDArray[np.float32],
+    dtype: RowDtype,
+    table: str,
+    ids: NDArray[Any] | None,
+) -> None:
+    """RowOverflowError unless every non-NaN |value| <= MAX_FINITE[dtype]."""
+    limit = np.float32(MAX_FINITE[dtype])
+    with np.errstate(invalid="ignore"):
+        beyond = np.abs(values) > limit  # NaN compares False: it is kept as NaN
+    if not beyond.any():
+        return
+    where = np.argwhere(beyond)
+    row, col = (int(v) for v in where[0])
+    value = float(values[row, col])
+    named = ""
+    if ids is not None and row < len(ids):
+        bad_id = ids[row]
+        named = f" (id {bad_id.item() if isinstance(bad_id, np.generic) else bad_id!r})"
+    other = "bfloat16" if dtype == "float16" else "float32"
+    raise RowOverflowError(
+        f"{table}: row value {value:.8g} at row {row}, column {col}{named} does not fit "
+        f"{dtype} (largest finite value {MAX_FINITE[dtype]:.8g}); {where.shape[0]} of "
+        f"{values.size} values do not; nothing was stored. Store the table as "
+        f'dtype = "{other}" (float32\'s range) or lower its learning rate',
+        table=table,
+        dtype=dtype,
+        value=value,
+    )
+
+
+def encode(
+    rows: NDArray[np.float32],
+    dtype: RowDtype,
+    *,
+    rounding: Rounding = "nearest",
+    keys: NDArray[np.uint64] | None = None,
+    table: str = "rows",
+    ids: NDArray[Any] | None = None,
+) -> NDArray[Any]:
+    """float32 rows (n, width) as `dtype` stores them: a new (n, width) array of
+    `storage_dtype(dtype)` (`.tobytes()` is the stored value, little-endian).
+
+    float32 is a copy, bit for bit, whatever `rounding`. `rounding="stochastic"` takes
+    one key a row (`rounding_keys`); "nearest" rounds ties to even. `table` and `ids`
+    (one a row) only name what does not fit in the error.
+
+    Raises:
+        ValueError: rows not a float32 (n, width) array, or keys missing or not (n,) uint64.
+        RowOverflowError: a value beyond MAX_FINITE[dtype] (an inf is one too).
+        ConfigError: an unknown dtype or rounding.
+    """
+    check_dtype(dtype)
+    if rounding not in ROUNDINGS:
+        raise ConfigError(f"rounding {rounding!r} is not one of {', '.join(ROUNDINGS)}")
+    if not isinstance(rows, np.ndarray) or rows.dtype != np.float32 or rows.ndim != 2:
+        got = f"{rows.dtype} {rows.shape}" if isinstance(rows, np.ndarray) else type(rows).__name__
+        raise ValueError(f"rows: expected a float32 array of shape (n, width), got {got}")
+    if dtype == "float32":
+        return np.array(rows, dtype=np.float32, order="C")  # native float32 is <f4 (x86, ARM)
+    row_keys = _row_keys(keys, rows.shape[0]) if rounding == "stochastic" else None
+    values = np.ascontiguousarray(rows)
+    _check_fits(values, dtype, table, ids)
+    nan = np.isnan(values)
+    if dtype == "bfloat16":
+        bits = values.view(np.uint32)
+        if row_keys is None:
+            out = _bf16_nearest(bits)
+        else:
+            random = _element_bits(row_keys, values.shape[1]) >> np.uint64(48)
+            out = _bf16_stochastic(bits, random.astype(np.uint32))
+        if nan.any():  # a quiet NaN of the same sign: rounding must not carry it into inf
+            out[nan] = ((bits[nan] >> _U16) | np.uint32(0x0040)).astype(np.uint16)
+        return out
+    if row_keys is None:
+        return values.astype(np.float16).view(np.uint16)  # IEEE conversion: ties to even
+    finite = np.where(nan, np.float32(0), values)
+    out = _f16_stochastic(finite, _element_bits(row_keys, values.shape[1]))
+    if nan.any():
+        out[nan] = values[nan].astype(np.float16).view(np.uint16)
+    return out
+
+
+def _row_keys(keys: object, n: int) -> NDArray[np.uint64]:
+    """`keys` if it is one uint64 key per row of `n`, else a ValueError saying so."""
+    if not isinstance(keys, np.ndarray) or keys.dtype != np.uint64 or keys.shape != (n,):
+        got = f"{keys.dtype} {keys.shape}" if isinstance(keys, np.ndarray) else repr(keys)
+        raise ValueError(
+            f"keys: stochastic rounding needs one uint64 key per row ({n},) from "
+            f"rounding_keys(), got {got}"
+        )
+    return keys
+
+
+def decode(words: NDArray[Any], dtype: RowDtype) -> NDArray[np.float32]:
+    """The float32 values of `encode`'s words (n, width) of `dtype`, exactly; a new array.
+
+    Raises:
+        ValueError: `words` is not a 2-D array of `storage_dtype(dtype)`.
+    """
+    want = storage_dtype(dtype)
+    if not isinstance(words, np.ndarray) or words.dtype != want or words.ndim != 2:
+        got = (
+            f"{words.dtype} {words.shape}"
+            if isinstance(words, np.ndarray)
+            else type(words).__name__
+        )
+        raise ValueError(
+            f"words: expected a {want.str} array of shape (n, width) for {dtype}, got {got}"
+        )
+    if dtype == "float32":
+        return np.array(words, dtype=np.float32, order="C")
+    if dtype == "float16":
+        return words.view(np.float16).astype(np.float32)
+    return (words.astype(np.uint32) << _U16).view(np.float32)
+
+
+def round_to(
+    rows: NDArray[np.float32],
+    dtype: RowDtype,
+    *,
+    rounding: Rounding = "nearest",
+    keys: NDArray[np.uint64] | None = None,
+    table: str = "rows",
+    ids: NDArray[Any] | None = None,
+) -> NDArray[np.float32]:
+    """`decode(encode(...))`: float32 rows holding exactly what `dtype` stores (a new
+    array), so a holder of the row keeps what a reader of the store gets."""
+    words = encode(rows, dtype, rounding=rounding, keys=keys, table=table, ids=ids)
+    return decode(words, dtype)

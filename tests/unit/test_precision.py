@@ -1,0 +1,372 @@
+"""Row precision (lookup_table.core.precision): the codec, both roundings, overflow."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numpy.typing import NDArray
+
+import lookup_table.core.precision as precision
+from lookup_table.core.hashing import id_hashes
+from lookup_table.core.precision import (
+    MAX_FINITE,
+    ROW_DTYPES,
+    decode,
+    encode,
+    itemsize,
+    round_to,
+    rounding_keys,
+    storage_dtype,
+)
+from lookup_table.errors import ConfigError, RowOverflowError
+
+pytestmark = pytest.mark.unit
+
+F32 = np.float32
+HALF = ("float16", "bfloat16")
+
+
+def _f32(bits: int) -> np.float32:
+    return np.array([bits], dtype=np.uint32).view(np.float32)[0]
+
+
+def _mixed_values(n: int, seed: int) -> NDArray[np.float32]:
+    """Values of every magnitude a row may hold: large, tiny, subnormal, zeros of both signs."""
+    rng = np.random.default_rng(seed)
+    scale = 2.0 ** rng.integers(-40, 15, n)
+    x = (rng.standard_normal(n) * scale).astype(np.float32)
+    x[:8] = [0.0, -0.0, 1.0, -1.0, 65504.0, -65504.0, 2.0**-24, 2.0**-25]
+    return x.reshape(-1, 8)
+
+
+def _keys(n: int, seed: int = 3, step: int = 0) -> NDArray[np.uint64]:
+    return rounding_keys(seed, id_hashes(np.arange(n, dtype=np.int64)), step)
+
+
+# ---------------------------------------------------------------- sizes and float32
+
+
+def test_sizes_and_storage_dtypes() -> None:
+    assert ROW_DTYPES == ("float32", "float16", "bfloat16")
+    assert [itemsize(d) for d in ROW_DTYPES] == [4, 2, 2]
+    assert [storage_dtype(d).str for d in ROW_DTYPES] == ["<f4", "<u2", "<u2"]
+    assert MAX_FINITE["float16"] == 65504.0
+    assert MAX_FINITE["bfloat16"] == float(_f32(0x7F7F0000))
+
+
+def test_float32_is_the_identity_bit_for_bit() -> None:
+    bits = np.random.default_rng(1).integers(0, 2**32, size=(64, 16), dtype=np.uint64)
+    rows = bits.astype(np.uint32).view(np.float32)  # every pattern: NaNs, infs, subnormals
+    for rounding in ("nearest", "stochastic"):
+        words = encode(rows, "float32", rounding=rounding, keys=_keys(64))  # type: ignore[arg-type]
+        assert words.dtype == np.dtype("<f4") and words.tobytes() == rows.tobytes()
+        assert not np.shares_memory(words, rows)
+        assert decode(words, "float32").tobytes() == rows.tobytes()
+
+
+def test_stored_bytes_are_little_endian() -> None:
+    rows = np.array([[1.0, -2.0]], dtype=np.float32)
+    assert encode(rows, "bfloat16").tobytes() == b"\x80\x3f\x00\xc0"
+    assert encode(rows, "float16").tobytes() == b"\x00\x3c\x00\xc0"
+    assert encode(rows, "float32").tobytes() == b"\x00\x00\x80\x3f\x00\x00\x00\xc0"
+
+
+# ---------------------------------------------------------------- round to nearest
+
+
+def _bf16_reference(x: NDArray[np.float32]) -> NDArray[np.float32]:
+    """Nearest bfloat16, ties to even, by arithmetic instead of bits: 8 significant bits
+    (frexp's mantissa in [0.5, 1) times 2**8, numpy's round: half to even), and the
+    subnormal grid 2**-133 below 2**-126. For finite values within bfloat16's range."""
+    v = x.astype(np.float64)
+    mantissa, exponent = np.frexp(v)
+    normal = np.ldexp(np.round(np.ldexp(mantissa, 8)), exponent - 8)
+    subnormal = np.round(v * 2.0**133) * 2.0**-133
+    return np.where(np.abs(v) < 2.0**-126, subnormal, normal).astype(np.float32)
+
+
+def test_bfloat16_nearest_matches_arithmetic_rounding() -> None:
+    rows = _mixed_values(40_000, 2)
+    rows[1, :] = [_f32(b) for b in (0x3F808000, 0x3F818000, 0x00008000, 0x00018000,
+                                    0x3F80FFFF, 0x7F7EFFFF, 0x80000001, 0x807FFFFF)]  # fmt: skip
+    got = decode(encode(rows, "bfloat16"), "bfloat16")
+    want = _bf16_reference(rows)
+    assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+
+
+def test_bfloat16_nearest_matches_ml_dtypes() -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is the reference here")
+    bits = np.random.default_rng(4).integers(0, 2**32, size=(2000, 50), dtype=np.uint64)
+    rows = bits.astype(np.uint32).view(np.float32)
+    rows[~np.isfinite(rows) | (np.abs(rows) > MAX_FINITE["bfloat16"])] = 1.5
+    want = rows.astype(ml_dtypes.bfloat16).view(np.uint16)
+    assert encode(rows, "bfloat16").tolist() == want.tolist()
+
+
+def test_float16_nearest_is_ieee_and_keeps_subnormals() -> None:
+    rows = np.array([[65504.0, 65500.0, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 1 + 2.0**-11,
+                      1 + 3 * 2.0**-11, -0.0]], dtype=np.float32)  # fmt: skip
+    got = decode(encode(rows, "float16"), "float16")[0].tolist()
+    # ties to even: 2**-25 is half of the smallest subnormal (to 0), 1 + 2**-11 to 1
+    assert got == [65504.0, 65504.0, 2.0**-24, 0.0, 2.0**-24, 1.0, 1 + 2.0**-9, -0.0]
+    assert np.signbit(got[-1])
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_every_stored_value_round_trips_exactly(dtype: Any, rounding: Any) -> None:
+    """All 65,536 patterns of a 16-bit dtype: decoded, then encoded again, they are the
+    same bits (exact values never move, in either rounding); NaN stays NaN."""
+    words = np.arange(2**16, dtype=np.uint16).reshape(256, 256)
+    values = decode(words, dtype)
+    finite = np.isfinite(values)
+    rows = np.where(finite, values, F32(0))
+    again = encode(rows, dtype, rounding=rounding, keys=_keys(256))
+    assert again[finite].tolist() == words[finite].tolist()
+    nan_rows = np.where(np.isnan(values), values, F32(0))
+    back = decode(encode(nan_rows, dtype, rounding=rounding, keys=_keys(256)), dtype)
+    assert np.array_equal(np.isnan(back), np.isnan(values))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.floats(-65504, 65504, width=32), min_size=2, max_size=40),
+    st.sampled_from(HALF),
+)
+def test_nearest_is_monotonic_and_within_half_a_step(values: list[float], dtype: Any) -> None:
+    x = np.sort(np.array(values, dtype=np.float32)).reshape(1, -1)
+    y = round_to(x, dtype)
+    assert (np.diff(y[0].astype(np.float64)) >= 0).all()
+    # the nearest: neither stored value one code away (in magnitude) is closer
+    words = encode(x, dtype).astype(np.int64)
+    sign, magnitude = words & 0x8000, words & 0x7FFF
+    top = 0x7BFF if dtype == "float16" else 0x7F7F  # the largest finite
+    for step in (-1, 1):
+        other_words = sign | np.clip(magnitude + step, 0, top)
+        other = decode(other_words.astype(np.uint16), dtype).astype(np.float64)
+        assert (np.abs(y - x.astype(np.float64)) <= np.abs(other - x)).all()
+
+
+# ---------------------------------------------------------------- stochastic rounding
+
+
+@pytest.mark.parametrize(
+    ("value", "low", "high", "draws"),
+    [
+        (1 + 2.0**-9, 1.0, 1 + 2.0**-7, 16),  # a quarter of the way up
+        (-(3 + 5 * 2.0**-13), -3.0, -(3 + 2.0**-6), 16),  # negative: away from zero
+        (float(_f32(0x00001234)), float(_f32(0x00000000)), float(_f32(0x00010000)), 16),
+    ],
+)
+def test_bfloat16_stochastic_rounds_up_exactly_as_often_as_it_should(
+    value: float, low: float, high: float, draws: int
+) -> None:
+    """Over every one of the 2**16 random draws, the value goes to the far neighbour
+    exactly (value - low) / (high - low) of the time: unbiased, no approximation."""
+    bits = np.full((2**draws,), np.array([value], np.float32).view(np.uint32)[0])
+    random = np.arange(2**draws, dtype=np.uint32)
+    out = (precision._bf16_stochastic(bits, random).astype(np.uint32) << 16).view(np.float32)
+    assert set(out.tolist()) <= {low, high}
+    ups = int((out == F32(high)).sum())
+    assert ups == (value - low) / (high - low) * 2**draws
+    assert out.astype(np.float64).mean() == value  # exactly: E[decode] = x
+
+
+@pytest.mark.parametrize(
+    ("value", "low", "high", "dropped"),
+    [
+        (1 + 2.0**-12, 1.0, 1 + 2.0**-10, 13),  # normal: 13 bits dropped
+        (-(1000 + 0.75), -1000.5, -1001.0, 13),
+        (5 * 2.0**-25, 2 * 2.0**-24, 3 * 2.0**-24, 22),  # subnormal: the grid is 2**-24
+        (2.0**-20 + 2.0**-26, 16 * 2.0**-24, 17 * 2.0**-24, 19),
+        (2.0**-24 + 2.0**-30, 2.0**-24, 2.0**-23, 23),
+    ],
+)
+def test_float16_stochastic_rounds_up_exactly_as_often_as_it_should(
+    value: float, low: float, high: float, dropped: int
+) -> None:
+    n = 2**dropped
+    values = np.full((n,), value, dtype=np.float32)
+    random = np.arange(n, dtype=np.uint64) << np.uint64(32)  # every value of the used bits
+    out = precision._f16_stochastic(values, random).view(np.float16).astype(np.float64)
+    assert set(out.tolist()) <= {low, high}
+    assert out.mean() == value
+
+
+def test_float16_stochastic_below_the_smallest_subnormal() -> None:
+    """Below 2**-24 the neighbours are 0 and 2**-24: up a quarter of the time for 2**-26,
+    counted over evenly spread draws of the 40 bits it compares."""
+    values = np.full((2**16,), 2.0**-26, dtype=np.float32)
+    random = np.arange(2**16, dtype=np.uint64) << np.uint64(48)
+    out = precision._f16_stochastic(values, random).view(np.float16).astype(np.float64)
+    assert set(out.tolist()) == {0.0, 2.0**-24}
+    assert out.mean() == 2.0**-26
+    zero = precision._f16_stochastic(np.zeros(4, np.float32), np.full(4, 2**64 - 1, np.uint64))
+    assert zero.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_stochastic_is_unbiased_statistically(dtype: Any) -> None:
+    """Through the public API (hashed bits): 200,000 rows of one value each, for values
+    all over the range; the mean lands within 5 standard errors of the value."""
+    values = np.array([1 + 2.0**-12, -0.1, 3e-6, 1e-9, 40_000.3, 7.77e-3], dtype=np.float32)
+    if dtype == "bfloat16":
+        values = np.append(values, np.float32(1e-40))  # a float32 subnormal
+    n = 200_000
+    rows = np.tile(values, (n, 1))
+    out = round_to(rows, dtype, rounding="stochastic", keys=_keys(n, seed=11, step=5))
+    spread = np.abs(out.astype(np.float64) - values.astype(np.float64)).max(axis=0)
+    error = out.astype(np.float64).mean(axis=0) - values.astype(np.float64)
+    assert (np.abs(error) <= 5 * spread / np.sqrt(n)).all(), (error, spread)
+    assert (spread > 0).all()  # every value was between two stored ones: the test measures
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(-65504, 65504, width=32), min_size=1, max_size=30),
+    st.sampled_from(HALF),
+    st.integers(0, 2**63),
+    st.integers(0, 1000),
+)
+def test_stochastic_gives_a_neighbour_deterministically(
+    values: list[float], dtype: Any, seed: int, step: int
+) -> None:
+    x = np.array(values, dtype=np.float32).reshape(1, -1)
+    keys = rounding_keys(seed, id_hashes(np.array([42], np.int64)), step)
+    words = encode(x, dtype, rounding="stochastic", keys=keys)
+    assert (
+        encode(x.copy(), dtype, rounding="stochastic", keys=keys.copy()).tolist() == words.tolist()
+    )
+    # the stored value toward zero from x, or (x not stored exactly) the next one away
+    nearest = encode(x, dtype).astype(np.int64)
+    above = np.abs(decode(nearest.astype(np.uint16), dtype)) > np.abs(x)
+    toward = (nearest & 0x7FFF) - above
+    exact = decode(((nearest & 0x8000) | toward).astype(np.uint16), dtype) == x
+    got = words.astype(np.int64)
+    assert ((got & 0x8000) == (nearest & 0x8000)).all()
+    magnitude = got & 0x7FFF
+    assert ((magnitude == toward) | (~exact & (magnitude == toward + 1))).all()
+
+
+def test_stochastic_bits_are_pinned() -> None:
+    """The hash is a storage contract (a replay elsewhere must round the same way):
+    changing a constant changes these digests."""
+    rows = _mixed_values(4096, 9) / F32(3)
+    hashes = id_hashes(np.arange(rows.shape[0], dtype=np.int64) * 7919)
+    keys = rounding_keys(-12345, hashes, np.arange(rows.shape[0], dtype=np.int64) % 5)
+    digests = {
+        dtype: hashlib.sha256(
+            encode(rows, dtype, rounding="stochastic", keys=keys).tobytes()
+        ).hexdigest()[:16]
+        for dtype in HALF
+    }
+    assert digests == {"float16": "7a0d32512017143e", "bfloat16": "ba8668134e3f745d"}
+
+
+def test_keys_change_with_seed_id_and_step() -> None:
+    hashes = id_hashes(np.arange(1000, dtype=np.int64))
+    base = rounding_keys(1, hashes, 0)
+    for other in (rounding_keys(2, hashes, 0), rounding_keys(1, hashes, 1)):
+        assert (other != base).all()
+    assert len(set(base.tolist())) == 1000
+    per_row = rounding_keys(1, hashes, np.zeros(1000, np.int64))
+    assert per_row.tolist() == base.tolist()
+    x = np.full((1000, 16), 1 + 2.0**-9, dtype=np.float32)
+    a = encode(x, "bfloat16", rounding="stochastic", keys=base)
+    b = encode(x, "bfloat16", rounding="stochastic", keys=rounding_keys(1, hashes, 1))
+    assert 0.3 < (a != b).mean() < 0.45  # independent draws: 2 * 1/4 * 3/4 apart
+
+
+# ---------------------------------------------------------------- overflow, NaN
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_float16_overflow_is_refused_naming_the_table(rounding: Any) -> None:
+    ok = np.array([[65504.0, -65504.0, 1.0]], dtype=np.float32)
+    assert decode(encode(ok, "float16", rounding=rounding, keys=_keys(1)), "float16").tolist() == [
+        [65504.0, -65504.0, 1.0]
+    ]
+    bad = np.array([[1.0, 2.0], [3.0, -65505.0], [np.inf, 70000.0]], dtype=np.float32)
+    ids = np.array([7, -42, 9], dtype=np.int64)
+    with pytest.raises(RowOverflowError) as info:
+        encode(bad, "float16", rounding=rounding, keys=_keys(3), table="tables.user", ids=ids)
+    message = str(info.value)
+    assert message.startswith(
+        "tables.user: row value -65505 at row 1, column 1 (id -42) does not fit float16 "
+        "(largest finite value 65504); 3 of 6 values do not; nothing was stored."
+    )
+    assert 'dtype = "bfloat16"' in message and "learning rate" in message
+    assert info.value.table == "tables.user" and info.value.dtype == "float16"
+    assert info.value.value == -65505.0
+    assert isinstance(info.value, ValueError)
+
+
+def test_bfloat16_overflow_is_refused_and_points_to_float32() -> None:
+    limit = F32(MAX_FINITE["bfloat16"])
+    fine = np.array([[limit, -limit]], dtype=np.float32)
+    assert decode(encode(fine, "bfloat16"), "bfloat16").tolist() == fine.tolist()
+    with pytest.raises(RowOverflowError, match=r'does not fit bfloat16 .*dtype = "float32"'):
+        encode(np.array([[np.nextafter(limit, np.inf)]], np.float32), "bfloat16")
+    with pytest.raises(RowOverflowError, match=r"row value -inf"):
+        encode(np.array([[-np.inf]], np.float32), "bfloat16", rounding="stochastic", keys=_keys(1))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_nan_stays_nan(dtype: Any, rounding: Any) -> None:
+    """A NaN whose payload sits in the dropped bits only would round into inf by the bits."""
+    nans = [_f32(b) for b in (0x7F800001, 0xFF800001, 0x7FC00000, 0x7F80FFFF, 0x7FFFFFFF)]
+    rows = np.array([nans], dtype=np.float32)
+    out = round_to(rows, dtype, rounding=rounding, keys=_keys(1))
+    assert np.isnan(out).all()
+    assert np.signbit(out[0]).tolist() == [False, True, False, False, False]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_input_says_what_is_wrong() -> None:
+    rows = np.zeros((2, 3), dtype=np.float32)
+    with pytest.raises(ConfigError, match=r"row dtype 'float64' is not one of float32, float16"):
+        encode(rows, "float64")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"rounding 'up' is not one of nearest, stochastic"):
+        encode(rows, "float16", rounding="up")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"rows: expected a float32 .* got float64 \(2, 3\)"):
+        encode(rows.astype(np.float64), "float16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"rows: expected .* got float32 \(3,\)"):
+        encode(np.zeros(3, np.float32), "bfloat16")
+    with pytest.raises(ValueError, match=r"keys: stochastic rounding needs one uint64 key per row"):
+        encode(rows, "float16", rounding="stochastic")
+    with pytest.raises(ValueError, match=r"\(2,\) from rounding_keys\(\), got uint64 \(3,\)"):
+        encode(rows, "float16", rounding="stochastic", keys=_keys(3))
+    with pytest.raises(
+        ValueError, match=r"words: expected a <u2 array .* for float16, got float32"
+    ):
+        decode(rows, "float16")
+    with pytest.raises(ValueError, match=r"steps: expected an int or an integer array"):
+        rounding_keys(1, id_hashes(np.arange(2)), np.zeros(2, np.float32))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"steps: expected counts >= 0, got -1"):
+        rounding_keys(1, id_hashes(np.arange(2)), np.array([0, -1]))
+    with pytest.raises(ValueError, match=r"one a row \(2,\), got \(3,\)"):
+        rounding_keys(1, id_hashes(np.arange(2)), np.arange(3))
+    with pytest.raises(ValueError, match=r"id_hashes: expected a uint64 array"):
+        rounding_keys(1, np.arange(2), 0)  # type: ignore[arg-type]
+
+
+def test_encode_leaves_its_input_alone() -> None:
+    rows = _mixed_values(800, 5)
+    before = rows.copy()
+    rows.flags.writeable = False
+    strided = np.zeros((rows.shape[0], 16), dtype=np.float32)
+    strided[:, ::2] = rows
+    for dtype in HALF:
+        words = encode(rows, dtype, rounding="stochastic", keys=_keys(rows.shape[0]))
+        assert encode(strided[:, ::2], dtype, rounding="stochastic", keys=_keys(100)).tolist() == (
+            words.tolist()
+        )
+    assert rows.tobytes() == before.tobytes()
