@@ -138,8 +138,9 @@ class CorruptValueError(StoreError):
 
 
 class StorageFormatError(StoreError):
-    """A node's sentinel records another storage format than this version reads
-    (`core.keyspace.STORAGE_FORMAT`): its rows would read as corrupt or missing."""
+    """Stored data in a format this version does not read: a node's sentinel records
+    another storage format (`core.keyspace.STORAGE_FORMAT`), whose rows would read as
+    corrupt or missing, or a replica's journal was written by a newer service."""
 
 
 class ProtocolError(StoreError):
