@@ -5,7 +5,7 @@ the next batch are prefetched while the current one computes, for layers that
 name their `feature`), the forward and backward pass run in TensorFlow, and the
 gradients w.r.t. the fetched rows and the dense weights are pushed to the
 optimizer service. The cluster side (rows, pushes, answers, dense weights, the
-modes) is `lookup_table.session.TrainingSession`, which Keras' `model.fit` with
+modes) is `lookup_table.keras.session.TrainingSession`, which Keras' `model.fit` with
 `lookup_table.keras.RemoteOptimizer` shares; see its docstring.
 """
 
@@ -25,7 +25,7 @@ from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig
 from lookup_table.keras import DistributedEmbedding
-from lookup_table.session import FedLayer, GraphStep, TrainingSession, fed_train_step
+from lookup_table.keras.session import FedLayer, GraphStep, TrainingSession, fed_train_step
 from trainer.metrics import auc, logloss
 
 __all__ = ["Trainer", "TrainResult"]

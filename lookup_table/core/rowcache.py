@@ -4,7 +4,7 @@ Two users, the same structure:
 
 * the optimizer replica's row cache (`optimizer_service.engine`): the rows and slots it
   last wrote;
-* a trainer's answered rows (`lookup_table.session`): the rows its pushes' answers
+* a trainer's answered rows (`lookup_table.keras.session`): the rows its pushes' answers
   brought, used while no other push changed its replicas' rows (the answers' stamps).
 
 The replica's case: a replica is the only writer of the rows it owns (trainers only

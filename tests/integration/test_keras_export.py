@@ -166,7 +166,7 @@ def test_load_model_reads_a_saved_model_that_predicts_the_same(
     the cluster and predicts what the original predicts."""
     import keras
 
-    from lookup_table.remote import RemoteOptimizer
+    from lookup_table.keras import RemoteOptimizer
 
     model = _model(config)
     loaded = None

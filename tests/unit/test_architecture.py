@@ -22,9 +22,9 @@ LAYERS = [
     ("lookup_table.store", 4),
     ("lookup_table.dense", 4),
     ("lookup_table.client", 5),
-    ("lookup_table.layer", 5),  # DistributedEmbedding
-    ("lookup_table.session", 5),  # the cluster side of training (store, client, layers)
-    ("lookup_table.remote", 5),  # RemoteOptimizer: Keras' model.fit on the session
+    ("lookup_table.keras.layer", 5),  # DistributedEmbedding: a leaf of keras/
+    ("lookup_table.keras.session", 5),  # the cluster side of training (store, client, layers)
+    ("lookup_table.keras.fit", 5),  # RemoteOptimizer: Keras' model.fit on the session
     # a bound model's export snapshots the cluster as a checkpoint does (ops/)
     ("lookup_table.serving", 6),
     ("lookup_table.keras", 6),  # the Keras facade: layer, optimizer, export, callback

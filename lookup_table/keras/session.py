@@ -51,7 +51,7 @@ from lookup_table.config import ClusterConfig
 from lookup_table.core.keys import IdArray, as_ids
 from lookup_table.core.rowcache import RowCache
 from lookup_table.errors import ConfigError
-from lookup_table.layer import DistributedEmbedding, RecordedLookup
+from lookup_table.keras.layer import DistributedEmbedding, RecordedLookup
 from lookup_table.store import EmbeddingStore
 
 __all__ = [

@@ -38,8 +38,8 @@ import tensorflow as tf
 
 from lookup_table.config import ClusterConfig, parse_config
 from lookup_table.errors import ConfigError, PushRejectedError
-from lookup_table.layer import DistributedEmbedding, distributed_layers
-from lookup_table.session import (
+from lookup_table.keras.layer import DistributedEmbedding, distributed_layers
+from lookup_table.keras.session import (
     WHOLE,
     FedLayer,
     GraphStep,
