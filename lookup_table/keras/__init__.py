@@ -1,15 +1,9 @@
 """The Keras side of the cluster: the names a Keras user imports, in one place.
 
-`DistributedEmbedding` (`lookup_table.keras.layer`), `RemoteOptimizer` (`.fit`),
-`export_saved_model` (`lookup_table.serving`) and `CheckpointCallback`. Importing this
-module also wraps `keras.Model`'s methods, for models with `DistributedEmbedding` layers
-only: `fit`, `evaluate` and `predict` run against the cluster (their
-`make_*_function`); numpy string ids (`np.array(["a", "b"])`, dtype `<U` or `S`) in
-`fit`, `evaluate`, `predict` and the `*_on_batch` methods are passed to Keras as object
-arrays (Keras' data adapters refuse `<U` arrays); `model.export(path)` exports with
-`export_saved_model(model, path)`; and `fit` refuses `EarlyStopping(
-restore_best_weights=True)`, which would restore the dense weights but not the rows
-(`CheckpointCallback` with `monitor` keeps the best epoch's rows and weights instead).
+Importing it also wraps `keras.Model`'s methods, for models with `DistributedEmbedding`
+layers only: `fit`, `evaluate` and `predict` run against the cluster, numpy string ids are
+passed as object arrays, `model.export` exports with `export_saved_model`, and `fit`
+refuses `EarlyStopping(restore_best_weights=True)` (docs/training.md).
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ LAYERS = [
     ("lookup_table.dense", 4),
     ("lookup_table.client", 5),
     ("lookup_table.keras.layer", 5),  # DistributedEmbedding: a leaf of keras/
+    ("lookup_table.keras.rows", 5),  # a batch's ids and rows, fetched ahead, patched
     ("lookup_table.keras.session", 5),  # the cluster side of training (store, client, layers)
+    ("lookup_table.keras.steps", 5),  # the graph step that Trainer and model.fit run
     ("lookup_table.keras.fit", 5),  # RemoteOptimizer: Keras' model.fit on the session
     # a bound model's export snapshots the cluster as a checkpoint does (ops/)
     ("lookup_table.serving", 6),
@@ -111,3 +113,52 @@ def test_no_module_imports_another_modules_private_names() -> None:
         if name.startswith("_") and not name.startswith("__")
     ]
     assert wrong == []
+
+
+# Keras' private names that no public API replaces, each read in one helper of ours
+KERAS_PRIVATE = {"_flatten_layers", "_loss_tracker"}
+
+
+def _private_uses(source: str) -> Iterator[tuple[int, str]]:
+    """(line, name) of every `obj._name` whose name the module itself does not define."""
+    tree = ast.parse(source)
+    own = {
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    } | {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+    }
+    for node in ast.walk(tree):
+        name = getattr(node, "attr", "")
+        if (
+            isinstance(node, ast.Attribute)
+            and name.startswith("_")
+            and not name.startswith("__")
+            and name not in own | KERAS_PRIVATE
+        ):
+            yield node.lineno, name
+
+
+def test_the_keras_side_uses_no_private_name_of_another_module() -> None:
+    """Trainer and RemoteOptimizer compose TrainingSession's public step API."""
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} uses {name}"
+        for module, path in _modules()
+        if module.startswith(("lookup_table.keras", "trainer"))
+        for line, name in _private_uses(path.read_text())
+    ]
+    assert wrong == []
+
+
+def test_a_private_call_across_modules_is_caught() -> None:
+    inherited = "class Trainer(TrainingSession):\n    def fit(self):\n        self._settle()\n"
+    assert list(_private_uses(inherited)) == [(3, "_settle")]
+
+
+def test_the_keras_layer_is_a_leaf() -> None:
+    """DistributedEmbedding imports nothing of the Keras side: the session binds to it."""
+    path = ROOT / "lookup_table" / "keras" / "layer.py"
+    assert [t for t, _, _, _ in _imports(path) if t.startswith("lookup_table.keras")] == []
