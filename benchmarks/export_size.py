@@ -44,7 +44,7 @@ def _export_case(dim: int, id_type: str, rows: int, out: Path) -> dict[str, Any]
 
     from lookup_table.config import TableSpec
     from lookup_table.keras import DistributedEmbedding, export_saved_model
-    from lookup_table.serving import TableRows, estimate_export_bytes
+    from lookup_table.keras.serving import TableRows, estimate_export_bytes
 
     spec = TableSpec(name="user", dim=dim, seed=1, id_type=id_type)  # type: ignore[arg-type]
     ids_in = keras.Input(shape=(), dtype="int64" if id_type == "int64" else "string", name="id")

@@ -497,7 +497,8 @@ def _save_model(config: Any, model: Any, stats: Any, path: str) -> dict[str, Any
     """
     import tempfile
 
-    from lookup_table.ops.checkpoint import export_checkpoint_saved_model, save_checkpoint
+    from lookup_table.keras import export_checkpoint_saved_model
+    from lookup_table.ops.checkpoint import save_checkpoint
     from trainer.models import serving_model
 
     target = Path(path)

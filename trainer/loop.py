@@ -5,7 +5,7 @@ the next batch are prefetched while the current one computes, for layers that
 name their `feature`), the forward and backward pass run in TensorFlow, and the
 gradients w.r.t. the fetched rows and the dense weights are pushed to the
 optimizer service. The cluster side (rows, pushes, answers, dense weights, the
-modes) is `lookup_table.session.TrainingSession`, which Keras' `model.fit` with
+modes) is `lookup_table.keras.session.TrainingSession`, which Keras' `model.fit` with
 `lookup_table.keras.RemoteOptimizer` shares; see its docstring.
 """
 
@@ -24,8 +24,10 @@ import tensorflow as tf
 from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig
-from lookup_table.keras import DistributedEmbedding
-from lookup_table.session import FedLayer, GraphStep, TrainingSession, fed_train_step
+from lookup_table.keras import distributed_layers
+from lookup_table.keras.rows import FedLayer
+from lookup_table.keras.session import TrainingSession
+from lookup_table.keras.steps import GraphStep, fed_train_step
 from trainer.metrics import auc, logloss
 
 __all__ = ["Trainer", "TrainResult"]
@@ -111,11 +113,7 @@ class Trainer(TrainingSession):
         progress: bool = True,
         graph: bool = True,
     ) -> None:
-        layers = [
-            layer
-            for layer in model._flatten_layers(include_self=False)
-            if isinstance(layer, DistributedEmbedding)
-        ]
+        layers = distributed_layers(model)
         self.input_names = [t.name for t in model.inputs]
         super().__init__(
             config,
@@ -188,8 +186,7 @@ class Trainer(TrainingSession):
 
     def train_step(self, features: Mapping[str, Any], labels: NDArray[np.float32]) -> float:
         """One step on one batch; returns its loss."""
-        if not self._dense_ready:
-            self._init_dense()
+        self.ensure_dense()
         inputs = self._inputs(features)
         if self.graph:
             if self._graph_step is None:
@@ -209,7 +206,7 @@ class Trainer(TrainingSession):
         with tf.GradientTape() as tape:
             for layer in self.layers:
                 layer.begin_step(tape)
-            with self._lookups():
+            with self.lookups():
                 preds = self.model(inputs, training=True)
             loss = self.loss_fn(
                 tf.reshape(tf.constant(labels), (-1, 1)), tf.reshape(preds, (-1, 1))
@@ -229,7 +226,7 @@ class Trainer(TrainingSession):
             if g is not None
         }
         loss_value = float(loss)
-        self._push(records, grads[: len(records)], dense, examples=len(labels), loss=loss_value)
+        self.push(records, grads[: len(records)], dense, examples=len(labels), loss=loss_value)
         return loss_value
 
     def fit(
@@ -299,8 +296,8 @@ class Trainer(TrainingSession):
                     loss=f"{loss:.4f}", ex_s=f"{result.examples / elapsed:,.0f}", v=self.version
                 )
                 if eval_list and eval_every and result.steps % eval_every == 0:
-                    self._drain_pushes()
-                    self._refresh_dense(fresh=True)
+                    self.settle_pushes()
+                    self.refresh_dense(fresh=True)
                     ev = self.evaluate(eval_list[:eval_max_batches])
                     ev["step"] = result.steps
                     result.evals.append(ev)
@@ -311,14 +308,14 @@ class Trainer(TrainingSession):
             self.end_training()
             result.seconds = time.perf_counter() - start
         except BaseException as exc:
-            self._settle_quietly(exc)
+            self.settle_quietly(exc)
             raise
         finally:
             bar.close()
             self.forget_prefetched()  # rows fetched for this run only
         last = final_eval if final_eval is not None else eval_list
         if last and not result.interrupted:
-            self._refresh_dense(fresh=True)
+            self.refresh_dense(fresh=True)
             ev = self.evaluate(last)
             ev["step"] = result.steps
             ev["final"] = 1.0
@@ -345,19 +342,18 @@ class Trainer(TrainingSession):
         """The model's outputs (float32 (examples,)) on batches of features, with the
         cluster's rows (create=False: writes nothing) and the dense weights it holds
         (pulled from the service on first use and before each evaluation of `fit`)."""
-        self._settle()
-        if not self._dense_ready:
-            self._init_dense()
+        self.settle_answered()
+        self.ensure_dense()
         preds_all: list[NDArray[np.float32]] = []
         for features in batches:
             inputs = self._inputs(features)
             if self.graph:
                 if self._graph_predict is None:
                     self._graph_predict = self._make_graph_predict()
-                with self._lookups():
+                with self.lookups():
                     preds = self._graph_predict(inputs)
             else:
-                with self._lookups():
+                with self.lookups():
                     preds = self.model(inputs, training=False)
             preds_all.append(np.asarray(preds, np.float32).reshape(-1))
         if not preds_all:

@@ -29,13 +29,13 @@ from lookup_table.core.optimizers import make_optimizer
 from lookup_table.dense import DenseParams
 from lookup_table.ops.checkpoint import (
     MANIFEST,
-    main,
     namespace_keys,
     restore_checkpoint_async,
     save,
     save_checkpoint_async,
     unpack_str_ids,
 )
+from lookup_table.ops.checkpoint.cli import main
 from lookup_table.ops.localcluster import free_port, memcached_cluster
 from optimizer_service.app import make_app
 from tests.conftest import make_config, written

@@ -321,7 +321,7 @@ def test_model_fit_refuses_another_namespace_continues_its_own_and_names_dense_c
         for name in dense:
             np.testing.assert_array_equal(after_dense[name], dense[name])
 
-        caplog.set_level(logging.INFO, logger="lookup_table.session")
+        caplog.set_level(logging.INFO, logger="lookup_table.keras.session")
         model = _readme_model(config, seed=1)
         with _compiled(model, config):
             model.fit(x, y, batch_size=128, epochs=1, verbose=0)

@@ -152,7 +152,7 @@ def test_an_unbound_model_says_how_to_export(config: ClusterConfig, tmp_path: Pa
         r"lookup_table\.keras\.export_saved_model\(model, path\)",
     ):
         model.export(str(tmp_path / "m"))
-    with pytest.raises(ConfigError, match=r"rows=lookup_table.ops.checkpoint.checkpoint_rows"):
+    with pytest.raises(ConfigError, match=r"rows=lookup_table.keras.checkpoint_rows"):
         export_saved_model(model, tmp_path / "m")
     assert not (tmp_path / "m").exists()
 
@@ -166,7 +166,7 @@ def test_load_model_reads_a_saved_model_that_predicts_the_same(
     the cluster and predicts what the original predicts."""
     import keras
 
-    from lookup_table.remote import RemoteOptimizer
+    from lookup_table.keras import RemoteOptimizer
 
     model = _model(config)
     loaded = None
@@ -227,8 +227,8 @@ def test_restore_best_weights_is_refused_and_the_checkpoint_callback_replaces_it
     restore brings back its rows and dense weights."""
     import keras
 
-    from lookup_table.keras import CheckpointCallback, export_saved_model
-    from lookup_table.ops.checkpoint import checkpoint_rows, restore_checkpoint
+    from lookup_table.keras import CheckpointCallback, checkpoint_rows, export_saved_model
+    from lookup_table.ops.checkpoint import restore_checkpoint
 
     model = _model(config)
     try:

@@ -28,8 +28,9 @@ import tensorflow as tf
 
 from lookup_table import EmbeddingStore, ExportTooLargeError, load_config
 from lookup_table.config import ClusterConfig
-from lookup_table.keras import DistributedEmbedding, export_saved_model
-from lookup_table.ops.checkpoint import checkpoint_rows, main, save_checkpoint, unpack_str_ids
+from lookup_table.keras import DistributedEmbedding, checkpoint_rows, export_saved_model
+from lookup_table.ops.checkpoint import save_checkpoint, unpack_str_ids
+from lookup_table.ops.checkpoint.cli import main
 from lookup_table.ops.localcluster import free_port
 from tests.reliability.harness import ServiceProcess, cluster_file, wait_healthy
 

@@ -22,13 +22,15 @@ LAYERS = [
     ("lookup_table.store", 4),
     ("lookup_table.dense", 4),
     ("lookup_table.client", 5),
-    ("lookup_table.layer", 5),  # DistributedEmbedding
-    ("lookup_table.session", 5),  # the cluster side of training (store, client, layers)
-    ("lookup_table.remote", 5),  # RemoteOptimizer: Keras' model.fit on the session
-    ("lookup_table.serving", 5),  # the SavedModel writer: a model and rows given, no cluster
-    # a bound model's export snapshots the cluster as a checkpoint does (ops/)
-    ("lookup_table.export", 6),
-    ("lookup_table.keras", 6),  # the Keras facade: layer, optimizer, export, callback
+    ("lookup_table.keras.layer", 5),  # DistributedEmbedding: a leaf of keras/
+    ("lookup_table.keras.rows", 5),  # a batch's ids and rows, fetched ahead, patched
+    ("lookup_table.keras.session", 5),  # the cluster side of training (store, client, layers)
+    ("lookup_table.keras.steps", 5),  # the graph step that Trainer and model.fit run
+    ("lookup_table.keras.fit", 5),  # RemoteOptimizer: Keras' model.fit on the session
+    ("lookup_table.keras.serving", 5),  # the SavedModel writer: a model and rows given, no cluster
+    # the Keras facade (layer, optimizer, callback) and keras.export, whose bound model's
+    # export snapshots the cluster as a checkpoint does (ops/)
+    ("lookup_table.keras", 6),
     ("lookup_table", 6),  # the package itself (lazy re-exports) and ops/
     ("optimizer_service", 7),
     ("trainer", 8),
@@ -161,18 +163,24 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def _runtime_graph() -> dict[str, set[str]]:
     """module -> the project modules it imports when it runs, in a function or not
-    (imports under TYPE_CHECKING never run and are left out)."""
+    (imports under TYPE_CHECKING never run and are left out). Importing `a.b.c` first
+    runs the packages `a` and `a.b`: those count too, except the module's own packages,
+    which run before it does."""
     paths = dict(_modules())
     modules = set(paths)
     graph: dict[str, set[str]] = {module: set() for module in modules}
     for module, path in paths.items():
+        own = {".".join(module.split(".")[:end]) for end in range(1, module.count(".") + 1)}
         for target, names, typing_only, _ in _imports(path):
             if typing_only or target.split(".")[0] not in PACKAGES:
                 continue
             for imported in [f"{target}.{n}" for n in names] or [target]:
                 found = _module_of(imported, modules)
-                if found is not None and found != module:
-                    graph[module].add(found)
+                if found is None:
+                    continue
+                parts = found.split(".")
+                runs = {".".join(parts[:end]) for end in range(1, len(parts) + 1)}
+                graph[module] |= {m for m in runs & modules if m not in own and m != module}
     return graph
 
 
@@ -182,18 +190,29 @@ def test_import_cycles_are_found() -> None:
     assert import_cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_importing_a_module_runs_its_packages() -> None:
+    """`from lookup_table.keras.layer import ...` outside keras/ runs the facade
+    keras/__init__ first (a module below it that did so would be in a cycle with it);
+    inside keras/ the package already runs."""
+    graph = _runtime_graph()
+    assert "lookup_table.keras" in graph["lookup_table.ops.checkpoint.cli"]
+    assert "lookup_table.keras" not in _runtime_graph()["lookup_table.keras.session"]
+
+
 def test_no_import_cycles_function_level_imports_included() -> None:
     cycles = [" -> ".join(group) for group in import_cycles(_runtime_graph())]
     assert cycles == []
 
 
 def test_the_savedmodel_writer_reaches_no_cluster() -> None:
-    """lookup_table.serving writes what it is given: nothing it runs, directly or through
+    """lookup_table.keras.serving writes what it is given: nothing it runs, directly or through
     another module, opens a connection to memcached or to the service."""
     graph = _runtime_graph()
     reached: set[str] = set()
     todo = [
-        m for m in graph if m == "lookup_table.serving" or m.startswith("lookup_table.serving.")
+        m
+        for m in graph
+        if m == "lookup_table.keras.serving" or m.startswith("lookup_table.keras.serving.")
     ]
     while todo:
         module = todo.pop()
@@ -201,6 +220,55 @@ def test_the_savedmodel_writer_reaches_no_cluster() -> None:
             reached.add(module)
             todo.extend(graph[module])
     cluster = ("lookup_table.memcached", "lookup_table.store", "lookup_table.client")
-    cluster += ("lookup_table.session", "lookup_table.remote", "lookup_table.ops")
+    cluster += ("lookup_table.keras.session", "lookup_table.keras.fit", "lookup_table.ops")
     wrong = sorted(m for m in reached if m.startswith(cluster))
     assert wrong == []
+
+
+# Keras' private names that no public API replaces, each read in one helper of ours
+KERAS_PRIVATE = {"_flatten_layers", "_loss_tracker"}
+
+
+def _private_uses(source: str) -> Iterator[tuple[int, str]]:
+    """(line, name) of every `obj._name` whose name the module itself does not define."""
+    tree = ast.parse(source)
+    own = {
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    } | {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+    }
+    for node in ast.walk(tree):
+        name = getattr(node, "attr", "")
+        if (
+            isinstance(node, ast.Attribute)
+            and name.startswith("_")
+            and not name.startswith("__")
+            and name not in own | KERAS_PRIVATE
+        ):
+            yield node.lineno, name
+
+
+def test_the_keras_side_uses_no_private_name_of_another_module() -> None:
+    """Trainer and RemoteOptimizer compose TrainingSession's public step API."""
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} uses {name}"
+        for module, path in _modules()
+        if module.startswith(("lookup_table.keras", "trainer"))
+        for line, name in _private_uses(path.read_text())
+    ]
+    assert wrong == []
+
+
+def test_a_private_call_across_modules_is_caught() -> None:
+    inherited = "class Trainer(TrainingSession):\n    def fit(self):\n        self._settle()\n"
+    assert list(_private_uses(inherited)) == [(3, "_settle")]
+
+
+def test_the_keras_layer_is_a_leaf() -> None:
+    """DistributedEmbedding imports nothing of the Keras side: the session binds to it."""
+    path = ROOT / "lookup_table" / "keras" / "layer.py"
+    assert [t for t, _, _, _ in _imports(path) if t.startswith("lookup_table.keras")] == []

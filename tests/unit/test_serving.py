@@ -19,7 +19,7 @@ from lookup_table.config import TableSpec
 from lookup_table.core.hashing import id_hashes
 from lookup_table.core.initializers import InitializerSpec, initial_rows
 from lookup_table.keras import DistributedEmbedding, export_saved_model
-from lookup_table.serving import (
+from lookup_table.keras.serving import (
     TableRows,
     available_memory_bytes,
     check_export_memory,

@@ -1,14 +1,15 @@
 """Consistent checkpoints of a namespace that do not depend on the node count.
 
 `save_checkpoint(config, dir)` and `restore_checkpoint(config, dir)` return when done
-(async code awaits their `_async` twins); `lookup-table-checkpoint` is `cli`, the only
-module that prints. One concept per module: `format`, `files`, `verify`, `listing`,
-`pipeline`, `save`, `restore`, `export`. docs/checkpoints.md is the manual.
+(async code awaits their `_async` twins). One concept per module: `format`, `files`,
+`verify`, `listing`, `pipeline`, `save`, `restore`, `export` (to npz). The command line
+`lookup-table-checkpoint` is `cli`, the only module that prints, and the only one that
+reaches up to `lookup_table.keras` (for `export --format savedmodel`); nothing here
+imports it. docs/checkpoints.md is the manual.
 """
 
 from __future__ import annotations
 
-from lookup_table.ops.checkpoint.cli import main
 from lookup_table.ops.checkpoint.export import export_checkpoint
 from lookup_table.ops.checkpoint.files import finalize
 from lookup_table.ops.checkpoint.format import (
@@ -30,7 +31,6 @@ from lookup_table.ops.checkpoint.listing import (
 from lookup_table.ops.checkpoint.pipeline import DEFAULT_BATCH_IDS
 from lookup_table.ops.checkpoint.restore import restore_checkpoint, restore_checkpoint_async
 from lookup_table.ops.checkpoint.save import save_checkpoint, save_checkpoint_async
-from lookup_table.ops.checkpoint.savedmodel import checkpoint_rows, export_checkpoint_saved_model
 from lookup_table.ops.checkpoint.verify import verify_checkpoint
 from lookup_table.ops.metadump import metadump_prefix, namespace_lines
 
@@ -41,14 +41,11 @@ __all__ = [
     "MANIFEST",
     "NodeKeys",
     "check_compatible",
-    "checkpoint_rows",
     "decode_bodies",
     "decode_int_bodies",
     "dense_file_stems",
     "export_checkpoint",
-    "export_checkpoint_saved_model",
     "finalize",
-    "main",
     "metadump_prefix",
     "namespace_keys",
     "namespace_lines",

@@ -108,8 +108,8 @@ def _parser() -> argparse.ArgumentParser:
 def _export_saved_model(args: argparse.Namespace) -> None:
     import keras
 
-    from lookup_table.layer import DistributedEmbedding
-    from lookup_table.ops.checkpoint.savedmodel import export_checkpoint_saved_model
+    from lookup_table.keras.export import export_checkpoint_saved_model
+    from lookup_table.keras.layer import DistributedEmbedding
 
     if not args.model:
         raise ConfigError("--format savedmodel needs --model, the Keras model file to export")

@@ -25,9 +25,9 @@ from numpy.typing import NDArray
 from lookup_table.config import TableSpec
 from lookup_table.core.keys import IdArray
 from lookup_table.errors import ConfigError
-from lookup_table.layer import DistributedEmbedding, combine_segments, distributed_layers
-from lookup_table.serving.memory import hash_table_buckets
-from lookup_table.serving.tfhash import blake2b_8_tf, check_reproducible, initial_rows_tf
+from lookup_table.keras.layer import DistributedEmbedding, combine_segments, distributed_layers
+from lookup_table.keras.serving.memory import hash_table_buckets
+from lookup_table.keras.serving.tfhash import blake2b_8_tf, check_reproducible, initial_rows_tf
 
 __all__ = [
     "UNSEEN",

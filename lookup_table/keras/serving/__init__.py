@@ -1,6 +1,6 @@
 """The SavedModel writer: a Keras model and its tables' rows as a TF SavedModel that
 serves without this project (docs/serving.md). It reads no cluster: the rows come from
-the caller (`lookup_table.export.export_saved_model`, or a checkpoint's).
+the caller (`lookup_table.keras.export_saved_model`, or a checkpoint's).
 
 `savedmodel` (the tables, the signature, the writing), `tfhash` (the store's hashes and
 initial rows in TF ops), `memory` (what an export needs, refused before it starts).
@@ -8,13 +8,13 @@ initial rows in TF ops), `memory` (what an export needs, refused before it start
 
 from __future__ import annotations
 
-from lookup_table.serving.memory import (
+from lookup_table.keras.serving.memory import (
     available_memory_bytes,
     check_export_memory,
     estimate_export_bytes,
     hash_table_buckets,
 )
-from lookup_table.serving.savedmodel import (
+from lookup_table.keras.serving.savedmodel import (
     UNSEEN,
     TableRows,
     Unseen,
@@ -22,7 +22,7 @@ from lookup_table.serving.savedmodel import (
     check_rows,
     write_saved_model,
 )
-from lookup_table.serving.tfhash import (
+from lookup_table.keras.serving.tfhash import (
     blake2b_8_tf,
     check_reproducible,
     id_hashes_tf,

@@ -1,33 +1,9 @@
 """`TrainingSession`: the cluster side of training a model with `DistributedEmbedding` layers.
 
-Both training loops use it: `trainer.Trainer` (its own loop over batches) and Keras'
-`model.fit` with `lookup_table.keras.RemoteOptimizer`. It owns what they share:
-
-* an asyncio loop in a background thread with the `EmbeddingStore` and the
-  `OptimizerClient`, so network I/O overlaps TensorFlow's compute;
-* the rows of each step: a layer called on exactly a model input (its *column*)
-  gets its batch's unique ids deduplicated and their rows fetched outside the
-  graph, ahead of time (`_prefetch`, one `lookup_many` for every table), and fed
-  to the graph step as arguments (`FedBatch`: one table per dim, one index, its
-  bounds); other layers look up inside the graph (a `py_function` each, `rows`);
-* pushes with exactly-once push ids (`OptimizerClient.push`), answered or not,
-  pipelined or not, and their settling (`_settle`: an answered push's writes);
-* the dense weights: `/v1/dense/init` (the first trainer wins, so every trainer
-  starts from the same weights), refreshed from push answers or `GET /v1/dense`.
-
-* `mode = "async"` (ElasticDL/Paddle asynchronous SGD): each push is applied on
-  arrival; other workers' pushes interleave with ours. By default
-  (`max_pushes_in_flight=0`) a step uses rows and weights only after its previous
-  push was applied, so one worker alone trains exactly like local training:
-  the push answers with the rows and dense weights it produced (read your
-  writes), and the next batch's rows, fetched while the step computed, take the
-  answer's rows for the ids the push changed. `max_pushes_in_flight=K >= 1`
-  pipelines: up to K pushes stay outstanding, the next batch's rows are
-  prefetched and the dense weights pulled during the previous step — faster,
-  at the price of up to K+1 steps of staleness.
-* `mode = "sync"`: each push carries the model version the step was computed on;
-  the service applies the mean of every worker's push once, the trainer then
-  reads the new dense weights and rows (no prefetch across versions).
+`trainer.Trainer` and Keras' `model.fit` (`RemoteOptimizer`) compose its public step API:
+an I/O thread with the store and the optimizer client, each step's rows (fed, fetched
+ahead, patched from push answers), exactly-once pushes and their settling, the dense
+weights. The modes and what each guarantees: docs/training.md.
 """
 
 from __future__ import annotations
@@ -38,8 +14,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -48,396 +23,30 @@ from numpy.typing import NDArray
 
 from lookup_table.client import OptimizerClient, RowReader
 from lookup_table.config import ClusterConfig
-from lookup_table.core.keys import IdArray, as_ids
+from lookup_table.core.keys import IdArray
 from lookup_table.core.rowcache import RowCache
 from lookup_table.errors import ConfigError
-from lookup_table.layer import DistributedEmbedding, RecordedLookup
+from lookup_table.keras.layer import DistributedEmbedding, RecordedLookup
+from lookup_table.keras.rows import (
+    BatchPart,
+    FedIds,
+    FedLayer,
+    Known,
+    PartialRows,
+    Prefetched,
+    RowPatch,
+    column_of,
+    fed_ids,
+    lookup_batch,
+    member,
+    patched,
+)
 from lookup_table.store import EmbeddingStore
 
-__all__ = [
-    "WHOLE",
-    "FedBatch",
-    "FedLayer",
-    "GraphStep",
-    "RowPatch",
-    "RowReader",
-    "TrainingSession",
-]
+__all__ = ["TrainingSession", "check_layer"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-WHOLE = "<the inputs themselves>"
-"""A column key: the layer is called on the model's only input (not a dict of them)."""
-
-
-def column_of(features: Any, key: Any) -> Any:
-    """The column `key` of a batch's features (`WHOLE`: the features themselves), or
-    None if the batch has no such column."""
-    if key == WHOLE and not isinstance(features, Mapping):
-        return features
-    if isinstance(features, Mapping) and key in features:
-        return features[key]
-    return None
-
-
-def _column_ids(value: Any) -> NDArray[Any]:
-    """The flat ids of a batch column: numpy, a tf tensor, or ragged (tf or with
-    `row_splits` and `values`)."""
-    if isinstance(value, tf.RaggedTensor):
-        return np.asarray(value.flat_values)
-    if hasattr(value, "row_splits") and hasattr(value, "values"):
-        return np.asarray(value.values)
-    return np.asarray(value).reshape(-1)
-
-
-@dataclass(frozen=True, slots=True)
-class _FedIds:
-    """A layer's ids in one batch as the graph step is fed them: the unique contributing
-    ids, and per flat position its row (u, the zero row, for a padding id)."""
-
-    uniq: IdArray
-    index: NDArray[np.int64]
-
-
-def _fed_ids(layer: DistributedEmbedding, value: Any) -> _FedIds:
-    """What the layer's py_function lookup computes in the graph, from the batch column."""
-    raw = _column_ids(value)
-    ids = as_ids(raw.tolist() if raw.dtype.kind in "SO" else raw, table=layer.table)
-    keep = layer.not_padding(ids)
-    kept = ids[keep]
-    if kept.shape[0]:
-        uniq_any, inverse = np.unique(kept, return_inverse=True)
-        uniq = cast(IdArray, uniq_any)
-    else:
-        uniq, inverse = kept, np.zeros(0, dtype=np.intp)
-    index = np.full(ids.shape[0], uniq.shape[0], dtype=np.int64)
-    index[keep] = inverse.reshape(-1)
-    return _FedIds(uniq=uniq, index=index)
-
-
-RowPatch = Mapping[str, tuple[IdArray, NDArray[np.float32]]]
-"""Rows a push produced (its answer): table -> (sorted unique ids, rows)."""
-
-
-def _member(ids: IdArray, among: IdArray | None) -> NDArray[np.bool_] | None:
-    """Which of `ids` are in the sorted unique `among` (None if none or no `among`)."""
-    if among is None or not among.shape[0] or not ids.shape[0]:
-        return None
-    pos = np.minimum(np.searchsorted(among, ids), among.shape[0] - 1)
-    hit: NDArray[np.bool_] = among[pos] == ids
-    return hit if hit.any() else None
-
-
-def _patch(
-    table: str, ids: IdArray, rows: NDArray[np.float32], patches: Iterable[RowPatch]
-) -> tuple[NDArray[np.float32], NDArray[np.bool_]]:
-    """`rows` of `ids` with the rows of `patches` put in, later patches winning (a copy
-    if anything changes), and which of `ids` the patches brought."""
-    out = rows
-    brought = np.zeros(ids.shape[0], dtype=bool)
-    for patch in patches:
-        newer = patch.get(table)
-        if newer is None:
-            continue
-        hit = _member(ids, newer[0])
-        if hit is None:
-            continue
-        out = out.copy() if out is rows else out
-        out[hit] = newer[1][np.searchsorted(newer[0], ids[hit])]
-        brought |= hit
-    return out, brought
-
-
-def _patched(
-    table: str, ids: IdArray, rows: NDArray[np.float32], patches: Iterable[RowPatch]
-) -> NDArray[np.float32]:
-    """`rows` of `ids` with the rows of `patches` put in (see `_patch`)."""
-    return _patch(table, ids, rows, patches)[0]
-
-
-@dataclass(frozen=True, slots=True)
-class _Partial:
-    """Rows of the ids not skipped; the skipped ones must come from a push's answer."""
-
-    rows: NDArray[np.float32]  # (len(ids), dim); skipped rows are zeros until completed
-    skipped: NDArray[np.bool_]
-
-    def complete(
-        self, table: str, ids: IdArray, patches: Iterable[RowPatch]
-    ) -> NDArray[np.float32]:
-        out, brought = _patch(table, ids, self.rows, patches)
-        left = self.skipped & ~brought
-        if left.any():
-            raise RuntimeError(
-                f"{int(left.sum())} rows of table {table!r} were left to a push's answer "
-                f"that did not bring them (a bug)"
-            )
-        return out
-
-
-Known = tuple[NDArray[np.bool_], NDArray[np.float32]]
-"""Rows of a batch's ids known without a read: which ids, and their rows in that order."""
-
-
-async def _lookup_batch(
-    store: RowReader,
-    wanted: list[tuple[str, IdArray, NDArray[np.bool_] | None]],
-    known: Sequence[Known | None] | None = None,
-    *,
-    create: bool = True,
-) -> list[NDArray[np.float32] | _Partial]:
-    """The rows of every (table, unique ids, skipped or None) of a batch, in one
-    `lookup_many` (one request per node): full rows, or a `_Partial` where ids are
-    skipped (left to a push's answer). The `known` rows (per entry, or None) are not
-    read but put in."""
-    known = known if known is not None else [None] * len(wanted)
-    lefts: list[NDArray[np.bool_] | None] = []  # per entry, the ids not read
-    for (_, _, skip), know in zip(wanted, known, strict=True):
-        lefts.append(skip if know is None else know[0] if skip is None else skip | know[0])
-    reads = [
-        ids if left is None else ids[~left] for (_, ids, _), left in zip(wanted, lefts, strict=True)
-    ]
-    parts: dict[str, list[IdArray]] = {}
-    for (table, _, _), read in zip(wanted, reads, strict=True):
-        if read.shape[0]:
-            parts.setdefault(table, []).append(read)
-    union = {
-        table: got[0] if len(got) == 1 else cast(IdArray, np.unique(np.concatenate(got)))
-        for table, got in parts.items()
-    }
-    rows = await store.lookup_many(union, create=create) if union else {}
-    out: list[NDArray[np.float32] | _Partial] = []
-    for (table, ids, skip), know, left, read in zip(wanted, known, lefts, reads, strict=True):
-        if table in union:
-            every, values = union[table], rows[table]
-            mine = values if read is every else values[np.searchsorted(every, read)]
-        else:
-            mine = np.empty((0, store.config.table(table).dim), np.float32)
-        if left is None:
-            out.append(mine)
-            continue
-        full = np.zeros((ids.shape[0], mine.shape[1]), np.float32)
-        if know is not None:
-            full[know[0]] = know[1]
-        full[~left] = mine
-        out.append(full if skip is None else _Partial(rows=full, skipped=skip))
-    return out
-
-
-class _Part:
-    """One layer's share of a batch lookup: `result()` as a future's."""
-
-    def __init__(self, batch: concurrent.futures.Future[Any], position: int) -> None:
-        self._batch = batch
-        self._position = position
-
-    def result(self) -> Any:
-        return self._batch.result()[self._position]
-
-
-class _Prefetched:
-    """Rows fetched ahead for one step: table -> [(unique ids, future rows)].
-
-    `newer` lists the answers of the pushes that may have changed rows after the fetch
-    was sent (the push of the step during which it was sent, and one whose answer came
-    but whose writes had not landed yet); their rows replace the fetched ones.
-    """
-
-    def __init__(self) -> None:
-        self.entries: dict[str, list[tuple[IdArray, _Part]]] = {}
-        self.newer: list[RowPatch] = []
-        self.from_answers = 0  # rows taken from earlier pushes' answers
-        # per layer (by position in TrainingSession.layers): its ids as the graph step
-        # is fed them
-        self.fed: dict[int, tuple[_FedIds, _Part]] = {}
-
-    def find(self, table: str, ids: IdArray) -> _Part | None:
-        for uniq, fut in self.entries.get(table, []):
-            if uniq.shape == ids.shape and np.array_equal(uniq, ids):
-                return fut
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class FedLayer:
-    """A layer whose rows the graph step gets as arguments, and the column it is called
-    on (a key of the step's input dict, or `WHOLE`)."""
-
-    layer: DistributedEmbedding
-    key: Any
-
-
-class FedBatch:
-    """The fed layers' rows of one batch as graph-step arguments, and the way back from
-    their gradients to (table, unique ids, summed gradient) records.
-
-    The rows come as few tensors, whatever the number of layers (each argument costs
-    TF's call path): `args` = (one table per dim: the rows of its layers one after the
-    other, then a zero row; one index of every layer's positions; the bounds of each
-    layer's part of it).
-    """
-
-    def __init__(
-        self,
-        fed: Sequence[FedLayer],
-        got: Sequence[tuple[_FedIds, NDArray[np.float32]]],
-    ) -> None:
-        self.dims = sorted({f.layer.dim for f in fed})
-        parts: dict[int, list[NDArray[np.float32]]] = {d: [] for d in self.dims}
-        self.offsets: list[int] = []
-        for f, (_, rows) in zip(fed, got, strict=True):
-            self.offsets.append(sum(r.shape[0] for r in parts[f.layer.dim]))
-            parts[f.layer.dim].append(rows)
-        totals = {d: sum(r.shape[0] for r in parts[d]) for d in self.dims}
-        indexes = []
-        for f, (ids, _), start in zip(fed, got, self.offsets, strict=True):
-            own = ids.uniq.shape[0]
-            indexes.append(np.where(ids.index < own, ids.index + start, totals[f.layer.dim]))
-        lengths = [i.shape[0] for i in indexes]
-        self.fed = list(fed)
-        self.ids = [ids for ids, _ in got]
-        self.args = (
-            [
-                tf.constant(np.concatenate([*parts[d], np.zeros((1, d), np.float32)]))
-                for d in self.dims
-            ],
-            tf.constant(np.concatenate(indexes) if indexes else np.zeros(0, np.int64)),
-            tf.constant(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)),
-        )
-
-    def records(
-        self, table_grads: Sequence[Any]
-    ) -> tuple[list[RecordedLookup], list[NDArray[np.float32]]]:
-        """Per fed layer: (table, unique ids) and their summed gradient, from the step's
-        gradients w.r.t. the tables of `args`."""
-        table_np = [np.asarray(g) for g in table_grads]
-        grads = [
-            table_np[self.dims.index(f.layer.dim)][start : start + ids.uniq.shape[0]]
-            for f, ids, start in zip(self.fed, self.ids, self.offsets, strict=True)
-        ]
-        records = [
-            RecordedLookup(table=f.layer.table, ids=ids.uniq, rows=None)
-            for f, ids in zip(self.fed, self.ids, strict=True)
-        ]
-        return records, grads
-
-
-def feed_layers(fed: Sequence[FedLayer], inputs: Any, tables: Any, index: Any, bounds: Any) -> None:
-    """(At trace time, inside `begin_step`/`end_step`.) Hand each fed layer its column,
-    its table and its part of the index (see `DistributedEmbedding.feed`)."""
-    dims = sorted({f.layer.dim for f in fed})
-    for k, f in enumerate(fed):
-        column = column_of(inputs, f.key)
-        f.layer.feed(column, tables[dims.index(f.layer.dim)], index[bounds[k] : bounds[k + 1]])
-
-
-def fed_train_step(
-    layers: Sequence[DistributedEmbedding],
-    fed: Sequence[FedLayer],
-    dense_vars: Sequence[Any],
-    *,
-    inputs_of: Callable[[Any], Any],
-    forward: Callable[[Any], tuple[Any, Any]],
-    after: Callable[[Any, Any, Any], Any],
-) -> Any:
-    """A train step as one tf.function: `step(data, tables, index, bounds)` ->
-    (what `after` returns, row gradients of the in-graph lookups, gradients w.r.t.
-    `tables`, dense gradients).
-
-    `forward(data)` -> (loss, state) runs under the tape, with `fed` layers fed from
-    `tables` (their columns found in `inputs_of(data)`) and the others looking up inside
-    the graph; `after(data, loss, state)` runs after it (e.g. Keras' metrics)."""
-
-    @tf.function(reduce_retracing=True)
-    def step(data: Any, tables: Any, index: Any, bounds: Any) -> Any:
-        with tf.GradientTape() as tape:
-            for layer in layers:
-                layer.begin_step(tape)  # at trace time: a new trace, rows watched
-            for table in tables:
-                tape.watch(table)
-            feed_layers(fed, inputs_of(data), tables, index, bounds)
-            loss, state = forward(data)
-        rows = [r for layer in layers for r in layer.graph_rows]
-        n, m = len(rows), len(tables)
-        grads = tape.gradient(loss, rows + list(tables) + list(dense_vars))
-        for layer in layers:
-            layer.end_step()
-        row_grads = [
-            tf.zeros_like(r) if g is None else tf.convert_to_tensor(g)
-            for r, g in zip(rows + list(tables), grads[: n + m], strict=True)
-        ]
-        dense_grads = [
-            tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-            for v, g in zip(dense_vars, grads[n + m :], strict=True)
-        ]
-        return after(data, loss, state), row_grads[:n], row_grads[n:], dense_grads
-
-    return step
-
-
-class GraphStep:
-    """Runs a step built by `make(fed)` (see `fed_train_step`) with the session's rows:
-    the fed layers' rows as arguments (`training`: a training step's, prefetched and
-    patched; else read with `create=False`), the others' through in-graph lookups.
-
-    Which candidates are really fed is known after the first trace (a layer called on a
-    transformed column is not): the step is then rebuilt without the others."""
-
-    def __init__(
-        self,
-        session: TrainingSession,
-        candidates: Sequence[FedLayer],
-        make: Callable[[list[FedLayer]], Any],
-        *,
-        training: bool = True,
-    ) -> None:
-        self.session = session
-        self.fed: list[FedLayer] = list(candidates)
-        self.training = training
-        self._make = make
-        self._fn: Any = None
-        if training:
-            session._fed_layers = [f.layer for f in self.fed]
-
-    def run(self, data: Any, features: Any) -> tuple[Any, FedBatch]:
-        """Run the step on `data` whose model inputs are `features`: what it returns,
-        and the fed rows it was given."""
-        session = self.session
-        if self.training:
-            got = [session._fed_rows(f, features) for f in self.fed]
-        else:
-            got = session.evaluation_rows(self.fed, features)
-        batch = FedBatch(self.fed, got)
-        if self._fn is None:
-            self._fn = self._make(self.fed)
-            self._fn.get_concrete_function(data, *batch.args)  # trace: which feeds are taken
-            taken = [f for f in self.fed if f.layer.fed]
-            if len(taken) < len(self.fed):  # e.g. the model transforms a column first
-                self.fed = taken
-                if self.training:
-                    session._fed_layers = [f.layer for f in taken]
-                self._fn = None
-                return self.run(data, features)
-        with session._lookups():
-            return self._fn(data, *batch.args), batch
-
-    def __call__(
-        self, data: Any, features: Any
-    ) -> tuple[Any, list[RecordedLookup], list[NDArray[np.float32]], list[Any]]:
-        """Run a training step (`fed_train_step`); returns (what its `after` returned,
-        the lookups' records, their row gradients, the dense gradients)."""
-        (out, row_grads, table_grads, dense_grads), batch = self.run(data, features)
-        records: list[RecordedLookup | None] = [
-            rec
-            for layer in self.session.layers
-            for rec in layer.graph_records[: len(layer.graph_rows)]
-        ]
-        if any(r is None for r in records) or len(records) != len(row_grads):
-            raise RuntimeError("a lookup of the step did not record its ids (a bug)")
-        fed_records, fed_grads = batch.records(table_grads)
-        grads = [np.asarray(g) for g in row_grads] + fed_grads
-        return out, cast(list[RecordedLookup], records) + fed_records, grads, dense_grads
 
 
 class TrainingSession:
@@ -498,7 +107,7 @@ class TrainingSession:
         self._client = OptimizerClient(config, worker=worker_index)
         self._reader = RowReader(self._store, self._client)
         self._pushes_created: collections.Counter[str] = collections.Counter()
-        self._prefetched = _Prefetched()
+        self._prefetched = Prefetched()
         self._pushes: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
         self._dense_ready = False
         self._dense_future: concurrent.futures.Future[Any] | None = None
@@ -588,6 +197,11 @@ class TrainingSession:
         first graph step; the others look up inside the graph."""
         return list(self._fed_layers or [])
 
+    @fed_layers.setter
+    def fed_layers(self, layers: Sequence[DistributedEmbedding]) -> None:
+        """(The graph step, at its first trace.) Which layers it feeds."""
+        self._fed_layers = list(layers)
+
     @property
     def rows_created(self) -> dict[str, int]:
         out = dict(self._store.created)  # rows this trainer's lookups created with `add`
@@ -610,7 +224,7 @@ class TrainingSession:
             raise
 
     @contextlib.contextmanager
-    def _lookups(self) -> Iterator[None]:
+    def lookups(self) -> Iterator[None]:
         """Run the model so that a failed lookup raises its own error (DataLossError,
         StoreFullError, StoreTimeoutError, ...): inside a tf.function TF turns it into an
         UnknownError, and Keras (eager) into a copy without its `node`/`nodes`."""
@@ -643,27 +257,27 @@ class TrainingSession:
         answered: Mapping[str, IdArray] | None = None,
         create: bool = True,
         earlier: bool = False,
-    ) -> _Prefetched:
+    ) -> Prefetched:
         """Fetch the rows of a batch ahead. Ids in `answered` (table -> sorted unique ids
         that a push in flight will answer with) are not read: that answer, which
         `newer` gets, brings their rows. With `earlier`, neither are the ids whose rows
         earlier answers brought, while those are current (`_known_rows`)."""
-        pre = _Prefetched()
+        pre = Prefetched()
         wanted: list[tuple[str, IdArray, NDArray[np.bool_] | None]] = []
-        layers: list[tuple[int, _FedIds, bool]] = []
+        layers: list[tuple[int, FedIds, bool]] = []
         for i, value in self._columns(features):
             layer = self.layers[i]
-            fed = _fed_ids(layer, value)
-            skip = _member(fed.uniq, (answered or {}).get(layer.table))
+            fed = fed_ids(layer, value)
+            skip = member(fed.uniq, (answered or {}).get(layer.table))
             wanted.append((layer.table, fed.uniq, skip))
             layers.append((i, fed, skip is None))
         if not wanted:
             return pre
         known = self._known_rows(wanted) if earlier else None
         pre.from_answers = sum(int(k[1].shape[0]) for k in known or () if k is not None)
-        batch = self._submit(_lookup_batch(self._reader, wanted, known, create=create))
+        batch = self._submit(lookup_batch(self._reader, wanted, known, create=create))
         for k, (i, fed, whole) in enumerate(layers):
-            part = _Part(batch, k)
+            part = BatchPart(batch, k)
             if whole:
                 pre.entries.setdefault(self.layers[i].table, []).append((fed.uniq, part))
             pre.fed[i] = (fed, part)
@@ -731,7 +345,7 @@ class TrainingSession:
             uniq = (
                 ahead[0].uniq
                 if ahead
-                else _fed_ids(layer, column_of(features, self.columns[i])).uniq
+                else fed_ids(layer, column_of(features, self.columns[i])).uniq
             )
             parts.setdefault(layer.table, []).append(uniq)
         return {
@@ -739,38 +353,40 @@ class TrainingSession:
             for table, got in parts.items()
         }
 
-    def _training_rows(self, table: str, ids: IdArray, ahead: _Part | None) -> NDArray[np.float32]:
+    def _training_rows(
+        self, table: str, ids: IdArray, ahead: BatchPart | None
+    ) -> NDArray[np.float32]:
         """Rows of unique `ids` for a training step: fetched ahead (`ahead`), with the
         answers that came after the fetch was sent put in, or read now, with the answer
         of a push not written yet put in (it may be newer than the store)."""
         if ahead is not None:
             got = ahead.result()
-            if isinstance(got, _Partial):
+            if isinstance(got, PartialRows):
                 return got.complete(table, ids, self._prefetched.newer)
-            return _patched(table, ids, np.asarray(got, np.float32), self._prefetched.newer)
+            return patched(table, ids, np.asarray(got, np.float32), self._prefetched.newer)
         rows = self._run(self._reader.lookup(table, ids, create=True))
-        return _patched(table, ids, rows, self._unsettled_rows)
+        return patched(table, ids, rows, self._unsettled_rows)
 
-    def _fed_rows(self, fed: FedLayer, features: Any) -> tuple[_FedIds, NDArray[np.float32]]:
+    def fed_rows(self, fed: FedLayer, features: Any) -> tuple[FedIds, NDArray[np.float32]]:
         """A fed layer's ids and rows for this training batch (outside the graph: an
         error is raised as it is)."""
         ahead = self._prefetched.fed.get(self._position[id(fed.layer)])
         if ahead is not None:
             ids, part = ahead
             return ids, self._training_rows(fed.layer.table, ids.uniq, part)
-        ids = _fed_ids(fed.layer, column_of(features, fed.key))
+        ids = fed_ids(fed.layer, column_of(features, fed.key))
         return ids, self._training_rows(fed.layer.table, ids.uniq, None)
 
     def evaluation_rows(
         self, fed: Sequence[FedLayer], features: Any
-    ) -> list[tuple[_FedIds, NDArray[np.float32]]]:
+    ) -> list[tuple[FedIds, NDArray[np.float32]]]:
         """The fed layers' ids and rows of an evaluation batch: one `lookup_many` with
         `create=False` (writes nothing; unseen ids get their would-be initial rows)."""
-        ids = [_fed_ids(f.layer, column_of(features, f.key)) for f in fed]
+        ids = [fed_ids(f.layer, column_of(features, f.key)) for f in fed]
         if not fed:
             return []
         got = self._run(
-            _lookup_batch(
+            lookup_batch(
                 self._reader,
                 [(f.layer.table, i.uniq, None) for f, i in zip(fed, ids, strict=True)],
                 create=False,
@@ -783,9 +399,8 @@ class TrainingSession:
     def begin_training(self) -> None:
         """Before a run of steps: the dense weights from the service (initialized by the
         first trainer), nothing fetched ahead yet."""
-        if not self._dense_ready:
-            self._init_dense()
-        self._prefetched = _Prefetched()
+        self.ensure_dense()
+        self._prefetched = Prefetched()
         self.steps = 0
 
     def end_training(self) -> None:
@@ -797,7 +412,7 @@ class TrainingSession:
 
     def forget_prefetched(self) -> None:
         """Drop the rows fetched ahead (they were for this run of steps only)."""
-        self._prefetched = _Prefetched()
+        self._prefetched = Prefetched()
 
     def prefetch_first(self, features: Any) -> None:
         """Fetch the first batch's rows ahead (when steps may overlap with I/O)."""
@@ -811,7 +426,7 @@ class TrainingSession:
         its push answers with, and those fetched rows handed to the next step."""
         if self.steps % self.dense_refresh_steps == 0 and self.steps > 0:
             if not self._dense_fresh:
-                self._refresh_dense()
+                self.refresh_dense()
         self._dense_fresh = False
         ahead = None
         if self._read_your_writes and upcoming is not None:
@@ -833,11 +448,22 @@ class TrainingSession:
         elif self._pipelined and upcoming is not None:
             self._prefetched = self._prefetch(upcoming)
         else:  # nothing fetched ahead: a later step must not find this step's rows
-            self._prefetched = _Prefetched()
+            self._prefetched = Prefetched()
         self.steps += 1
         return out
 
     # ------------------------------------------------------------ dense weights
+
+    @property
+    def dense_ready(self) -> bool:
+        """Whether the dense weights came from the service (`ensure_dense`) yet."""
+        return self._dense_ready
+
+    def ensure_dense(self) -> None:
+        """The dense weights from the service, once per session: `/v1/dense/init` with
+        this model's weights (the first trainer's win), then assigned to `dense_vars`."""
+        if not self._dense_ready:
+            self._init_dense()
 
     def _init_dense(self) -> None:
         params = {path: np.asarray(v.numpy(), np.float32) for path, v in self.dense_vars.items()}
@@ -886,11 +512,11 @@ class TrainingSession:
             var.assign(value)
         self.version = version
 
-    def _refresh_dense(self, *, fresh: bool = False) -> None:
+    def refresh_dense(self, *, fresh: bool = False) -> None:
         """Pull the dense weights. Pipelined, the fetch overlaps a step: it assigns the
         weights fetched during the previous step and starts the next fetch (one step of
         extra staleness); otherwise, and with `fresh`, it waits for them."""
-        self._settle()  # an answered push's weights may not be written yet
+        self.settle_answered()  # an answered push's weights may not be written yet
         if fresh or not self._pipelined:
             self._dense_future = None
             version, params = self._run(self._client.dense())
@@ -910,20 +536,20 @@ class TrainingSession:
             self._drain_pushes()
 
     def _drain_pushes(self) -> None:
-        self._settle()
+        self.settle_answered()
         while self._pushes:
             self._pushes.popleft().result()
 
-    def _settle_quietly(self, error: BaseException) -> None:
+    def settle_quietly(self, error: BaseException) -> None:
         """After `error` ended training: wait for the answered push's writes, logging (not
         raising) their failure, often of the same fault, so that `error` is what the
         caller sees and a later `close()` has nothing left to raise."""
         try:
-            self._settle()
+            self.settle_answered()
         except Exception:
             logger.warning("the last push failed as well after %r", error, exc_info=True)
 
-    def _settle(self) -> None:
+    def settle_answered(self) -> None:
         """Wait until the answered push is written (raising its error if it failed)."""
         if self._unsettled is not None:
             pending, self._unsettled = self._unsettled, None
@@ -937,7 +563,7 @@ class TrainingSession:
                 self._answers_current = False
                 raise
 
-    def _push(
+    def push(
         self,
         records: list[Any],
         grads: list[Any],
@@ -946,6 +572,8 @@ class TrainingSession:
         examples: int | None = None,
         loss: float | None = None,
     ) -> None:
+        """Push the row gradients of `records` (one per record) and the `dense` gradients
+        by path (those of `dense_vars` a step computed), as `push_step` does."""
         tables: dict[str, tuple[list[IdArray], list[NDArray[np.float32]]]] = {}
         for rec, grad in zip(records, grads, strict=True):
             g = (
@@ -979,10 +607,10 @@ class TrainingSession:
         self, payload: Mapping[str, Any], dense: Mapping[str, Any], stats: Mapping[str, Any]
     ) -> None:
         """Push and take the rows and dense weights from the answer, which the replicas
-        send before writing; the writes finish while the next step computes (`_settle`
+        send before writing; the writes finish while the next step computes (`settle_answered`
         waits for them before the next push, at an evaluation and at the end)."""
         self._answers_current = False  # until this push's answer says otherwise
-        self._settle()
+        self.settle_answered()
         answer = ("rows", "dense") if self.dense_refresh_steps == 1 else ("rows",)
         answered: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
 
@@ -1032,7 +660,7 @@ class TrainingSession:
             path: np.asarray(g, np.float32)
             for path, g in zip(self.dense_vars, dense_grads, strict=True)
         }
-        self._push(records, row_grads, dense, examples=examples, loss=loss)
+        self.push(records, row_grads, dense, examples=examples, loss=loss)
 
 
 def check_layer(config: ClusterConfig, layer: DistributedEmbedding) -> None:

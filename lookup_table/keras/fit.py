@@ -1,33 +1,14 @@
 """`RemoteOptimizer`: Keras' own `model.fit`, `evaluate` and `predict` on a cluster.
 
-Compile a model that uses `DistributedEmbedding` layers with it, and train it as any
-Keras model (callbacks, validation data, tf.data, metrics)::
-
-    model.compile(optimizer=RemoteOptimizer(config), loss="binary_crossentropy",
-                  metrics=[keras.metrics.AUC(name="auc")])
-    model.fit(x, y, batch_size=1024, epochs=3, validation_data=(xv, yv))
-    model.evaluate(xv, yv, return_dict=True); model.predict(xv)
-
-How: importing `lookup_table.keras` wraps `keras.Model.make_train_function`,
-`make_test_function` and `make_predict_function`. For a model without
-`DistributedEmbedding` layers they are Keras' own; for one with them they return
-this module's functions, which Keras' loops call once per step with its data
-iterator. A training step then runs as `trainer.Trainer`'s does, on the same
-`TrainingSession`: the batch is taken from the iterator in Python together with the
-next one (whose rows are fetched while the step computes); each layer called on
-exactly a model input gets its batch's unique ids' rows as arguments of one
-`tf.function` (one table per dim, one index), which runs the forward pass, Keras'
-`compute_loss` and metrics and the backward pass; the gradients w.r.t. those rows
-(one summed gradient per unique id) and the dense weights are pushed once per step,
-with an exactly-once push id, and the push's answer brings the rows and dense weights
-it produced. The dense weights are the service's: `POST /v1/dense/init` at the first
-fit (first writer wins), then the answers. Evaluation and predict pull the service's
-dense weights first and read rows with `create=False` (they write nothing).
+Compile a model with `DistributedEmbedding` layers with it and use Keras' loops as usual;
+the facade's hooks make `make_{train,test,predict}_function` return this module's
+functions, which run each step on a `TrainingSession` (docs/training.md, "How a step runs").
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -37,16 +18,16 @@ import keras
 import tensorflow as tf
 
 from lookup_table.config import ClusterConfig, parse_config
-from lookup_table.errors import ConfigError, PushRejectedError
-from lookup_table.layer import DistributedEmbedding, distributed_layers
-from lookup_table.session import (
-    WHOLE,
-    FedLayer,
-    GraphStep,
-    TrainingSession,
-    fed_train_step,
-    feed_layers,
+from lookup_table.errors import (
+    ConfigError,
+    NodeUnavailableError,
+    PushRejectedError,
+    ReplicaUnavailableError,
 )
+from lookup_table.keras.layer import DistributedEmbedding, distributed_layers
+from lookup_table.keras.rows import WHOLE, FedLayer
+from lookup_table.keras.session import TrainingSession
+from lookup_table.keras.steps import GraphStep, fed_train_step, feed_layers
 
 __all__ = ["RemoteOptimizer", "model_function"]
 
@@ -206,10 +187,25 @@ class RemoteOptimizer(keras.optimizers.Optimizer):
         return self._runner
 
 
+def _train_loss(model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
+    """The loss of Keras' own train step: `compute_loss` (without `training` for an
+    override written before Keras 3.3 added it), counted in the model's `loss` metric."""
+    if "training" in inspect.signature(model.compute_loss).parameters:
+        loss = model.compute_loss(x, y, y_pred, sample_weight, training=True)
+    else:
+        loss = model.compute_loss(x, y, y_pred, sample_weight)
+    first = next(i for i in tf.nest.flatten(x, expand_composites=True) if i is not None)
+    # Keras' private loss tracker: the `loss` metric reads it, and no public API feeds it
+    model._loss_tracker.update_state(loss, sample_weight=tf.shape(first)[0])
+    return loss
+
+
 def _columns(model: keras.Model, layers: Sequence[DistributedEmbedding]) -> list[Any]:
     """Per layer, the model input it is called on directly (the key of the model's
     input dict, or `WHOLE` for its only input), or None (then it looks up inside the
     graph)."""
+    # Keras' private structure of the inputs and a layer's calls: no public API tells
+    # the key of a dict input, or whether a layer was called once and on what
     struct = getattr(model, "_inputs_struct", None)
     inputs = list(getattr(model, "inputs", None) or [])
     if isinstance(struct, dict):
@@ -287,19 +283,19 @@ class _ModelRunner:
         if kind == "train":
             if model.train_function is None:  # compiled again: new loss and metrics
                 self._train = None
-            fresh = session._dense_ready
+            fresh = session.dense_ready
             with _reaching(session, "model.fit"):
                 session.begin_training()
                 if fresh:  # other workers may have trained since our last fit
-                    session._refresh_dense(fresh=True)
+                    session.refresh_dense(fresh=True)
             self._pending = None
             model.train_function = self.train_function
             return self.train_function
-        session._drain_pushes()
+        session.settle_pushes()
         what = "model.evaluate" if kind == "test" else "model.predict"
         with _reaching(session, what):
             try:
-                session._refresh_dense(fresh=True)
+                session.refresh_dense(fresh=True)
             except PushRejectedError as exc:
                 if exc.status != 404:
                     raise
@@ -326,7 +322,7 @@ class _ModelRunner:
         pushes in flight the last answers did not bring them)."""
         self._pending = None
         self.session.end_training()
-        self.session._refresh_dense(fresh=True)
+        self.session.refresh_dense(fresh=True)
 
     # ------------------------------------------------------------ training
 
@@ -337,11 +333,7 @@ class _ModelRunner:
             # Keras' TensorFlowTrainer.train_step, but differentiated by `fed_train_step`
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
             y_pred = model(x, training=True)
-            loss = model._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-            )
-            first = next(i for i in tf.nest.flatten(x, expand_composites=True) if i is not None)
-            model._loss_tracker.update_state(loss, sample_weight=tf.shape(first)[0])
+            loss = _train_loss(model, x, y, y_pred, sample_weight)
             return loss, (x, y, y_pred, sample_weight)
 
         def after(data: Any, loss: Any, state: Any) -> Any:
@@ -402,7 +394,7 @@ class _ModelRunner:
         except BaseException as exc:
             self._pending = None
             session.forget_prefetched()
-            session._settle_quietly(exc)
+            session.settle_quietly(exc)
             raise
 
     # ------------------------------------------------------------ evaluation
@@ -467,8 +459,6 @@ class _ModelRunner:
 @contextlib.contextmanager
 def _reaching(session: TrainingSession, what: str) -> Any:
     """Name the call and the cluster file when the cluster cannot be reached at all."""
-    from lookup_table.errors import NodeUnavailableError, ReplicaUnavailableError
-
     try:
         yield
     except ReplicaUnavailableError as exc:

@@ -1,43 +1,10 @@
 """`DistributedEmbedding`: a Keras layer whose table lives in memcached.
 
-Use it where you would use `keras.layers.Embedding`, and train the model with
-Keras' own `model.fit` after `model.compile(optimizer=RemoteOptimizer(config), ...)`
-(import them from `lookup_table.keras`, which also makes models with these layers run
-against their cluster in Keras' own loops), or with `trainer.Trainer`. Either binds the
-layers to the cluster, fetches the rows of
-each batch (prefetching the next batch's while the current one computes) and pushes
-the gradients to the optimizer service::
-
-    user = keras.Input((), dtype="int64", name="user")
-    x = DistributedEmbedding(table_spec)(user)                  # (batch, dim)
-    tags = keras.Input((None,), dtype="string", name="tags", ragged=True)
-    y = DistributedEmbedding("tag", dim=8, combiner="mean")(tags)  # (batch, 8)
-
-Inputs and outputs:
-
-* a dense int64 or string tensor of any shape: with `combiner=None` the output
-  is `inputs.shape + (dim,)`, as `keras.layers.Embedding`; with a combiner the
-  last axis is combined, as `tf.nn.safe_embedding_lookup_sparse` would for the
-  same ids (1-D ids (batch,) count as (batch, 1): one id per example).
-  Positions equal to `padding_id` contribute nothing (a zero vector with
-  `combiner=None`).
-* a `tf.RaggedTensor` (batch, None): with a combiner -> (batch, dim); with
-  `combiner=None` -> a ragged (batch, None, dim).
-* a `tf.SparseTensor` (batch, k) with optional `sparse_weights` (a SparseTensor
-  of the same indices): a combiner is required; exactly
-  `tf.nn.safe_embedding_lookup_sparse` (empty rows give zeros; "mean" and "sqrtn"
-  prune ids with weight <= 0, "sum" keeps negative weights). Unlike it, negative
-  int ids are real ids here.
-
-Combiners: "sum" = sum w_i e_i, "mean" = sum w_i e_i / sum w_i, "sqrtn" =
-sum w_i e_i / sqrt(sum w_i^2).
-
-How gradients flow: a call looks up the unique ids of its input once (a `RowSource`
-returns their rows as a float32 (u, dim) array), turns the rows into a tensor the
-trainer's GradientTape watches, and gathers from it. The trainer then asks the
-tape for the gradient w.r.t. those rows: one summed gradient per unique id, which
-is exactly what the optimizer service wants. The layer has no Keras weights and
-runs eagerly (the lookup happens outside the TF graph).
+Use it where you would use `keras.layers.Embedding` (dense, ragged or sparse int64 or
+string ids, an optional combiner), and train with `model.fit` on a `RemoteOptimizer` or
+with `trainer.Trainer`. A call looks up its unique ids' rows from its `RowSource` and
+gathers from them, so a tape's gradient w.r.t. those rows is one summed gradient per
+unique id. Inputs, outputs and combiners: docs/training.md.
 """
 
 from __future__ import annotations
@@ -481,15 +448,7 @@ class DistributedEmbedding(keras.layers.Layer):
         contributes = tf.cast(index < num_rows, tf.float32)
         weighted = isinstance(inputs, tf.SparseTensor) and sparse_weights is not None
         w = weights * contributes if weighted else contributes
-        total = tf.math.unsorted_segment_sum(emb * w[:, None], segments, num_segments=groups)
-        if self.combiner == "sum":
-            out = total
-        elif self.combiner == "mean":
-            denom = tf.math.unsorted_segment_sum(w, segments, num_segments=groups)
-            out = tf.math.divide_no_nan(total, denom[:, None])
-        else:
-            denom = tf.sqrt(tf.math.unsorted_segment_sum(w * w, segments, num_segments=groups))
-            out = tf.math.divide_no_nan(total, denom[:, None])
+        out = combine_segments(emb * w[:, None], w, segments, groups, self.combiner)
         if isinstance(inputs, tf.RaggedTensor | tf.SparseTensor) or inputs.shape.rank == 1:
             return out
         in_shape = tf.shape(inputs)
@@ -499,6 +458,8 @@ class DistributedEmbedding(keras.layers.Layer):
 
 def distributed_layers(model: keras.Model) -> list[DistributedEmbedding]:
     """The `DistributedEmbedding` layers of `model`, in Keras' order."""
+    # Keras' private walk of every tracked sublayer: the public `model.layers` lists only
+    # the top level, in another order, and misses layers nested in a custom layer.
     return [
         layer
         for layer in model._flatten_layers(include_self=False)

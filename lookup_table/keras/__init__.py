@@ -1,15 +1,9 @@
 """The Keras side of the cluster: the names a Keras user imports, in one place.
 
-`DistributedEmbedding` (`lookup_table.layer`), `RemoteOptimizer` (`lookup_table.remote`),
-`export_saved_model` (`lookup_table.serving`) and `CheckpointCallback`. Importing this
-module also wraps `keras.Model`'s methods, for models with `DistributedEmbedding` layers
-only: `fit`, `evaluate` and `predict` run against the cluster (their
-`make_*_function`); numpy string ids (`np.array(["a", "b"])`, dtype `<U` or `S`) in
-`fit`, `evaluate`, `predict` and the `*_on_batch` methods are passed to Keras as object
-arrays (Keras' data adapters refuse `<U` arrays); `model.export(path)` exports with
-`export_saved_model(model, path)`; and `fit` refuses `EarlyStopping(
-restore_best_weights=True)`, which would restore the dense weights but not the rows
-(`CheckpointCallback` with `monitor` keeps the best epoch's rows and weights instead).
+Importing it also wraps `keras.Model`'s methods, for models with `DistributedEmbedding`
+layers only: `fit`, `evaluate` and `predict` run against the cluster, numpy string ids are
+passed as object arrays, `model.export` exports with `export_saved_model`, and `fit`
+refuses `EarlyStopping(restore_best_weights=True)` (docs/training.md).
 """
 
 from __future__ import annotations
@@ -28,14 +22,18 @@ import numpy as np
 
 from lookup_table.config import ClusterConfig
 from lookup_table.errors import ConfigError
-from lookup_table.export import export_saved_model
-from lookup_table.layer import (
+from lookup_table.keras.export import (
+    checkpoint_rows,
+    export_checkpoint_saved_model,
+    export_saved_model,
+)
+from lookup_table.keras.fit import RemoteOptimizer, model_function
+from lookup_table.keras.layer import (
     DistributedEmbedding,
     RecordedLookup,
     RowSource,
     distributed_layers,
 )
-from lookup_table.remote import RemoteOptimizer
 
 __all__ = [
     "CheckpointCallback",
@@ -43,7 +41,9 @@ __all__ = [
     "RecordedLookup",
     "RemoteOptimizer",
     "RowSource",
+    "checkpoint_rows",
     "distributed_layers",
+    "export_checkpoint_saved_model",
     "export_saved_model",
 ]
 
@@ -137,8 +137,6 @@ class CheckpointCallback(keras.callbacks.Callback):
         self._epochs = int(epochs) if isinstance(epochs, int) else None
 
     def _config_and_worker(self) -> tuple[ClusterConfig, int, Any]:
-        from lookup_table.remote import RemoteOptimizer
-
         optimizer = getattr(self.model, "optimizer", None)
         if isinstance(optimizer, RemoteOptimizer):
             return self.config or optimizer.config, optimizer.worker_index, optimizer.session
@@ -194,7 +192,7 @@ class CheckpointCallback(keras.callbacks.Callback):
 
 def _hook_model_functions() -> None:
     """Make `model.fit`, `evaluate` and `predict` of models with `DistributedEmbedding`
-    layers run against their cluster (`lookup_table.remote`).
+    layers run against their cluster (`lookup_table.keras.fit`).
 
     Wraps `keras.Model.make_train_function`, `make_test_function` and
     `make_predict_function` (once per process): a model without these layers gets
@@ -214,8 +212,6 @@ def _hook_model_functions() -> None:
             layers = distributed_layers(self)
             if not layers:
                 return _original(self, force)
-            from lookup_table.remote import RemoteOptimizer, model_function
-
             if (
                 _kind != "train"
                 and not isinstance(getattr(self, "optimizer", None), RemoteOptimizer)

@@ -1,0 +1,190 @@
+"""The graph step: one `tf.function` per step, fed the rows of the layers called on a
+model input as arguments (`FedBatch`), the other layers looking up inside it;
+`fed_train_step` builds it, `GraphStep` runs it with a `TrainingSession`'s rows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import numpy as np
+import tensorflow as tf
+from numpy.typing import NDArray
+
+from lookup_table.keras.layer import DistributedEmbedding, RecordedLookup
+from lookup_table.keras.rows import FedIds, FedLayer, column_of
+from lookup_table.keras.session import TrainingSession
+
+__all__ = ["FedBatch", "GraphStep", "fed_train_step", "feed_layers"]
+
+
+class FedBatch:
+    """The fed layers' rows of one batch as graph-step arguments, and the way back from
+    their gradients to (table, unique ids, summed gradient) records.
+
+    The rows come as few tensors, whatever the number of layers (each argument costs
+    TF's call path): `args` = (one table per dim: the rows of its layers one after the
+    other, then a zero row; one index of every layer's positions; the bounds of each
+    layer's part of it).
+    """
+
+    def __init__(
+        self,
+        fed: Sequence[FedLayer],
+        got: Sequence[tuple[FedIds, NDArray[np.float32]]],
+    ) -> None:
+        self.dims = sorted({f.layer.dim for f in fed})
+        parts: dict[int, list[NDArray[np.float32]]] = {d: [] for d in self.dims}
+        self.offsets: list[int] = []
+        for f, (_, rows) in zip(fed, got, strict=True):
+            self.offsets.append(sum(r.shape[0] for r in parts[f.layer.dim]))
+            parts[f.layer.dim].append(rows)
+        totals = {d: sum(r.shape[0] for r in parts[d]) for d in self.dims}
+        indexes = []
+        for f, (ids, _), start in zip(fed, got, self.offsets, strict=True):
+            own = ids.uniq.shape[0]
+            indexes.append(np.where(ids.index < own, ids.index + start, totals[f.layer.dim]))
+        lengths = [i.shape[0] for i in indexes]
+        self.fed = list(fed)
+        self.ids = [ids for ids, _ in got]
+        self.args = (
+            [
+                tf.constant(np.concatenate([*parts[d], np.zeros((1, d), np.float32)]))
+                for d in self.dims
+            ],
+            tf.constant(np.concatenate(indexes) if indexes else np.zeros(0, np.int64)),
+            tf.constant(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)),
+        )
+
+    def records(
+        self, table_grads: Sequence[Any]
+    ) -> tuple[list[RecordedLookup], list[NDArray[np.float32]]]:
+        """Per fed layer: (table, unique ids) and their summed gradient, from the step's
+        gradients w.r.t. the tables of `args`."""
+        table_np = [np.asarray(g) for g in table_grads]
+        grads = [
+            table_np[self.dims.index(f.layer.dim)][start : start + ids.uniq.shape[0]]
+            for f, ids, start in zip(self.fed, self.ids, self.offsets, strict=True)
+        ]
+        records = [
+            RecordedLookup(table=f.layer.table, ids=ids.uniq, rows=None)
+            for f, ids in zip(self.fed, self.ids, strict=True)
+        ]
+        return records, grads
+
+
+def feed_layers(fed: Sequence[FedLayer], inputs: Any, tables: Any, index: Any, bounds: Any) -> None:
+    """(At trace time, inside `begin_step`/`end_step`.) Hand each fed layer its column,
+    its table and its part of the index (see `DistributedEmbedding.feed`)."""
+    dims = sorted({f.layer.dim for f in fed})
+    for k, f in enumerate(fed):
+        column = column_of(inputs, f.key)
+        f.layer.feed(column, tables[dims.index(f.layer.dim)], index[bounds[k] : bounds[k + 1]])
+
+
+def fed_train_step(
+    layers: Sequence[DistributedEmbedding],
+    fed: Sequence[FedLayer],
+    dense_vars: Sequence[Any],
+    *,
+    inputs_of: Callable[[Any], Any],
+    forward: Callable[[Any], tuple[Any, Any]],
+    after: Callable[[Any, Any, Any], Any],
+) -> Any:
+    """A train step as one tf.function: `step(data, tables, index, bounds)` ->
+    (what `after` returns, row gradients of the in-graph lookups, gradients w.r.t.
+    `tables`, dense gradients).
+
+    `forward(data)` -> (loss, state) runs under the tape, with `fed` layers fed from
+    `tables` (their columns found in `inputs_of(data)`) and the others looking up inside
+    the graph; `after(data, loss, state)` runs after it (e.g. Keras' metrics)."""
+
+    @tf.function(reduce_retracing=True)
+    def step(data: Any, tables: Any, index: Any, bounds: Any) -> Any:
+        with tf.GradientTape() as tape:
+            for layer in layers:
+                layer.begin_step(tape)  # at trace time: a new trace, rows watched
+            for table in tables:
+                tape.watch(table)
+            feed_layers(fed, inputs_of(data), tables, index, bounds)
+            loss, state = forward(data)
+        rows = [r for layer in layers for r in layer.graph_rows]
+        n, m = len(rows), len(tables)
+        grads = tape.gradient(loss, rows + list(tables) + list(dense_vars))
+        for layer in layers:
+            layer.end_step()
+        row_grads = [
+            tf.zeros_like(r) if g is None else tf.convert_to_tensor(g)
+            for r, g in zip(rows + list(tables), grads[: n + m], strict=True)
+        ]
+        dense_grads = [
+            tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+            for v, g in zip(dense_vars, grads[n + m :], strict=True)
+        ]
+        return after(data, loss, state), row_grads[:n], row_grads[n:], dense_grads
+
+    return step
+
+
+class GraphStep:
+    """Runs a step built by `make(fed)` (see `fed_train_step`) with the session's rows:
+    the fed layers' rows as arguments (`training`: a training step's, prefetched and
+    patched; else read with `create=False`), the others' through in-graph lookups.
+
+    Which candidates are really fed is known after the first trace (a layer called on a
+    transformed column is not): the step is then rebuilt without the others."""
+
+    def __init__(
+        self,
+        session: TrainingSession,
+        candidates: Sequence[FedLayer],
+        make: Callable[[list[FedLayer]], Any],
+        *,
+        training: bool = True,
+    ) -> None:
+        self.session = session
+        self.fed: list[FedLayer] = list(candidates)
+        self.training = training
+        self._make = make
+        self._fn: Any = None
+        if training:
+            session.fed_layers = [f.layer for f in self.fed]
+
+    def run(self, data: Any, features: Any) -> tuple[Any, FedBatch]:
+        """Run the step on `data` whose model inputs are `features`: what it returns,
+        and the fed rows it was given."""
+        session = self.session
+        if self.training:
+            got = [session.fed_rows(f, features) for f in self.fed]
+        else:
+            got = session.evaluation_rows(self.fed, features)
+        batch = FedBatch(self.fed, got)
+        if self._fn is None:
+            self._fn = self._make(self.fed)
+            self._fn.get_concrete_function(data, *batch.args)  # trace: which feeds are taken
+            taken = [f for f in self.fed if f.layer.fed]
+            if len(taken) < len(self.fed):  # e.g. the model transforms a column first
+                self.fed = taken
+                if self.training:
+                    session.fed_layers = [f.layer for f in taken]
+                self._fn = None
+                return self.run(data, features)
+        with session.lookups():
+            return self._fn(data, *batch.args), batch
+
+    def __call__(
+        self, data: Any, features: Any
+    ) -> tuple[Any, list[RecordedLookup], list[NDArray[np.float32]], list[Any]]:
+        """Run a training step (`fed_train_step`); returns (what its `after` returned,
+        the lookups' records, their row gradients, the dense gradients)."""
+        (out, row_grads, table_grads, dense_grads), batch = self.run(data, features)
+        records: list[RecordedLookup | None] = [
+            rec
+            for layer in self.session.layers
+            for rec in layer.graph_records[: len(layer.graph_rows)]
+        ]
+        if any(r is None for r in records) or len(records) != len(row_grads):
+            raise RuntimeError("a lookup of the step did not record its ids (a bug)")
+        fed_records, fed_grads = batch.records(table_grads)
+        grads = [np.asarray(g) for g in row_grads] + fed_grads
+        return out, cast(list[RecordedLookup], records) + fed_records, grads, dense_grads
