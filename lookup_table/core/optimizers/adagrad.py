@@ -1,15 +1,5 @@
-"""Adagrad (Duchi, Hazan & Singer, 2011, "Adaptive Subgradient Methods", JMLR 12).
-
-The update is Keras 3's `keras.optimizers.Adagrad.update_step`, op for op in
-float32, so it matches `tf.keras.optimizers.Adagrad` to float32 rounding:
-
-    accumulator += g**2
-    w           -= lr * g / sqrt(accumulator + epsilon)
-
-Conventions (Keras'): the accumulator starts at `initial_accumulator_value`
-(default 0.1), not 0, and epsilon goes inside the sqrt. Adagrad has no step
-count, so sparse rows need no per-row convention: leaving a row out of a push
-is exactly Keras' update with a zero gradient for it (g = 0 changes nothing).
+"""Adagrad (Duchi, Hazan & Singer, 2011): Keras 3's `Adagrad.update_step` op for op in
+float32, epsilon inside the sqrt, the accumulator from 0.1 (docs/optimizers.md#adagrad).
 """
 
 from __future__ import annotations

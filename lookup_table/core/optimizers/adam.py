@@ -1,51 +1,9 @@
-"""Adam (Kingma & Ba, 2015, "Adam: A Method for Stochastic Optimization", arXiv:1412.6980).
+"""Adam (Kingma & Ba, 2015): Keras 3's `Adam.update_step` op for op in float32, with
+each row's own step count for the bias correction.
 
-The update is Keras 3's `keras.optimizers.Adam.update_step` (amsgrad off), op for
-op in float32, so on dense updates it matches `tf.keras.optimizers.Adam` to the
-last bit or within float32 rounding:
-
-    t     = step + 1
-    alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)
-    m    += (g - m) * (1 - beta_1)
-    v    += (g**2 - v) * (1 - beta_2)
-    w    -= m * alpha / (sqrt(v) + epsilon)
-
-The per-element work runs compiled (`lookup_table.core.jit`: one pass over the rows
-instead of a dozen numpy calls, ~4x faster on a push's 6,500 rows of dim 16), the same
-float32 operations in the same order, so the same bits as these formulas in numpy
-(tests/unit/test_optimizers.py checks it); only each row's `alpha` is numpy.
-
-Conventions:
-
-* epsilon is Keras' "epsilon hat" (default 1e-7), added after the sqrt; the bias
-  correction is folded into `alpha`, the reordering given at the end of the
-  paper's Section 2.
-* Per-row step: a sparse row is updated only when it appears in a push, so `t`
-  is the row's own count of updates plus one, stored in its slots, not a global
-  iteration counter. When every row is updated every step this equals Keras'
-  `iterations + 1`. A row absent from a push is not touched at all (Keras' dense
-  update would decay its m and v and move it by the old momentum), and a row first
-  seen late gets the full first-step bias correction, not that of step 1000.
-* The step is stored as float32: exact up to 2**24 updates of a row. Past that it
-  stops counting, but by then beta_2**t underflows and the bias correction is 1
-  to float32 precision anyway.
-* Scalars enter as Keras casts them: `1 - beta_1` is computed in Python (float64)
-  and rounded to float32 once, `beta_1` itself is rounded before the power.
-* `beta**t` is what TF's scalar Pow kernel returns for Keras' 0-d tensors: Eigen's
-  scalar path calls std::pow(float, float), i.e. the C library's `powf`
-  (libtensorflow_cc imports `powf@GLIBC_2.27`), and TF runs with subnormals
-  flushed to zero. So we call the same `powf` through ctypes, once per step count
-  ever seen (a table of `beta**t` for t = 0, 1, 2, ... grown on demand, then a
-  gather: no loop per row, nor per distinct step of a push), and flush a subnormal
-  result to 0. On x86-64 glibc this equals
-  `tf.pow` on float32 scalars bit for bit for every t in 1..200000 and beta in
-  {0.8, 0.9, 0.99, 0.999, 0.9999}. numpy's vectorized float32 `np.power` did not:
-  with AVX-512 it dispatches a SIMD kernel that is not correctly rounded and
-  disagreed in 4221 of the first 20000 t for beta 0.999, enough to fail the
-  Keras parity test by 5e-5. Neither is float64 `pow` rounded to float32 (glibc's
-  powf is not correctly rounded either). Where the C library has no `powf`
-  (ctypes cannot find one) we fall back to that float64 pow: within one float32
-  ulp, no longer bit for bit.
+The per-element work is one compiled pass (`lookup_table.core.jit`); `beta**t` comes
+from the C library's `powf`, as TF's scalar Pow computes it. docs/optimizers.md#adam
+gives the formula and why each convention is what it is.
 """
 
 from __future__ import annotations

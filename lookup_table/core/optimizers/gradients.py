@@ -1,26 +1,5 @@
-"""Pushed gradients before the update: sum duplicate ids, reject NaN/Inf (pure numpy).
-
-`segment_sum` gives a push IndexedSlices semantics: a trainer's batch may hold an
-id many times, and the row must get one update with the summed gradient, never
-one per occurrence and never only the last one (`acc[inv] += g` silently drops
-duplicates).
-
-Summation order, fixed so that results are reproducible bit for bit: each
-unique id's sum starts at +0.0 and adds its rows in float32, one after another,
-in the order they appear in the push. `np.add.at` is unbuffered and applies its
-indices in sequence, so a Python loop `acc[id] += g` over the push gives the same
-bits (tests pin this). TF's `unsorted_segment_sum` makes no order promise and may
-differ in the last bits when an id repeats 3 or more times.
-
-Method, measured in benchmarks/segment_sum.py (65,536 x 64 float32 grads, Zipf
-ids; results/segment_sum.json): `np.unique(ids, return_inverse=True)`, then one
-1-D `np.add.at` on the flat indices `inverse * dim + column`. It beat 2-D
-`np.add.at` (about 3x slower: it loops over rows) and sort + `np.add.reduceat`
-(about 2x slower, and its order inside a segment is numpy's internal blocking,
-neither sequential nor documented). A push without duplicates skips the sum, and
-int ids already in ascending order (what trainers send: `np.unique`'s) skip the sort.
-String ids are grouped with a dict, not `np.unique`, which sorts an object array
-by calling the str comparison per pair (2-3x slower at 65,536 ids).
+"""A push's gradients before the update: duplicate ids summed in a fixed order (bit for
+bit reproducible), NaN/Inf refused. docs/optimizers.md says why this order and method.
 """
 
 from __future__ import annotations

@@ -1,17 +1,5 @@
-"""SGD with optional momentum (Polyak, 1964) or Nesterov momentum (Sutskever et al., 2013).
-
-The update is Keras 3's `keras.optimizers.SGD.update_step`, op for op in float32,
-so it matches `tf.keras.optimizers.SGD` to float32 rounding:
-
-    momentum == 0:  w -= g * lr                              (no slots)
-    momentum  > 0:  m  = m * momentum - g * lr
-                    w += m                                   (nesterov=False)
-                    w += m * momentum - g * lr               (nesterov=True)
-
-`m` is a velocity that already contains the learning rate (Keras' and Sutskever's
-form, not PyTorch's); it starts at 0. SGD has no step count, so sparse rows need
-no per-row convention; a row absent from a push is not touched at all (with
-momentum, Keras' dense update would decay its m and keep moving it).
+"""SGD with optional (Polyak or Nesterov) momentum: Keras 3's `SGD.update_step` op for
+op in float32; the momentum slot already holds the learning rate (docs/optimizers.md#sgd).
 """
 
 from __future__ import annotations
