@@ -252,6 +252,97 @@ def test_links_stay_in_the_repository_and_reach_their_target(page: Path) -> None
             assert anchor in _anchors(dest), f"{page.name}: {target}: no such heading"
 
 
+# ---------------------------------------------------------------- code names
+
+CODE_NAME = re.compile(
+    r"\b(?:lookup_table|optimizer_service|trainer|benchmarks)(?:[./][A-Za-z_][A-Za-z_0-9]*)+/?"
+)
+
+
+FILE_SUFFIXES = {"md", "py", "json", "png", "toml", "sh", "txt", "yaml"}
+PLACEHOLDERS = {"NAME", "FILE", "DIR"}
+
+
+def _module_file(parts: list[str]) -> Path | None:
+    base = ROOT.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _top_level_names(path: Path) -> set[str]:
+    import ast
+
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                names.update(ast.literal_eval(node.value or ast.List([])))  # lazy (PEP 562)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.If):  # TYPE_CHECKING re-exports (lookup_table's lazy ones)
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.ImportFrom):
+                    names.update(a.asname or a.name for a in inner.names)
+    return names
+
+
+def _stale_code_name(name: str) -> str | None:
+    """Why `name` (a path like lookup_table/keras/ or a dotted lookup_table.keras.fit.X)
+    names nothing in the tree, or None."""
+    if "/" in name:
+        path = ROOT / name.rstrip("/")
+        return None if path.exists() or path.with_suffix(".py").exists() else "no such path"
+    parts = name.rstrip(".").split(".")
+    if parts[-1] in FILE_SUFFIXES or PLACEHOLDERS & set(parts):  # benchmarks.md, benchmarks.NAME
+        return None
+    for end in range(len(parts), 0, -1):
+        module = _module_file(parts[:end])
+        if module is None:
+            continue
+        rest = parts[end:]
+        if (
+            not rest
+            or rest[0] in _top_level_names(module)
+            or (ROOT.joinpath(*parts[:end]) / rest[0]).exists()
+        ):
+            return None
+        return f"{'.'.join(parts[:end])} defines no {rest[0]}"
+    return "no such module"
+
+
+def test_stale_code_name_is_found() -> None:
+    assert _stale_code_name("lookup_table/keras/") is None
+    assert _stale_code_name("lookup_table.keras.export_saved_model") is None
+    assert _stale_code_name("lookup_table.ops.checkpoint.save_checkpoint") is None
+    assert _stale_code_name("lookup_table/remote.py") == "no such path"
+    assert _stale_code_name("lookup_table.session.TrainingSession") is not None
+    assert _stale_code_name("lookup_table.keras.checkpoint_rowz") is not None
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
+def test_every_module_path_and_name_in_the_manual_exists(page: Path) -> None:
+    """Paths anywhere; dotted names in `code spans` and in import lines (a code example's
+    `trainer.fit(...)` is a variable's method, not the package's)."""
+    stale = []
+    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+        spans = re.findall(r"`([^`]+)`", line)
+        if re.match(r"\s*(from|import) ", line):
+            spans.append(line)
+        for match in CODE_NAME.finditer(line):
+            name = match.group(0)
+            if "/" not in name and not any(name in span for span in spans):
+                continue
+            if (why := _stale_code_name(name)) is not None:
+                stale.append(f"{page.name}:{number}: {name}: {why}")
+    assert stale == []
+
+
 # ---------------------------------------------------------------- history
 
 # Where history must not appear: the whole tree (it belongs in git's log).
