@@ -1,0 +1,161 @@
+"""Rows stored as float16 or bfloat16, and the row-wise optimizers' items, in real memcached:
+the bytes of an item as the layout says, float32 rows back, and a namespace that refuses a
+cluster file with another row dtype or optimizer for a table it holds."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lookup_table import EmbeddingStore, StorageFormatError, encode_key, initial_rows
+from lookup_table.config import ClusterConfig, RowwiseAdagradConfig
+from lookup_table.core.optimizers import make_optimizer
+from lookup_table.core.optimizers.layout import decode_items, encode_items, value_bytes
+from lookup_table.core.precision import round_to
+from lookup_table.core.sharding import node_of
+from lookup_table.ops.admin import init_cluster
+from tests.conftest import make_config, raw_client
+
+pytestmark = pytest.mark.integration
+
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "adam": {"name": "adam"},
+    "sgd": {"name": "sgd"},
+    "rowwise_adagrad": {"name": "rowwise_adagrad"},
+    "rowwise_adam": {"name": "rowwise_adam"},
+}
+
+
+def _raw(config: ClusterConfig, table: str, id_: int) -> bytes | None:
+    node = config.node_addresses[int(node_of(table, np.array([id_]), config.node_addresses)[0])]
+    with raw_client(node) as client:
+        value: bytes | None = client.get(encode_key(config.namespace, table, "w", id_))
+        return value
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+async def test_items_are_stored_as_their_layout_says_and_read_back_as_float32(
+    memcached_nodes: list[str], dtype: str, optimizer: str
+) -> None:
+    dim = 3  # odd: a 16-bit row is not a whole number of float32
+    table = {"name": "t", "dim": dim, "dtype": dtype, "optimizer": OPTIMIZERS[optimizer]}
+    config = make_config(memcached_nodes, tables=[table])
+    spec = config.table("t")
+    opt = make_optimizer(spec.optimizer)
+    ids = np.array([7, -2, 7, 40], dtype=np.int64)
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        rows = await store.lookup("t", ids)
+        assert rows.dtype == np.float32 and rows.shape == (4, dim)
+        initial = initial_rows(spec.initializer, seed=spec.seed, ids=ids, dim=dim)
+        expected = initial if dtype == "float32" else round_to(initial, dtype)  # type: ignore[arg-type]
+        np.testing.assert_array_equal(rows, expected)
+        np.testing.assert_array_equal(await store.lookup("t", ids), rows)  # read back: same
+        items = np.concatenate([expected[:1], opt.initial_slots(1, dim)], axis=1)
+        stored = encode_items(items, opt, dim, spec.dtype).tobytes()
+        assert _raw(config, "t", 7) == stored
+        assert len(stored) == value_bytes(opt, dim, spec.dtype)
+
+        # rows and slots written are read back with their slots, as stored
+        new_rows = np.array([[0.1, -2.5, 3e-3], [1.0, 2.0, -0.333]], dtype=np.float32)
+        slots = np.abs(np.random.default_rng(1).normal(size=(2, opt.slot_width(dim))))
+        slots = slots.astype(np.float32)
+        both = np.concatenate([new_rows, slots], axis=1)
+        as_stored = decode_items(encode_items(both, opt, dim, spec.dtype), opt, dim, spec.dtype)
+        await store.set("t", [7, 40], new_rows, slots=slots)
+        got, found = await store.get("t", [40, 7, 99], slots=True)
+        assert found.tolist() == [True, True, False]
+        np.testing.assert_array_equal(got[:2], as_stored[::-1])
+        assert not got[2].any()
+        plain, _ = await store.get("t", [7, 40])
+        np.testing.assert_array_equal(plain, as_stored[:, :dim])
+
+
+async def test_one_read_of_tables_of_equal_value_sizes_decodes_each_as_its_own(
+    memcached_nodes: list[str],
+) -> None:
+    # 32 bytes a row both: float32 dim 8, float16 dim 16 (sgd: no slots)
+    tables = [
+        {"name": "a", "dim": 8, "optimizer": {"name": "sgd"}},
+        {"name": "b", "dim": 16, "dtype": "float16", "optimizer": {"name": "sgd"}},
+        {"name": "c", "dim": 16, "dtype": "bfloat16", "optimizer": {"name": "sgd"}},
+    ]
+    config = make_config(memcached_nodes, tables=tables)
+    ids = np.arange(50, dtype=np.int64)
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        first = await store.lookup_many({"a": ids, "b": ids, "c": ids})
+        again = await store.lookup_many({"a": ids, "b": ids, "c": ids}, create=False)
+    for name in ("a", "b", "c"):
+        spec = config.table(name)
+        initial = initial_rows(spec.initializer, seed=spec.seed, ids=ids, dim=spec.dim)
+        expected = initial if spec.dtype == "float32" else round_to(initial, spec.dtype)
+        np.testing.assert_array_equal(first[name], expected)
+        np.testing.assert_array_equal(again[name], expected)
+
+
+async def test_ttl_and_admission_with_half_precision_rows(memcached_nodes: list[str]) -> None:
+    tables = [
+        {"name": "t", "dim": 4, "dtype": "float16", "ttl_s": 600, "admit_after": 2},
+    ]
+    config = make_config(memcached_nodes, tables=tables)
+    spec = config.table("t")
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        first = await store.lookup("t", [5])
+        assert _raw(config, "t", 5) is None  # one sighting: counted, not stored
+        second = await store.lookup("t", [5])
+        np.testing.assert_array_equal(first, second)
+    initial = initial_rows(spec.initializer, seed=spec.seed, ids=np.array([5]), dim=4)
+    np.testing.assert_array_equal(second, round_to(initial, "float16"))
+    stored = _raw(config, "t", 5) or b""
+    assert stored[:8] == round_to(initial, "float16").astype("<f2").tobytes()  # then adam's slots
+    assert len(stored) == 8 + 4 * (2 * 4 + 1)
+
+
+async def test_a_cluster_file_with_another_dtype_or_optimizer_is_refused_saying_how(
+    memcached_nodes: list[str],
+) -> None:
+    config = make_config(
+        memcached_nodes,
+        tables=[{"name": "t", "dim": 4}, {"name": "u", "dim": 2, "dtype": "bfloat16"}],
+    )
+    await init_cluster(config)
+    async with EmbeddingStore(config) as store:
+        await store.lookup("t", [1, 2])
+
+    def changed(name: str, **change: Any) -> ClusterConfig:
+        tables = [dataclasses.replace(t, **change) if t.name == name else t for t in config.tables]
+        return dataclasses.replace(config, tables=tuple(tables))
+
+    halved = changed("t", dtype="float16")
+    async with EmbeddingStore(halved) as store:
+        with pytest.raises(StorageFormatError, match="holds table 't'") as info:
+            await store.lookup("t", [1, 2])
+    message = str(info.value)
+    assert "float32 rows, adam slots (momentum float32, velocity float32, step float32)" in message
+    assert "this cluster file says float16 rows, adam slots" in message
+    assert "lookup-table-checkpoint save" in message and "restore --force" in message
+
+    other = changed("u", optimizer=RowwiseAdagradConfig())
+    async with EmbeddingStore(other) as store:
+        with pytest.raises(StorageFormatError, match="holds table 'u'.*new table name"):
+            await store.lookup("t", [1])  # any batch: the sentinel read in front says so
+    with pytest.raises(StorageFormatError, match="holds table 't'"):
+        await init_cluster(halved)
+
+    # what does not change the stored layout is no conversion: a learning rate, a table
+    # added after the namespace was made
+    tuned = changed("t", optimizer=dataclasses.replace(config.table("t").optimizer, beta_1=0.5))
+    added = dataclasses.replace(
+        config, tables=(*config.tables, dataclasses.replace(config.table("u"), name="v"))
+    )
+    for ok in (tuned, added):
+        async with EmbeddingStore(ok) as store:
+            assert (await store.lookup("t", [1, 2])).shape == (2, 4)
+    for id_ in (1, 2):  # float32 rows of dim 4 and adam's slots, as before
+        assert len(_raw(config, "t", id_) or b"") == 4 * (4 + 2 * 4 + 1)
