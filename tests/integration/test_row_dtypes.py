@@ -9,17 +9,57 @@ from typing import Any
 
 import numpy as np
 import pytest
+from numpy.typing import NDArray
+from prometheus_client import CollectorRegistry
 
-from lookup_table import EmbeddingStore, StorageFormatError, encode_key, initial_rows
-from lookup_table.config import ClusterConfig, RowwiseAdagradConfig
-from lookup_table.core.optimizers import make_optimizer
+from lookup_table import (
+    EmbeddingStore,
+    StorageFormatError,
+    encode_key,
+    initial_rows,
+)
+from lookup_table.config import ClusterConfig, RowwiseAdagradConfig, TableSpec
+from lookup_table.core.hashing import id_hashes
+from lookup_table.core.keys import as_ids
+from lookup_table.core.optimizers import make_optimizer, step_slot
 from lookup_table.core.optimizers.layout import decode_items, encode_items, value_bytes
-from lookup_table.core.precision import round_to
+from lookup_table.core.precision import round_to, rounding_keys
+from lookup_table.core.rows import value_hashes
 from lookup_table.core.sharding import node_of
+from lookup_table.core.wire import CONTENT_TYPE
 from lookup_table.ops.admin import init_cluster
+from optimizer_service.app import make_app
+from optimizer_service.engine.journal import Journal
 from tests.conftest import make_config, raw_client
+from tests.integration.test_service import _body
 
 pytestmark = pytest.mark.integration
+
+# the compact options of the crash tests (test_journal_replay, test_row_write_behind)
+PRECISE: dict[str, tuple[str, dict[str, Any]]] = {
+    "float16-rowwise_adam": ("float16", {"name": "rowwise_adam", "learning_rate": 0.01}),
+    "float16-rowwise_adagrad": ("float16", {"name": "rowwise_adagrad", "learning_rate": 0.1}),
+    "bfloat16-adam": ("bfloat16", {"name": "adam", "learning_rate": 0.01}),
+}
+
+
+def as_stored(
+    spec: TableSpec,
+    ids: Any,
+    old_slots: NDArray[np.float32],
+    new_rows: NDArray[np.float32],
+    new_slots: NDArray[np.float32],
+) -> NDArray[np.float32]:
+    """A step's new rows as a table of `spec` stores them: rounded stochastically, keyed
+    by the row's step before the update (optimizers that count them) or the hash of its
+    new slots (the others)."""
+    if spec.dtype == "float32":
+        return new_rows
+    column = step_slot(make_optimizer(spec.optimizer), spec.dim)
+    steps = old_slots[:, column].astype(np.int64) if column is not None else value_hashes(new_slots)
+    keys = rounding_keys(spec.seed, id_hashes(as_ids(ids)), steps)
+    return round_to(new_rows, spec.dtype, rounding="stochastic", keys=keys)
+
 
 OPTIMIZERS: dict[str, dict[str, Any]] = {
     "adam": {"name": "adam"},
@@ -159,3 +199,47 @@ async def test_a_cluster_file_with_another_dtype_or_optimizer_is_refused_saying_
             assert (await store.lookup("t", [1, 2])).shape == (2, 4)
     for id_ in (1, 2):  # float32 rows of dim 4 and adam's slots, as before
         assert len(_raw(config, "t", id_) or b"") == 4 * (4 + 2 * 4 + 1)
+
+
+@pytest.mark.parametrize("row_flush_pushes", [1, 4], ids=["written through", "written behind"])
+async def test_a_step_beyond_the_dtype_is_a_400_naming_the_row_and_nothing_is_written(
+    memcached_nodes: list[str], aiohttp_client: Any, row_flush_pushes: int
+) -> None:
+    tables = [
+        {"name": "a", "dim": 4, "seed": 1},  # float32 adam: stepped first, never written
+        {
+            "name": "h",
+            "dim": 4,
+            "dtype": "float16",
+            "optimizer": {"name": "sgd", "learning_rate": 1e5},
+        },
+    ]
+    config = make_config(
+        memcached_nodes,
+        tables=tables,
+        optimizers=["http://127.0.0.1:1"],
+        service={"row_flush_pushes": row_flush_pushes},
+    )
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        before = {t: await store.lookup(t, [1, 2]) for t in ("a", "h")}
+    client = await aiohttp_client(make_app(config, replica=0, registry=CollectorRegistry()))
+    grads = np.zeros((2, 4), dtype=np.float32)
+    grads[1, 2] = 1.0  # id 2's third value: -1e5 and more, beyond float16's 65504
+    body = _body(
+        "over",
+        {"a": ([1, 2], np.ones((2, 4), np.float32)), "h": ([1, 2], grads)},
+        **config.sender(0),
+    )
+    resp = await client.post("/v1/gradients", data=body, headers={"Content-Type": CONTENT_TYPE})
+    assert resp.status == 400, await resp.text()
+    error = (await resp.json())["error"]
+    assert "table 'h'" in error and "id 2" in error, error
+    assert "bfloat16" in error and "learning rate" in error, error  # what to do
+    await client.close()
+    async with EmbeddingStore(config) as store:
+        for t in ("a", "h"):
+            np.testing.assert_array_equal(await store.lookup(t, [1, 2], create=False), before[t])
+            items, _ = await store.get(t, [1, 2], slots=True)
+            assert not items[:, config.table(t).dim :].any()  # no slot moved either
+        assert not any(await Journal(store, replica=0).headers())
