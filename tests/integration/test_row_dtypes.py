@@ -13,6 +13,7 @@ from numpy.typing import NDArray
 from prometheus_client import CollectorRegistry
 
 from lookup_table import (
+    CheckpointError,
     EmbeddingStore,
     StorageFormatError,
     encode_key,
@@ -28,6 +29,8 @@ from lookup_table.core.rows import value_hashes
 from lookup_table.core.sharding import node_of
 from lookup_table.core.wire import CONTENT_TYPE
 from lookup_table.ops.admin import init_cluster
+from lookup_table.ops.checkpoint import restore_checkpoint_async, save_checkpoint_async
+from lookup_table.ops.stats import render_stats, table_stats
 from optimizer_service.app import make_app
 from optimizer_service.engine.journal import Journal
 from tests.conftest import make_config, raw_client
@@ -243,3 +246,110 @@ async def test_a_step_beyond_the_dtype_is_a_400_naming_the_row_and_nothing_is_wr
             items, _ = await store.get(t, [1, 2], slots=True)
             assert not items[:, config.table(t).dim :].any()  # no slot moved either
         assert not any(await Journal(store, replica=0).headers())
+
+
+def _with_dtype(
+    config: ClusterConfig, dtype: str, *, namespace: str | None = None
+) -> ClusterConfig:
+    tables = tuple(dataclasses.replace(t, dtype=dtype) for t in config.tables)  # type: ignore[arg-type]
+    return dataclasses.replace(config, tables=tables, namespace=namespace or config.namespace)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+async def test_a_checkpoint_holds_rows_as_stored_and_restores_into_any_dtype(
+    memcached_nodes: list[str], tmp_path: Any, dtype: str
+) -> None:
+    tables = [
+        {"name": "t", "dim": 5, "seed": 2, "dtype": dtype, "optimizer": {"name": "rowwise_adam"}},
+        {"name": "w", "dim": 3, "id_type": "string", "dtype": dtype},
+    ]
+    config = make_config(memcached_nodes, tables=tables)
+    ids = np.arange(-20, 20, dtype=np.int64) * 977
+    words = [f"w{i}" for i in range(9)]
+    rng = np.random.default_rng(4)
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        await store.lookup("w", words)
+        big = rng.normal(scale=300.0, size=(ids.shape[0], 5)).astype(np.float32)
+        slots = np.abs(rng.normal(size=(ids.shape[0], 7))).astype(np.float32)
+        await store.set("t", ids, big, slots=slots)
+        saved_t, _ = await store.get("t", ids, slots=True)
+        saved_w = await store.lookup("w", words, create=False)
+    manifest = await save_checkpoint_async(config, tmp_path / "ck", pause=False, progress=False)
+    by_name = {t["name"]: t for t in manifest["tables"]}
+    assert by_name["t"]["dtype"] == dtype and by_name["t"]["optimizer"] == "rowwise_adam"
+    assert by_name["t"]["slots"] == [
+        ["momentum", 5, "bfloat16"],
+        ["velocity", 1, "float32"],
+        ["step", 1, "float32"],
+    ]
+    rows_file = np.load(tmp_path / "ck" / by_name["t"]["files"]["rows"])
+    assert rows_file.dtype.str == {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}[dtype]
+    assert rows_file.nbytes == ids.shape[0] * 5 * (4 if dtype == "float32" else 2)  # as stored
+
+    # the same dtype: every bit back
+    again = _with_dtype(config, dtype, namespace=config.namespace + "a")
+    await restore_checkpoint_async(again, tmp_path / "ck", pause=False, progress=False)
+    async with EmbeddingStore(again) as store:
+        got, found = await store.get("t", ids, slots=True)
+        assert found.all()
+        np.testing.assert_array_equal(got, saved_t)
+        np.testing.assert_array_equal(await store.lookup("w", words, create=False), saved_w)
+
+    # another dtype: converted, to nearest (float32 holds every 16-bit value exactly)
+    for other in ("float32", "bfloat16", "float16"):
+        if other == dtype:
+            continue
+        into = _with_dtype(config, other, namespace=config.namespace + other)
+        await restore_checkpoint_async(into, tmp_path / "ck", pause=False, progress=False)
+        async with EmbeddingStore(into) as store:
+            got, _ = await store.get("t", ids, slots=True)
+        want = saved_t[:, :5] if other == "float32" else round_to(saved_t[:, :5], other)  # type: ignore[arg-type]
+        np.testing.assert_array_equal(got[:, :5], want)
+        np.testing.assert_array_equal(got[:, 5:], saved_t[:, 5:])  # slots as they were
+
+
+async def test_a_restore_into_float16_of_values_beyond_it_is_refused_before_anything_is_written(
+    memcached_nodes: list[str], tmp_path: Any
+) -> None:
+    config = make_config(
+        memcached_nodes, tables=[{"name": "t", "dim": 2, "optimizer": {"name": "sgd"}}]
+    )
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+        await store.set("t", [1, 2], np.array([[1.0, 2.0], [-7e4, 3.0]], np.float32))
+    await save_checkpoint_async(config, tmp_path / "ck", pause=False, progress=False)
+    half = _with_dtype(config, "float16", namespace=config.namespace + "h")
+    with pytest.raises(CheckpointError, match=r"table 't'.*70000.*beyond float16.*bfloat16"):
+        await restore_checkpoint_async(half, tmp_path / "ck", pause=False, progress=False)
+    async with EmbeddingStore(half) as store:
+        assert all(v is None for v in (await store.sentinels()).values())  # nothing written
+    other = dataclasses.replace(
+        config,
+        namespace=config.namespace + "o",
+        tables=(dataclasses.replace(config.table("t"), optimizer=RowwiseAdagradConfig()),),
+    )
+    with pytest.raises(CheckpointError, match=r"table 't'.*restore with optimizer 'sgd'"):
+        await restore_checkpoint_async(other, tmp_path / "ck", pause=False, progress=False)
+
+
+async def test_admin_stats_shows_each_tables_dtype_and_bytes_a_row(
+    memcached_nodes: list[str],
+) -> None:
+    tables = [
+        {"name": "h", "dim": 16, "dtype": "float16", "optimizer": {"name": "rowwise_adam"}},
+        {"name": "f", "dim": 16},
+    ]
+    config = make_config(memcached_nodes, tables=tables)
+    await init_cluster(config)
+    async with EmbeddingStore(config) as store:
+        await store.lookup("h", np.arange(10))
+    report = await table_stats(config)
+    h, f = report["tables"]["h"], report["tables"]["f"]
+    assert (h["dtype"], h["optimizer"], h["value_bytes"]) == ("float16", "rowwise_adam", 72)
+    assert (f["dtype"], f["optimizer"], f["value_bytes"]) == ("float32", "adam", 196)
+    assert h["kinds"]["rows"]["keys"] == 10
+    text = render_stats(report).splitlines()
+    assert text[-3].split() == ["table", "dim", "dtype", "optimizer", "bytes/row", "value"]
+    assert text[-2].split() == ["h", "16", "float16", "rowwise_adam", "72"]
+    assert text[-1].split() == ["f", "16", "float32", "adam", "196"]
