@@ -21,6 +21,7 @@ from numpy.typing import NDArray
 
 from lookup_table.config import ClusterConfig, TableSpec
 from lookup_table.core.keys import IdArray, as_ids
+from lookup_table.core.precision import itemsize
 from lookup_table.errors import ConfigError
 from lookup_table.layer import DistributedEmbedding, distributed_layers
 from lookup_table.ops.checkpoint import export_checkpoint_saved_model, save_checkpoint
@@ -237,7 +238,11 @@ def _sources(
 def _estimate(spec: TableSpec, ids: IdArray) -> int:
     id_bytes = sum(len(s.encode("utf-8")) for s in ids.tolist()) if spec.id_type == "string" else 0
     return estimate_export_bytes(
-        count=int(ids.shape[0]), dim=spec.dim, id_type=spec.id_type, id_bytes=id_bytes
+        count=int(ids.shape[0]),
+        dim=spec.dim,
+        id_type=spec.id_type,
+        id_bytes=id_bytes,
+        itemsize=itemsize(spec.dtype),
     )
 
 

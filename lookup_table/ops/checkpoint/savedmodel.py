@@ -22,8 +22,10 @@ import numpy as np
 
 from lookup_table.config import TableSpec
 from lookup_table.core.initializers import InitializerSpec
+from lookup_table.core.precision import itemsize
 from lookup_table.errors import CheckpointError, ConfigError
 from lookup_table.ops.checkpoint.files import load_array, npy_header, table_ids
+from lookup_table.ops.checkpoint.format import rows_from_file, table_dtype
 from lookup_table.ops.checkpoint.verify import verify_checkpoint
 
 if TYPE_CHECKING:
@@ -73,7 +75,7 @@ def checkpoint_rows(
         out[name] = TableRows(
             spec=_spec(root, manifest, t),
             ids=table_ids(root, t),
-            rows=load_array(root, t["files"]["rows"]),
+            rows=rows_from_file(load_array(root, t["files"]["rows"]), table_dtype(t)),
         )
     return out
 
@@ -94,6 +96,7 @@ def _spec(root: Path, manifest: Mapping[str, Any], t: Mapping[str, Any]) -> Tabl
             seed=int(c["seed"]),
             id_type=t["id_type"],
             initializer=initializer,
+            dtype=table_dtype(t),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(
@@ -108,7 +111,11 @@ def _estimate(root: Path, t: Mapping[str, Any]) -> int:
     if t["id_type"] == "string":
         id_bytes = int(np.prod(npy_header(root / t["files"]["ids_utf8"])[0]))
     return estimate_export_bytes(
-        count=int(t["count"]), dim=int(t["dim"]), id_type=t["id_type"], id_bytes=id_bytes
+        count=int(t["count"]),
+        dim=int(t["dim"]),
+        id_type=t["id_type"],
+        id_bytes=id_bytes,
+        itemsize=itemsize(table_dtype(t)),
     )
 
 
