@@ -353,3 +353,24 @@ async def test_admin_stats_shows_each_tables_dtype_and_bytes_a_row(
     assert text[-3].split() == ["table", "dim", "dtype", "optimizer", "bytes/row", "value"]
     assert text[-2].split() == ["h", "16", "float16", "rowwise_adam", "72"]
     assert text[-1].split() == ["f", "16", "float32", "adam", "196"]
+
+
+async def test_the_conversion_the_refusal_names_works_in_place(
+    memcached_nodes: list[str], tmp_path: Any
+) -> None:
+    """Save with the file that wrote the namespace, restore --force with the new dtype:
+    the namespace then holds (and its sentinels record) the new layout."""
+    config = make_config(memcached_nodes, tables=[{"name": "t", "dim": 4}])
+    await init_cluster(config)
+    async with EmbeddingStore(config) as store:
+        before = await store.lookup("t", [1, 2, 3])
+    await save_checkpoint_async(config, tmp_path / "ck", pause=False, progress=False)
+    half = _with_dtype(config, "float16", namespace=config.namespace)
+    await restore_checkpoint_async(half, tmp_path / "ck", force=True, pause=False, progress=False)
+    async with EmbeddingStore(half) as store:
+        got = await store.lookup("t", [1, 2, 3], create=False)
+    np.testing.assert_array_equal(got, round_to(before, "float16"))
+    assert len(_raw(config, "t", 1) or b"") == 2 * 4 + 4 * (2 * 4 + 1)
+    async with EmbeddingStore(config) as store:  # the old file is refused now
+        with pytest.raises(StorageFormatError, match="as float16 rows"):
+            await store.lookup("t", [1])
