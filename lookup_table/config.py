@@ -26,6 +26,7 @@ from lookup_table.core.expiry import MAX_RELATIVE_TTL_S, MAX_TTL_S
 from lookup_table.core.hashing import stable_hash
 from lookup_table.core.initializers import InitializerSpec
 from lookup_table.core.keys import validate_name
+from lookup_table.core.precision import ROW_DTYPES, RowDtype
 from lookup_table.errors import ConfigError, KeyEncodingError
 
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
     "ClusterConfig",
     "NodeSpec",
     "OptimizerConfig",
+    "RowwiseAdagradConfig",
+    "RowwiseAdamConfig",
     "SGDConfig",
     "ServiceConfig",
     "StoreConfig",
@@ -93,11 +96,50 @@ class AdagradConfig:
     epsilon: float = 1e-7
 
 
-OptimizerConfig: TypeAlias = AdamConfig | SGDConfig | AdagradConfig
-_OPTIMIZERS: dict[str, type[AdamConfig] | type[SGDConfig] | type[AdagradConfig]] = {
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RowwiseAdagradConfig:
+    """Row-wise Adagrad (one float32 accumulator a row) with FBGEMM's defaults (its
+    `learning_rate`, `eps`, zero state); `core.optimizers.rowwise_adagrad`."""
+
+    name: Literal["rowwise_adagrad"] = "rowwise_adagrad"
+    learning_rate: float = 0.01
+    initial_accumulator_value: float = 0.0
+    epsilon: float = 1e-8
+
+
+MOMENTUM_DTYPES = ("bfloat16", "float32")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RowwiseAdamConfig:
+    """Row-wise Adam with Keras Adam's names and defaults; `momentum_dtype` is how the
+    first moment is stored ("bfloat16": float32's range in half the bytes);
+    `core.optimizers.rowwise_adam`."""
+
+    name: Literal["rowwise_adam"] = "rowwise_adam"
+    learning_rate: float = 0.001
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-7
+    momentum_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.momentum_dtype not in MOMENTUM_DTYPES:
+            raise ConfigError(
+                f"momentum_dtype {self.momentum_dtype!r}: expected 'float32' or 'bfloat16' "
+                f"(the first moment needs float32's range: bfloat16 keeps it in 2 bytes)"
+            )
+
+
+OptimizerConfig: TypeAlias = (
+    AdamConfig | SGDConfig | AdagradConfig | RowwiseAdagradConfig | RowwiseAdamConfig
+)
+_OPTIMIZERS: dict[str, type[OptimizerConfig]] = {
     "adam": AdamConfig,
     "sgd": SGDConfig,
     "adagrad": AdagradConfig,
+    "rowwise_adagrad": RowwiseAdagradConfig,
+    "rowwise_adam": RowwiseAdamConfig,
 }
 
 
@@ -113,6 +155,9 @@ class TableSpec:
     `admit_after` stores a row only from the K-th sighting of its id in training
     lookups (1: at once), counted in memcached by counters that expire after
     `admit_ttl_s` without a sighting (None: the table's `ttl_s`, else one day).
+
+    `dtype`: how the rows are stored (float32, or float16/bfloat16 in half the bytes:
+    stepped in float32, rounded when stored; trainers get float32 rows).
     """
 
     name: str
@@ -124,6 +169,7 @@ class TableSpec:
     ttl_s: int | None = None
     admit_after: int = 1
     admit_ttl_s: int | None = None
+    dtype: RowDtype = "float32"
 
     @property
     def counter_ttl_s(self) -> int:
@@ -237,6 +283,7 @@ class ClusterConfig:
             "tables": {
                 t.name: {
                     "dim": t.dim,
+                    "dtype": t.dtype,
                     "id_type": t.id_type,
                     "seed": t.seed,
                     "initializer": t.initializer.to_dict(),
@@ -294,6 +341,7 @@ class ClusterConfig:
                     **({"ttl_s": t.ttl_s} if t.ttl_s is not None else {}),
                     **({"admit_after": t.admit_after} if t.admit_after != 1 else {}),
                     **({"admit_ttl_s": t.admit_ttl_s} if t.admit_ttl_s is not None else {}),
+                    **({"dtype": t.dtype} if t.dtype != "float32" else {}),
                 }
                 for t in self.tables
             ],
@@ -395,6 +443,16 @@ class _Section:
             )
         return value
 
+    def choice(self, key: str, default: str, allowed: tuple[str, ...], *, why: str) -> str:
+        """A string that is one of `allowed`; `why` says what the choices mean."""
+        value = self.take(key, default)
+        if value not in allowed:
+            raise ConfigError(
+                f"{self.at(key)}: expected one of {', '.join(repr(a) for a in allowed)}, "
+                f"got {value!r} ({why})"
+            )
+        return cast(str, value)
+
     def boolean(self, key: str, default: bool) -> bool:
         value = self.take(key, default)
         if not isinstance(value, bool):
@@ -458,6 +516,13 @@ def _parse_optimizer(
             values[key] = section.number(key, current, positive=True)
         elif key in ("beta_1", "beta_2", "momentum"):
             values[key] = section.number(key, current, below_one=True)
+        elif key == "momentum_dtype":
+            values[key] = section.choice(
+                key,
+                current,
+                MOMENTUM_DTYPES,
+                why="bfloat16 keeps the first moment's float32 range in 2 bytes",
+            )
         else:
             values[key] = section.number(key, current)
     section.finish(["name", *fields])
@@ -493,6 +558,12 @@ def _parse_table(raw: object, path: str, default_optimizer: OptimizerConfig) -> 
         if opt_raw is None
         else _parse_optimizer(opt_raw, section.at("optimizer"), default_optimizer)
     )
+    dtype = section.choice(
+        "dtype",
+        "float32",
+        ROW_DTYPES,
+        why="float32 stores rows as they are; float16 and bfloat16 in half the bytes",
+    )
     ttl_s = section.seconds("ttl_s")
     admit_after = section.integer("admit_after", 1, minimum=1)
     admit_ttl_s = section.seconds("admit_ttl_s")
@@ -506,6 +577,7 @@ def _parse_table(raw: object, path: str, default_optimizer: OptimizerConfig) -> 
             "admit_after",
             "admit_ttl_s",
             "dim",
+            "dtype",
             "id_type",
             "initializer",
             "name",
@@ -524,6 +596,7 @@ def _parse_table(raw: object, path: str, default_optimizer: OptimizerConfig) -> 
         ttl_s=ttl_s,
         admit_after=admit_after,
         admit_ttl_s=admit_ttl_s,
+        dtype=cast(RowDtype, dtype),  # checked above; str does not narrow
     )
 
 

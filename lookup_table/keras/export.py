@@ -25,6 +25,7 @@ from numpy.typing import NDArray
 from lookup_table.config import ClusterConfig, TableSpec
 from lookup_table.core.initializers import InitializerSpec
 from lookup_table.core.keys import IdArray, as_ids
+from lookup_table.core.precision import itemsize
 from lookup_table.errors import CheckpointError, ConfigError
 from lookup_table.keras.fit import RemoteOptimizer
 from lookup_table.keras.layer import DistributedEmbedding, distributed_layers
@@ -41,6 +42,7 @@ from lookup_table.keras.serving import (
 from lookup_table.keras.session import TrainingSession
 from lookup_table.ops.checkpoint import save_checkpoint
 from lookup_table.ops.checkpoint.files import load_array, npy_header, table_ids
+from lookup_table.ops.checkpoint.format import rows_from_file, table_dtype
 from lookup_table.ops.checkpoint.pipeline import run_blocking
 from lookup_table.ops.checkpoint.save import paused_replicas
 from lookup_table.ops.checkpoint.verify import verify_checkpoint
@@ -243,7 +245,11 @@ def _sources(
 def _estimate(spec: TableSpec, ids: IdArray) -> int:
     id_bytes = sum(len(s.encode("utf-8")) for s in ids.tolist()) if spec.id_type == "string" else 0
     return estimate_export_bytes(
-        count=int(ids.shape[0]), dim=spec.dim, id_type=spec.id_type, id_bytes=id_bytes
+        count=int(ids.shape[0]),
+        dim=spec.dim,
+        id_type=spec.id_type,
+        id_bytes=id_bytes,
+        itemsize=itemsize(spec.dtype),
     )
 
 
@@ -302,7 +308,7 @@ def checkpoint_rows(
         out[name] = TableRows(
             spec=_spec(root, manifest, t),
             ids=table_ids(root, t),
-            rows=load_array(root, t["files"]["rows"]),
+            rows=rows_from_file(load_array(root, t["files"]["rows"]), table_dtype(t)),
         )
     return out
 
@@ -323,6 +329,7 @@ def _spec(root: Path, manifest: Mapping[str, Any], t: Mapping[str, Any]) -> Tabl
             seed=int(c["seed"]),
             id_type=t["id_type"],
             initializer=initializer,
+            dtype=table_dtype(t),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(
@@ -335,7 +342,11 @@ def _checkpoint_estimate(root: Path, t: Mapping[str, Any]) -> int:
     if t["id_type"] == "string":
         id_bytes = int(np.prod(npy_header(root / t["files"]["ids_utf8"])[0]))
     return estimate_export_bytes(
-        count=int(t["count"]), dim=int(t["dim"]), id_type=t["id_type"], id_bytes=id_bytes
+        count=int(t["count"]),
+        dim=int(t["dim"]),
+        id_type=t["id_type"],
+        id_bytes=id_bytes,
+        itemsize=itemsize(table_dtype(t)),
     )
 
 

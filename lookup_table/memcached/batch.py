@@ -12,7 +12,7 @@ import bisect
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -273,7 +273,7 @@ async def mg_rows(
     node: Node,
     parts: Sequence[ReadPart],
     segments: list[Segment],
-    results: list[tuple[NDArray[np.float32], NDArray[np.bool_]]],
+    results: list[tuple[NDArray[Any], NDArray[np.bool_]]],
     *,
     sentinel: Sentinel | None,
     describe: Callable[[int, int], tuple[str, str]],
@@ -327,12 +327,13 @@ async def mg_rows(
                 )
         for group, reply in zip(groups, got.replies, strict=True):
             raw = gather_values(data, reply, group.nbytes, take=group.take)
-            floats = raw.view(ROW_DTYPE)
             found = reply.found
             for s, start in zip(group.segments, group.starts, strict=True):
                 end = start + s.index.shape[0]
                 values_out, found_out = results[s.part]
-                values_out[s.index] = floats[start:end, : values_out.shape[1]]
+                # a uint8 result keeps the stored bytes (rows of 2-byte floats: decoded after)
+                words = raw if values_out.dtype == np.uint8 else raw.view(ROW_DTYPE)
+                values_out[s.index] = words[start:end, : values_out.shape[1]]
                 found_out[s.index] = found[start:end]
         return got
 

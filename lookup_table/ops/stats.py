@@ -19,7 +19,8 @@ from numpy.typing import NDArray
 from lookup_table.config import ClusterConfig, NodeSpec
 from lookup_table.core.keys import MAX_KIND_BYTES, MAX_NAME_BYTES
 from lookup_table.core.keyspace import DENSE_TABLE, META_TABLE, Kind, sentinel_key
-from lookup_table.core.optimizers import slot_width
+from lookup_table.core.optimizers import make_optimizer, slot_width
+from lookup_table.core.optimizers.layout import value_bytes
 from lookup_table.errors import ConfigError, LookupTableError, NodeUnavailableError, StoreError
 from lookup_table.memcached import commands
 from lookup_table.ops.metadump import (
@@ -392,7 +393,8 @@ async def table_stats(config: ClusterConfig) -> dict[str, Any]:
                              "evictions", "store_no_memory", "sentinel", "version",
                              "namespace_keys", "namespace_bytes"}
                          | {"ok": false, "down": bool, "error": str}},
-         "tables": {table: {"in_config": bool, ["dim", "id_type", "slot_width"],
+         "tables": {table: {"in_config": bool, ["dim", "id_type", "slot_width", "dtype",
+                                                "optimizer", "value_bytes"],
                             "kinds": {name: {"kind": tag, "keys", "bytes",
                                              "nodes": {address: {"keys", "bytes"}}}}}}}
 
@@ -417,6 +419,10 @@ async def table_stats(config: ClusterConfig) -> dict[str, Any]:
             "dim": spec.dim,
             "id_type": spec.id_type,
             "slot_width": width,
+            "dtype": spec.dtype,
+            "optimizer": spec.optimizer.name,
+            # the stored value of one row (the row in its dtype, then its slots)
+            "value_bytes": value_bytes(make_optimizer(spec.optimizer), spec.dim, spec.dtype),
             "kinds": {},
         }
         if spec.ttl_s is not None:
@@ -564,6 +570,15 @@ def render_stats(report: Mapping[str, Any]) -> str:
         "ns bytes",
     ]
     lines += ["", *(_aligned(header, node_rows, 1) if node_rows else []), *down]
+    layouts = [
+        [table, str(e["dim"]), e["dtype"], e["optimizer"], f"{e['value_bytes']:,}"]
+        for table, e in report["tables"].items()
+        if "value_bytes" in e
+    ]
+    if layouts:
+        # a row's stored value; its key and memcached's item header come on top
+        header = ["table", "dim", "dtype", "optimizer", "bytes/row value"]
+        lines += ["", *_aligned(header, layouts, 1)]
     return "\n".join(lines)
 
 

@@ -27,7 +27,6 @@ from lookup_table.core.expiry import exptime
 from lookup_table.core.initializers import initial_rows
 from lookup_table.core.keys import IdArray, as_ids
 from lookup_table.core.keyspace import STORAGE_FORMAT, Kind
-from lookup_table.core.rows import row_bytes
 from lookup_table.errors import StoreError
 from lookup_table.memcached import batch, commands
 from lookup_table.memcached.node import Node
@@ -42,7 +41,7 @@ from lookup_table.store.placement import (
     group_key,
     unique_ids,
 )
-from lookup_table.store.sentinels import Sentinels
+from lookup_table.store.sentinels import Sentinels, stored_layouts
 
 __all__ = ["EmbeddingStore"]
 
@@ -104,7 +103,7 @@ class EmbeddingStore:
         self.namespace = config.namespace
         self.nodes: tuple[str, ...] = config.node_addresses
         self.created: dict[str, int] = {}  # rows this store created, per table
-        self._sentinels = Sentinels(config.namespace)
+        self._sentinels = Sentinels(config.namespace, stored_layouts(config))
         self._sentinel_key = self._sentinels.key
         self._placement = Placement(config)
         self._items = Items(config, self._placement, refresh_ttl=refresh_ttl)
@@ -161,7 +160,9 @@ class EmbeddingStore:
         missing = np.flatnonzero(~found)
         if not missing.size:
             return values[inverse]
-        fresh = initial_rows(spec.initializer, seed=spec.seed, ids=uniq[missing], dim=spec.dim)
+        fresh = self._items.codec(table).round(
+            initial_rows(spec.initializer, seed=spec.seed, ids=uniq[missing], dim=spec.dim)
+        )
         values[missing] = fresh  # what an add stores, and what create=False returns
         if not create:
             return values[inverse]
@@ -224,8 +225,9 @@ class EmbeddingStore:
                 self._placement.prefix(placed, Kind.ROW),
                 placed.by_node,
                 self._items.item_bytes(table),
-                take=row_bytes(self.config.table(table).dim),
+                take=self._items.codec(table).row_bytes,
                 exptime=self._items.exptime(table, write=False),
+                decode=self._items.read_decoder(table, slots=False),
             )
             prepared.append((table, inverse, rows))
         read = await self._fan.read([rows for _, _, rows in prepared])
@@ -237,8 +239,11 @@ class EmbeddingStore:
         new = [(t, ~t.found) for t in lookups if not t.found.all()]
         for t, missing in new:
             spec = self.config.table(t.table)
-            t.values[missing] = initial_rows(
-                spec.initializer, seed=spec.seed, ids=t.rows.placed.ids[missing], dim=spec.dim
+            # as stored: a new row reads back as it is returned here
+            t.values[missing] = self._items.codec(t.table).round(
+                initial_rows(
+                    spec.initializer, seed=spec.seed, ids=t.rows.placed.ids[missing], dim=spec.dim
+                )
             )
         if not (create and new):
             return {t.table: t.values[t.inverse] for t in lookups}
@@ -366,7 +371,7 @@ class EmbeddingStore:
         parts: list[Part] = []
         spans: list[tuple[int, int, int] | None] = [None] * len(reads)  # part, ids' span
         layouts = self._items.wide_layouts(reads, keys, todo, uses)
-        for (_, nbytes, take, ttl), members in layouts.items():
+        for (_, nbytes, take, ttl, _), members in layouts.items():
             part = self._items.wide_part(
                 [todo[keys[m]] for m in members],
                 nbytes=nbytes,
@@ -396,6 +401,11 @@ class EmbeddingStore:
                     nbytes=nbytes,
                     take=take,
                     exptime=self._items.exptime(read.table, write=False, kind=read.kind),
+                    decode=(
+                        self._items.read_decoder(read.table, slots=read.slots)
+                        if read.kind == Kind.ROW
+                        else None
+                    ),
                 )
             )
         results = await self._fan.read(parts)
@@ -560,8 +570,8 @@ class EmbeddingStore:
     async def write_sentinels(self, nodes: Sequence[str] | None = None) -> dict[str, bool]:
         """`add` the sentinel on `nodes` (default: all); returns which nodes got a new one.
 
-        The value records the namespace, node, time and a cluster id shared by
-        every sentinel written in this call.
+        The value records the namespace, node, time, a cluster id shared by every
+        sentinel written in this call, and each table's stored layout (`stored_layouts`).
         """
         wanted = list(self.nodes if nodes is None else nodes)
         unknown = sorted(set(wanted) - set(self.nodes))
@@ -577,6 +587,7 @@ class EmbeddingStore:
                     "node": node.address,
                     "cluster_id": cluster_id,
                     "created": time.time(),
+                    "tables": self._sentinels.layouts,
                 }
             ).encode()
             (stored,), _ = await batch.ms(

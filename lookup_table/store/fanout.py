@@ -182,9 +182,12 @@ class FanOut:
         self, parts: Sequence[Part]
     ) -> list[tuple[NDArray[np.float32], NDArray[np.bool_]]]:
         """Fixed-width reads of every part: one request per node (per max_batch_keys)."""
-        results = [
+        # the values' bytes (uint8) where a part decodes them, float32 otherwise
+        results: list[tuple[NDArray[Any], NDArray[np.bool_]]] = [
             (
-                np.zeros((p.placed.ids.shape[0], p.kept // ROW_DTYPE.itemsize), dtype=np.float32),
+                np.zeros((p.placed.ids.shape[0], p.kept), dtype=np.uint8)
+                if p.decode is not None
+                else np.zeros((p.placed.ids.shape[0], p.kept // ROW_DTYPE.itemsize), np.float32),
                 np.zeros(p.placed.ids.shape[0], dtype=bool),
             )
             for p in parts
@@ -197,7 +200,10 @@ class FanOut:
                 for node, segs in chunks
             ]
         )
-        return results
+        return [
+            (values if p.decode is None else p.decode(values), found)
+            for p, (values, found) in zip(parts, results, strict=True)
+        ]
 
     async def write(self, parts: Sequence[Part], *, add: bool) -> list[NDArray[np.bool_]]:
         """`ms` (or `add`) of every part: one request per node (per max_batch_keys)."""

@@ -16,7 +16,9 @@ from lookup_table.config import ClusterConfig
 from lookup_table.core.expiry import exptime
 from lookup_table.core.keys import IdArray, key_prefix
 from lookup_table.core.keyspace import Kind
-from lookup_table.core.optimizers import make_optimizer
+from lookup_table.core.optimizers import Optimizer, make_optimizer
+from lookup_table.core.optimizers.layout import decode_items, encode_items, value_bytes
+from lookup_table.core.precision import RowDtype, decode, itemsize, round_to, storage_dtype
 from lookup_table.core.rows import ROW_DTYPE, encode_rows, row_bytes
 from lookup_table.store.placement import (
     Part,
@@ -26,7 +28,57 @@ from lookup_table.store.placement import (
     group_key,
 )
 
-__all__ = ["Items", "TableLookup"]
+__all__ = ["Items", "TableCodec", "TableLookup"]
+
+
+class TableCodec:
+    """One table's items as stored (`core.optimizers.layout`): the row in the table's
+    dtype, then each slot in its own; float32 items (a row, then its slots) in memory.
+
+    A table whose row and slots are all float32 (`plain`) is stored as the float32 items
+    are, bit for bit: its reads and writes take no conversion at all.
+    """
+
+    def __init__(self, dim: int, dtype: RowDtype, optimizer: Optimizer) -> None:
+        self.dim = dim
+        self.dtype = dtype
+        self.optimizer = optimizer
+        self.slot_width = optimizer.slot_width(dim)
+        slots = optimizer.slot_storage(dim)
+        self.plain = dtype == "float32" and all(s.dtype == "float32" for s in slots)
+        self.row_bytes = dim * itemsize(dtype)
+        self.item_bytes = value_bytes(optimizer, dim, dtype)
+        # what tells two tables' reads apart when one part reads both (`wide_layouts`)
+        self.signature = (dim, dtype, tuple((s.name, s.width, s.dtype) for s in slots))
+
+    def encode(self, items: NDArray[np.float32]) -> NDArray[np.uint8]:
+        """float32 items (n, dim + slot_width) as stored, uint8 (n, item_bytes); the rows
+        rounded to nearest (the service has rounded what it steps: then exactly).
+
+        Raises:
+            RowOverflowError: a value beyond the table's dtype (nothing is encoded).
+        """
+        if self.plain:
+            return np.ascontiguousarray(items, dtype=ROW_DTYPE).view(np.uint8)
+        values = np.ascontiguousarray(items, dtype=np.float32)
+        return encode_items(values, self.optimizer, self.dim, self.dtype)
+
+    def round(self, rows: NDArray[np.float32]) -> NDArray[np.float32]:
+        """`rows` (n, dim) as the table stores them (to nearest), float32."""
+        return rows if self.dtype == "float32" else round_to(rows, self.dtype)
+
+    def items_decoder(self) -> Callable[[NDArray[np.uint8]], NDArray[np.float32]] | None:
+        """What turns the bytes of whole items read into float32 items (None: as they are)."""
+        if self.plain:
+            return None
+        return lambda raw: decode_items(raw, self.optimizer, self.dim, self.dtype)
+
+    def rows_decoder(self) -> Callable[[NDArray[np.uint8]], NDArray[np.float32]] | None:
+        """What turns the leading row bytes of items read into float32 rows (None: as they are)."""
+        if self.dtype == "float32":
+            return None
+        words = storage_dtype(self.dtype)
+        return lambda raw: decode(raw.view(words), self.dtype)
 
 
 @dataclass(slots=True, eq=False)
@@ -56,7 +108,9 @@ class TableLookup:
 
     def reread(self, only: NDArray[np.bool_]) -> Part:
         """A read of this table's rows (without slots) over its ids where `only` is true."""
-        return self.part(only, nbytes=self.rows.nbytes, take=self.rows.take)
+        return self.part(
+            only, nbytes=self.rows.nbytes, take=self.rows.take, decode=self.rows.decode
+        )
 
 
 class Items:
@@ -72,11 +126,11 @@ class Items:
         self.refresh_ttl = refresh_ttl
         self._ttls = {t.name: t.ttl_s for t in config.tables if t.ttl_s is not None}
         self._optimizers = {t.name: make_optimizer(t.optimizer) for t in config.tables}
-        # each table's dim and bytes of a stored row (the row, then its optimizer's slots)
-        self._layouts = {
-            t.name: (t.dim, row_bytes(t.dim + self._optimizers[t.name].slot_width(t.dim)))
-            for t in config.tables
+        self.codecs = {
+            t.name: TableCodec(t.dim, t.dtype, self._optimizers[t.name]) for t in config.tables
         }
+        # each table's dim and bytes of a stored row (the row, then its optimizer's slots)
+        self._layouts = {name: (c.dim, c.item_bytes) for name, c in self.codecs.items()}
 
     def wide_layouts(
         self,
@@ -84,11 +138,11 @@ class Items:
         keys: Sequence[tuple[str, int]],
         todo: Mapping[tuple[str, int], tuple[str, IdArray, NDArray[np.intp] | None]],
         uses: Mapping[tuple[str, int], int],
-    ) -> dict[tuple[int, int, int, int], list[int]]:
+    ) -> dict[tuple[Any, ...], list[int]]:
         """The reads `get_many` sends as wide parts, by layout (key prefix length, value
-        size, bytes kept, TTL): reads of rows of int64 ids, each its own ids, two or
-        more of one layout."""
-        layouts: dict[tuple[int, int, int, int], list[int]] = {}
+        size, bytes kept, TTL, how the values are stored): reads of rows of int64 ids,
+        each its own ids, two or more of one layout."""
+        layouts: dict[tuple[Any, ...], list[int]] = {}
         for r, (key, read) in enumerate(zip(keys, reads, strict=True)):
             if read.kind != Kind.ROW or uses[key] != 1 or todo[key][1].dtype != np.int64:
                 continue
@@ -98,6 +152,7 @@ class Items:
                 nbytes,
                 take,
                 self.exptime(read.table, write=False),
+                self.codec(read.table).signature,
             )
             layouts.setdefault(layout, []).append(r)
         return {layout: members for layout, members in layouts.items() if len(members) > 1}
@@ -112,6 +167,7 @@ class Items:
     ) -> Part:
         """One read of the rows of several int64 tables of one layout (`wide_layouts`):
         their ids one table after another, each key with its table's prefix."""
+        decode = self.read_decoder(items[0][0], slots=take == 0)
         placed = self._placement.place_wide([(table, ids) for table, ids, _ in items])
         prefixes = np.stack(
             [
@@ -126,6 +182,7 @@ class Items:
             nbytes=nbytes,
             take=take,
             exptime=exptime,
+            decode=decode,
         )
 
     def write_parts(self, writes: Sequence[TableWrite], *, unique: bool) -> list[Part]:
@@ -184,6 +241,18 @@ class Items:
 
     # ------------------------------------------------------------ internals: row items
 
+    def codec(self, table: str) -> TableCodec:
+        """How `table`'s items are stored; ConfigError if there is no such table."""
+        codec = self.codecs.get(table)
+        return codec if codec is not None else self.codecs[self.config.table(table).name]
+
+    def read_decoder(
+        self, table: str, *, slots: bool
+    ) -> Callable[[NDArray[np.uint8]], NDArray[np.float32]] | None:
+        """The `Part.decode` of a read of `table`'s rows, with their slots or without."""
+        codec = self.codec(table)
+        return codec.items_decoder() if slots else codec.rows_decoder()
+
     def layout(self, table: str) -> tuple[int, int]:
         """(dim, bytes of one stored row) of `table`; ConfigError if there is no such table."""
         layout = self._layouts.get(table)
@@ -208,7 +277,7 @@ class Items:
                 f"table {read.table!r} has dim={dim}; a read of its rows cannot have "
                 f"width={read.width} (slots=True reads each row with its slots)"
             )
-        return nbytes, 0 if read.slots else row_bytes(dim)
+        return nbytes, 0 if read.slots else self.codec(read.table).row_bytes
 
     def encode(
         self, table: str, rows: NDArray[np.float32], slots: NDArray[np.float32] | None
@@ -223,9 +292,10 @@ class Items:
             raise ValueError(
                 f"table {table!r} has dim={spec.dim} but the rows have {rows.shape[1]} floats"
             )
+        codec = self.codec(table)
         if slots is None:
             if not width:
-                return encode_rows(rows, spec.dim)
+                return codec.encode(rows)
             slots = optimizer.initial_slots(1, spec.dim)  # every row's: broadcast below
         else:
             slots = np.asarray(slots)
@@ -238,7 +308,7 @@ class Items:
         both = np.empty((n, spec.dim + width), dtype=ROW_DTYPE)
         both[:, : spec.dim] = rows
         both[:, spec.dim :] = slots
-        return both.view(np.uint8)
+        return codec.encode(both)
 
     def counter_part(self, t: TableLookup, missing: NDArray[np.bool_]) -> Part:
         """The admission counters of the ids of `t` where `missing` is true."""
@@ -271,5 +341,5 @@ class Items:
         width = self._optimizers[table].slot_width(spec.dim)
         return (
             f"{part.nbytes} (its dim {spec.dim} and {width} slot floats of its "
-            f"{spec.optimizer.name!r} optimizer, float32)"
+            f"{spec.optimizer.name!r} optimizer, rows as {spec.dtype})"
         )

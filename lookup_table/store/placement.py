@@ -7,7 +7,7 @@ kind) parts of a batch that share them.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -125,6 +125,9 @@ class Part:
     exptime: int = 0  # > 0: memcached's T flag, the TTL its reads and writes give (expiry.py)
     # writes of some of the ids only: `values` holds just theirs, row rank[i] for position i
     rank: NDArray[np.intp] | None = None
+    # fixed-width reads of values not stored as float32 (`store.items.TableCodec`): the
+    # bytes read (n, kept) -> float32; None: the bytes are float32 as they are
+    decode: Callable[[NDArray[np.uint8]], NDArray[np.float32]] | None = None
 
     @property
     def kept(self) -> int:

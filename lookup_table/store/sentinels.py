@@ -1,14 +1,42 @@
 """Sentinels: the key on every node whose absence means the node lost its data, and
-the storage format its value records.
+the storage format its value records: the format, and each table's stored layout (its
+row dtype and its optimizer's slots) as of the namespace's init or restore.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from lookup_table.config import ClusterConfig, TableSpec
 from lookup_table.core.keyspace import STORAGE_FORMAT, sentinel_format, sentinel_key
+from lookup_table.core.optimizers import make_optimizer
 from lookup_table.errors import DataLossError, StorageFormatError
 from lookup_table.memcached.node import Node
 
-__all__ = ["Sentinels"]
+__all__ = ["Sentinels", "stored_layout", "stored_layouts"]
+
+
+def stored_layout(spec: TableSpec) -> dict[str, Any]:
+    """What decides how table `spec`'s items are laid out besides its dim: the row dtype,
+    the optimizer's name and its slots (name, dtype), as a sentinel records it."""
+    slots = make_optimizer(spec.optimizer).slot_storage(spec.dim)
+    return {
+        "dtype": spec.dtype,
+        "optimizer": spec.optimizer.name,
+        "slots": [[s.name, s.dtype] for s in slots if s.width],
+    }
+
+
+def stored_layouts(config: ClusterConfig) -> dict[str, dict[str, Any]]:
+    """`stored_layout` of every table of `config`, by name."""
+    return {t.name: stored_layout(t) for t in config.tables}
+
+
+def _describe(layout: Mapping[str, Any]) -> str:
+    slots = ", ".join(f"{name} {dtype}" for name, dtype in layout.get("slots", [])) or "none"
+    return f"{layout.get('dtype')} rows, {layout.get('optimizer')} slots ({slots})"
 
 
 class Sentinels:
@@ -17,8 +45,11 @@ class Sentinels:
     What a batch reads in front of its commands (`memcached.batch.Sentinel`).
     """
 
-    def __init__(self, namespace: str) -> None:
+    def __init__(
+        self, namespace: str, layouts: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> None:
         self._namespace = namespace
+        self.layouts = dict(layouts or {})  # the cluster file's, by table (`stored_layouts`)
         self.key = sentinel_key(namespace)
         self._formats_ok: set[bytes] = set()  # sentinel values whose storage format is ours
         self._verified: set[str] = set()  # nodes whose sentinel was checked before a batch
@@ -45,6 +76,28 @@ class Sentinels:
                 f"it or written to it. Migrate: save a checkpoint with the version that wrote it "
                 f"(lookup-table-checkpoint save), then restore it with this one "
                 f"(lookup-table-checkpoint restore --force)",
+                node=address,
+            )
+        recorded = json.loads(sentinel).get("tables", {})  # sentinel_format parsed it
+        for table, mine in self.layouts.items():
+            stored = recorded.get(table) if isinstance(recorded, dict) else None
+            if stored is None or stored == mine:
+                continue
+            if stored.get("optimizer") != mine["optimizer"]:
+                how = (
+                    "another optimizer's slots mean something else and are not converted: "
+                    "set the table's optimizer back, or train it under a new table name"
+                )
+            else:
+                how = (
+                    "convert it: save a checkpoint with the cluster file that wrote it "
+                    "(lookup-table-checkpoint save), then restore it with this one "
+                    "(lookup-table-checkpoint restore --force), which re-encodes the rows"
+                )
+            raise StorageFormatError(
+                f"memcached node {address} holds table {table!r} of namespace "
+                f"{self._namespace!r} as {_describe(stored)}, and this cluster file says "
+                f"{_describe(mine)}: nothing is read from it or written to it; {how}",
                 node=address,
             )
 

@@ -11,6 +11,7 @@ from numpy.typing import NDArray
 
 from lookup_table.core.initializers import initial_rows_many
 from lookup_table.core.keys import IdArray
+from lookup_table.core.precision import round_to
 from lookup_table.store import TableRead, TableWrite
 from optimizer_service.engine.plan import TableUpdate
 from optimizer_service.engine.replica import ReplicaState
@@ -76,11 +77,16 @@ class Items:
             slots[at] = self.state.optimizers[table].initial_slots(at.size, values.shape[1])
 
     def initial_rows(self, parts: Sequence[tuple[str, IdArray]]) -> list[NDArray[np.float32]]:
-        """The initial rows of each (table, ids): one batch per initializer and dim."""
+        """The initial rows of each (table, ids): one batch per initializer and dim; as
+        the table stores them (rounded to nearest: what a lookup creates)."""
         specs = [self.state.config.table(table) for table, _ in parts]
-        return initial_rows_many(
+        rows = initial_rows_many(
             [(s.initializer, s.seed, ids, s.dim) for s, (_, ids) in zip(specs, parts, strict=True)]
         )
+        return [
+            r if s.dtype == "float32" else round_to(r, s.dtype)
+            for s, r in zip(specs, rows, strict=True)
+        ]
 
     async def write(self, updates: Iterable[TableUpdate]) -> None:
         """Write the rows and slots of every table in one request per node (a row and

@@ -172,6 +172,10 @@ class Recovery:
                 new_rows, new_slots = self.state.optimizers[r.table].update(
                     rows[todo], r.grads[due], slots[todo]
                 )
+                # rounded as the push rounded it (its keys: the same ids and steps)
+                new_rows = self.state.rounders[r.table].round(
+                    ids[todo], slots[todo], new_rows, new_slots
+                )
                 rows[todo], slots[todo] = new_rows, new_slots
                 known[r.table][todo] = True
                 plan.updates.append(TableUpdate(r.table, ids[todo], new_rows, new_slots))

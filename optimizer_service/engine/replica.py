@@ -17,6 +17,7 @@ from lookup_table.store import EmbeddingStore
 from optimizer_service.engine.dense import DenseReplica
 from optimizer_service.engine.journal import Journal
 from optimizer_service.engine.locks import RowLocks
+from optimizer_service.engine.rounding import RowRounder
 
 
 class ReplicaState:
@@ -42,6 +43,8 @@ class ReplicaState:
             t.name: step_slot(self.optimizers[t.name], t.dim) if t.ttl_s is None else None
             for t in config.tables
         }
+        # float16/bfloat16 tables: their stepped rows rounded as stored (module rounding)
+        self.rounders = {t.name: RowRounder(t, self.optimizers[t.name]) for t in config.tables}
         self.dense = DenseReplica(store, make_optimizer(config.optimizer))
         self.locks = RowLocks()
         # rows written behind (docs/write-behind.md): every row_flush_pushes pushes

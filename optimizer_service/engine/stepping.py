@@ -19,9 +19,11 @@ from lookup_table.core.optimizers import Optimizer, items_at
 from lookup_table.core.rowcache import Located, Spots
 from lookup_table.core.rows import NOT_UPDATED, change_witnesses
 from lookup_table.dense import DenseParams
+from lookup_table.errors import RowOverflowError
 from optimizer_service.engine.items import Items, Unwritten
 from optimizer_service.engine.plan import TableStep, TableUpdate, WritePlan, shares, stacked
 from optimizer_service.engine.replica import ReplicaState
+from optimizer_service.engine.rounding import RowRounder
 from optimizer_service.engine.write_behind import RowFlushes
 from optimizer_service.errors import BadRequestError
 from optimizer_service.push import Push, TableGrads
@@ -39,14 +41,35 @@ Stepped = tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.int64]]
 """New rows (n, dim), new slots (n, slot width), and each item's change witness (n,)."""
 
 
+# the tables of one batch that round their rows: (rounder, ids) a table, in order
+Roundings = Sequence[tuple[RowRounder, IdArray]]
+
+
 def _step_rows_sync(
     optimizer: Optimizer,
     rows: NDArray[np.float32],
     grads: NDArray[np.float32],
     slots: NDArray[np.float32],
+    roundings: Roundings = (),
 ) -> Stepped:
-    """`optimizer.update`, and what the journal keeps of it: `change_witnesses`."""
-    new_rows, new_slots = optimizer.update(rows, grads, slots)
+    """`optimizer.update`, its rows rounded as their tables store them (`roundings`, none
+    for float32 tables), and what the journal keeps of it: `change_witnesses`.
+
+    Raises:
+        BadRequestError: a value the table's dtype cannot hold (RowOverflowError's message).
+    """
+    try:
+        new_rows, new_slots = optimizer.update(rows, grads, slots)
+        if roundings:
+            start = 0
+            for rounder, ids in roundings:
+                stop = start + ids.shape[0]
+                new_rows[start:stop] = rounder.round(
+                    ids, slots[start:stop], new_rows[start:stop], new_slots[start:stop]
+                )
+                start = stop
+    except RowOverflowError as exc:
+        raise BadRequestError(str(exc), reason="row_overflow") from exc
     return new_rows, new_slots, change_witnesses((rows, slots), (new_rows, new_slots))
 
 
@@ -55,11 +78,12 @@ async def step_rows(
     rows: NDArray[np.float32],
     grads: NDArray[np.float32],
     slots: NDArray[np.float32],
+    roundings: Roundings = (),
 ) -> Stepped:
     """`_step_rows_sync`, in a thread above OFFLOAD_FLOATS floats (not to stall the loop)."""
     if rows.size > OFFLOAD_FLOATS:
-        return await asyncio.to_thread(_step_rows_sync, optimizer, rows, grads, slots)
-    return _step_rows_sync(optimizer, rows, grads, slots)
+        return await asyncio.to_thread(_step_rows_sync, optimizer, rows, grads, slots, roundings)
+    return _step_rows_sync(optimizer, rows, grads, slots, roundings)
 
 
 @dataclass(slots=True)
@@ -365,12 +389,18 @@ class Stepper:
             CacheMoved: the cache reused the map the rows were located in (`Updater` reads
                 them again).
         """
-        groups: dict[tuple[Optimizer, int], list[TableStart]] = {}
+        rounders = self.state.rounders
+        # the tables whose rows are rounded (16-bit dtypes) are stepped apart from the
+        # others, and never in place (rounded after the step, before the cache holds them)
+        groups: dict[tuple[Optimizer, int, bool], list[TableStart]] = {}
         here: dict[tuple[Optimizer, int, Spots], list[TableStart]] = {}
         for p in prepared:
             optimizer, dim = self.state.optimizers[p.grads.table], p.grads.grads.shape[1]
+            rounds = rounders[p.grads.table].rounds
+            if rounds:
+                self.gather_items(p)
             if p.place is None:
-                groups.setdefault((optimizer, dim), []).append(p)
+                groups.setdefault((optimizer, dim, rounds), []).append(p)
             else:
                 here.setdefault((optimizer, dim, p.place.spots), []).append(p)
         for (optimizer, dim, spots), members in list(here.items()):
@@ -378,16 +408,17 @@ class Stepper:
                 del here[optimizer, dim, spots]
                 for p in members:
                     self.gather_items(p)
-                groups.setdefault((optimizer, dim), []).extend(members)
+                groups.setdefault((optimizer, dim, False), []).extend(members)
         stepped: dict[int, Stepped] = {}
 
-        async def batch(optimizer: Optimizer, members: list[TableStart]) -> None:
+        async def batch(optimizer: Optimizer, members: list[TableStart], rounds: bool) -> None:
             steps = [p.step for p in members]
             new_rows, new_slots, witness = await step_rows(
                 optimizer,
                 stacked([s.rows for s in steps]),
                 stacked([s.grads for s in steps]),
                 stacked([s.slots for s in steps]),
+                [(rounders[s.table], s.ids) for s in steps] if rounds else (),
             )
             for s, rows, slots, w in zip(
                 steps,
@@ -398,7 +429,7 @@ class Stepper:
             ):
                 stepped[id(s)] = (rows, slots, w)
 
-        await asyncio.gather(*(batch(key[0], members) for key, members in groups.items()))
+        await asyncio.gather(*(batch(key[0], members, key[2]) for key, members in groups.items()))
         updates = {
             id(p): self.table_update(p, *stepped[id(p.step)])
             for p in prepared

@@ -108,6 +108,10 @@ class Writes:
                 raise RuntimeError(f"a journaled update of table {r.table!r} has no hashes")
             if todo.size:
                 new_rows, new_slots = optimizer.update(rows[todo], r.grads[todo], slots[todo])
+                # rounded as the push rounded it (its keys: the same ids and steps)
+                new_rows = self.state.rounders[r.table].round(
+                    r.ids[todo], slots[todo], new_rows, new_slots
+                )
                 out.append(TableUpdate(r.table, r.ids[todo], new_rows, new_slots))
         return out
 

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from lookup_table import EmbeddingStore, StorageFormatError, initial_rows
 from lookup_table.core.keyspace import META_TABLE, Kind, journal_id, push_record_id
 from lookup_table.core.optimizers import make_optimizer
+from lookup_table.core.precision import round_to
 from lookup_table.core.rows import change_witnesses, value_hashes
 from lookup_table.core.wire import pack, unpack
 from lookup_table.store import TableWrite
@@ -39,6 +40,7 @@ from optimizer_service.engine.journal_format import (
 from optimizer_service.engine.plan import TableUpdate, WritePlan
 from optimizer_service.push import parse_push
 from tests.conftest import make_config
+from tests.integration.test_row_dtypes import PRECISE, as_stored
 from tests.integration.test_service import _body
 
 THROUGH = {"row_flush_pushes": 1}  # the journal of gradients (the module's docstring)
@@ -82,8 +84,10 @@ async def _read(store: EmbeddingStore, table: str, ids: Any) -> tuple[Any, Any, 
 
 @pytest.mark.parametrize(
     ("name", "numbered"),
-    [(name, True) for name in sorted(OPTIMIZERS)] + [("adam", False)],
-    ids=[*sorted(OPTIMIZERS), "adam-unnumbered"],
+    [(name, True) for name in sorted(OPTIMIZERS)]
+    + [("adam", False)]
+    + [(name, True) for name in sorted(PRECISE)],
+    ids=[*sorted(OPTIMIZERS), "adam-unnumbered", *sorted(PRECISE)],
 )
 async def test_a_replay_finishes_a_push_whose_items_were_written_in_part_exactly_once(
     memcached_nodes: list[str],
@@ -93,10 +97,13 @@ async def test_a_replay_finishes_a_push_whose_items_were_written_in_part_exactly
     numbered: bool,
 ) -> None:
     """`numbered=False`: the journal's header has no format number, as services wrote
-    it before formats were numbered; its shape says it is a start and an end."""
+    it before formats were numbered; its shape says it is a start and an end. The
+    compact options (`PRECISE`: 16-bit rows, row-wise optimizers) replay to the same
+    rounded bits."""
+    dtype, optimizer = PRECISE.get(name, ("float32", OPTIMIZERS.get(name, {})))
     tables = [
-        {"name": "t", "dim": 8, "seed": 5, "optimizer": OPTIMIZERS[name]},
-        {"name": "s", "dim": 4, "seed": 6, "id_type": "string", "optimizer": OPTIMIZERS[name]},
+        {"name": "t", "dim": 8, "seed": 5, "optimizer": optimizer, "dtype": dtype},
+        {"name": "s", "dim": 4, "seed": 6, "id_type": "string", "optimizer": optimizer},
     ]
     config = make_config(
         memcached_nodes, tables=tables, optimizers=["http://127.0.0.1:1"], service=THROUGH
@@ -122,6 +129,7 @@ async def test_a_replay_finishes_a_push_whose_items_were_written_in_part_exactly
     rows[~found] = np.stack([r for r in (await _initial(config, ids[~found]))])
     slots[~found] = opt.initial_slots(int((~found).sum()), 8)
     want_rows, want_slots = opt.update(rows, grads, slots)
+    want_rows = as_stored(config.table("t"), ids, slots, want_rows, want_slots)
 
     async def stop_part_way(updates: list[TableUpdate]) -> None:
         writes = []
@@ -178,7 +186,8 @@ async def _initial(config: Any, ids: Any) -> Any:
     from lookup_table import initial_rows
 
     spec = config.table("t")
-    return initial_rows(spec.initializer, seed=spec.seed, ids=ids, dim=spec.dim)
+    rows = initial_rows(spec.initializer, seed=spec.seed, ids=ids, dim=spec.dim)
+    return rows if spec.dtype == "float32" else round_to(rows, spec.dtype)
 
 
 def test_a_small_journal_is_one_item_and_a_big_one_is_chunked() -> None:

@@ -26,8 +26,9 @@ from lookup_table import EmbeddingStore, initial_rows
 from lookup_table.client import OptimizerClient
 from lookup_table.core.keys import as_ids
 from lookup_table.core.optimizers import make_optimizer
+from lookup_table.core.precision import round_to
 from lookup_table.core.wire import decode_array, encode_ids, pack, unpack
-from lookup_table.errors import ClusterMismatchError, PushRejectedError
+from lookup_table.errors import ClusterMismatchError, PushRejectedError, StorageFormatError
 from optimizer_service.app import UPDATER, make_app
 from optimizer_service.engine.journal import MAX_JOURNAL_SLOTS, Journal
 from optimizer_service.engine.journal_format import BEHIND
@@ -36,6 +37,7 @@ from optimizer_service.errors import NotOwnerError
 from optimizer_service.push import parse_push, parse_rows_request
 from tests.conftest import make_config, node_stat
 from tests.integration.test_journal_replay import renumber_journals
+from tests.integration.test_row_dtypes import PRECISE, as_stored
 from tests.integration.test_service import _body
 
 pytestmark = pytest.mark.integration
@@ -48,21 +50,26 @@ IDS = np.arange(-150, 150, dtype=np.int64) * 7919
 WORDS = [f"w{i}" for i in range(20)]
 
 
-def _config(nodes: list[str], **service: Any) -> Any:
+def _config(nodes: list[str], *, tables: list[dict[str, Any]] = TABLES, **service: Any) -> Any:
     return make_config(
         nodes,
-        tables=TABLES,
+        tables=tables,
         optimizers=["http://127.0.0.1:1"],
         service={"row_flush_pushes": 4, "row_flush_s": 600.0, **service},
     )
 
 
 async def _replica(
-    nodes: list[str], aiohttp_server: Any, seed: int, **service: Any
+    nodes: list[str],
+    aiohttp_server: Any,
+    seed: int,
+    *,
+    tables: list[dict[str, Any]] = TABLES,
+    **service: Any,
 ) -> tuple[Any, Any, Any, Reference, Any]:
     """A fresh namespace's replica 0 writing behind: (config, server, its updater, the
     reference math, the gradients' generator)."""
-    config = _config(nodes, **service)
+    config = _config(nodes, tables=tables, **service)
     server = await _start(config, aiohttp_server)
     return config, server, server.app[UPDATER], Reference(config), np.random.default_rng(seed)
 
@@ -75,11 +82,13 @@ async def _start(config: Any, aiohttp_server: Any, *, sentinels: bool = True) ->
 
 
 class Reference:
-    """The optimizer's math on the same gradients, from the initial rows."""
+    """The optimizer's math on the same gradients, from the initial rows; the rows of a
+    16-bit table rounded as it stores them (`as_stored`)."""
 
     def __init__(self, config: Any) -> None:
         self.config = config
         self.opt = {n: make_optimizer(config.table(n).optimizer) for n in ("t", "s")}
+        self.ids = {"t": IDS, "s": WORDS}
         self.state = {
             "t": self._initial("t", IDS),
             "s": self._initial("s", WORDS),
@@ -88,11 +97,18 @@ class Reference:
     def _initial(self, table: str, ids: Any) -> tuple[np.ndarray, np.ndarray]:
         spec = self.config.table(table)
         rows = initial_rows(spec.initializer, seed=spec.seed, ids=as_ids(ids), dim=spec.dim)
+        if spec.dtype != "float32":
+            rows = round_to(rows, spec.dtype)
         return rows, self.opt[table].initial_slots(len(ids), spec.dim)
 
     def step(self, table: str, grads: np.ndarray) -> None:
         rows, slots = self.state[table]
-        self.state[table] = self.opt[table].update(rows, grads, slots)
+        new_rows, new_slots = self.opt[table].update(rows, grads, slots)
+        spec = self.config.table(table)
+        self.state[table] = (
+            as_stored(spec, self.ids[table], slots, new_rows, new_slots),
+            new_slots,
+        )
 
 
 async def _stored(config: Any, table: str, ids: Any) -> tuple[np.ndarray, np.ndarray, Any]:
@@ -382,14 +398,24 @@ async def test_only_the_only_creator_of_a_tables_rows_remembers_ids_without_one(
             assert all(hit.all() == initial.all() for hit, _, _, initial in known)
 
 
-@pytest.mark.parametrize("numbered", [True, False], ids=["numbered", "unnumbered"])
+@pytest.mark.parametrize(
+    ("numbered", "option"),
+    [(True, ""), (False, ""), *((True, name) for name in sorted(PRECISE))],
+    ids=["numbered", "unnumbered", *sorted(PRECISE)],
+)
 async def test_a_crash_before_the_flush_is_replayed_in_order_and_loses_nothing(
-    memcached_nodes: list[str], aiohttp_server: Any, numbered: bool
+    memcached_nodes: list[str], aiohttp_server: Any, numbered: bool, option: str
 ) -> None:
     """`numbered=False`: the journals' headers have no format number, as services wrote
-    them before formats were numbered; their `seq` says they are of rows written behind."""
+    them before formats were numbered; their `seq` says they are of rows written behind.
+    `option`: table t stored with one of the compact options (16-bit rows, row-wise
+    optimizers), replayed to the same rounded bits."""
+    tables = TABLES
+    if option:
+        dtype, optimizer = PRECISE[option]
+        tables = [{**TABLES[0], "dtype": dtype, "optimizer": optimizer}, TABLES[1]]
     config, server, updater, ref, rng = await _replica(
-        memcached_nodes, aiohttp_server, 1, row_flush_pushes=10
+        memcached_nodes, aiohttp_server, 1, tables=tables, row_flush_pushes=10
     )
     bodies = [await _push(updater, config, ref, rng) for _ in range(5)]
     await asyncio.sleep(0.2)  # the done records land
@@ -566,8 +592,12 @@ async def test_a_row_behind_its_journals_stops_the_start_and_says_why(
     and says which row and what to do. So does a journal of steps for a table whose
     optimizer or dim changed in the config."""
     config, _, after = await _crashed_after(memcached_nodes, aiohttp_server, 3, seed=3)
+    # another optimizer: the nodes' sentinels record the table's (before any journal is read)
+    sgd = [{**TABLES[0], "optimizer": {"name": "sgd"}}, TABLES[1]]
+    other = make_config(["127.0.0.1:1"], tables=sgd).tables
+    with pytest.raises(StorageFormatError, match="holds table 't' .* adam slots .* sgd slots"):
+        await _start(dataclasses.replace(config, tables=other), aiohttp_server, sentinels=False)
     for changed, said in [
-        ({"optimizer": {"name": "sgd"}}, "dim 8 and optimizer 'sgd', which counts no steps"),
         ({"dim": 16}, "dim 16 and optimizer 'adam', which counts steps"),
         ({"ttl_s": 3600}, r"dim 8 and optimizer 'adam', and ttl_s 3600 \(journaled by values\)"),
     ]:

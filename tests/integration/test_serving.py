@@ -45,7 +45,8 @@ pytestmark = [
 
 SGD = {"name": "sgd", "learning_rate": 0.5}  # big steps: trained rows are far from initial
 TABLES: list[dict[str, Any]] = [
-    {"name": "user", "dim": 8, "seed": 1, "optimizer": SGD},  # uniform(-0.05, 0.05)
+    # uniform(-0.05, 0.05); stored as bfloat16: exported as such, cast at lookup
+    {"name": "user", "dim": 8, "seed": 1, "optimizer": SGD, "dtype": "bfloat16"},
     {
         "name": "item",
         "dim": 4,
@@ -378,6 +379,12 @@ def test_served_without_the_project_equals_predict(served: Served, tmp_path: Pat
                 np.testing.assert_allclose(
                     got[key], want, rtol=0, atol=1e-5, err_msg=f"{name}/{key}"
                 )
+    # a 16-bit table's rows are exported as stored: half float32's bytes
+    for path in served.exports.values():
+        reader = tf.train.load_checkpoint(str(path / "variables" / "variables"))
+        dtypes, shapes = reader.get_variable_to_dtype_map(), reader.get_variable_to_shape_map()
+        half = [shapes[k][1] for k, dtype in dtypes.items() if dtype == tf.bfloat16]
+        assert half == [8], dtypes  # the user table's rows, and nothing else
     # the never seen ids' initial rows matter to the output (zeros would not pass)
     emb = served.expected["view"]["emb"]
     assert np.abs(emb[2:6, :8]).min() > 0 and np.abs(emb[2:5, 8:12]).min() > 0

@@ -16,6 +16,8 @@ from lookup_table.config import (
     AdagradConfig,
     AdamConfig,
     NodeSpec,
+    RowwiseAdagradConfig,
+    RowwiseAdamConfig,
     SGDConfig,
     StoreConfig,
     TableSpec,
@@ -166,7 +168,27 @@ ROUND_TRIP_CASES: dict[str, Callable[[], dict[str, Any]]] = {
             {"name": "c", "dim": 2, "ttl_s": 90 * 86_400, "admit_after": 2, "admit_ttl_s": 60},
         ]
     ),
+    "precision": lambda: minimal(
+        optimizer={"name": "rowwise_adam", "learning_rate": 0.01, "momentum_dtype": "float32"},
+        tables=[
+            {"name": "a", "dim": 2, "dtype": "float16"},
+            {"name": "b", "dim": 3, "dtype": "bfloat16", "optimizer": {"name": "rowwise_adam"}},
+            {"name": "c", "dim": 4, "optimizer": {"name": "rowwise_adagrad", "epsilon": 0.1}},
+        ],
+    ),
 }
+
+
+def test_row_dtypes_and_the_row_wise_optimizers() -> None:
+    config = parse_config(ROUND_TRIP_CASES["precision"](), env={})
+    a, b, c = config.tables
+    assert (a.dtype, b.dtype, c.dtype) == ("float16", "bfloat16", "float32")  # float32: default
+    assert a.optimizer == RowwiseAdamConfig(learning_rate=0.01, momentum_dtype="float32")
+    # a table's own optimizer of the same name starts from the default one's values
+    assert b.optimizer == RowwiseAdamConfig(learning_rate=0.01, momentum_dtype="float32")
+    assert c.optimizer == RowwiseAdagradConfig(epsilon=0.1)
+    assert c.optimizer.learning_rate == 0.01  # FBGEMM's default
+    assert config.agreement()["tables"]["a"]["dtype"] == "float16"
 
 
 @pytest.mark.parametrize("case", sorted(ROUND_TRIP_CASES))
@@ -369,9 +391,41 @@ BAD_VALUES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     (
         "unknown optimizer",
         _set("optimizer.name", "adamw"),
-        r"optimizer\.name: unknown optimizer 'adamw'; expected one of adagrad, adam, sgd",
+        r"optimizer\.name: unknown optimizer 'adamw'; expected one of adagrad, adam, "
+        r"rowwise_adagrad, rowwise_adam, sgd",
     ),
     ("optimizer not a table", _set("optimizer", "adam"), "optimizer: expected a table"),
+    (
+        "unknown row dtype",
+        _set("tables[1].dtype", "float8"),
+        r"tables\[1\]\.dtype: expected one of 'float32', 'float16', 'bfloat16', got 'float8'",
+    ),
+    (
+        "row dtype not a string",
+        _set("tables[0].dtype", 16),
+        r"tables\[0\]\.dtype: expected one of .* got 16 \(float32 stores rows",
+    ),
+    (
+        "momentum dtype of row-wise adam",
+        _set("tables[1].optimizer", {"name": "rowwise_adam", "momentum_dtype": "float16"}),
+        r"tables\[1\]\.optimizer\.momentum_dtype: expected one of 'bfloat16', 'float32', "
+        r"got 'float16'",
+    ),
+    (
+        "momentum_dtype on adam",
+        _set("optimizer.momentum_dtype", "bfloat16"),
+        r"optimizer\.momentum_dtype: unknown key",
+    ),
+    (
+        "unknown row-wise adagrad key",
+        _set("tables[1].optimizer", {"name": "rowwise_adagrad", "beta_1": 0.9}),
+        r"tables\[1\]\.optimizer\.beta_1: unknown key",
+    ),
+    (
+        "negative row-wise adagrad accumulator",
+        _set("tables[1].optimizer", {"name": "rowwise_adagrad", "initial_accumulator_value": -1}),
+        r"tables\[1\]\.optimizer\.initial_accumulator_value: expected a number >= 0",
+    ),
     (
         "unknown table optimizer",
         _set("tables[1].optimizer", {"name": "rmsprop"}),
@@ -468,7 +522,7 @@ BAD_VALUES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         "unknown lifecycle key",
         _set("tables[0].ttl", 60),
         r"tables\[0\]\.ttl: unknown key; expected one of admit_after, admit_ttl_s, dim, "
-        r"id_type, initializer, name, optimizer, seed, ttl_s",
+        r"dtype, id_type, initializer, name, optimizer, seed, ttl_s",
     ),
     (
         "push_record_ttl_s over a year",
@@ -658,7 +712,7 @@ def test_lifecycle_keys_and_their_defaults() -> None:
 
 # Trainers and replicas compare it across processes, machines and versions: a change here
 # makes every running replica refuse every trainer (`ClusterMismatchError`).
-GOLDEN_FINGERPRINT = "6b12b829ed0ec1aa0855f8e0fee54a987d1acda815f5e888ffa276c60544f50c"
+GOLDEN_FINGERPRINT = "875ec9f84c27b96d035240bf60bb30e99241bd1d2aab704dfc065b309e2be423"
 
 
 def test_the_fingerprint_of_the_full_example_is_pinned() -> None:
@@ -726,6 +780,12 @@ def test_what_does_not_decide_rows_leaves_the_fingerprint(
         ),
         (lambda raw: raw["tables"][0].update(ttl_s=60), "tables[user].ttl_s", 60, None),
         (lambda raw: raw["tables"][0].update(admit_after=2), "tables[user].admit_after", 2, 1),
+        (
+            lambda raw: raw["tables"][0].update(dtype="bfloat16"),
+            "tables[user].dtype",
+            "bfloat16",
+            "float32",
+        ),
     ],
 )
 def test_each_field_of_the_agreement_changes_the_fingerprint_and_is_named(

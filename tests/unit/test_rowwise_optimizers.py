@@ -13,14 +13,18 @@ import pytest
 from numpy.typing import NDArray
 
 import lookup_table.core.optimizers as optimizers
-from lookup_table.config import AdagradConfig, AdamConfig, SGDConfig
+from lookup_table.config import (
+    AdagradConfig,
+    AdamConfig,
+    RowwiseAdagradConfig,
+    RowwiseAdamConfig,
+    SGDConfig,
+)
 from lookup_table.core.optimizers import (
     Adam,
     Optimizer,
     RowwiseAdagrad,
-    RowwiseAdagradConfig,
     RowwiseAdam,
-    RowwiseAdamConfig,
     StoredSlot,
     make_optimizer,
     mean_square,

@@ -49,18 +49,16 @@ from lookup_table.core.optimizers.base import (
     items_at,
 )
 from lookup_table.core.optimizers.gradients import check_finite, segment_sum
-from lookup_table.core.optimizers.rowwise_adagrad import (
-    RowwiseAdagrad,
-    RowwiseAdagradConfig,
-    mean_square,
-)
-from lookup_table.core.optimizers.rowwise_adam import RowwiseAdam, RowwiseAdamConfig
+from lookup_table.core.optimizers.rowwise_adagrad import RowwiseAdagrad, mean_square
+from lookup_table.core.optimizers.rowwise_adam import RowwiseAdam
 from lookup_table.core.optimizers.sgd import SGD
 
 if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
     from lookup_table.config import (
         AdagradConfig,
         AdamConfig,
+        RowwiseAdagradConfig,
+        RowwiseAdamConfig,
         SGDConfig,
         TableSpec,
     )
@@ -74,9 +72,7 @@ __all__ = [
     "Float32Array",
     "Optimizer",
     "RowwiseAdagrad",
-    "RowwiseAdagradConfig",
     "RowwiseAdam",
-    "RowwiseAdamConfig",
     "StoredSlot",
     "check_finite",
     "items_at",
@@ -113,8 +109,8 @@ def make_optimizer(config: AnyOptimizerConfig) -> Optimizer:
     if name == "rowwise_adam":
         return RowwiseAdam(cast("RowwiseAdamConfig", config))
     raise ValueError(
-        f"unknown optimizer config {config!r}; expected an AdamConfig, SGDConfig or "
-        f"AdagradConfig (lookup_table.config), or a RowwiseAdagradConfig or RowwiseAdamConfig"
+        f"unknown optimizer config {config!r}; expected an AdamConfig, SGDConfig, "
+        f"AdagradConfig, RowwiseAdagradConfig or RowwiseAdamConfig (lookup_table.config)"
     )
 
 

@@ -20,13 +20,11 @@ from lookup_table.core.precision import RowDtype, check_dtype
 
 if TYPE_CHECKING:
     from lookup_table.config import OptimizerConfig
-    from lookup_table.core.optimizers.rowwise_adagrad import RowwiseAdagradConfig
-    from lookup_table.core.optimizers.rowwise_adam import RowwiseAdamConfig
 
 __all__ = ["AnyOptimizerConfig", "Float32Array", "Optimizer", "StoredSlot", "items_at"]
 
 Float32Array: TypeAlias = NDArray[np.float32]
-AnyOptimizerConfig: TypeAlias = "OptimizerConfig | RowwiseAdagradConfig | RowwiseAdamConfig"
+AnyOptimizerConfig: TypeAlias = "OptimizerConfig"
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ adaptive rate, which suits embedding rows (their coordinates see the same ids).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import types
@@ -23,19 +23,12 @@ from numba import types
 from lookup_table.core.jit import A2, C1, C2, RC2, compiled
 from lookup_table.core.optimizers.base import Float32Array, GatheredUpdateAt, StoredSlot, step
 
-__all__ = ["RowwiseAdagrad", "RowwiseAdagradConfig", "mean_square"]
+if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
+    from lookup_table.config import RowwiseAdagradConfig
+
+__all__ = ["RowwiseAdagrad", "mean_square"]
 
 _F32 = np.float32
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RowwiseAdagradConfig:
-    """Row-wise Adagrad with FBGEMM's defaults (its `learning_rate`, `eps`, zero state)."""
-
-    name: Literal["rowwise_adagrad"] = "rowwise_adagrad"
-    learning_rate: float = 0.01
-    initial_accumulator_value: float = 0.0
-    epsilon: float = 1e-8
 
 
 @compiled([types.void(layout, C1) for layout in (C2, RC2, A2)])

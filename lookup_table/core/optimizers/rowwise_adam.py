@@ -17,7 +17,7 @@ bfloat16 m is rounded to nearest before anything uses it: the slots are what is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,31 +25,13 @@ from lookup_table.core.optimizers.adam import step_sizes
 from lookup_table.core.optimizers.base import Float32Array, GatheredUpdateAt, StoredSlot, step
 from lookup_table.core.optimizers.rowwise_adagrad import mean_square
 from lookup_table.core.precision import round_to
-from lookup_table.errors import ConfigError
 
-__all__ = ["RowwiseAdam", "RowwiseAdamConfig"]
+if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
+    from lookup_table.config import RowwiseAdamConfig
+
+__all__ = ["RowwiseAdam"]
 
 _F32 = np.float32
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RowwiseAdamConfig:
-    """Row-wise Adam with Keras Adam's names and defaults; `momentum_dtype` is how the
-    first moment is stored ("bfloat16": float32's range in half the bytes)."""
-
-    name: Literal["rowwise_adam"] = "rowwise_adam"
-    learning_rate: float = 0.001
-    beta_1: float = 0.9
-    beta_2: float = 0.999
-    epsilon: float = 1e-7
-    momentum_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-
-    def __post_init__(self) -> None:
-        if self.momentum_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(
-                f"momentum_dtype {self.momentum_dtype!r}: expected 'float32' or 'bfloat16' "
-                f"(the first moment needs float32's range: bfloat16 keeps it in 2 bytes)"
-            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,9 @@ _FIXED_BYTES = 64 << 20  # tracing, the graph, TF's own buffers
 _MAX_LOAD_FACTOR = 0.8  # DenseHashTable's default
 
 
-def estimate_export_bytes(*, count: int, dim: int, id_type: str, id_bytes: int = 0) -> int:
+def estimate_export_bytes(
+    *, count: int, dim: int, id_type: str, id_bytes: int = 0, itemsize: int = 4
+) -> int:
     """Peak memory an export of one table needs, in bytes, never below what
     benchmarks/export_size.py measures.
 
@@ -36,14 +38,15 @@ def estimate_export_bytes(*, count: int, dim: int, id_type: str, id_bytes: int =
         dim: the table's dim.
         id_type: "int64" or "string".
         id_bytes: total UTF-8 bytes of the string ids (0 for int64 ids).
+        itemsize: bytes of an exported row value (2 for float16/bfloat16 tables).
     """
     buckets = hash_table_buckets(count)
     key = 8 if id_type == "int64" else 32  # a tf.string key is a 32-byte tstring
-    rows = 4 * dim * (count + 1)
+    rows = itemsize * dim * (count + 1)
     # Python str ids (object array, str objects) and their UTF-8 while inserted
     source_ids = 8 * count if id_type == "int64" else 70 * count + id_bytes
-    # the source rows and the variable; the hash table and the copy its save makes
-    return 2 * rows + source_ids + 2 * buckets * (key + 8) + _FIXED_BYTES
+    # the float32 source rows and the variable; the hash table and the copy its save makes
+    return 4 * dim * (count + 1) + rows + source_ids + 2 * buckets * (key + 8) + _FIXED_BYTES
 
 
 def hash_table_buckets(count: int) -> int:

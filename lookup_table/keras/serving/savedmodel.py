@@ -54,6 +54,10 @@ _DELETED_STR = b"\xfe"
 _UNUSED_STR = b"\xff\xfe"
 
 
+# how a table's rows are held in the export: as the table stores them
+_TF_DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TableRows:
     """The rows of one table to export.
@@ -107,16 +111,20 @@ class _TableLookup:
         # The last row stays zeros. Filled in chunks with scatter_update, so the variable is
         # the only full copy TF makes (the source may be memory-mapped); a zeros initial
         # value or slice assignments cost a second copy of the rows.
+        # A float16/bfloat16 table's rows are exported as they are stored (half the
+        # bytes of float32) and cast to float32 at lookup: its values are exactly its
+        # dtype's, so the cast gives the trainer's float32 rows back.
+        stored = _TF_DTYPES[spec.dtype]
         shape = [self.count + 1, spec.dim]
         self.rows = tf.Variable(
-            lambda: tf.zeros(shape, tf.float32),
+            lambda: tf.zeros(shape, stored),
             trainable=False,
             name=f"rows_{_safe_name(spec.name)}",
         )
         step = max(1, _CHUNK_BYTES // (4 * spec.dim))
         for start in range(0, self.count, step):
             stop = min(start + step, self.count)
-            chunk = np.asarray(source.rows[start:stop], np.float32)
+            chunk = tf.cast(np.asarray(source.rows[start:stop], np.float32), stored)
             self.rows.scatter_update(tf.IndexedSlices(chunk, tf.range(start, stop)))
 
     def ids_of(self, flat: tf.Tensor, where: str) -> tf.Tensor:
@@ -144,11 +152,13 @@ class _TableLookup:
         index = self.table.lookup(tf.where(sentinel, unused, ids))
         index.set_shape(ids.shape)
         found = index >= 0
-        rows = tf.gather(self.rows, tf.where(found, index, self.count))
+        rows = tf.cast(tf.gather(self.rows, tf.where(found, index, self.count)), tf.float32)
         if self.unseen == "zeros" or self.spec.initializer.name == "zeros":
             return rows
         need = tf.logical_and(tf.logical_not(found), wanted)
         fresh = initial_rows_tf(self.spec, tf.boolean_mask(ids, need), blake2b_8=self.blake2b_8)
+        if self.rows.dtype != tf.float32:  # as the table stores a new row: to nearest
+            fresh = tf.cast(tf.cast(fresh, self.rows.dtype), tf.float32)
         return tf.tensor_scatter_nd_update(rows, tf.where(need), fresh)
 
 

@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 
 from lookup_table.core.keyspace import DENSE_TABLE
 from lookup_table.ops.checkpoint.files import load_array
-from lookup_table.ops.checkpoint.format import MANIFEST
+from lookup_table.ops.checkpoint.format import MANIFEST, rows_from_file, table_dtype
 from lookup_table.ops.checkpoint.verify import verify_checkpoint
 
 __all__ = ["export_checkpoint"]
@@ -43,8 +43,12 @@ def export_checkpoint(
     arrays: dict[str, NDArray[Any]] = {}
     for t in manifest["tables"]:
         for key, file in t["files"].items():
-            if key in ("ids", "ids_utf8", "ids_offsets", "rows"):
+            if key in ("ids", "ids_utf8", "ids_offsets"):
                 arrays[f"{t['name']}/{key}"] = load_array(root, file)
+        # float32, whatever the table's dtype: the 16-bit values are float32's exactly
+        arrays[f"{t['name']}/rows"] = rows_from_file(
+            load_array(root, t["files"]["rows"]), table_dtype(t)
+        )
     dense = manifest.get("dense")
     if dense is not None:
         for p in dense["params"]:

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from lookup_table.config import ClusterConfig
+from lookup_table.config import ClusterConfig, TableSpec
 from lookup_table.core.optimizers import make_optimizer, slot_width
+from lookup_table.core.precision import MAX_FINITE, ROW_DTYPES, RowDtype, decode, encode
 from lookup_table.errors import CheckpointError, ConfigError
 
 __all__ = [
@@ -23,9 +24,14 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
     "check_compatible",
+    "check_fits",
+    "slot_layout",
     "dense_file_stems",
     "expected_arrays",
     "pack_str_ids",
+    "rows_for_file",
+    "rows_from_file",
+    "table_dtype",
     "table_files",
     "unpack_str_ids",
 ]
@@ -33,6 +39,36 @@ __all__ = [
 FORMAT = "lookup-table-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+
+# a table's rows file holds its rows as stored: float32, float16, or bfloat16's bits
+# (numpy has no bfloat16); the manifest's `dtype` says which (none: float32)
+ROWS_FILE_DTYPES: dict[str, str] = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
+
+
+def table_dtype(t: Mapping[str, Any]) -> RowDtype:
+    """The row dtype a manifest's table records (float32 when it records none)."""
+    dtype: object = t.get("dtype", "float32")
+    for known in ROW_DTYPES:
+        if dtype == known:
+            return known
+    raise CheckpointError(
+        f"{MANIFEST}: table {t.get('name')!r} has dtype {dtype!r}, expected one of "
+        f"{', '.join(ROW_DTYPES)} (a checkpoint of a newer version?)"
+    )
+
+
+def rows_for_file(rows: NDArray[np.float32], dtype: RowDtype) -> NDArray[Any]:
+    """float32 rows (as the store gives them: exactly `dtype`'s values) as the rows file
+    holds them (`ROWS_FILE_DTYPES`)."""
+    words = encode(rows, dtype)
+    return words.view("<f2") if dtype == "float16" else words
+
+
+def rows_from_file(rows: NDArray[Any], dtype: RowDtype) -> NDArray[np.float32]:
+    """The float32 rows of (a slice of) a rows file of `dtype`, exactly."""
+    if dtype == "float32":
+        return np.asarray(rows, dtype=np.float32)
+    return decode(np.ascontiguousarray(rows).view("<u2"), dtype)
 
 
 def pack_str_ids(ids: Sequence[str]) -> tuple[NDArray[np.uint8], NDArray[np.int64]]:
@@ -121,7 +157,7 @@ def expected_arrays(manifest: Mapping[str, Any]) -> dict[str, tuple[str, tuple[i
         else:
             out[files["ids_utf8"]] = ("|u1", None)
             out[files["ids_offsets"]] = ("<i8", (n + 1,))
-        out[files["rows"]] = ("<f4", (n, dim))
+        out[files["rows"]] = (ROWS_FILE_DTYPES[table_dtype(t)], (n, dim))
         if width:
             out[files["slots"]] = ("<f4", (n, width))
             out[files["has_slots"]] = ("|b1", (n,))
@@ -172,6 +208,13 @@ def check_compatible(manifest: Mapping[str, Any], config: ClusterConfig) -> list
                 f"{spec.optimizer.name!r} keeps {width}; restore with optimizer "
                 f"{t['optimizer']!r} for this table"
             )
+        saved_slots = t.get("slots")
+        if saved_slots is not None and saved_slots != slot_layout(spec):
+            raise CheckpointError(
+                f"table {name!r}: the checkpoint's slots are stored as {saved_slots}, the "
+                f"cluster file's optimizer keeps {slot_layout(spec)} (another momentum_dtype?); "
+                f"restore with the optimizer settings it was saved with"
+            )
     warnings += [
         f"table {spec.name!r} is not in the checkpoint: it starts empty"
         for spec in config.tables
@@ -193,3 +236,31 @@ def check_compatible(manifest: Mapping[str, Any], config: ClusterConfig) -> list
                     f"[optimizer] name = {dense['optimizer']!r}"
                 )
     return warnings
+
+
+def slot_layout(spec: TableSpec) -> list[list[Any]]:
+    """How a table's slots are stored (name, width, dtype), as a manifest records them."""
+    return [
+        [slot.name, slot.width, slot.dtype]
+        for slot in make_optimizer(spec.optimizer).slot_storage(spec.dim)
+        if slot.width
+    ]
+
+
+def check_fits(table: str, rows: NDArray[Any], saved: RowDtype, target: RowDtype) -> None:
+    """Refuse restoring rows of dtype `saved` into a table of dtype `target` whose range
+    does not hold them (bfloat16 or float32 values beyond float16's 65504).
+
+    Raises:
+        CheckpointError: naming the table, the largest value and what to do.
+    """
+    if MAX_FINITE[target] >= MAX_FINITE[saved] or not rows.size:
+        return
+    biggest = float(np.max(np.abs(rows_from_file(rows, saved))))
+    if biggest > MAX_FINITE[target]:
+        raise CheckpointError(
+            f"table {table!r}: the checkpoint holds a row value of magnitude {biggest:g}, "
+            f"beyond {target}'s largest ({MAX_FINITE[target]:g}); nothing was written. "
+            f'Restore it into dtype = "bfloat16" or "float32" (the table\'s dtype in '
+            f"the cluster file)"
+        )

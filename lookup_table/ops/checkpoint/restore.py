@@ -26,7 +26,12 @@ from lookup_table.dense import DenseParams
 from lookup_table.errors import LookupTableError, NamespaceNotEmptyError, ReplicaUnavailableError
 from lookup_table.memcached import commands
 from lookup_table.ops.checkpoint.files import load_array, table_ids
-from lookup_table.ops.checkpoint.format import check_compatible
+from lookup_table.ops.checkpoint.format import (
+    check_compatible,
+    check_fits,
+    rows_from_file,
+    table_dtype,
+)
 from lookup_table.ops.checkpoint.listing import namespace_keys
 from lookup_table.ops.checkpoint.pipeline import (
     DEFAULT_BATCH_IDS,
@@ -79,6 +84,10 @@ async def restore_checkpoint_async(
     manifest = await asyncio.to_thread(verify_checkpoint, root)
     for warning in check_compatible(manifest, config):
         logger.warning("%s", warning)
+    for t in manifest["tables"]:  # before anything is deleted or written
+        rows = load_array(root, t["files"]["rows"])
+        target = config.table(t["name"]).dtype
+        await asyncio.to_thread(check_fits, t["name"], rows, table_dtype(t), target)
     ns = config.namespace
     async with (
         EmbeddingStore(config, check_sentinels=False) as store,
@@ -262,6 +271,7 @@ async def _restore_table(
 
     spec = store.config.table(name)
     optimizer = make_optimizer(spec.optimizer)
+    saved = table_dtype(t)  # the store re-encodes the rows in the table's dtype (nearest)
 
     def batch(start: int) -> Callable[[], Awaitable[None]]:
         async def write() -> None:
@@ -275,7 +285,8 @@ async def _restore_table(
                 fresh = np.flatnonzero(~np.asarray(has_slots[start:stop]))
                 if fresh.size:
                     these[fresh] = optimizer.initial_slots(fresh.size, spec.dim)
-            await store.set(name, ids[start:stop], np.asarray(rows[start:stop]), slots=these)
+            values = rows_from_file(rows[start:stop], saved)
+            await store.set(name, ids[start:stop], values, slots=these)
             bar.update(stop - start)
 
         return write

@@ -51,6 +51,8 @@ from lookup_table.ops.checkpoint.format import (
     FORMAT_VERSION,
     dense_file_stems,
     pack_str_ids,
+    rows_for_file,
+    slot_layout,
     table_files,
 )
 from lookup_table.ops.checkpoint.listing import decode_bodies, decode_int_bodies, namespace_keys
@@ -352,6 +354,7 @@ async def _read_namespace(
                     "initializer": s.initializer.to_dict(),
                     "optimizer": s.optimizer.name,
                     "slot_width": slot_width(s),
+                    "dtype": s.dtype,
                 }
                 for s in config.tables
             ],
@@ -409,7 +412,8 @@ async def _save_table(
         return read
 
     await run_bounded((batch(s) for s in range(0, n, batch_ids)), WINDOW)
-    await asyncio.to_thread(save_array, tmp / files["rows"], rows)
+    # as stored: the store's float32 rows are exactly the dtype's values
+    await asyncio.to_thread(save_array, tmp / files["rows"], rows_for_file(rows, spec.dtype))
     if slots is not None:
         await asyncio.to_thread(save_array, tmp / files["slots"], slots)
         save_array(tmp / files["has_slots"], np.ones(n, dtype=bool))
@@ -419,6 +423,8 @@ async def _save_table(
         "id_type": spec.id_type,
         "optimizer": spec.optimizer.name,
         "slot_width": width,
+        "dtype": spec.dtype,
+        "slots": slot_layout(spec),
         "count": n,
         "with_slots": n if width else 0,
         "files": files,
