@@ -221,12 +221,17 @@ async def test_not_initialized(config) -> None:
         assert all(v is None for v in (await s.sentinels()).values())
 
 
-async def test_a_namespace_of_storage_format_1_is_refused_before_anything_is_sent(
-    config,
+@pytest.mark.parametrize("old_format", [1, 2])
+async def test_a_namespace_of_an_older_storage_format_is_refused_before_anything_is_sent(
+    config, old_format: int
 ) -> None:
-    """Format 1 (rows and slots as separate items) is read by no batch of this version:
-    its rows would be corrupt (no slots) or missing (re-created). The sentinel says which."""
-    old = json.dumps({"namespace": config.namespace, "node": "x", "created": 1.0}).encode()
+    """Format 1 (rows and slots as separate items) and format 2 (int ids in keys as 16 hex
+    digits) are read by no batch of this version: its rows would be corrupt (no slots) or
+    missing (re-created under other keys). The sentinel says which."""
+    fields = {"namespace": config.namespace, "node": "x", "created": 1.0}
+    if old_format > 1:  # format 1 wrote no "format" field
+        fields["format"] = old_format
+    old = json.dumps(fields).encode()
     for node in config.node_addresses:
         with raw_client(node) as client:
             client.set(sentinel_key(config.namespace), old, noreply=False)
@@ -237,10 +242,10 @@ async def test_a_namespace_of_storage_format_1_is_refused_before_anything_is_sen
             s.set("user", [4], np.zeros((1, 16), np.float32)),
             s.get_blobs("_meta", ["x"], kind="m"),
         ):
-            with pytest.raises(StorageFormatError, match="storage format 1") as info:
+            with pytest.raises(StorageFormatError, match=f"storage format {old_format}") as info:
                 await call
             assert "lookup-table-checkpoint restore --force" in str(info.value)
-        with pytest.raises(StorageFormatError, match="storage format 1"):
+        with pytest.raises(StorageFormatError, match=f"storage format {old_format}"):
             await init_cluster(config)
     for node in config.node_addresses:
         with raw_client(node) as client:
