@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lookup_table.ops.localcluster.options import (
+    NO_CAS,
     REQUESTS_PER_EVENT,
     local_threads,
     memcached_options,
@@ -128,6 +129,7 @@ class MemcachedProcess:
     extra_args: Sequence[str] = ()
     log_path: Path | None = None
     threads: int = 1  # -t: `local_threads` for the nodes of a local cluster
+    slab_sizes: str | None = None  # -o slab_sizes (`options.slab_sizes`); None: the defaults
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _temporary_log: bool = field(default=False, repr=False)
 
@@ -157,8 +159,9 @@ class MemcachedProcess:
             str(self.threads),
             "-R",
             str(REQUESTS_PER_EVENT),
+            NO_CAS,
             "-o",
-            memcached_options(self.memory_mb),
+            memcached_options(self.memory_mb, slab_sizes=self.slab_sizes),
             *self.extra_args,
         ]
         if os.geteuid() == 0:
@@ -235,6 +238,7 @@ def start_memcached(
     log_path: Path | None = None,
     attempts: int = 5,
     threads: int = 1,
+    slab_sizes: str | None = None,
 ) -> MemcachedProcess:
     """Start one memcached with `-M`; with no port, pick a free one (retrying if taken)."""
     last: Exception | None = None
@@ -246,6 +250,7 @@ def start_memcached(
             extra_args=extra_args,
             log_path=log_path,
             threads=threads,
+            slab_sizes=slab_sizes,
         )
         try:
             server.start()
@@ -256,14 +261,18 @@ def start_memcached(
 
 
 @contextlib.contextmanager
-def memcached_cluster(count: int, *, memory_mb: int = 64) -> Iterator[list[MemcachedProcess]]:
+def memcached_cluster(
+    count: int, *, memory_mb: int = 64, slab_sizes: str | None = None
+) -> Iterator[list[MemcachedProcess]]:
     """`count` local servers on free ports, stopped on exit whatever happens."""
     servers: list[MemcachedProcess] = []
     try:
         for _ in range(count):
             # one at a time, so the ones started are stopped if a later one fails
             servers.append(  # noqa: PERF401
-                start_memcached(memory_mb=memory_mb, threads=local_threads(count))
+                start_memcached(
+                    memory_mb=memory_mb, threads=local_threads(count), slab_sizes=slab_sizes
+                )
             )
         yield servers
     finally:
