@@ -130,6 +130,7 @@ class MemcachedProcess:
     log_path: Path | None = None
     threads: int = 1  # -t: `local_threads` for the nodes of a local cluster
     slab_sizes: str | None = None  # -o slab_sizes (`options.slab_sizes`); None: the defaults
+    cas: bool = False  # keep memcached's CAS unique per item (no -C): its default
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _temporary_log: bool = field(default=False, repr=False)
 
@@ -159,7 +160,7 @@ class MemcachedProcess:
             str(self.threads),
             "-R",
             str(REQUESTS_PER_EVENT),
-            NO_CAS,
+            *([] if self.cas else [NO_CAS]),
             "-o",
             memcached_options(self.memory_mb, slab_sizes=self.slab_sizes),
             *self.extra_args,
@@ -239,6 +240,7 @@ def start_memcached(
     attempts: int = 5,
     threads: int = 1,
     slab_sizes: str | None = None,
+    cas: bool = False,
 ) -> MemcachedProcess:
     """Start one memcached with `-M`; with no port, pick a free one (retrying if taken)."""
     last: Exception | None = None
@@ -251,6 +253,7 @@ def start_memcached(
             log_path=log_path,
             threads=threads,
             slab_sizes=slab_sizes,
+            cas=cas,
         )
         try:
             server.start()
@@ -262,7 +265,7 @@ def start_memcached(
 
 @contextlib.contextmanager
 def memcached_cluster(
-    count: int, *, memory_mb: int = 64, slab_sizes: str | None = None
+    count: int, *, memory_mb: int = 64, slab_sizes: str | None = None, cas: bool = False
 ) -> Iterator[list[MemcachedProcess]]:
     """`count` local servers on free ports, stopped on exit whatever happens."""
     servers: list[MemcachedProcess] = []
@@ -271,7 +274,10 @@ def memcached_cluster(
             # one at a time, so the ones started are stopped if a later one fails
             servers.append(  # noqa: PERF401
                 start_memcached(
-                    memory_mb=memory_mb, threads=local_threads(count), slab_sizes=slab_sizes
+                    memory_mb=memory_mb,
+                    threads=local_threads(count),
+                    slab_sizes=slab_sizes,
+                    cas=cas,
                 )
             )
         yield servers
