@@ -260,6 +260,24 @@ async def test_a_namespace_of_an_older_storage_format_is_refused_before_anything
             await s.lookup("user", [1])
 
 
+async def test_a_sentinel_written_in_the_second_of_a_flush_all_shows_once_it_is_over(
+    own_nodes,
+) -> None:
+    """Nodes without CAS (-C) hide what is written in the second of a `flush_all` (the
+    flush's time is whole seconds): a reinit right after one must not leave its nodes
+    looking as if they lost their data."""
+    config = make_config([s.address for s in own_nodes])
+    async with EmbeddingStore(config) as s:
+        await s.write_sentinels()
+        for node in config.node_addresses:
+            with raw_client(node) as client:
+                client.flush_all(noreply=False)
+        assert all(v is None for v in (await s.sentinels()).values())
+        assert await s.write_sentinels() == dict.fromkeys(config.node_addresses, True)
+        assert all(v is not None for v in (await s.sentinels()).values())
+        await s.lookup("user", [1, 2, 3])  # no DataLossError
+
+
 async def test_restarted_node_raises_data_loss_and_creates_nothing(own_nodes) -> None:
     config = make_config([s.address for s in own_nodes])
     ids = np.arange(2000, dtype=np.int64)
