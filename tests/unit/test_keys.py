@@ -155,6 +155,23 @@ def test_int_key_matrix_equals_per_id_encoding(ids: np.ndarray) -> None:
     assert [row.tobytes() for row in matrix] == expected
 
 
+_B64URL = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+
+
+@given(st.text(alphabet=_B64URL, min_size=11, max_size=11))
+def test_every_int_body_of_64_bits_decodes_to_the_one_id_that_encodes_it(digits: str) -> None:
+    """11 base64url digits carry 66 bits: those whose first digit is above "P" (more than
+    64 bits) are refused, every other decodes to the id whose key it is (one key per id)."""
+    key = b"demo/user/w/i" + digits.encode()
+    if _B64URL.index(digits[0]) >= 16:
+        with pytest.raises(KeyEncodingError, match="bad int id encoding"):
+            decode_key(key)
+        return
+    id_ = decode_key(key).id
+    assert isinstance(id_, int) and INT64_MIN <= id_ <= INT64_MAX
+    assert encode_key("demo", "user", "w", id_) == key
+
+
 def test_int_key_matrix_accepts_non_contiguous_ids() -> None:
     ids = np.arange(-10, 10, dtype=np.int64)[::3]
     matrix = int_key_matrix(b"a/b/w/", ids)
