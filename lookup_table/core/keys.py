@@ -349,11 +349,14 @@ def decode_key(key: bytes | str) -> DecodedKey:
     except KeyEncodingError as exc:
         raise KeyEncodingError(f"not a lookup-table key ({exc}): {raw!r}") from None
     id_: int | str
-    if body.startswith("i") and len(body) == INT_ID_BYTES:
-        ids, ok = decode_int_digits(np.frombuffer(body[1:].encode("ascii"), np.uint8)[None, :])
-        if not ok[0]:
-            raise KeyEncodingError(f"not a lookup-table key (bad int id encoding): {raw!r}")
-        id_ = int(ids[0])
+    if body.startswith("i"):
+        int_id = _int_id(body)
+        if int_id is None:
+            raise KeyEncodingError(
+                f"not a lookup-table key (bad int id encoding: `i` and {INT_ID_DIGITS} "
+                f"base64url digits of at most 64 bits): {raw!r}"
+            )
+        id_ = int_id
     elif body.startswith("s"):
         try:
             id_ = unquote(body[1:], errors="strict")
@@ -366,3 +369,11 @@ def decode_key(key: bytes | str) -> DecodedKey:
     else:
         raise KeyEncodingError(f"not a lookup-table key (unknown id tag): {raw!r}")
     return DecodedKey(namespace=namespace, table=table, kind=kind, id=id_)
+
+
+def _int_id(body: str) -> int | None:
+    """The id of an int key body, None if it is not one `int_key_matrix` writes."""
+    if len(body) != INT_ID_BYTES:
+        return None
+    ids, ok = decode_int_digits(np.frombuffer(body[1:].encode("ascii"), np.uint8)[None, :])
+    return int(ids[0]) if ok[0] else None
