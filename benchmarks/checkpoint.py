@@ -35,7 +35,7 @@ from benchmarks.harness.report import (
 )
 from benchmarks.harness.rounds import interleaved, paired_ratio, timed
 from lookup_table.config import ClusterConfig, NodeSpec, parse_config
-from lookup_table.core.keys import int_key_matrix, key_prefix
+from lookup_table.core.keys import INT_ID_BYTES, INT_ID_DIGITS, int_key_matrix, key_prefix
 from lookup_table.memcached import commands
 from lookup_table.memcached.protocol import Wire, build_mg, build_ms
 from lookup_table.ops import checkpoint
@@ -105,14 +105,16 @@ async def _pipeline(
 
 def _kind_pattern(namespace: str, table: str, kind: str) -> re.Pattern[bytes]:
     return re.compile(
-        rb"key=" + f"{namespace}%2F{table}%2F{kind}%2F".encode() + rb"(i[0-9a-f]{16}) "
+        rb"key="
+        + f"{namespace}%2F{table}%2F{kind}%2F".encode()
+        + rb"(i[A-Za-z0-9_-]{%d}) " % INT_ID_DIGITS
     )
 
 
 async def ceiling_read(
     config: ClusterConfig, table: str, widths: dict[str, int]
 ) -> dict[str, tuple[NDArray[np.uint8], NDArray[np.float32]]]:
-    """Per kind: (every key body, uint8 (n, 17); its value, float32 (n, width))."""
+    """Per kind: (every key body, uint8 (n, INT_ID_BYTES); its value, float32 (n, width))."""
     dumps = await asyncio.gather(
         *(_exchange(s, b"lru_crawler metadump hash\r\n", b"END\r\n") for s in config.memcached)
     )
@@ -128,8 +130,8 @@ async def ceiling_read(
         jobs = []
         for spec, dump in zip(config.memcached, dumps, strict=True):
             found = pattern.findall(dump)
-            bodies = np.frombuffer(b"".join(found), dtype=np.uint8).reshape(-1, 17)
-            keys = np.empty((bodies.shape[0], len(prefix) + 17), dtype=np.uint8)
+            bodies = np.frombuffer(b"".join(found), dtype=np.uint8).reshape(-1, INT_ID_BYTES)
+            keys = np.empty((bodies.shape[0], len(prefix) + INT_ID_BYTES), dtype=np.uint8)
             keys[:, : len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
             keys[:, len(prefix) :] = bodies
             values = np.empty((bodies.shape[0], width), dtype=np.float32)

@@ -1,4 +1,6 @@
-"""Measure how much memcached memory a row takes, with and without Adam slots.
+"""Measure how much memcached memory a row takes, with and without Adam slots, on nodes
+with memcached's own defaults and on nodes as the local cluster starts them (-C, a slab
+class of the row's item size), and where each byte of a row's item goes.
 
 docs/benchmarks.md says how it measures and how to read it::
 
@@ -28,12 +30,26 @@ from benchmarks.harness.report import (
     save,
 )
 from lookup_table.client import OptimizerClient
-from lookup_table.config import ClusterConfig, parse_config
-from lookup_table.core.keys import key_prefix
+from lookup_table.config import (
+    ClusterConfig,
+    RowwiseAdagradConfig,
+    RowwiseAdamConfig,
+    parse_config,
+)
+from lookup_table.core.keys import INT_ID_BYTES, key_prefix
 from lookup_table.core.keyspace import META_TABLE
 from lookup_table.core.optimizers import make_optimizer
+from lookup_table.core.optimizers.layout import value_bytes
 from lookup_table.memcached import commands
 from lookup_table.ops.localcluster import MemcachedProcess, memcached_cluster
+from lookup_table.ops.localcluster.options import (
+    CAS_BYTES,
+    ITEM_HEADER_BYTES,
+    default_slab_classes,
+    item_bytes,
+    row_item_bytes,
+    slab_sizes,
+)
 from lookup_table.ops.stats import table_stats
 from lookup_table.store import EmbeddingStore
 from optimizer_service.app import make_app
@@ -41,6 +57,16 @@ from optimizer_service.engine.journal import JOURNAL_SLOTS
 
 DIMS = (8, 16, 64)
 OPTIMIZERS = ("sgd", "adam")
+NODES = ("defaults", "compact")
+"""defaults: memcached's own options (a CAS unique per item, classes 25 % apart);
+compact: as the local cluster starts its nodes (-C, a slab class of the row item's size)."""
+# the compact rows' value bytes (the layout's own figure), whose items are projected from
+# the overhead measured at dim 16, and the chunk each should reach
+PROJECTED = (
+    ("float16 rowwise_adam", 16, RowwiseAdamConfig(), 152),
+    ("float16 rowwise_adagrad", 16, RowwiseAdagradConfig(), 120),
+    ("float16 rowwise_adam", 64, RowwiseAdamConfig(), 400),
+)
 NAMESPACE = "demo"  # the key length depends on the names: see "key_bytes" in the report
 TABLE = "user"
 MEMORY_MB = 2048
@@ -146,7 +172,9 @@ async def fill(
             raise RuntimeError(f"the service updated {result['rows']} of {part.shape[0]} rows")
 
 
-async def run_case(server: MemcachedProcess, dim: int, optimizer: str, n: int) -> dict[str, Any]:
+async def run_case(
+    server: MemcachedProcess, dim: int, optimizer: str, n: int, *, nodes: str = "defaults"
+) -> dict[str, Any]:
     config = case_config(server.address, dim, optimizer)
     slot_width = make_optimizer(config.table(TABLE).optimizer).slot_width(dim)
     ids = spread_ids(np.random.default_rng(SEED), n)
@@ -163,14 +191,19 @@ async def run_case(server: MemcachedProcess, dim: int, optimizer: str, n: int) -
                 empty = await snapshot(config, server)
                 started = time.perf_counter()
                 await fill(store, client, ids[: n // 2], dim)
+                await client.pause(timeout_s=120)  # writes the rows written behind
                 half = await snapshot(config, server)
+                await client.resume()
                 await fill(store, client, ids[n // 2 :], dim)
+                await client.pause(timeout_s=120)
                 seconds = time.perf_counter() - started
                 full = await snapshot(config, server)
+                await client.resume()
         finally:
             await service.close()
     stats = await table_stats(config)
     slabs = await commands.stats(config.memcached[0], config.store, "slabs")
+    in_items = await commands.stats(config.memcached[0], config.store, "items")
     kinds = stats["tables"][TABLE]["kinds"]
     if kinds["rows"]["keys"] != n or set(kinds) != {"rows"}:
         raise RuntimeError(f"dim {dim} {optimizer}: expected {n} rows (with slots), got {kinds}")
@@ -197,18 +230,36 @@ async def run_case(server: MemcachedProcess, dim: int, optimizer: str, n: int) -
         "m_bytes_measured": grown["malloced_bytes"] / n,
         "m_bytes_measured_marginal": second["malloced_bytes"] / (n - n // 2),
         "rss_bytes_measured": grown["rss_bytes"] / n,
+        # other items the namespace holds once everything is written (journals, done
+        # records, versions), per row
+        "bookkeeping_bytes": sum(bookkeeping.values()) / n,
     }
     prefix = len(key_prefix(NAMESPACE, TABLE, "w"))
+    value = 4 * (dim + slot_width)
+    breakdown = item_breakdown(
+        key=prefix + INT_ID_BYTES,
+        value=value,
+        cas=nodes == "defaults",
+        measured=items["row"],
+        chunk=held_in["row"]["chunk_size"],
+    )
+    row_class = held_in["row"]["class"]
+    requested = int(in_items[f"items:{row_class}:mem_requested"])  # the class's items' bytes
+    if requested < breakdown["item"] * n:
+        raise RuntimeError(f"dim {dim} {optimizer}: memcached's stats items disagree: {in_items}")
     pushes = -(-(n // 2) // BATCH_IDS) + -(-(n - n // 2) // BATCH_IDS)
     return {
         "dim": dim,
         "optimizer": optimizer,
+        "nodes": nodes,
+        "memcached_args": server.command()[1:],
         "slot_width": slot_width,
         "rows": n,
         "fill_seconds": seconds,
-        "key_bytes": {"row": prefix + 17},
-        "value_bytes": {"row": 4 * (dim + slot_width)},
+        "key_bytes": {"row": prefix + INT_ID_BYTES},
+        "value_bytes": {"row": value},
         "item_bytes": items,
+        "item_breakdown": breakdown,
         "slab_class": held_in,
         "per_row": per_row,
         "bookkeeping_item_bytes": bookkeeping,
@@ -225,23 +276,92 @@ async def run_case(server: MemcachedProcess, dim: int, optimizer: str, n: int) -
     }
 
 
+def item_breakdown(*, key: int, value: int, cas: bool, measured: int, chunk: int) -> dict[str, int]:
+    """Where the bytes of a row's item and its chunk go, as memcached lays an item out
+    (items.c `item_make_header`): the header, the CAS unique (unless -C), the key and its
+    NUL, no client flags (the store sets none), the value and its CRLF; then the chunk's
+    bytes past the item. Raises if they do not add up to what memcached counts."""
+    parts = {
+        "header": ITEM_HEADER_BYTES,
+        "cas": CAS_BYTES if cas else 0,
+        "key": key,
+        "key_end": 1,
+        "value": value,
+        "value_end": 2,
+    }
+    total = sum(parts.values())
+    if total != measured or total != item_bytes(key, value, cas=cas):
+        raise RuntimeError(f"an item of {measured} bytes is not {parts} ({total})")
+    return {**parts, "item": total, "class_rounding": chunk - total, "chunk": chunk}
+
+
+def projections(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The compact rows' item and chunk on each kind of node: their value bytes (the
+    layout's) plus the overhead measured for a dim-16 row on such nodes (key, header,
+    CAS, ends), rounded up to the class memcached would use."""
+    out = []
+    defaults = default_slab_classes()
+    for label, dim, opt, target in PROJECTED:
+        value = value_bytes(make_optimizer(opt), dim, "float16")
+        for r in results:
+            if r["dim"] != 16 or r["optimizer"] != "adam":
+                continue
+            b = r["item_breakdown"]
+            item = value + b["item"] - b["value"]
+            classes = (
+                defaults
+                if r["nodes"] == "defaults"
+                else [int(c) for c in slab_sizes([item]).split("-")]
+            )
+            chunk = min(c for c in classes if c >= item)
+            out.append(
+                {
+                    "option": label,
+                    "dim": dim,
+                    "nodes": r["nodes"],
+                    "value_bytes": value,
+                    "item_bytes": item,
+                    "chunk_bytes": chunk,
+                    "target_chunk_bytes": target,
+                }
+            )
+    return out
+
+
 # ---------------------------------------------------------------- report
 
 
-def render(results: list[dict[str, Any]], n: int, memory_mb: int) -> str:
+def _table(header: list[str], rows: list[list[str]], *, left: int = 1) -> list[str]:
+    widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(
+            c.ljust(w) if i < left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+        for cells in [header, *rows]
+    ]
+
+
+def render(
+    results: list[dict[str, Any]], n: int, memory_mb: int, projected: list[dict[str, Any]]
+) -> str:
     r0 = results[0]
     lines = [
         f"{n:,} rows per case, a fresh memcached each (-M -m {memory_mb}), namespace "
         f"{NAMESPACE!r}, table {TABLE!r}: keys of {r0['key_bytes']['row']} bytes",
+        "nodes: defaults = memcached's own options (a CAS unique per item, slab classes 25 % "
+        "apart); compact = -C and a slab class of the row item's size",
         "",
         "bytes per row    item: memcached's item size (header + key + the row and its slots)",
         "                 chunk: the slab chunks they occupy (item rounded up to its class)",
         "                 -m: what a row takes from the -m limit (1 MiB pages / chunks per page)",
         "                 measured: growth of total_malloced / rows (all, and the second half)",
         "                 RSS: growth of the server's RSS / rows (adds the hash table)",
+        "                 other: the namespace's other items once all is written, / rows",
         "",
     ]
     header = [
+        "nodes",
         "dim",
         "optimizer",
         "floats",
@@ -251,6 +371,7 @@ def render(results: list[dict[str, Any]], n: int, memory_mb: int) -> str:
         "measured",
         "2nd half",
         "RSS",
+        "other",
         "fixed MiB",
         f"GiB of -m per {PROJECT_ROWS / 1e6:.0f}M rows",
         f"+{HEADROOM:.0%}",
@@ -260,6 +381,7 @@ def render(results: list[dict[str, Any]], n: int, memory_mb: int) -> str:
         p = r["per_row"]
         rows.append(
             [
+                r["nodes"],
                 str(r["dim"]),
                 "adam (rows + slots)" if r["optimizer"] == "adam" else "sgd (rows only)",
                 str(r["dim"] + r["slot_width"]),
@@ -269,18 +391,48 @@ def render(results: list[dict[str, Any]], n: int, memory_mb: int) -> str:
                 f"{p['m_bytes_measured']:.0f}",
                 f"{p['m_bytes_measured_marginal']:.0f}",
                 f"{p['rss_bytes_measured']:.0f}",
+                f"{p['bookkeeping_bytes']:.1f}",
                 f"{r['fixed_m_bytes'] / 2**20:.0f}",
                 f"{r['gib_of_m_per_100m_rows']:.1f}",
                 f"{r['gib_of_m_per_100m_rows_with_headroom']:.1f}",
             ]
         )
-    widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
-    lines.extend(
-        "  ".join(
-            c.ljust(w) if i == 1 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        )
-        for cells in [header, *rows]
+    lines += _table(header, rows, left=1)
+    parts = ["header", "cas", "key", "key_end", "value", "value_end", "item"]
+    lines += ["", "where a row's chunk goes (bytes; memcached's item layout, items.c)", ""]
+    lines += _table(
+        ["nodes", "dim", "optimizer", *parts, "class rounding", "chunk"],
+        [
+            [
+                r["nodes"],
+                str(r["dim"]),
+                r["optimizer"],
+                *(str(r["item_breakdown"][k]) for k in parts),
+                str(r["item_breakdown"]["class_rounding"]),
+                str(r["item_breakdown"]["chunk"]),
+            ]
+            for r in results
+        ],
+    )
+    lines += [
+        "",
+        "the compact rows, from their value bytes and the overhead measured at dim 16 above",
+        "",
+    ]
+    lines += _table(
+        ["option", "dim", "nodes", "value", "item", "chunk", "target"],
+        [
+            [
+                p["option"],
+                str(p["dim"]),
+                p["nodes"],
+                str(p["value_bytes"]),
+                str(p["item_bytes"]),
+                str(p["chunk_bytes"]),
+                f"<= {p['target_chunk_bytes']}",
+            ]
+            for p in projected
+        ],
     )
     biggest = max(results, key=lambda r: r["journal_item_bytes_per_slot"])
     journal, push_ids = biggest["journal_item_bytes_per_slot"], biggest["biggest_push_ids"]
@@ -288,11 +440,11 @@ def render(results: list[dict[str, Any]], n: int, memory_mb: int) -> str:
         "",
         f"-m per node = rows on the node x '-m' bytes x (1 + {HEADROOM:.0%} headroom) + the "
         "fixed part ('fixed MiB': the first page of each slab class,",
-        f"and the journals: each replica keeps {JOURNAL_SLOTS} journal slots in memcached, "
-        f"each as large as the biggest push it applied (new rows + slots;",
-        f"about {journal / 2**20:.1f} MiB for {push_ids:,} ids at dim {biggest['dim']} with "
-        f"{biggest['optimizer']}), "
-        "spread over the nodes). Leave RAM beyond -m for the hash table",
+        f"and the journals: each replica keeps up to {JOURNAL_SLOTS} journals of pushes in "
+        f"flight and those of rows not written yet in memcached, each as large as its push",
+        f"(about {journal / 2**20:.1f} MiB a slot for {push_ids:,} ids at dim {biggest['dim']} "
+        f"with {biggest['optimizer']}, once all is written: the empty headers), spread over the "
+        "nodes). Leave RAM beyond -m for the hash table",
         "(8 bytes per bucket, 5-11 bytes per item) and connection buffers.",
     ]
     return "\n".join(lines)
@@ -308,16 +460,26 @@ def main(argv: list[str] | None = None) -> int:
     code = lookup_table_fingerprint()
     started = time.time()
     results = []
-    for dim in DIMS:
-        for optimizer in OPTIMIZERS:
-            with memcached_cluster(1, memory_mb=memory_mb) as (server,):
-                result = asyncio.run(run_case(server, dim, optimizer, n))
-            print(
-                f"  dim {dim} {optimizer}: {n:,} rows in {result['fill_seconds']:.1f} s",
-                file=sys.stderr,
-            )
-            results.append(result)
-    print(render(results, n, memory_mb))
+    for nodes in NODES:
+        for dim in DIMS:
+            for optimizer in OPTIMIZERS:
+                compact = nodes == "compact"
+                rows = row_item_bytes(case_config("127.0.0.1:1", dim, optimizer))
+                with memcached_cluster(
+                    1,
+                    memory_mb=memory_mb,
+                    slab_sizes=slab_sizes(rows.values()) if compact else None,
+                    cas=not compact,
+                ) as (server,):
+                    result = asyncio.run(run_case(server, dim, optimizer, n, nodes=nodes))
+                print(
+                    f"  {nodes} nodes, dim {dim} {optimizer}: {n:,} rows in "
+                    f"{result['fill_seconds']:.1f} s",
+                    file=sys.stderr,
+                )
+                results.append(result)
+    projected = projections(results)
+    print(render(results, n, memory_mb, projected))
     report = {
         **report_head("sizing", started, machine, code),
         "parameters": {
@@ -325,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
             "dims": list(DIMS),
             "optimizers": list(OPTIMIZERS),
+            "nodes": list(NODES),
             "namespace": NAMESPACE,
             "table": TABLE,
             "memcached_memory_mb": memory_mb,
@@ -344,9 +507,20 @@ def main(argv: list[str] | None = None) -> int:
                 "a longer namespace or table name adds 1 byte per character per row (one "
                 "key: the row and its slots are one item); that can move an item to the "
                 "next slab class",
+                "the half and full snapshots follow a pause of the replica, which writes "
+                "the rows it holds written behind; bookkeeping_item_bytes: the other items "
+                "of the namespace after the last",
+                "item_breakdown: memcached's item layout (items.c item_make_header: the "
+                "48-byte header, the CAS unique unless -C, key + NUL, no client flags, "
+                "value + CRLF), checked against its stats bytes and stats items "
+                "mem_requested; class_rounding: the chunk's bytes past the item",
+                "projections: value bytes of float16 rows with the row-wise optimizers "
+                "(core.optimizers.layout.value_bytes) plus the overhead measured for the "
+                "dim-16 rows on each kind of node, in the class memcached would use",
             ],
         },
         "results": results,
+        "projections": projected,
     }
     save(report, args.out_dir, code_at_end=lookup_table_fingerprint())
     return 0

@@ -1,8 +1,9 @@
 """The key codec: ids <-> memcached keys (pure; numpy + stdlib).
 
-`{namespace}/{table}/{kind}/{encoded id}`: an int64 id as `i` + 16 hex digits (fixed
-width, so a batch is one uint8 matrix), a str id as `s` + its percent-encoded UTF-8, so
-`7` and `"7"` differ and `decode_key` recovers the id. docs/wire-format.md is the format;
+`{namespace}/{table}/{kind}/{encoded id}`: an int64 id as `i` + 11 base64url digits of its
+64 bits (fixed width, so a batch is one uint8 matrix; characters memcached's metadump
+prints as they are), a str id as `s` + its percent-encoded UTF-8, so `7` and `"7"`
+differ and `decode_key` recovers the id. docs/wire-format.md is the format;
 an id that cannot fit 250 bytes raises `KeyEncodingError` naming it.
 """
 
@@ -21,6 +22,7 @@ from lookup_table.errors import KeyEncodingError
 
 __all__ = [
     "INT_ID_BYTES",
+    "INT_ID_DIGITS",
     "MAX_KEY_BYTES",
     "MAX_KIND_BYTES",
     "MAX_NAME_BYTES",
@@ -28,6 +30,7 @@ __all__ = [
     "IdArray",
     "IdBodies",
     "as_ids",
+    "decode_int_digits",
     "decode_key",
     "encode_key",
     "encode_keys",
@@ -40,14 +43,19 @@ __all__ = [
 ]
 
 MAX_KEY_BYTES = 250
-INT_ID_BYTES = 17  # "i" + 16 hex digits
+INT_ID_DIGITS = 11  # base64url digits of an int64 (66 bits: the first digit is at most 15)
+INT_ID_BYTES = 1 + INT_ID_DIGITS  # "i" + the digits
 MAX_NAME_BYTES = 64  # a namespace or table name (ASCII, so bytes = characters)
 MAX_KIND_BYTES = 4  # a key kind: 1-4 lowercase letters
 _NAME_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_NAME_BYTES - 1}}}\Z")
 _RESERVED_RE = re.compile(rf"_[A-Za-z0-9_.-]{{0,{MAX_NAME_BYTES - 1}}}\Z")
 _KIND_RE = re.compile(rf"[a-z]{{1,{MAX_KIND_BYTES}}}\Z")
 _SAFE_RE = re.compile(r"[A-Za-z0-9_.~-]*\Z")
-_HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+_B64_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+_B64_DIGITS = np.frombuffer(_B64_ALPHABET, dtype=np.uint8)
+_B64_VALUES = np.full(256, 255, dtype=np.uint8)
+_B64_VALUES[_B64_DIGITS] = np.arange(64, dtype=np.uint8)
+_SHIFTS = np.arange(6 * (INT_ID_DIGITS - 1), -1, -6, dtype=np.uint64)  # 60, 54, ..., 0
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 IdArray: TypeAlias = "NDArray[np.int64] | NDArray[np.object_]"
@@ -172,16 +180,23 @@ def _object_ids(values: list[Any], where: str) -> IdArray:
 
 
 def _write_int_bodies(out: NDArray[np.uint8], ids: NDArray[np.int64]) -> None:
-    """Write `i` + 16 hex digits of each int id into `out` (n, 17). No loop."""
-    n = ids.shape[0]
-    be = np.ascontiguousarray(ids, dtype=np.int64).astype(">i8").view(np.uint8).reshape(n, 8)
+    """Write `i` + the 11 base64url digits of each int id into `out` (n, 12). No loop."""
+    bits = np.ascontiguousarray(ids, dtype=np.int64).view(np.uint64)
     out[:, 0] = ord("i")
-    out[:, 1::2] = _HEX_DIGITS[be >> 4]
-    out[:, 2::2] = _HEX_DIGITS[be & 15]
+    out[:, 1:] = _B64_DIGITS[(bits[:, None] >> _SHIFTS) & np.uint64(63)]
+
+
+def decode_int_digits(digits: NDArray[np.uint8]) -> tuple[NDArray[np.int64], NDArray[np.bool_]]:
+    """The int64 ids of rows of 11 base64url digits (n, 11), and which rows are such
+    digits as `int_key_matrix` writes them (the others' ids are meaningless). No loop."""
+    values = _B64_VALUES[digits]
+    ok = (values.max(axis=1, initial=0) < 64) & (values[:, 0] < 16)
+    bits = (values.astype(np.uint64) & np.uint64(63)) << _SHIFTS
+    return np.bitwise_or.reduce(bits, axis=1).view(np.int64), ok
 
 
 def int_key_matrix(prefix: bytes, ids: NDArray[np.int64]) -> NDArray[np.uint8]:
-    """Keys of int ids as a uint8 matrix (n, len(prefix) + 17), one key per row. No loop."""
+    """Keys of int ids as a uint8 matrix (n, len(prefix) + 12), one key per row. No loop."""
     out = np.empty((ids.shape[0], len(prefix) + INT_ID_BYTES), dtype=np.uint8)
     out[:, : len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
     _write_int_bodies(out[:, len(prefix) :], ids)
@@ -219,7 +234,7 @@ class IdBodies:
     """The encoded ids of a batch: each key without its `{namespace}/{table}/{kind}/` prefix.
 
     Encoded once and joined with the prefix of every kind (`prefixed_keys`), so rows
-    and slots of the same ids share the work. `bodies` is a uint8 matrix (n, 17) for
+    and slots of the same ids share the work. `bodies` is a uint8 matrix (n, 12) for
     int ids, a list of bytes for str ids; `longest` is the longest body in bytes.
     """
 
@@ -264,7 +279,7 @@ def prefixed_keys(
 ) -> NDArray[np.uint8] | list[bytes]:
     """Keys `prefix + body` of the bodies at `index` (default: all), in that order.
 
-    A uint8 matrix (m, len(prefix) + 17) for int bodies, a list of bytes for str
+    A uint8 matrix (m, len(prefix) + 12) for int bodies, a list of bytes for str
     bodies. `prefix` may be each body's own, a uint8 matrix (n, prefix length) aligned
     with the bodies (int bodies only: the ids of several tables of one prefix length).
     The caller has checked the lengths (`IdBodies.check_prefix`).
@@ -334,10 +349,14 @@ def decode_key(key: bytes | str) -> DecodedKey:
     except KeyEncodingError as exc:
         raise KeyEncodingError(f"not a lookup-table key ({exc}): {raw!r}") from None
     id_: int | str
-    if body.startswith("i") and len(body) == INT_ID_BYTES and _is_lower_hex(body[1:]):
-        id_ = int(body[1:], 16)
-        if id_ > _INT64_MAX:
-            id_ -= 2**64
+    if body.startswith("i"):
+        int_id = _int_id(body)
+        if int_id is None:
+            raise KeyEncodingError(
+                f"not a lookup-table key (bad int id encoding: `i` and {INT_ID_DIGITS} "
+                f"base64url digits of at most 64 bits): {raw!r}"
+            )
+        id_ = int_id
     elif body.startswith("s"):
         try:
             id_ = unquote(body[1:], errors="strict")
@@ -352,5 +371,9 @@ def decode_key(key: bytes | str) -> DecodedKey:
     return DecodedKey(namespace=namespace, table=table, kind=kind, id=id_)
 
 
-def _is_lower_hex(text: str) -> bool:
-    return all(c in "0123456789abcdef" for c in text)
+def _int_id(body: str) -> int | None:
+    """The id of an int key body, None if it is not one `int_key_matrix` writes."""
+    if len(body) != INT_ID_BYTES:
+        return None
+    ids, ok = decode_int_digits(np.frombuffer(body[1:].encode("ascii"), np.uint8)[None, :])
+    return int(ids[0]) if ok[0] else None

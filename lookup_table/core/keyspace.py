@@ -74,9 +74,10 @@ DENSE_TABLE = "_dense"
 BOOKKEEPING_TABLES = (META_TABLE, DENSE_TABLE)
 
 SENTINEL_ID = "sentinel"
-STORAGE_FORMAT = 2
+STORAGE_FORMAT = 3
 """The layout of the stored data this version reads and writes, recorded in every sentinel
-(1, the sentinels before the field existed: rows and slots as separate items)."""
+(1, the sentinels before the field existed: rows and slots as separate items; 2: int ids
+in keys as 16 hex digits)."""
 DENSE_CURRENT_ID = "current"
 
 _VERSION_RE = re.compile(r"version-r(\d+)\Z")

@@ -45,6 +45,8 @@ from lookup_table.store.sentinels import Sentinels, stored_layouts
 
 __all__ = ["EmbeddingStore"]
 
+_HIDDEN_SENTINEL_TRIES = 3
+
 T = TypeVar("T")
 
 
@@ -568,7 +570,9 @@ class EmbeddingStore:
         return await self._fan.peek(reads)
 
     async def write_sentinels(self, nodes: Sequence[str] | None = None) -> dict[str, bool]:
-        """`add` the sentinel on `nodes` (default: all); returns which nodes got a new one.
+        """`add` the sentinel on `nodes` (default: all); returns which nodes got a new one
+        (not one restarted or flushed meanwhile). A sentinel that memcached hides because
+        it came in the second of a `flush_all` (nodes run with -C) is added again after it.
 
         The value records the namespace, node, time, a cluster id shared by every
         sentinel written in this call, and each table's stored layout (`stored_layouts`).
@@ -590,10 +594,33 @@ class EmbeddingStore:
                     "tables": self._sentinels.layouts,
                 }
             ).encode()
-            (stored,), _ = await batch.ms(
-                node, [([self._sentinel_key], [value])], add=True, sentinel=None
+            before = await restarts_and_flushes(node)
+            for _ in range(_HIDDEN_SENTINEL_TRIES):
+                (stored,), _ = await batch.ms(
+                    node, [([self._sentinel_key], [value])], add=True, sentinel=None
+                )
+                if not stored[0]:
+                    return False
+                (seen,) = await batch.mg_blobs(node, [self._sentinel_key], sentinel=None)
+                if seen is not None:
+                    return True
+                # memcached without CAS (-C) hides every item written in the second of a
+                # flush_all: add it again once that second is over, unless the node was
+                # restarted or flushed since this call began (a loss to report, not hide)
+                if await restarts_and_flushes(node) != before:
+                    return False
+                await asyncio.sleep(1.0)
+            raise StoreError(
+                f"memcached node {node.address} does not show the sentinel written to it "
+                f"{_HIDDEN_SENTINEL_TRIES} times in a row; is something flushing it?",
+                node=node.address,
             )
-            return bool(stored[0])
+
+        specs = dict(zip(self.nodes, self.config.memcached, strict=True))
+
+        async def restarts_and_flushes(node: Node) -> tuple[str | None, str | None]:
+            stats = await commands.stats(specs[node.address], self.config.store)
+            return stats.get("pid"), stats.get("cmd_flush")
 
         targets = [n for n in self._fan.connections if n.address in wanted]
         results = await gather([write(node) for node in targets])

@@ -71,8 +71,9 @@ class Sentinels:
         if found != STORAGE_FORMAT:
             raise StorageFormatError(
                 f"memcached node {address} holds namespace {self._namespace!r} in storage "
-                f"format {found}, and this version reads format {STORAGE_FORMAT} (a row and "
-                f"its optimizer slots in one item; docs/storage.md): nothing is read from "
+                f"format {found}, and this version reads format {STORAGE_FORMAT} (int ids in "
+                f"keys as 11 base64url digits, a row and its optimizer slots in one item; "
+                f"docs/storage.md): nothing is read from "
                 f"it or written to it. Migrate: save a checkpoint with the version that wrote it "
                 f"(lookup-table-checkpoint save), then restore it with this one "
                 f"(lookup-table-checkpoint restore --force)",

@@ -3,7 +3,7 @@
 A replica has `JOURNAL_SLOTS` slots (`_meta/j/rK-jS`), `service.row_flush_pushes` more
 when it writes its rows behind; a restart reads all `MAX_JOURNAL_SLOTS`. A header is only
 ever written over a complete journal (every chunk first); a cleared slot is an empty
-header. What a journal holds: `journal_format`; why: docs/write-behind.md.
+header and no chunks. What a journal holds: `journal_format`; why: docs/write-behind.md.
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ class Journal:
         for slot in range(self.slots):
             self._free.put_nowait(slot)
         self._failing: dict[int, Callable[[], BaseException]] = {}  # slot -> error
+        # slot -> chunks written in it since it was last cleared (which deletes them)
+        self._chunks: dict[int, int] = {}
 
     def _id(self, slot: int, chunk: int | None = None) -> str:
         return journal_id(self.replica, slot, chunk)
@@ -158,6 +160,7 @@ class Journal:
 
     async def _write_chunks(self, slot: int, first: int, chunks: Sequence[Wire]) -> None:
         if chunks:
+            self._chunks[slot] = max(self._chunks.get(slot, 0), first + len(chunks))
             ids = [self._id(slot, first + i) for i in range(len(chunks))]
             await self.store.set_blobs(META_TABLE, ids, chunks, kind=Kind.JOURNAL)
 
@@ -185,13 +188,24 @@ class Journal:
         await self.store.set_blobs(META_TABLE, [self._id(slot)], [header], kind=Kind.JOURNAL)
 
     async def clear(self, slot: int) -> None:
-        await self.store.set_blobs(META_TABLE, [self._id(slot)], [b""], kind=Kind.JOURNAL)
+        await self.clear_many([slot])
 
     async def clear_many(self, slots: Sequence[int]) -> None:
-        """Clear several slots in one request per node."""
-        if slots:
-            ids = [self._id(slot) for slot in slots]
-            await self.store.set_blobs(META_TABLE, ids, [b""] * len(ids), kind=Kind.JOURNAL)
+        """Clear several slots: their headers in one request per node, then delete their
+        chunks (a journal's chunks are as large as its push: left, they would hold its
+        ids and gradients until the slot's next journal overwrote them). The header goes
+        first, so no header ever names a deleted chunk."""
+        if not slots:
+            return
+        ids = [self._id(slot) for slot in slots]
+        await self.store.set_blobs(META_TABLE, ids, [b""] * len(ids), kind=Kind.JOURNAL)
+        chunks = [
+            self._id(slot, chunk) for slot in slots for chunk in range(self._chunks.get(slot, 0))
+        ]
+        if chunks:
+            await self.store.delete_blobs(META_TABLE, chunks, kind=Kind.JOURNAL)
+        for slot in slots:
+            self._chunks.pop(slot, None)
 
     async def headers(self) -> list[bytes | None]:
         """The header of each of the `MAX_JOURNAL_SLOTS` slots (b"" or None: clear), in one
@@ -222,7 +236,9 @@ class Journal:
         # chunks joined always have one
         crc = header["crc32"]
         if body is None:
-            ids = [self._id(slot, i) for i in range(int(header["chunks"]))]
+            count = int(header["chunks"])
+            self._chunks[slot] = max(self._chunks.get(slot, 0), count)  # a clear deletes them
+            ids = [self._id(slot, i) for i in range(count)]
             chunks = await self.store.get_blobs(META_TABLE, ids, kind=Kind.JOURNAL)
             if any(c is None for c in chunks):
                 raise IncompleteJournalError(f"{where} is missing chunks", push_id)

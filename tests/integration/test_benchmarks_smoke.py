@@ -252,7 +252,10 @@ def test_sizing_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     params = report["parameters"]
     assert (params["rows"], params["quick"]) == (10_000, True)
     assert params["dims"] == [8, 16, 64] and params["optimizers"] == ["sgd", "adam"]
-    results = {(r["dim"], r["optimizer"]): r for r in report["results"]}
+    assert params["nodes"] == ["defaults", "compact"]
+    every = {(r["nodes"], r["dim"], r["optimizer"]): r for r in report["results"]}
+    assert len(every) == len(report["results"]) == 12
+    results = {(d, o): r for (nodes, d, o), r in every.items() if nodes == "defaults"}
     assert set(results) == {(d, o) for d in (8, 16, 64) for o in ("sgd", "adam")}
     for (dim, optimizer), r in results.items():
         assert r["rows"] == 10_000
@@ -270,6 +273,21 @@ def test_sizing_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
             results[(dim, "adam")]["per_row"]["m_bytes"]
             > results[(dim, "sgd")]["per_row"]["m_bytes"]
         )
+    for (nodes, dim, optimizer), r in every.items():
+        b = r["item_breakdown"]  # adds up to memcached's own item size (checked as it ran)
+        assert b["item"] == r["item_bytes"]["row"] and b["chunk"] == r["per_row"]["chunk_bytes"]
+        assert b["cas"] == (8 if nodes == "defaults" else 0)
+        if nodes == "compact":  # a class of the item's own size: 8 bytes of rounding at most
+            assert 0 <= b["class_rounding"] < 8
+            assert (
+                r["per_row"]["chunk_bytes"]
+                < every[("defaults", dim, optimizer)]["per_row"]["chunk_bytes"]
+            )
+        assert r["per_row"]["bookkeeping_bytes"] < 1  # the journals' chunks are gone
+    compact = {(p["option"], p["dim"]): p for p in report["projections"] if p["nodes"] == "compact"}
+    assert len(compact) == 3
+    for p in compact.values():
+        assert p["chunk_bytes"] <= p["target_chunk_bytes"]
 
 
 @pytest.mark.integration

@@ -7,9 +7,13 @@ import subprocess
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from lookup_table import EmbeddingStore
+from lookup_table.memcached import commands
 from lookup_table.ops.localcluster import (
+    LRU_OPTIONS,
     REQUESTS_PER_EVENT,
     MemcachedProcess,
     free_port,
@@ -17,8 +21,15 @@ from lookup_table.ops.localcluster import (
     local_threads,
     start_memcached,
 )
-from lookup_table.ops.localcluster.servers import server_pid
-from tests.conftest import assert_lru_options, memcached_settings
+from lookup_table.ops.localcluster.options import (
+    SLAB_CHUNK_MAX,
+    default_slab_classes,
+    item_bytes,
+    row_item_bytes,
+    slab_sizes,
+)
+from lookup_table.ops.localcluster.servers import memcached_binary, server_pid
+from tests.conftest import assert_lru_options, make_config, memcached_settings
 from tests.reliability.harness import localcluster, process_running
 
 pytestmark = pytest.mark.integration
@@ -237,3 +248,120 @@ def test_a_pid_file_of_a_live_unrelated_process_is_not_running(tmp_path: Path) -
         other.kill()
         other.wait()
         localcluster("down", *args, cwd=tmp_path)
+
+
+# ---------------------------------------------------------------- item bytes
+
+SIZED_TABLES = [
+    {"name": "user", "dim": 16, "seed": 1},  # Adam: 196 bytes of value
+    {"name": "item_category", "dim": 8, "seed": 2, "optimizer": {"name": "sgd"}},  # 32
+    {"name": "wide", "dim": 64, "seed": 3},  # Adam: 772
+]
+
+
+@pytest.mark.timeout(60)
+async def test_a_row_item_takes_a_chunk_of_its_own_size_and_no_cas() -> None:
+    """memcached's own accounting of a node started with the cluster file's classes: each
+    table's rows sit in a class of their item's size (`row_item_bytes`, rounded up to 8),
+    and each item is the bytes `item_bytes` counts (the header, no CAS, key, value)."""
+    namespace = "t" + uuid.uuid4().hex[:12]
+    sizes = row_item_bytes(make_config(["127.0.0.1:1"], tables=SIZED_TABLES, namespace=namespace))
+    defaults = default_slab_classes()
+    assert not {-(-s // 8) * 8 for s in sizes.values()} <= set(defaults)  # the test is needed
+    node = start_memcached(memory_mb=16, slab_sizes=slab_sizes(sizes.values()))
+    try:
+        config = make_config([node.address], tables=SIZED_TABLES, namespace=namespace)
+        ids = np.arange(500, dtype=np.int64) * 7
+        async with EmbeddingStore(config) as store:
+            await store.write_sentinels()
+            for table in sizes:
+                await store.lookup(table, ids)
+        (spec,) = config.memcached
+        settings = await commands.stats(spec, config.store, "settings")
+        slabs = await commands.stats(spec, config.store, "slabs")
+        items = await commands.stats(spec, config.store, "items")
+    finally:
+        node.stop()
+    assert settings["cas_enabled"] == "no"
+    used = {
+        int(slabs[f"{c}:chunk_size"]): (
+            int(slabs[f"{c}:used_chunks"]),
+            int(items[f"items:{c}:mem_requested"]),
+        )
+        for c in {name.split(":", 1)[0] for name in slabs if ":" in name}
+    }
+    for table, size in sizes.items():
+        chunks, requested = used[-(-size // 8) * 8]
+        assert chunks == ids.shape[0], table
+        assert requested == ids.shape[0] * size, table
+    expected = {
+        table: item_bytes(len(f"{config.namespace}/{table}/w/") + 12, 4 * width)
+        for table, width in (("user", 16 * 3 + 1), ("item_category", 8), ("wide", 64 * 3 + 1))
+    }
+    assert sizes == expected
+
+
+def test_slab_sizes_add_a_class_of_each_row_size_to_memcacheds_own() -> None:
+    defaults = default_slab_classes()
+    assert defaults[:6] == [96, 120, 152, 192, 240, 304] and defaults[-1] < SLAB_CHUNK_MAX
+    classes = [int(s) for s in slab_sizes([284, 116, 152, 61]).split("-")]
+    assert classes[:8] == [64, 96, 120, 152, 192, 240, 288, 304]
+    assert classes[8:] == defaults[6:]
+    # memcached wants classes more than 8 bytes apart: the default one gives way
+    assert [int(s) for s in slab_sizes([298]).split("-")][:6] == [96, 120, 152, 192, 240, 304]
+    assert [int(s) for s in slab_sizes([290, 298]).split("-")][:6] == [96, 120, 152, 192, 240, 304]
+    with pytest.raises(ValueError, match="at most 62"):
+        slab_sizes(range(50, 5000, 40))
+    with pytest.raises(ValueError, match="from 48"):
+        slab_sizes([SLAB_CHUNK_MAX])
+
+
+@pytest.mark.timeout(30)
+def test_memcached_takes_the_slab_sizes_it_is_given() -> None:
+    """memcached's own classes (its `-vv` start-up lines) are `slab_sizes`' classes."""
+    classes = slab_sizes([284, 152, 61, 7000])
+    argv = [memcached_binary(), "-p", "0", "-U", "0", "-vv", "-C", "-o", f"slab_sizes={classes}"]
+    if os.geteuid() == 0:
+        argv += ["-u", "root"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        lines = []
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode()
+            if "slab class" in line:
+                lines.append(int(line.split("chunk size")[1].split()[0]))
+            if str(SLAB_CHUNK_MAX) in line:
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert lines == [*map(int, classes.split("-")), SLAB_CHUNK_MAX]
+
+
+def test_memcached_options_prints_what_a_node_of_the_cluster_file_runs_with(
+    tmp_path: Path,
+) -> None:
+    """For nodes started another way (deploy/k8s, deploy/systemd)."""
+    config = tmp_path / "cluster.toml"
+    config.write_text(
+        'namespace = "demo"\nmemcached = ["127.0.0.1:1"]\n'
+        '[[tables]]\nname = "user"\ndim = 16\n'
+        '[[tables]]\nname = "word"\ndim = 16\nid_type = "string"\n'
+    )
+    done = localcluster(
+        "memcached-options", "--config", str(config), "--memory-mb", "64", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    row = item_bytes(len(b"demo/user/w/") + 12, 4 * (16 * 3 + 1))  # 271: a 272-byte class
+    assert done.stdout.split() == [
+        "-M",
+        "-m",
+        "64",
+        "-C",
+        "-o",
+        f"hashpower={hashpower_for(64)},{LRU_OPTIONS},slab_sizes={slab_sizes([row])}",
+    ]
+    assert "-240-272-304-" in done.stdout

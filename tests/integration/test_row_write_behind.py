@@ -25,10 +25,12 @@ from prometheus_client import CollectorRegistry
 from lookup_table import EmbeddingStore, initial_rows
 from lookup_table.client import OptimizerClient
 from lookup_table.core.keys import as_ids
+from lookup_table.core.keyspace import Kind, is_journal_header
 from lookup_table.core.optimizers import make_optimizer
 from lookup_table.core.precision import round_to
 from lookup_table.core.wire import decode_array, encode_ids, pack, unpack
 from lookup_table.errors import ClusterMismatchError, PushRejectedError, StorageFormatError
+from lookup_table.ops.checkpoint.listing import decode_bodies, namespace_keys
 from optimizer_service.app import UPDATER, make_app
 from optimizer_service.engine.journal import MAX_JOURNAL_SLOTS, Journal
 from optimizer_service.engine.journal_format import BEHIND
@@ -175,6 +177,52 @@ async def test_rows_written_behind_train_exactly_and_reach_memcached_once_per_fl
     np.testing.assert_array_equal(rows, ref.state["t"][0])
     np.testing.assert_array_equal(slots, ref.state["t"][1])
     updater.resume()
+
+
+@pytest.mark.parametrize("flush_pushes", [1, 3], ids=["written through", "written behind"])
+async def test_a_cleared_journal_leaves_no_chunks_behind(
+    memcached_nodes: list[str], aiohttp_server: Any, flush_pushes: int
+) -> None:
+    """A push large enough for its journal to be chunked (its ids and gradients) leaves
+    only the empty headers of its slots once its rows are written and its journal is
+    cleared: the chunks go with it, and the rows train as they did."""
+    config, _, updater, _, rng = await _replica(
+        memcached_nodes, aiohttp_server, 5, row_flush_pushes=flush_pushes
+    )
+    # 40,000 x (8 + 8 x 4) bytes: a push's journal is chunked, written through or behind
+    ids = np.arange(40_000, dtype=np.int64) * 13
+    for _ in range(3):
+        grads = rng.standard_normal((ids.shape[0], 8), dtype=np.float32)
+        await updater.apply(
+            parse_push(unpack(_body(uuid.uuid4().hex, {"t": (ids, grads)})), config=config)
+        )
+
+    async def journal_keys() -> list[str]:
+        async with EmbeddingStore(config) as store:
+            found = await namespace_keys(store)
+        return [
+            str(id_)
+            for keys in found.values()
+            for id_ in decode_bodies(
+                config.namespace,
+                "_meta",
+                Kind.JOURNAL,
+                keys.bodies.get(("_meta", Kind.JOURNAL), []),
+            )
+        ]
+
+    async def cleared() -> bool:
+        async with EmbeddingStore(config) as store:
+            return not any(await Journal(store, replica=0).headers())
+
+    await _until(cleared)  # the rows are written and the journals cleared
+    for _ in range(10):  # the chunks go right after the headers
+        keys = await journal_keys()
+        if all(is_journal_header(k) for k in keys):
+            break
+        await asyncio.sleep(0.1)
+    assert keys and [k for k in keys if not is_journal_header(k)] == []
+    assert (await _stored(config, "t", ids))[2].all()
 
 
 async def test_a_flush_comes_early_once_the_journals_waiting_for_it_hold_their_byte_budget(

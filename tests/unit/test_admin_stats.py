@@ -22,15 +22,15 @@ def _line(key: str, size: int, *, tail: str = "") -> bytes:
 def test_counts_keys_and_sizes_by_table_and_kind_of_the_namespace_only() -> None:
     data = b"".join(
         [
-            _line("ns%2Fuser%2Fw%2Fi0000000000000007", 152),
-            _line("ns%2Fuser%2Fw%2Fiffffffffffffffff", 152),
-            _line("ns%2Fuser%2Fs%2Fi0000000000000007", 220),
+            _line("ns%2Fuser%2Fw%2FiAAAAAAAAAAH", 152),
+            _line("ns%2Fuser%2Fw%2FiP__________", 152),
+            _line("ns%2Fuser%2Fs%2FiAAAAAAAAAAH", 220),
             _line("ns%2Fword%2Fw%2Fsa%2520b", 101),  # the string id "a b"
             _line("ns%2F_meta%2Fm%2Fssentinel", 209),
             _line("ns%2F_dense%2Fds%2Fs0", 1234567),
-            _line("ns%2Fold.t-1%2Fw%2Fi0000000000000001", 150),  # not in the cluster file
-            _line("ns2%2Fuser%2Fw%2Fi0000000000000007", 999),  # another namespace
-            _line("other%2Fns%2Fw%2Fi0000000000000007", 999),
+            _line("ns%2Fold.t-1%2Fw%2FiAAAAAAAAAAB", 150),  # not in the cluster file
+            _line("ns2%2Fuser%2Fw%2FiAAAAAAAAAAH", 999),  # another namespace
+            _line("other%2Fns%2Fw%2FiAAAAAAAAAAH", 999),
             _line("ns%2Fnot-ours", 77),  # a key of the namespace the codec did not write
             _line("ns%2Fuser%2FWW%2Fi0", 78),  # kind must be lowercase
             b"END\r\n",
@@ -54,12 +54,12 @@ def test_an_empty_node_and_a_node_without_the_namespace() -> None:
 
 
 def test_a_size_field_that_is_not_last_is_still_found() -> None:
-    data = _line("ns%2Fuser%2Fw%2Fi0000000000000007", 152, tail=" flags=0") + b"END\r\n"
+    data = _line("ns%2Fuser%2Fw%2FiAAAAAAAAAAH", 152, tail=" flags=0") + b"END\r\n"
     assert summarize_metadump(data, "ns", tables=["user"]) == {("user", "w"): (1, 152)}
 
 
 def test_a_line_without_size_is_an_error_naming_the_node() -> None:
-    data = b"key=ns%2Fuser%2Fw%2Fi0000000000000007 exp=-1 la=1 cas=1 fetch=no cls=1\nEND\r\n"
+    data = b"key=ns%2Fuser%2Fw%2FiAAAAAAAAAAH exp=-1 la=1 cas=1 fetch=no cls=1\nEND\r\n"
     with pytest.raises(StoreError, match="node n1 .* without a `size=` field"):
         summarize_metadump(data, "ns", tables=["user"], node="n1")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import re
 import time
 
@@ -56,12 +57,12 @@ def _assert_memcached_safe(key: bytes) -> None:
 @pytest.mark.parametrize(
     ("id_", "key"),
     [
-        (7, b"demo/user/w/i0000000000000007"),
-        (0, b"demo/user/w/i0000000000000000"),
-        (-1, b"demo/user/w/iffffffffffffffff"),
-        (INT64_MAX, b"demo/user/w/i7fffffffffffffff"),
-        (INT64_MIN, b"demo/user/w/i8000000000000000"),
-        (0x0123456789ABCDEF, b"demo/user/w/i0123456789abcdef"),
+        (7, b"demo/user/w/iAAAAAAAAAAH"),
+        (0, b"demo/user/w/iAAAAAAAAAAA"),
+        (-1, b"demo/user/w/iP__________"),
+        (INT64_MAX, b"demo/user/w/iH__________"),
+        (INT64_MIN, b"demo/user/w/iIAAAAAAAAAA"),
+        (0x0123456789ABCDEF, b"demo/user/w/iAEjRWeJq83v"),
         ("7", b"demo/user/w/s7"),
         ("banana", b"demo/user/w/sbanana"),
         ("a b/c", b"demo/user/w/sa%20b%2Fc"),
@@ -80,8 +81,8 @@ def test_golden_keys(id_: int | str, key: bytes) -> None:
 
 def test_golden_batch_and_other_kinds() -> None:
     assert encode_keys("ns", "t", "s", as_ids([1, -2])) == [
-        b"ns/t/s/i0000000000000001",
-        b"ns/t/s/ifffffffffffffffe",
+        b"ns/t/s/iAAAAAAAAAAB",
+        b"ns/t/s/iP_________-",
     ]
     assert encode_key("ns", "_meta", "m", "sentinel") == b"ns/_meta/m/ssentinel"
 
@@ -138,14 +139,37 @@ def test_seven_and_string_seven_differ() -> None:
     assert decode_key(encode_key("demo", "t", "w", 7)).id == 7
 
 
+def _b64_id(value: int) -> bytes:
+    """The 11 digits of an int id by the standard library: base64url of its 64 bits as
+    9 big-endian bytes, whose first digit is always "A"."""
+    return base64.urlsafe_b64encode((value & 0xFFFFFFFFFFFFFFFF).to_bytes(9, "big"))[1:]
+
+
 @given(int_id_arrays(max_size=32))
 def test_int_key_matrix_equals_per_id_encoding(ids: np.ndarray) -> None:
     prefix = key_prefix("ns", "table.v2", "w")
     matrix = int_key_matrix(prefix, ids)
     assert matrix.dtype == np.uint8
     assert matrix.shape == (ids.shape[0], len(prefix) + INT_ID_BYTES)
-    expected = [prefix + b"i%016x" % (v & 0xFFFFFFFFFFFFFFFF) for v in ids.tolist()]
+    expected = [prefix + b"i" + _b64_id(v) for v in ids.tolist()]
     assert [row.tobytes() for row in matrix] == expected
+
+
+_B64URL = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+
+
+@given(st.text(alphabet=_B64URL, min_size=11, max_size=11))
+def test_every_int_body_of_64_bits_decodes_to_the_one_id_that_encodes_it(digits: str) -> None:
+    """11 base64url digits carry 66 bits: those whose first digit is above "P" (more than
+    64 bits) are refused, every other decodes to the id whose key it is (one key per id)."""
+    key = b"demo/user/w/i" + digits.encode()
+    if _B64URL.index(digits[0]) >= 16:
+        with pytest.raises(KeyEncodingError, match="bad int id encoding"):
+            decode_key(key)
+        return
+    id_ = decode_key(key).id
+    assert isinstance(id_, int) and INT64_MIN <= id_ <= INT64_MAX
+    assert encode_key("demo", "user", "w", id_) == key
 
 
 def test_int_key_matrix_accepts_non_contiguous_ids() -> None:
@@ -418,9 +442,11 @@ def test_bad_namespace_is_refused() -> None:
         b"demo/user/w/",  # no id tag
         b"demo/user/w/x1",  # unknown tag
         b"demo/user/w/i7",  # short int
-        b"demo/user/w/i00000000000000007",  # long int
-        b"demo/user/w/i000000000000000G",  # not hex
-        b"demo/user/w/i000000000000000A",  # uppercase hex
+        b"demo/user/w/iAAAAAAAAAAAH",  # long int
+        b"demo/user/w/iAAAAAAAAAA=",  # not a base64url digit
+        b"demo/user/w/iAAAAAAAAAA+",  # base64's "+", not base64url's "-"
+        b"demo/user/w/iQAAAAAAAAAA",  # more than 64 bits
+        b"demo/user/w/i0000000000000007",  # 16 hex digits (storage format 2)
         b"demo/user/w/sa b",  # raw space
         b"demo/user/w/sa/b",  # raw slash
         b"demo/user/w/s%2f",  # lowercase escape (the codec writes %2F)
@@ -456,7 +482,7 @@ def test_vectorized_int_keys_are_not_slower_than_a_python_loop() -> None:
     prefix = "demo/user/w/"
 
     def naive() -> list[bytes]:
-        return [f"{prefix}i{v & 0xFFFFFFFFFFFFFFFF:016x}".encode() for v in ids.tolist()]
+        return [f"{prefix}i".encode() + _b64_id(v) for v in ids.tolist()]
 
     def vectorized() -> list[bytes]:
         return encode_keys("demo", "user", "w", ids)

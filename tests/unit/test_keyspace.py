@@ -47,7 +47,7 @@ def test_kind_tags_are_pinned() -> None:
 def test_golden_keys() -> None:
     ns = "demo"
     assert encode_keys(ns, "user", Kind.ROW, np.array([7], np.int64)) == [
-        b"demo/user/w/i0000000000000007"
+        b"demo/user/w/iAAAAAAAAAAH"
     ]
     assert encode_key(ns, "user", Kind.ROW, "a b") == b"demo/user/w/sa%20b"
     assert sentinel_key(ns) == b"demo/_meta/m/ssentinel"
@@ -83,7 +83,7 @@ def test_parsers_invert_the_builders() -> None:
 
 
 def test_sentinel_format_reads_the_format_field_and_format_1_had_none() -> None:
-    assert STORAGE_FORMAT == 2
+    assert STORAGE_FORMAT == 3
     assert sentinel_format(json.dumps({"format": 2, "namespace": "demo"}).encode()) == 2
     assert sentinel_format(json.dumps({"namespace": "demo", "node": "a:1"}).encode()) == 1
     for bad in (b"", b"\xff", b"[1]", b"not json", b'{"format": "2"}', b'{"format": true}'):

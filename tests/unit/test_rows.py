@@ -23,7 +23,7 @@ from tests.strategies import float32_rows
 
 pytestmark = pytest.mark.unit
 
-KEY = b"demo/user/w/i0000000000000007"
+KEY = b"demo/user/w/iAAAAAAAAAAH"
 
 
 def test_golden_row_bytes() -> None:
@@ -100,7 +100,7 @@ def test_wrong_length_is_corruption_naming_the_key(length: int) -> None:
 
 
 def test_corruption_message_without_node() -> None:
-    with pytest.raises(CorruptValueError, match="demo/user/w/i0000000000000007") as info:
+    with pytest.raises(CorruptValueError, match="demo/user/w/iAAAAAAAAAAH") as info:
         decode_row(b"\x00" * 8, 4, key=KEY)
     assert info.value.node is None
     assert "on node" not in str(info.value)

@@ -20,7 +20,9 @@ from numpy.typing import NDArray
 from lookup_table.config import NodeSpec
 from lookup_table.core.keys import (
     INT_ID_BYTES,
+    INT_ID_DIGITS,
     MAX_KIND_BYTES,
+    decode_int_digits,
     decode_key,
     int_key_matrix,
     key_prefix,
@@ -45,21 +47,12 @@ __all__ = [
     "parse_metadump",
 ]
 
-_HEX_VALUES = np.full(256, 255, dtype=np.uint8)
-_HEX_VALUES[np.frombuffer(b"0123456789abcdef", dtype=np.uint8)] = np.arange(16, dtype=np.uint8)
-
-
-def _ids_from_nibbles(nibbles: NDArray[np.uint8]) -> NDArray[np.int64]:
-    """int64 ids from their 16 hex digit values per row, (n, 16) -> (n,), two's complement."""
-    be = (nibbles[:, 0::2] << 4) | nibbles[:, 1::2]  # (n, 8) big-endian bytes
-    return np.ascontiguousarray(be).view(">i8").reshape(-1).astype(np.int64)
-
 
 def decode_int_bodies(bodies: Sequence[bytes]) -> NDArray[np.int64]:
-    """The int64 ids of key bodies `i` + 16 lowercase hex digits, vectorized.
+    """The int64 ids of key bodies `i` + 11 base64url digits, vectorized.
 
-    The inverse of `keys.int_key_matrix` on the id part (two's complement, so
-    `iffffffffffffffff` is -1); `keys.decode_key` gives the same ids one by one.
+    The inverse of `keys.int_key_matrix` on the id part; `keys.decode_key` gives the
+    same ids one by one.
 
     Raises:
         KeyEncodingError: a body that is not an int id.
@@ -71,11 +64,11 @@ def decode_int_bodies(bodies: Sequence[bytes]) -> NDArray[np.int64]:
     if n == 0:
         return np.empty(0, dtype=np.int64)
     mat = np.frombuffer(joined, dtype=np.uint8).reshape(n, INT_ID_BYTES)
-    nibbles = _HEX_VALUES[mat[:, 1:]]
-    bad = (mat[:, 0] != ord("i")) | (nibbles > 15).any(axis=1)
+    ids, ok = decode_int_digits(mat[:, 1:])
+    bad = (mat[:, 0] != ord("i")) | ~ok
     if bad.any():
         raise KeyEncodingError(f"not an int id key body: {bodies[int(np.flatnonzero(bad)[0])]!r}")
-    return _ids_from_nibbles(nibbles)
+    return ids
 
 
 def decode_bodies(
@@ -138,7 +131,7 @@ def _int_rows(
 ) -> NDArray[np.bool_]:
     """Decode the row and slot keys of int64 tables with numpy; return which lines were.
 
-    Such a line starts `key={ns}%2F{table}%2F{w|s}%2Fi{16 hex digits} `: after the
+    Such a line starts `key={ns}%2F{table}%2Fw%2Fi{11 base64url digits} `: after the
     namespace, the first '%' ends the table name, and everything else is at a fixed
     offset from it. Lines that do not fit are left to the general parser.
     """
@@ -158,10 +151,11 @@ def _int_rows(
         name_bytes = np.argmax(tail == ord("%"), axis=1)
         for length, names in by_length.items():
             rows = np.flatnonzero(name_bytes == length)
-            seg = tail[rows, : length + 25]  # name %2F kind %2Fi hex{16} space
+            end = length + 8 + INT_ID_DIGITS  # name %2F kind %2Fi, the digits, a space
+            seg = tail[rows, : end + 1]
             fixed = np.ascontiguousarray(seg[:, length : length + 8]).view("<u8")[:, 0]
-            nibbles = _HEX_VALUES[seg[:, length + 8 : length + 24]]
-            fits = (seg[:, length + 24] == ord(" ")) & (nibbles.max(axis=1) <= 15)
+            ids, ok = decode_int_digits(seg[:, length + 8 : end])
+            fits = (seg[:, end] == ord(" ")) & ok
             label = void_rows(seg[:, :length])
             for name in names:
                 mine = fits & (label == np.void(name))
@@ -169,7 +163,7 @@ def _int_rows(
                     pick = np.flatnonzero(mine & (fixed == code))
                     if pick.shape[0]:
                         group = out.setdefault((name.decode("ascii"), kind), [])
-                        group.append(_ids_from_nibbles(nibbles[pick]))
+                        group.append(ids[pick])
                         handled[lines[rows[pick]]] = True
     return handled
 

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lookup_table.ops.localcluster.files import (
     cluster_parts,
@@ -20,7 +21,13 @@ from lookup_table.ops.localcluster.files import (
     same_file,
     taken_message,
 )
-from lookup_table.ops.localcluster.options import local_threads
+from lookup_table.ops.localcluster.options import (
+    NO_CAS,
+    local_threads,
+    memcached_options,
+    row_item_bytes,
+    slab_sizes,
+)
 from lookup_table.ops.localcluster.pids import pid_alive
 from lookup_table.ops.localcluster.replicas import (
     adopt_index_pid_file,
@@ -31,6 +38,9 @@ from lookup_table.ops.localcluster.replicas import (
     start_optimizers,
 )
 from lookup_table.ops.localcluster.servers import MemcachedProcess, port_taken, wait_for_port
+
+if TYPE_CHECKING:
+    from lookup_table.config import ClusterConfig
 
 __all__ = ["cluster_down", "cluster_status", "cluster_up", "main"]
 
@@ -63,6 +73,7 @@ def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
             print(error, file=sys.stderr)
             return 1
     threads = local_threads(sum(part.local for part in nodes))
+    rows, classes = _row_classes(config)
     for part in nodes:
         pid, note = running(part)
         if note:
@@ -89,6 +100,7 @@ def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
             memory_mb=memory_mb,
             log_path=part.log_path,
             threads=threads,
+            slab_sizes=classes,
         )
         try:
             server.start()
@@ -100,13 +112,37 @@ def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
             raise RuntimeError(f"{part.label}: started without a process")
         part.claim(pid, config_path, config.namespace)
         print(
-            f"{part.label}: started (pid {pid}, {memory_mb} MiB, -M, -t {threads}, "
-            f"log {part.log_path})"
+            f"{part.label}: started (pid {pid}, {memory_mb} MiB, -M, -C, -t {threads}, "
+            f"{f'slab classes for rows of {rows} bytes' if classes else 'default slab classes'}"
+            f", log {part.log_path})"
         )
     states = asyncio.run(init_cluster(config))
     for address, state in states.items():
         print(f"memcached {address}: {state} (namespace {config.namespace!r})")
     return start_optimizers(config_path, config, replicas)
+
+
+def _row_classes(config: ClusterConfig) -> tuple[list[int], str | None]:
+    """The row item sizes of the cluster file's int64 tables and the nodes' `-o slab_sizes`
+    that gives each a class of its own (None, memcached's defaults, where it takes too
+    many classes)."""
+    rows = sorted(set(row_item_bytes(config).values()))
+    try:
+        return rows, slab_sizes(rows)
+    except ValueError as exc:
+        print(f"memcached keeps its default slab classes: {exc}", file=sys.stderr)
+        return rows, None
+
+
+def memcached_flags(config_path: str, *, memory_mb: int) -> int:
+    """Print the options a node of the cluster file runs with besides its address: for a
+    node started another way (deploy/k8s, deploy/systemd)."""
+    from lookup_table.config import load_config
+
+    config = load_config(config_path)
+    _, classes = _row_classes(config)
+    print(f"-M -m {memory_mb} {NO_CAS} -o {memcached_options(memory_mb, slab_sizes=classes)}")
+    return 0
 
 
 def cluster_down(config_path: str, run_dir: Path) -> int:
@@ -198,7 +234,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="deploy/cluster.sh", description="start, stop or inspect a local cluster"
     )
-    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument(
+        "command",
+        choices=["up", "down", "status", "memcached-options"],
+        help="memcached-options: print the memcached options of the cluster file's nodes",
+    )
     parser.add_argument("--config", required=True, help="the cluster file (TOML)")
     parser.add_argument("--run-dir", default="run", help="pid files and logs (default ./run)")
     parser.add_argument("--memory-mb", type=int, default=1024, help="memcached -m (default 1024)")
@@ -207,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "up":
             return cluster_up(args.config, run_dir, memory_mb=args.memory_mb)
+        if args.command == "memcached-options":
+            return memcached_flags(args.config, memory_mb=args.memory_mb)
         if args.command == "down":
             return cluster_down(args.config, run_dir)
         return cluster_status(args.config, run_dir)

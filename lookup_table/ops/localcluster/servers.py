@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lookup_table.ops.localcluster.options import (
+    NO_CAS,
     REQUESTS_PER_EVENT,
     local_threads,
     memcached_options,
@@ -128,6 +129,8 @@ class MemcachedProcess:
     extra_args: Sequence[str] = ()
     log_path: Path | None = None
     threads: int = 1  # -t: `local_threads` for the nodes of a local cluster
+    slab_sizes: str | None = None  # -o slab_sizes (`options.slab_sizes`); None: the defaults
+    cas: bool = False  # keep memcached's CAS unique per item (no -C): its default
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _temporary_log: bool = field(default=False, repr=False)
 
@@ -157,8 +160,9 @@ class MemcachedProcess:
             str(self.threads),
             "-R",
             str(REQUESTS_PER_EVENT),
+            *([] if self.cas else [NO_CAS]),
             "-o",
-            memcached_options(self.memory_mb),
+            memcached_options(self.memory_mb, slab_sizes=self.slab_sizes),
             *self.extra_args,
         ]
         if os.geteuid() == 0:
@@ -235,6 +239,8 @@ def start_memcached(
     log_path: Path | None = None,
     attempts: int = 5,
     threads: int = 1,
+    slab_sizes: str | None = None,
+    cas: bool = False,
 ) -> MemcachedProcess:
     """Start one memcached with `-M`; with no port, pick a free one (retrying if taken)."""
     last: Exception | None = None
@@ -246,6 +252,8 @@ def start_memcached(
             extra_args=extra_args,
             log_path=log_path,
             threads=threads,
+            slab_sizes=slab_sizes,
+            cas=cas,
         )
         try:
             server.start()
@@ -256,14 +264,21 @@ def start_memcached(
 
 
 @contextlib.contextmanager
-def memcached_cluster(count: int, *, memory_mb: int = 64) -> Iterator[list[MemcachedProcess]]:
+def memcached_cluster(
+    count: int, *, memory_mb: int = 64, slab_sizes: str | None = None, cas: bool = False
+) -> Iterator[list[MemcachedProcess]]:
     """`count` local servers on free ports, stopped on exit whatever happens."""
     servers: list[MemcachedProcess] = []
     try:
         for _ in range(count):
             # one at a time, so the ones started are stopped if a later one fails
             servers.append(  # noqa: PERF401
-                start_memcached(memory_mb=memory_mb, threads=local_threads(count))
+                start_memcached(
+                    memory_mb=memory_mb,
+                    threads=local_threads(count),
+                    slab_sizes=slab_sizes,
+                    cas=cas,
+                )
             )
         yield servers
     finally:
