@@ -1,38 +1,10 @@
-"""Optimizer math on rows (pure numpy): Adam, SGD (momentum, Nesterov), Adagrad, and
-the compact row-wise Adagrad and Adam.
+"""Optimizer math on rows (pure numpy and compiled loops): Adam, SGD, Adagrad as Keras 3
+computes them, and FBGEMM's row-wise Adagrad and Adam.
 
-`make_optimizer(config)` returns the `Optimizer` for a table's `OptimizerConfig`
-(lookup_table.config, Keras' names and defaults). Adam, SGD and Adagrad compute
-exactly what Keras 3's optimizers compute, op for op in float32; the row-wise ones
-follow FBGEMM (their module docstrings give the formulas, the references and the
-conventions for sparse rows, such as Adam's per-row step).
-
-Slot layout, version 1. This is a storage format: the value of a row's `s` key
-is its slots as `slot_width(dim)` little-endian float32, in this order; changing
-it is a data migration.
-
-=========================  ==========  =====================================
-optimizer                  slot_width  floats of one row's slots, in order
-=========================  ==========  =====================================
-adam                       2*dim + 1   momentum (m, dim), velocity (v, dim),
-                                       step (1: updates of this row so far)
-sgd, momentum != 0         dim         momentum (dim), lr already folded in
-sgd, momentum == 0         0           none (nothing to store)
-adagrad                    dim         accumulator (dim)
-rowwise_adagrad            1           accumulator (1)
-rowwise_adam               dim + 2     momentum (m, dim), velocity (v, 1),
-                                       step (1)
-=========================  ==========  =====================================
-
-Every slot is stored as little-endian float32 except rowwise_adam's momentum, stored
-as its `momentum_dtype` (bfloat16 by default): `Optimizer.slot_storage` says so per
-slot, and `layout` turns it into the bytes of an item.
-
-Initial slots: adam and rowwise_adam all 0 (step 0), sgd momentum 0, adagrad and
-rowwise_adagrad every float at `initial_accumulator_value` (Keras: 0.1, FBGEMM: 0).
-
-`segment_sum` and `check_finite` prepare a push's gradients: duplicate ids are
-summed (IndexedSlices semantics, in a fixed order) and NaN/Inf is refused.
+`make_optimizer(config)` returns a table's `Optimizer`; `segment_sum` and `check_finite`
+prepare a push's gradients; `layout` turns rows and slots into an item's bytes. The slot
+layout of each optimizer is a storage format (docs/optimizers.md, "Slots"), given
+there with the formulas.
 """
 
 from __future__ import annotations
