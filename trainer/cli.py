@@ -516,14 +516,14 @@ def _save_model(config: Any, model: Any, stats: Any, path: str) -> dict[str, Any
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train as the flags say; returns the summary (with "interrupted" after a ctrl-C)."""
+    _check_args(args)  # bad flags are refused before TensorFlow's import
+    if args.save_model:
+        _check_save_target(args.save_model)
     from lookup_table.config import load_config
     from trainer.data import DataError
     from trainer.loop import Trainer
     from trainer.models import build_model
 
-    _check_args(args)
-    if args.save_model:
-        _check_save_target(args.save_model)
     config = load_config(args.config)
     try:
         raw = _source(args.data, args)
