@@ -521,8 +521,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _check_save_target(args.save_model)
     from lookup_table.config import load_config
     from trainer.data import DataError
-    from trainer.loop import Trainer
-    from trainer.models import build_model
 
     config = load_config(args.config)
     try:
@@ -538,8 +536,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     eval_raw = _source(args.eval_data, args) if args.eval_data else None
     if eval_raw is not None:
         _check_eval_schema(raw, eval_raw, args.eval_data)
-    hidden = [int(h) for h in args.hidden.split(",") if h]
-    model = build_model(args.model, raw.schema, config, hidden=hidden, seed=args.seed)
     stats = _numeric_stats(raw, args)
     eval_every = _eval_every(args, raw, stats)
     source = raw.with_numeric(stats)
@@ -566,6 +562,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     else:
         evals = []
+    # the data is checked first: a bad file is refused without TensorFlow's import
+    from trainer.loop import Trainer
+    from trainer.models import build_model
+
+    hidden = [int(h) for h in args.hidden.split(",") if h]
+    model = build_model(args.model, raw.schema, config, hidden=hidden, seed=args.seed)
     with (
         Trainer(
             config,
