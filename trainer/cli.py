@@ -516,14 +516,12 @@ def _save_model(config: Any, model: Any, stats: Any, path: str) -> dict[str, Any
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train as the flags say; returns the summary (with "interrupted" after a ctrl-C)."""
-    from lookup_table.config import load_config
-    from trainer.data import DataError
-    from trainer.loop import Trainer
-    from trainer.models import build_model
-
-    _check_args(args)
+    _check_args(args)  # bad flags are refused before TensorFlow's import
     if args.save_model:
         _check_save_target(args.save_model)
+    from lookup_table.config import load_config
+    from trainer.data import DataError
+
     config = load_config(args.config)
     try:
         raw = _source(args.data, args)
@@ -538,8 +536,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     eval_raw = _source(args.eval_data, args) if args.eval_data else None
     if eval_raw is not None:
         _check_eval_schema(raw, eval_raw, args.eval_data)
-    hidden = [int(h) for h in args.hidden.split(",") if h]
-    model = build_model(args.model, raw.schema, config, hidden=hidden, seed=args.seed)
     stats = _numeric_stats(raw, args)
     eval_every = _eval_every(args, raw, stats)
     source = raw.with_numeric(stats)
@@ -566,6 +562,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     else:
         evals = []
+    # the data is checked first: a bad file is refused without TensorFlow's import
+    from trainer.loop import Trainer
+    from trainer.models import build_model
+
+    hidden = [int(h) for h in args.hidden.split(",") if h]
+    model = build_model(args.model, raw.schema, config, hidden=hidden, seed=args.seed)
     with (
         Trainer(
             config,

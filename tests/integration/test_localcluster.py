@@ -30,7 +30,7 @@ from lookup_table.ops.localcluster.options import (
 )
 from lookup_table.ops.localcluster.servers import memcached_binary, server_pid
 from tests.conftest import assert_lru_options, make_config, memcached_settings
-from tests.reliability.harness import localcluster, process_running
+from tests.reliability.harness import cluster_command, localcluster, process_running
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +54,7 @@ def test_up_twice_status_down_leaves_no_process(tmp_path: Path) -> None:
         pids = sorted(int(p.read_text()) for p in run.glob("*.pid"))
         assert len(pids) == 3 and all(process_running(p) for p in pids)
 
-        second = localcluster("up", *args, cwd=tmp_path)
+        second = cluster_command("up", *args)
         assert second.returncode == 0, second.stderr
         assert second.stdout.count("already running") == 3
         assert sorted(int(p.read_text()) for p in run.glob("*.pid")) == pids
@@ -62,19 +62,19 @@ def test_up_twice_status_down_leaves_no_process(tmp_path: Path) -> None:
         # another run dir (no pid files): the nodes' ports are taken by processes it did
         # not start, and it says so rather than starting anything
         other = ["--config", str(config), "--run-dir", str(tmp_path / "other")]
-        taken = localcluster("up", *other, "--memory-mb", "16", cwd=tmp_path)
+        taken = cluster_command("up", *other, "--memory-mb", "16")
         assert taken.returncode == 1 and "the port is taken" in taken.stderr, taken.stderr
         assert not list((tmp_path / "other").glob("*.pid"))
 
-        status = localcluster("status", *args, cwd=tmp_path)
+        status = cluster_command("status", *args)
         assert status.returncode == 0, status.stdout + status.stderr
         assert "sentinel ok" in status.stdout and "healthy" in status.stdout
     finally:
-        down = localcluster("down", *args, cwd=tmp_path)
+        down = cluster_command("down", *args)
     assert down.returncode == 0, down.stderr
     assert not list(run.glob("*.pid"))
     assert not any(process_running(p) for p in pids)
-    after = localcluster("status", *args, cwd=tmp_path)
+    after = cluster_command("status", *args)
     assert after.returncode == 1 and "DOWN" in after.stdout
 
 
@@ -163,9 +163,9 @@ def test_two_cluster_files_share_a_run_dir_and_a_foreign_replica_port_is_refused
     run = ["--run-dir", str(tmp_path / "run")]
     mem = ["--memory-mb", "16"]
     try:
-        up_a = localcluster("up", "--config", str(a), *run, *mem, cwd=tmp_path)
+        up_a = cluster_command("up", "--config", str(a), *run, *mem)
         assert up_a.returncode == 0, up_a.stderr
-        up_b = localcluster("up", "--config", str(b), *run, *mem, cwd=tmp_path)
+        up_b = cluster_command("up", "--config", str(b), *run, *mem)
         assert up_b.returncode == 0, up_b.stderr
         assert f"memcached 127.0.0.1:{shared}: already running" in up_b.stdout
         assert f"shared with the cluster file {a}" in up_b.stdout
@@ -181,32 +181,32 @@ def test_two_cluster_files_share_a_run_dir_and_a_foreign_replica_port_is_refused
         )
         pid_a = int((tmp_path / "run" / f"optimizer-127.0.0.1-{port_a}.pid").read_text())
 
-        up_c = localcluster("up", "--config", str(c), *run, *mem, cwd=tmp_path)
+        up_c = cluster_command("up", "--config", str(c), *run, *mem)
         assert up_c.returncode == 1, up_c.stdout
         assert "already running" not in up_c.stdout
         assert f"held by pid {pid_a}" in up_c.stderr and f"namespace 'a{tag}'" in up_c.stderr
         assert f"down --config {a}" in up_c.stderr, up_c.stderr
         assert not (tmp_path / "run" / f"memcached-127.0.0.1-{own_c}.pid").exists()
 
-        status_b = localcluster("status", "--config", str(b), *run, cwd=tmp_path)
+        status_b = cluster_command("status", "--config", str(b), *run)
         assert status_b.returncode == 0, status_b.stdout + status_b.stderr
         assert f"healthy, namespace 'b{tag}'" in status_b.stdout
         assert f"sentinel ok (namespace 'b{tag}')" in status_b.stdout
 
-        status_d = localcluster("status", "--config", str(d), *run, cwd=tmp_path)
+        status_d = cluster_command("status", "--config", str(d), *run)
         assert status_d.returncode == 1
         assert f"MISMATCH (it serves namespace 'a{tag}' as replica 0" in status_d.stdout
         assert "healthy" not in status_d.stdout.replace("UNHEALTHY", "")
 
-        down_b = localcluster("down", "--config", str(b), *run, cwd=tmp_path)
+        down_b = cluster_command("down", "--config", str(b), *run)
         assert down_b.returncode == 0, down_b.stderr
         assert f"memcached 127.0.0.1:{shared}: left running" in down_b.stdout
-        status_a = localcluster("status", "--config", str(a), *run, cwd=tmp_path)
+        status_a = cluster_command("status", "--config", str(a), *run)
         assert status_a.returncode == 0, status_a.stdout + status_a.stderr
     finally:
         pids = [int(p.read_text()) for p in (tmp_path / "run").glob("*.pid")]
         for config in (b, a):
-            down = localcluster("down", "--config", str(config), *run, cwd=tmp_path)
+            down = cluster_command("down", "--config", str(config), *run)
             assert down.returncode == 0, down.stderr
     assert not any(process_running(p) for p in pids)
     assert not list((tmp_path / "run").glob("*.pid"))
@@ -225,29 +225,29 @@ def test_a_pid_file_of_a_live_unrelated_process_is_not_running(tmp_path: Path) -
     try:
         for name in (f"memcached-127.0.0.1-{node}.pid", f"optimizer-127.0.0.1-{replica}.pid"):
             (run / name).write_text(f"{other.pid}\n")
-        status = localcluster("status", *args, cwd=tmp_path)
+        status = cluster_command("status", *args)
         assert status.returncode == 1 and "DOWN" in status.stdout
         assert f"stale pid file (pid {other.pid} is not the process serving" in status.stdout
-        up = localcluster("up", *args, "--memory-mb", "16", cwd=tmp_path)
+        up = cluster_command("up", *args, "--memory-mb", "16")
         assert up.returncode == 0, up.stderr
         assert "already running" not in up.stdout
         assert up.stdout.count("stale pid file removed") == 2
         assert up.stdout.count("started") == 2
         pids = [int(p.read_text()) for p in run.glob("*.pid")]
         assert other.pid not in pids and all(process_running(p) for p in pids)
-        down = localcluster("down", *args, cwd=tmp_path)
+        down = cluster_command("down", *args)
         assert down.returncode == 0, down.stderr
         assert not any(process_running(p) for p in pids)
         # its pid files back: `down` says they are stale and leaves the program alone
         for name in (f"memcached-127.0.0.1-{node}.pid", f"optimizer-127.0.0.1-{replica}.pid"):
             (run / name).write_text(f"{other.pid}\n")
-        down = localcluster("down", *args, cwd=tmp_path)
+        down = cluster_command("down", *args)
         assert down.returncode == 0 and "stopped" not in down.stdout, down.stdout
         assert other.poll() is None
     finally:
         other.kill()
         other.wait()
-        localcluster("down", *args, cwd=tmp_path)
+        cluster_command("down", *args)
 
 
 # ---------------------------------------------------------------- item bytes

@@ -20,6 +20,7 @@ from lookup_table import EmbeddingStore, load_config
 from lookup_table.client import OptimizerClient
 from lookup_table.ops.localcluster import free_port
 from tests.conftest import worker_metrics
+from tests.reliability.harness import cluster_command
 
 pytestmark = pytest.mark.integration
 
@@ -57,16 +58,13 @@ def _cluster_file(
 @contextlib.contextmanager
 def _running(config: Path, run_dir: Path) -> Iterator[Path]:
     """A local cluster (2 memcached nodes, 1 replica) of `config`, always stopped."""
-    cmd = [sys.executable, "-m", "lookup_table.ops.localcluster"]
     args = ["--config", str(config), "--run-dir", str(run_dir), "--memory-mb", "128"]
-    up = subprocess.run(
-        [*cmd, "up", *args], capture_output=True, text=True, timeout=120, check=False
-    )
+    up = cluster_command("up", *args)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         yield config
     finally:
-        subprocess.run([*cmd, "down", *args], capture_output=True, timeout=60, check=False)
+        cluster_command("down", *args)
 
 
 @pytest.fixture

@@ -8,13 +8,17 @@ a test can kill -9, SIGSTOP or restart, with its logs appended to files for the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import hashlib
+import io
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ from pymemcache.client.base import Client as MemcacheClient
 from lookup_table import EmbeddingStore
 from lookup_table.config import ClusterConfig
 from lookup_table.ops.localcluster import stop_process
+from lookup_table.ops.localcluster.cli import main as cluster_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -316,6 +321,24 @@ def process_running(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except (ProcessLookupError, FileNotFoundError):
         return False
+
+
+def cluster_command(*args: str) -> subprocess.CompletedProcess[str]:
+    """`deploy/cluster.sh ARGS` (`localcluster`'s main) in this process, its output
+    captured: the code `python -m lookup_table.ops.localcluster` runs, without a new
+    interpreter importing the package each time."""
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+        warnings.catch_warnings(),
+    ):
+        # `up` leaves its servers running, as the command does when it exits: their
+        # Popen objects say so when dropped
+        warnings.simplefilter("ignore", ResourceWarning)
+        code = cluster_cli(list(args))
+        gc.collect()
+    return subprocess.CompletedProcess(["cluster.sh", *args], code, out.getvalue(), err.getvalue())
 
 
 def localcluster(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -1,7 +1,7 @@
 """Soak: 2 trainer processes + 1 optimizer service + 2 fresh memcached nodes for minutes.
 
 Two real `python -m trainer.cli` processes train one model (six tables with Adam, Adagrad
-and SGD) for `LOOKUP_TABLE_SOAK_S` seconds (default 120) counted from when both step,
+and SGD) for `LOOKUP_TABLE_SOAK_S` seconds (default 60) counted from when both step,
 while the test samples every process's RSS and the service's `/metrics`. The promise
 (docs/guarantees.md): after warm-up the service's RSS less its row cache grows by less
 than 10 %, and nothing fails. The samples go to `soak.json` and `soak.png` under the
@@ -36,7 +36,7 @@ from tests.reliability.harness import (
     wait_healthy,
 )
 
-SOAK_S = float(os.environ.get("LOOKUP_TABLE_SOAK_S", "120"))
+SOAK_S = float(os.environ.get("LOOKUP_TABLE_SOAK_S", "60"))
 SLOW_SOAK_S = 600.0
 SAMPLE_S = 2.0
 # The trainers train for soak + this, each from its own first batch: room for one of
@@ -473,7 +473,7 @@ async def _soak(soak_s: float, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(_budget_s(SOAK_S))
 async def test_soak_two_trainers_service_memory_stays_flat(tmp_path: Path) -> None:
-    """2 trainers + 1 service + 2 memcached nodes, LOOKUP_TABLE_SOAK_S (120) seconds:
+    """2 trainers + 1 service + 2 memcached nodes, LOOKUP_TABLE_SOAK_S (60) seconds:
     service RSS growth < 10 % after the warm-up, no error, every push applied once."""
     await _soak(SOAK_S, tmp_path)
 

@@ -12,6 +12,8 @@ import importlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,33 +47,77 @@ def _dispatched(names: tuple[str, ...]) -> list[str]:
     return [n for n in names if n in dispatch and features.get(n)]
 
 
-@pytest.mark.parametrize("names", [_AVX512, _AVX512 + _AVX2], ids=["no-avx512", "no-avx2"])
-def test_golden_values_with_simd_kernels_disabled(names: tuple[str, ...]) -> None:
-    disabled = _dispatched(names)
-    if not disabled:
-        pytest.skip(f"this CPU / numpy build dispatches none of {names}")
+_VARIANTS = {"no-avx512": _AVX512, "no-avx2": _AVX512 + _AVX2}
+
+
+def _env(disabled: list[str]) -> dict[str, str]:
     env = {**os.environ, "NPY_DISABLE_CPU_FEATURES": " ".join(disabled)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return env
+
+
+@dataclass
+class _Selection:
+    proc: subprocess.Popen[bytes]
+    out: Path
+
+    def result(self) -> tuple[int, str]:
+        code = self.proc.wait(timeout=300)
+        return code, self.out.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def selections(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Selection]]:
+    """The selection under every variant this CPU dispatches, started at once: most of a
+    run is TensorFlow's import, and two side by side take little more than one."""
+    out_dir = tmp_path_factory.mktemp("cpu-features")
+    started: dict[str, _Selection] = {}
+    try:
+        for variant, names in _VARIANTS.items():
+            disabled = _dispatched(names)
+            if not disabled:
+                continue
+            out = out_dir / f"{variant}.log"
+            with open(out, "wb") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SELECTION],
+                    cwd=ROOT,
+                    env=_env(disabled),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            started[variant] = _Selection(proc, out)
+        yield started
+    finally:
+        for selection in started.values():
+            if selection.proc.poll() is None:
+                selection.proc.kill()
+                selection.proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(330)  # the first waits on both selections sharing the cores
+@pytest.mark.parametrize("variant", list(_VARIANTS))
+def test_golden_values_with_simd_kernels_disabled(
+    variant: str, selections: dict[str, _Selection]
+) -> None:
+    names = _VARIANTS[variant]
+    disabled = _dispatched(names)
+    if not disabled:
+        pytest.skip(f"this CPU / numpy build dispatches none of {names}")
     check = (
         f"import {_umath().__name__} as u, sys; "
         "print([n for n in sys.argv[1:] if u.__cpu_features__.get(n)])"
     )
     still_on = subprocess.run(
         [sys.executable, "-c", check, *disabled],
-        env=env,
+        env=_env(disabled),
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     ).stdout.strip()
     assert still_on == "[]", f"NPY_DISABLE_CPU_FEATURES had no effect: {still_on}"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SELECTION],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"with {disabled} off:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
+    code, output = selections[variant].result()
+    assert code == 0, f"with {disabled} off:\n{output[-6000:]}"
