@@ -31,6 +31,12 @@ _MATH = (
     ("tensorflow/python/ops/gen_", ""),  # an eager op's fast path
     ("lookup_table/core/optimizers/", ""),  # the optimizers' compiled passes
 )
+# the event loop woken by another thread (its self-pipe): a wake-up, not the data's bytes
+_WAKEUPS = (
+    ("asyncio/selector_events.py", "BaseSelectorEventLoop._write_to_self"),
+    ("asyncio/selector_events.py", "BaseSelectorEventLoop._read_from_self"),
+    ("asyncio/selector_events.py", "BaseSelectorEventLoop._process_self_data"),
+)
 _BYTES = (
     ("msgpack", ""),
     ("lookup_table/core/wire.py", ""),
@@ -61,7 +67,7 @@ def category(leaf: str) -> str:
     file, func = m["file"], m["func"]
     if _matches(file, func, _MATH):
         return "math"
-    if _matches(file, func, _BYTES):
+    if _matches(file, func, _BYTES) and not _matches(file, func, _WAKEUPS):
         return "bytes"
     return "else"
 

@@ -181,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             timed = args.steps - args.warmup
             profile = {
-                "run": {k: v for k, v in r.items() if k not in ("losses", "thread_cpu_s")},
+                "run": {k: v for k, v in r.items() if k != "losses"},
                 "costs": cost_table(r, args.out_dir),
                 **{
                     who: pyspy.threads_per_step(

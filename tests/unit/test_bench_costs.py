@@ -23,6 +23,7 @@ pytestmark = pytest.mark.unit
         ("decode_array (lookup_table/core/wire.py:157)", "bytes"),
         ("TrainingSession.step (lookup_table/keras/session.py:452)", "else"),
         ("call_soon (asyncio/base_events.py:806)", "else"),
+        ("BaseSelectorEventLoop._write_to_self (asyncio/selector_events.py:139)", "else"),
         ("(no python frame)", "else"),
     ],
 )
