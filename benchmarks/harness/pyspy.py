@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import collections
 import re
+import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +20,18 @@ _PROJECT_FRAME_RE = re.compile(r"^(?P<func>.*) \((?P<file>[^:]*):\d+\)$")
 _WAITING_LEAVES = ("EpollSelector.select", "Condition.wait", "Event.wait", "Thread.join")
 
 
-def record(pid: int, out_path: Path, *, rate_hz: int, flag: str) -> subprocess.Popen[bytes]:
+def record(
+    pid: int, out_path: Path, *, rate_hz: int, flag: str, idle: bool = True
+) -> subprocess.Popen[bytes]:
     """py-spy recording `pid` into `out_path` until `stop`; `flag` is the option that
-    asked for it (in the error when py-spy is missing)."""
-    cmd = ["py-spy", "record", "--pid", str(pid), "--rate", str(rate_hz), "--format"]
-    cmd += ["raw", "--threads", "--idle", "--nonblocking", "--output", str(out_path)]
+    asked for it (in the error when py-spy is missing). `idle=False`: only samples of
+    threads on a CPU (what `benchmarks.harness.costs` splits)."""
+    # the venv's py-spy when the venv's python runs without the venv on PATH
+    beside = Path(sys.executable).parent / "py-spy"
+    exe = shutil.which("py-spy") or (str(beside) if beside.exists() else "py-spy")
+    cmd = [exe, "record", "--pid", str(pid), "--rate", str(rate_hz), "--format"]
+    cmd += ["raw", "--threads", *(["--idle"] if idle else []), "--nonblocking"]
+    cmd += ["--output", str(out_path)]
     try:
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     except FileNotFoundError:

@@ -17,6 +17,7 @@ import numpy as np
 import benchmarks.train
 from benchmarks.harness import pyspy
 from benchmarks.harness.cluster import DEMO_CONFIG, MEMCACHED_MEMORY_MB, begin
+from benchmarks.harness.costs import render as render_costs
 from benchmarks.harness.data import (
     DATA_SEED,
     EVAL_FRACTION,
@@ -27,8 +28,14 @@ from benchmarks.harness.data import (
 )
 from benchmarks.harness.options import Options
 from benchmarks.harness.report import code_fingerprint, machine_info, report_head, save
-from benchmarks.harness.rounds import DISTURBED_SHARE, abba, with_retries
-from benchmarks.train.distributed import PY_SPY_RATE_HZ, run_distributed, trainer_role
+from benchmarks.harness.rounds import DISTURBED_SHARE, interleaved, with_retries
+from benchmarks.train.distributed import (
+    PY_SPY_RATE_HZ,
+    cost_table,
+    run_distributed,
+    trainer_role,
+)
+from benchmarks.train.lazy_adam import run_lazy_adam
 from benchmarks.train.local import (
     DENSE_LR,
     EMBEDDING_LR,
@@ -42,6 +49,9 @@ from benchmarks.train.report import (
     METHODS,
     TARGET_AUC_GAP,
     TARGET_CPU_RATIO,
+    TARGET_LAZY_AUC_GAP,
+    TARGET_LAZY_CPU_RATIO,
+    TARGET_LAZY_RATIO,
     TARGET_RATIO,
     plot,
     render_table,
@@ -60,7 +70,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     options.add_argument(
         "--profile",
         action="store_true",
-        help="one more distributed run under py-spy (trainer and service); not in the table",
+        help="one more distributed run under py-spy (trainer and service): the cost table "
+        "per process (math, bytes moved, else); not in the rounds' table",
     )
     options.add_argument(
         "--mode",
@@ -114,13 +125,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     eval_labels = np.concatenate([b.labels for b in evals])
     reference_auc = auc(eval_labels, np.concatenate([source.logits(b) for b in evals]))
 
-    order = abba(METHODS, args.rounds)  # L D D L L D ...
+    # every method once a round, the order rotated each round
+    order = [m for _, m in interleaved(METHODS, args.rounds)]
     profile: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         weights_path = Path(tmp) / "initial_dense.npz"
         save_weights(weights_path, initial_dense)
 
         def one_round(k: int, method: str, attempt: int) -> dict[str, Any]:
+            if method in ("lazy_adam", "mlp_floor"):
+                return run_lazy_adam(
+                    train,
+                    evals,
+                    source.schema,
+                    dims,
+                    warmup=args.warmup,
+                    initial_dense=initial_dense,
+                    floor=method == "mlp_floor",
+                )
             if method == "local":
                 return run_local(
                     train,
@@ -160,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timed = args.steps - args.warmup
             profile = {
                 "run": {k: v for k, v in r.items() if k != "losses"},
+                "costs": cost_table(r, args.out_dir),
                 **{
                     who: pyspy.threads_per_step(
                         args.out_dir / f"train-{who}.pyspy.txt", steps=timed, rate_hz=PY_SPY_RATE_HZ
@@ -189,6 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = render_table(summary, params)
     print()
     print(table)
+    if profile is not None:
+        print()
+        print("cost table, the profiled distributed run (CPU ms per step; /proc, split by py-spy):")
+        print(render_costs(profile["costs"]))
     report = {
         **report_head("train", started, machine, code),
         "parameters": {
@@ -209,6 +236,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "the dense weights (Keras 3 Adam: dense update of every row every step)",
                 "train_step": "one tf.function: forward, backward, both apply_gradients",
             },
+            "lazy_adam": {
+                "embedding": f"the local model's initial rows, the {VOCABULARY:,} rows of all 26 "
+                "tables stacked in one tf.Variable of items (row, m, v, step)",
+                "optimizers": f"Adam lr {EMBEDDING_LR} on the batch's unique rows only, a step "
+                f"count per row (the service's math), scattered back; Keras Adam lr {DENSE_LR} "
+                "on the dense weights",
+                "train_step": "one tf.function: unique, gather, forward, backward, both updates",
+            },
+            "mlp_floor": "lazy_adam's step without the tables' update: the MLP alone trained on "
+            "embeddings held constant",
             "distributed": {
                 "cluster": "deploy/demo.toml's tables and optimizers, fresh ports and namespace, "
                 "workers = 1; 2 memcached nodes + 1 optimizer replica "
@@ -232,12 +269,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             "distributed/local examples per CPU-second": TARGET_CPU_RATIO,
             "abs eval AUC gap": TARGET_AUC_GAP,
         },
+        "lazy_adam_targets": {
+            "distributed/lazy_adam examples/s": TARGET_LAZY_RATIO,
+            "distributed/lazy_adam examples per CPU-second": TARGET_LAZY_CPU_RATIO,
+            "abs eval AUC gap distributed - lazy_adam": TARGET_LAZY_AUC_GAP,
+        },
         "summary": summary,
         "rounds": rounds,
     }
     if profile is not None:
         report["profile"] = profile
-    disturbed = [m for m in METHODS if summary[m]["all_used_rounds_disturbed"]]
+    disturbed = [m for m in METHODS if m in summary and summary[m]["all_used_rounds_disturbed"]]
     if disturbed:
         print(
             f"warning: every round of {', '.join(disturbed)} ran while other processes used more "
@@ -251,7 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report,
         args.out_dir,
         code_at_end=code_fingerprint(),
-        plot=partial(plot, used, summary, params=params),
+        plot=partial(
+            plot, used, summary, params=params, costs=profile["costs"] if profile else None
+        ),
     )
     return 0
 

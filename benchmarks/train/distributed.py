@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import pyspy
+from benchmarks.harness import costs, pyspy
 from benchmarks.harness.cluster import cluster_pids, local_cluster, run_role, service_log_errors
 from benchmarks.harness.cpu import cpu_snapshot, cpu_usage
 from benchmarks.harness.data import HIDDEN, MODEL, MODEL_SEED, demo_batches
@@ -101,12 +101,15 @@ def trainer_role(args: argparse.Namespace) -> int:
                 if args.py_spy_dir:
                     spy_dir = Path(args.py_spy_dir)
                     for who, pid in (("trainer", os.getpid()), ("service", pids["optimizer"])):
-                        spies[who] = pyspy.record(
-                            pid,
-                            spy_dir / f"train-{who}.pyspy.txt",
-                            rate_hz=PY_SPY_RATE_HZ,
-                            flag="--profile",
-                        )
+                        for idle, kind in ((True, ""), (False, ".cpu")):
+                            spies[who + kind] = pyspy.record(
+                                pid,
+                                spy_dir / f"train-{who}{kind}.pyspy.txt",
+                                rate_hz=PY_SPY_RATE_HZ,
+                                flag="--profile",
+                                idle=idle,
+                            )
+                    marks["tasks_start"] = costs.snapshot(pids)
                 marks["cpu_start"] = cpu_snapshot(pids, nodes)
             return loss
 
@@ -115,6 +118,8 @@ def trainer_role(args: argparse.Namespace) -> int:
                 asyncio.run(_write_behind_now(config))
                 marks["end"] = time.perf_counter()
                 marks["cpu_end"] = cpu_snapshot(pids, nodes)
+                if args.py_spy_dir:
+                    marks["tasks_end"] = costs.snapshot(pids)
                 for spy in spies.values():
                     pyspy.stop(spy)
             return super().evaluate(batches)
@@ -146,5 +151,24 @@ def trainer_role(args: argparse.Namespace) -> int:
         "data_digest": data_digest(train + evals),
         "profiled": bool(args.py_spy_dir),
     }
+    if "tasks_start" in marks:
+        out["thread_cpu_s"] = {"start": marks["tasks_start"], "end": marks["tasks_end"]}
     Path(args.output).write_text(json.dumps(out))
     return 0
+
+
+def cost_table(result: dict[str, Any], py_spy_dir: Path) -> dict[str, dict[str, Any]]:
+    """The profiled run's cost table (`benchmarks.harness.costs`): the trainer and the
+    replica split by their CPU samples, memcached by kernel and user time."""
+    steps = result["timed_steps"]
+    start, end = result["thread_cpu_s"]["start"], result["thread_cpu_s"]["end"]
+    out: dict[str, dict[str, Any]] = {}
+    # TensorFlow's op threads run the model's kernels; the replica's have no Python
+    for name, who, native in (("trainer", "trainer", "math"), ("optimizer", "service", "else")):
+        samples = costs.samples_by_thread(py_spy_dir / f"train-{who}.cpu.pyspy.txt")
+        out[name] = costs.python_process(
+            samples, start[name], end[name], steps=steps, native_category=native
+        )
+    for name in sorted(n for n in start if n.startswith("memcached-")):
+        out[name] = costs.memcached_process(start[name], end[name], steps=steps)
+    return out

@@ -20,8 +20,25 @@ from benchmarks.harness.rounds import DISTURBED_SHARE, undisturbed
 TARGET_RATIO = 1.0
 TARGET_CPU_RATIO = 1.0  # examples per CPU-second, distributed / local
 TARGET_AUC_GAP = 0.01
-METHODS = ("local", "distributed")
-LABELS = {"local": "local Keras", "distributed": "distributed"}
+# the headline: distributed against the same math trained locally (lazy Adam)
+TARGET_LAZY_RATIO = 0.5
+TARGET_LAZY_CPU_RATIO = 0.5
+TARGET_LAZY_AUC_GAP = 0.005
+METHODS = ("local", "lazy_adam", "distributed", "mlp_floor")
+LABELS = {
+    "local": "Keras dense Adam",
+    "lazy_adam": "lazy Adam (TF)",
+    "distributed": "distributed",
+    "mlp_floor": "MLP alone",
+}
+MEANINGS = {
+    "local": "keras.optimizers.Adam on an Embedding(100k, 16) per column: updates every row "
+    'of every table every step (the JSON\'s "local")',
+    "lazy_adam": "one tf.function: the batch's unique rows gathered, Adam on those rows only "
+    "with a step count per row (the service's math), scattered back",
+    "distributed": "trainer.Trainer on a local cluster (2 memcached, 1 optimizer replica)",
+    "mlp_floor": "embeddings held constant, only the MLP trained: the step's compute floor",
+}
 CPU_COLORS = {"optimizer": "tab:green", "memcached-1": "tab:gray", "memcached-2": "silver"}
 
 
@@ -30,7 +47,7 @@ def summarize(
 ) -> dict[str, Any]:
     by: dict[str, list[Mapping[str, Any]]] = {}
     out: dict[str, Any] = {}
-    for m in METHODS:
+    for m in methods_of(rounds):
         tried = [r for r in rounds if r["method"] == m]
         rs = by[m] = undisturbed(tried)
         cpu_names = sorted({k for r in rs for k in r["cpu"]["cpu_ms_per_step"]})
@@ -80,6 +97,8 @@ def summarize(
     )
     out["auc_gap_distributed_minus_local"] = gap
     out["reference_auc_hidden_model"] = reference_auc
+    if "lazy_adam" in out:
+        out.update(_against_lazy_adam(out, by))
     cpu = out["distributed"]["cpu_ms_per_step"]
     trainer_ms = cpu.get("trainer", 0.0)
     infra = sum(v for k, v in cpu.items() if k != "trainer")
@@ -94,6 +113,40 @@ def summarize(
     return out
 
 
+def methods_of(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The METHODS that ran, in METHODS' order."""
+    ran = {r["method"] for r in rounds}
+    return [m for m in METHODS if m in ran]
+
+
+def _against_lazy_adam(
+    out: Mapping[str, Any], by: Mapping[str, Sequence[Mapping[str, Any]]]
+) -> dict[str, Any]:
+    """The headline figures: distributed against lazy Adam, and their targets."""
+    dist, lazy = out["distributed"], out["lazy_adam"]
+    ratio = dist["examples_per_s"] / lazy["examples_per_s"]
+    cpu_ratio = dist["examples_per_cpu_s"] / lazy["examples_per_cpu_s"]
+    gap = dist["eval_auc"] - lazy["eval_auc"]
+    return {
+        "ratio_distributed_vs_lazy_adam": ratio,
+        "ratio_distributed_vs_lazy_adam_median_of_paired_rounds": statistics.median(
+            d["examples_per_s"] / lo["examples_per_s"]
+            for lo, d in zip(by["lazy_adam"], by["distributed"], strict=False)
+        ),
+        "ratio_examples_per_cpu_s_vs_lazy_adam": cpu_ratio,
+        "auc_gap_distributed_minus_lazy_adam": gap,
+        "lazy_adam_acceptance": {
+            f"distributed/lazy_adam examples/s >= {TARGET_LAZY_RATIO}": ratio >= TARGET_LAZY_RATIO,
+            f"distributed/lazy_adam examples per CPU-second >= {TARGET_LAZY_CPU_RATIO}": (
+                cpu_ratio >= TARGET_LAZY_CPU_RATIO
+            ),
+            f"|eval AUC distributed - lazy_adam| <= {TARGET_LAZY_AUC_GAP}": (
+                abs(gap) <= TARGET_LAZY_AUC_GAP
+            ),
+        },
+    }
+
+
 def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
     lines = [
         f"{MODEL} {HIDDEN}, 26 tables dim 16, batch {params['batch_size']}, {params['steps']} "
@@ -106,21 +159,39 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
             f"{LABELS[m]} {len(summary[m]['rounds_used'])} of {summary[m]['rounds_run']}"
             + (" (all disturbed)" if summary[m]["all_used_rounds_disturbed"] else "")
             for m in METHODS
+            if m in summary
         ),
         "",
-        f"{'method':<13} {'examples/s':>10} {'ms/step':>8} {'eval AUC':>9} {'logloss':>8} "
+        f"{'method':<17} {'examples/s':>10} {'ms/step':>8} {'eval AUC':>9} {'logloss':>8} "
         f"{'CPU ms/step':>11} {'ex/CPU-s':>9} {'other CPU':>9}",
     ]
-    for m in METHODS:
+    for m in (m for m in METHODS if m in summary):
         s = summary[m]
         lines.append(
-            f"{LABELS[m]:<13} {s['examples_per_s']:>10,.0f} {s['step_ms_median']:>8.1f} "
+            f"{LABELS[m]:<17} {s['examples_per_s']:>10,.0f} {s['step_ms_median']:>8.1f} "
             f"{s['eval_auc']:>9.4f} {s['eval_logloss']:>8.4f} {s['total_cpu_ms_per_step']:>11.0f} "
             f"{s['examples_per_cpu_s']:>9,.0f} {s['other_processes_share']:>9.0%}"
         )
+    lines += [f"  {LABELS[m]}: {MEANINGS[m]}" for m in METHODS if m in summary]
+    if "lazy_adam" in summary:
+        lazy = list(summary["lazy_adam_acceptance"].values())
+        lines += [
+            "",
+            f"distributed/lazy Adam examples/s: {summary['ratio_distributed_vs_lazy_adam']:.2f} "
+            "(paired rounds "
+            f"{summary['ratio_distributed_vs_lazy_adam_median_of_paired_rounds']:.2f})  "
+            f"target >= {TARGET_LAZY_RATIO}: {met(lazy[0])}",
+            "distributed/lazy Adam examples per CPU-second: "
+            f"{summary['ratio_examples_per_cpu_s_vs_lazy_adam']:.2f}  target >= "
+            f"{TARGET_LAZY_CPU_RATIO}: {met(lazy[1])}",
+            "eval AUC distributed - lazy Adam: "
+            f"{summary['auc_gap_distributed_minus_lazy_adam']:+.4f}  "
+            f"target |gap| <= {TARGET_LAZY_AUC_GAP}: {met(lazy[2])}",
+        ]
     ok = list(summary["acceptance"].values())
     lines += [
         "",
+        'against Keras dense Adam ("local"):',
         f"distributed/local examples/s: {summary['ratio_distributed_vs_local']:.2f} "
         f"(paired rounds {summary['ratio_median_of_paired_rounds']:.2f})  "
         f"target >= {TARGET_RATIO}: {met(ok[0])}",
@@ -138,7 +209,7 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
         f"{summary['distributed']['step_ms_median']:.0f} ms wall, {os.cpu_count()} cores)",
         *memcached_lines(summary["distributed"]),
         f"infrastructure (service + memcached) CPU / trainer CPU: "
-        f"{summary['infrastructure_cpu_per_trainer_cpu']:.2f} (reported, no target)",
+        f"{summary['infrastructure_cpu_per_trainer_cpu']:.2f}",
     ]
     return "\n".join(lines)
 
@@ -165,16 +236,30 @@ def plot(
     summary: Mapping[str, Any],
     path: Path,
     params: Mapping[str, Any],
+    costs: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
+    ratios = [2.2, 1.3, 1.5] + ([1.3] if costs else [])
     with figure(
-        path, nrows=1, ncols=3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [2.2, 1, 1.2]}
-    ) as (_, (ax_loss, ax_rate, ax_cpu)):
-        _plot_loss(ax_loss, rounds, summary, params)
-        _plot_rate(ax_rate, summary)
-        _plot_cpu(ax_cpu, summary)
+        path,
+        nrows=1,
+        ncols=len(ratios),
+        figsize=(5 * len(ratios), 4.8),
+        gridspec_kw={"width_ratios": ratios},
+    ) as (_, axes):
+        _plot_loss(axes[0], rounds, summary, params)
+        _plot_rate(axes[1], summary)
+        _plot_cpu(axes[2], summary)
+        if costs:
+            _plot_costs(axes[3], costs)
 
 
-_COLORS = {"local": "tab:blue", "distributed": "tab:orange"}
+_COLORS = {
+    "local": "tab:blue",
+    "lazy_adam": "tab:purple",
+    "distributed": "tab:orange",
+    "mlp_floor": "tab:brown",
+}
+_COST_COLORS = {"math": "tab:blue", "bytes": "tab:orange", "else": "tab:red"}
 
 
 def _plot_loss(
@@ -208,33 +293,56 @@ def _plot_loss(
 
 def _plot_rate(ax_rate: Any, summary: Mapping[str, Any]) -> None:
     colors = _COLORS
-    x = np.arange(len(METHODS))
+    methods = [m for m in METHODS if m in summary]
+    x = np.arange(len(methods))
     bars = ax_rate.bar(
-        x, [summary[m]["examples_per_s"] for m in METHODS], color=[colors[m] for m in METHODS]
+        x, [summary[m]["examples_per_s"] for m in methods], color=[colors[m] for m in methods]
     )
     ax_rate.bar_label(bars, fmt="%.0f")
-    for i, m in enumerate(METHODS):
+    for i, m in enumerate(methods):
         pts = summary[m]["examples_per_s_rounds"]
         ax_rate.plot([i] * len(pts), pts, "k.", ms=5)
-    ax_rate.set_xticks(x, [LABELS[m] for m in METHODS])
+    ax_rate.set_xticks(x, [LABELS[m].replace(" ", "\n", 1) for m in methods], fontsize=8)
     ax_rate.set_ylabel("examples/s (median of rounds; dots: rounds)")
-    ax_rate.set_title(f"distributed / local = {summary['ratio_distributed_vs_local']:.2f}")
+    title = f"distributed / Keras dense = {summary['ratio_distributed_vs_local']:.2f}"
+    if "ratio_distributed_vs_lazy_adam" in summary:
+        title = (
+            f"distributed / lazy Adam = {summary['ratio_distributed_vs_lazy_adam']:.2f}\n{title}"
+        )
+    ax_rate.set_title(title, fontsize=10)
     ax_rate.grid(alpha=0.3, axis="y")
 
 
 def _plot_cpu(ax_cpu: Any, summary: Mapping[str, Any]) -> None:
     colors = _COLORS
-    x = np.arange(len(METHODS))
-    for i, m in enumerate(METHODS):
+    methods = [m for m in METHODS if m in summary]
+    x = np.arange(len(methods))
+    for i, m in enumerate(methods):
         bottom = 0.0
         for k, v in summary[m]["cpu_ms_per_step"].items():
-            color = colors[m] if k in ("local", "trainer") else CPU_COLORS.get(k, "tab:gray")
+            color = colors[m] if k in (m, "trainer") else CPU_COLORS.get(k, "tab:gray")
             ax_cpu.bar(i, v, bottom=bottom, color=color, edgecolor="white")
             ax_cpu.text(i, bottom + v / 2, f"{k}\n{v:.0f}", ha="center", va="center", fontsize=7)
             bottom += v
         wall = summary[m]["step_ms_median"]
         ax_cpu.plot([i - 0.4, i + 0.4], [wall * (os.cpu_count() or 1)] * 2, "k--", lw=1)
-    ax_cpu.set_xticks(x, [LABELS[m] for m in METHODS])
+    ax_cpu.set_xticks(x, [LABELS[m].replace(" ", "\n", 1) for m in methods], fontsize=8)
     ax_cpu.set_ylabel("CPU ms per step (dashed: wall ms/step x cores)")
     ax_cpu.set_title("where the CPU goes")
     ax_cpu.grid(alpha=0.3, axis="y")
+
+
+def _plot_costs(ax: Any, costs: Mapping[str, Mapping[str, Any]]) -> None:
+    """The profiled distributed run's cost table: a stacked bar per process."""
+    names = list(costs)
+    x = np.arange(len(names))
+    bottom = np.zeros(len(names))
+    for category, color in _COST_COLORS.items():
+        values = np.array([costs[n][f"{category}_ms_per_step"] for n in names])
+        ax.bar(x, values, bottom=bottom, color=color, edgecolor="white", label=category)
+        bottom += values
+    ax.set_xticks(x, [n.replace("-", "\n") for n in names], fontsize=8)
+    ax.set_ylabel("CPU ms per step (profiled distributed run)")
+    ax.set_title("math, bytes moved, else")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")

@@ -148,10 +148,17 @@ def test_optimizer_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
-    """`python -m benchmarks.train --quick`: local Keras and a local cluster, 12 steps each."""
+    """`python -m benchmarks.train --quick --profile`: Keras dense Adam, lazy Adam, a local
+    cluster and the MLP alone, 12 steps each; then the profiled run's cost table."""
     from lookup_table.ops.localcluster import wait_for_port
 
-    report = _run_quick("train", tmp_path, timeout_s=270, expect="distributed/local examples/s")
+    report = _run_quick(
+        "train",
+        tmp_path,
+        timeout_s=270,
+        expect="distributed/lazy Adam examples/s",
+        args=["--profile"],
+    )
     assert report["benchmark"] == "train"
     assert {"timestamp", "machine", "code", "parameters", "summary", "rounds"} <= set(report)
     assert {"nproc", "python", "tensorflow", "keras", "memcached"} <= set(report["machine"])
@@ -170,7 +177,7 @@ def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     }
 
     rounds = report["rounds"]
-    assert [r["method"] for r in rounds] == ["local", "distributed"]
+    assert [r["method"] for r in rounds] == ["local", "lazy_adam", "distributed", "mlp_floor"]
     for r in rounds:
         assert r["steps"] == 12 and r["timed_steps"] == 10
         assert len(r["losses"]) == 12 and all(0 < x < 10 for x in r["losses"])
@@ -179,8 +186,9 @@ def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
         assert r["eval_examples"] == 2 * 1024
         assert r["attempt"] == 0 and isinstance(r["disturbed"], bool)  # --quick: no retries
         assert all(v >= 0 for v in r["cpu"]["cpu_ms_per_step"].values())
-    local, dist = rounds
-    assert set(local["cpu"]["cpu_ms_per_step"]) == {"local"}
+    local, lazy, dist, floor = rounds
+    for r in (local, lazy, floor):
+        assert set(r["cpu"]["cpu_ms_per_step"]) == {r["method"]}
     assert set(dist["cpu"]["cpu_ms_per_step"]) == {
         "trainer",
         "optimizer",
@@ -199,6 +207,22 @@ def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
         summary["distributed"]["eval_auc"] - summary["local"]["eval_auc"]
     )
     assert summary["ratio_examples_per_cpu_s"] > 0
+    assert summary["ratio_distributed_vs_lazy_adam"] == pytest.approx(
+        summary["distributed"]["examples_per_s"] / summary["lazy_adam"]["examples_per_s"]
+    )
+    assert summary["ratio_examples_per_cpu_s_vs_lazy_adam"] == pytest.approx(
+        summary["distributed"]["examples_per_cpu_s"] / summary["lazy_adam"]["examples_per_cpu_s"]
+    )
+    assert summary["auc_gap_distributed_minus_lazy_adam"] == pytest.approx(
+        summary["distributed"]["eval_auc"] - summary["lazy_adam"]["eval_auc"]
+    )
+    assert len(summary["lazy_adam_acceptance"]) == 3 and len(report["lazy_adam_targets"]) == 3
+    costs = report["profile"]["costs"]
+    assert set(costs) == {"trainer", "optimizer", "memcached-1", "memcached-2"}
+    for c in costs.values():  # the split adds up to the process's CPU
+        split = c["math_ms_per_step"] + c["bytes_ms_per_step"] + c["else_ms_per_step"]
+        assert c["cpu_ms_per_step"] > 0 and split == pytest.approx(c["cpu_ms_per_step"])
+    assert costs["trainer"]["samples"] > 0 and costs["optimizer"]["samples"] > 0
     assert 0.5 < summary["reference_auc_hidden_model"] <= 1
     assert len(summary["acceptance"]) == 3
     assert (tmp_path / "train.png").stat().st_size > 0
