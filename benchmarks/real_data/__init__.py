@@ -47,6 +47,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     "bf16-adam": {"dtype": "bfloat16"},
 }
+# the same with the stored rows rounded to nearest instead of stochastically
+VARIANTS |= {
+    f"{name}-nearest": {**spec, "rounding": "nearest"}
+    for name, spec in VARIANTS.items()
+    if "dtype" in spec
+}
 BASE_VARIANT = "fp32-adam"
 # how far from fp32 Adam's mean eval AUC each variant may be
 VARIANT_TARGET_AUC_DIFF = {
@@ -54,3 +60,4 @@ VARIANT_TARGET_AUC_DIFF = {
     "f16-rowwise-adagrad": 0.005,
     "bf16-adam": 0.002,
 }
+VARIANT_TARGET_AUC_DIFF |= {f"{v}-nearest": d for v, d in VARIANT_TARGET_AUC_DIFF.items()}

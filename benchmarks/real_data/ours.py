@@ -111,9 +111,11 @@ def write_cluster_file(
         )
     spec = VARIANTS[variant]
     opt = spec.get("optimizer", {}).get("name", config.optimizer.name)
-    made = {(t.dtype, t.optimizer.name) for t in config.tables}
-    if made != {(spec.get("dtype", "float32"), opt)}:
-        raise RuntimeError(f"variant {variant!r} made tables of (dtype, optimizer) {made}")
+    made = {(t.dtype, t.optimizer.name, t.rounding) for t in config.tables}
+    if made != {(spec.get("dtype", "float32"), opt, spec.get("rounding", "stochastic"))}:
+        raise RuntimeError(
+            f"variant {variant!r} made tables of (dtype, optimizer, rounding) {made}"
+        )
     return {
         "variant": variant,
         "namespace": config.namespace,
