@@ -273,7 +273,7 @@ def compare_variants(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[st
 def render_variants(results: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
     """One line per data set and variant: means over seeds, each seed, the verdict."""
     lines = [
-        f"{'data set':<14} {'variant':<20} {'AUC mean':>9} {'diff':>8} {'logloss':>8} "
+        f"{'data set':<14} {'variant':<26} {'AUC mean':>9} {'diff':>8} {'logloss':>8} "
         f"{'rel diff':>9} {'s/run':>6}  per seed AUC / logloss  target",
     ]
     for name, variants in results.items():
@@ -291,7 +291,7 @@ def render_variants(results: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> s
                 else f"diff >= -{target}: {'met' if v['met'] else 'NOT MET'}"
             )
             lines.append(
-                f"{name:<14} {variant:<20} {v['auc_mean']:>9.4f} {v['auc_diff_of_means']:>+8.4f} "
+                f"{name:<14} {variant:<26} {v['auc_mean']:>9.4f} {v['auc_diff_of_means']:>+8.4f} "
                 f"{v['logloss_mean']:>8.4f} {v['logloss_rel_diff_of_means']:>+9.2%} "
                 f"{np.mean(walls) if walls else float('nan'):>6.0f}  {seeds}  {verdict}"
             )
