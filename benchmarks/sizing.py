@@ -1,6 +1,7 @@
 """Measure how much memcached memory a row takes, with and without Adam slots, on nodes
 with memcached's own defaults and on nodes as the local cluster starts them (-C, a slab
-class of the row's item size), and where each byte of a row's item goes.
+class of the row's item size), and where each byte of a row's item goes; then the compact
+rows (16-bit rows, row-wise optimizers) on such nodes, against their targets.
 
 docs/benchmarks.md says how it measures and how to read it::
 
@@ -30,22 +31,17 @@ from benchmarks.harness.report import (
     save,
 )
 from lookup_table.client import OptimizerClient
-from lookup_table.config import (
-    ClusterConfig,
-    RowwiseAdagradConfig,
-    RowwiseAdamConfig,
-    parse_config,
-)
+from lookup_table.config import ClusterConfig, parse_config
 from lookup_table.core.keys import INT_ID_BYTES, key_prefix
 from lookup_table.core.keyspace import META_TABLE
 from lookup_table.core.optimizers import make_optimizer
 from lookup_table.core.optimizers.layout import value_bytes
+from lookup_table.core.precision import check_dtype
 from lookup_table.memcached import commands
 from lookup_table.ops.localcluster import MemcachedProcess, memcached_cluster
 from lookup_table.ops.localcluster.options import (
     CAS_BYTES,
     ITEM_HEADER_BYTES,
-    default_slab_classes,
     item_bytes,
     row_item_bytes,
     slab_sizes,
@@ -60,12 +56,15 @@ OPTIMIZERS = ("sgd", "adam")
 NODES = ("defaults", "compact")
 """defaults: memcached's own options (a CAS unique per item, classes 25 % apart);
 compact: as the local cluster starts its nodes (-C, a slab class of the row item's size)."""
-# the compact rows' value bytes (the layout's own figure), whose items are projected from
-# the overhead measured at dim 16, and the chunk each should reach
-PROJECTED = (
-    ("float16 rowwise_adam", 16, RowwiseAdamConfig(), 152),
-    ("float16 rowwise_adagrad", 16, RowwiseAdagradConfig(), 120),
-    ("float16 rowwise_adam", 64, RowwiseAdamConfig(), 400),
+# the compact rows, measured on compact nodes: (dtype, optimizer, dim, the slab chunk per
+# row each should reach, or None where there is no target)
+COMPACT = (
+    ("float16", "rowwise_adam", 16, 152),
+    ("float16", "rowwise_adam", 64, 400),
+    ("float16", "rowwise_adagrad", 16, 120),
+    ("float16", "rowwise_adagrad", 64, None),
+    ("bfloat16", "adam", 16, None),
+    ("bfloat16", "adam", 64, None),
 )
 NAMESPACE = "demo"  # the key length depends on the names: see "key_bytes" in the report
 TABLE = "user"
@@ -144,13 +143,14 @@ def slab_class_of(item_bytes: int, classes: list[dict[str, int]]) -> dict[str, i
 # ---------------------------------------------------------------- one case
 
 
-def case_config(address: str, dim: int, optimizer: str) -> ClusterConfig:
-    opt = {"name": "sgd", "learning_rate": 0.01} if optimizer == "sgd" else {"name": "adam"}
+def case_config(address: str, dim: int, optimizer: str, dtype: str = "float32") -> ClusterConfig:
+    opt = {"name": "sgd", "learning_rate": 0.01} if optimizer == "sgd" else {"name": optimizer}
+    table = {"name": TABLE, "dim": dim, "seed": 1, "dtype": dtype, "optimizer": opt}
     return parse_config(
         {
             "namespace": NAMESPACE,
             "memcached": [address],
-            "tables": [{"name": TABLE, "dim": dim, "seed": 1, "optimizer": opt}],
+            "tables": [table],
             "store": {"timeout_s": 30.0},
         },
         env={},
@@ -173,10 +173,17 @@ async def fill(
 
 
 async def run_case(
-    server: MemcachedProcess, dim: int, optimizer: str, n: int, *, nodes: str = "defaults"
+    server: MemcachedProcess,
+    dim: int,
+    optimizer: str,
+    n: int,
+    *,
+    nodes: str = "defaults",
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    config = case_config(server.address, dim, optimizer)
-    slot_width = make_optimizer(config.table(TABLE).optimizer).slot_width(dim)
+    config = case_config(server.address, dim, optimizer, dtype)
+    made = make_optimizer(config.table(TABLE).optimizer)
+    slot_width = made.slot_width(dim)
     ids = spread_ids(np.random.default_rng(SEED), n)
     async with EmbeddingStore(config) as store:
         await store.write_sentinels()
@@ -235,7 +242,7 @@ async def run_case(
         "bookkeeping_bytes": sum(bookkeeping.values()) / n,
     }
     prefix = len(key_prefix(NAMESPACE, TABLE, "w"))
-    value = 4 * (dim + slot_width)
+    value = value_bytes(made, dim, check_dtype(dtype))
     breakdown = item_breakdown(
         key=prefix + INT_ID_BYTES,
         value=value,
@@ -251,6 +258,7 @@ async def run_case(
     return {
         "dim": dim,
         "optimizer": optimizer,
+        "dtype": dtype,
         "nodes": nodes,
         "memcached_args": server.command()[1:],
         "slot_width": slot_width,
@@ -295,36 +303,42 @@ def item_breakdown(*, key: int, value: int, cas: bool, measured: int, chunk: int
     return {**parts, "item": total, "class_rounding": chunk - total, "chunk": chunk}
 
 
-def projections(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The compact rows' item and chunk on each kind of node: their value bytes (the
-    layout's) plus the overhead measured for a dim-16 row on such nodes (key, header,
-    CAS, ends), rounded up to the class memcached would use."""
+def targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The compact rows as measured (chunk, -m and memcached's malloced bytes per row),
+    each beside the fp32 Adam row of its dim on the same kind of node and its target."""
+    base = {
+        r["dim"]: r
+        for r in results
+        if r["nodes"] == "compact" and r["dtype"] == "float32" and r["optimizer"] == "adam"
+    }
     out = []
-    defaults = default_slab_classes()
-    for label, dim, opt, target in PROJECTED:
-        value = value_bytes(make_optimizer(opt), dim, "float16")
-        for r in results:
-            if r["dim"] != 16 or r["optimizer"] != "adam":
-                continue
-            b = r["item_breakdown"]
-            item = value + b["item"] - b["value"]
-            classes = (
-                defaults
-                if r["nodes"] == "defaults"
-                else [int(c) for c in slab_sizes([item]).split("-")]
-            )
-            chunk = min(c for c in classes if c >= item)
-            out.append(
-                {
-                    "option": label,
-                    "dim": dim,
-                    "nodes": r["nodes"],
-                    "value_bytes": value,
-                    "item_bytes": item,
-                    "chunk_bytes": chunk,
-                    "target_chunk_bytes": target,
-                }
-            )
+    for dtype, optimizer, dim, target in COMPACT:
+        (r,) = (
+            r
+            for r in results
+            if r["nodes"] == "compact"
+            and (r["dtype"], r["optimizer"], r["dim"]) == (dtype, optimizer, dim)
+        )
+        p = r["per_row"]
+        fp32 = base.get(dim)
+        out.append(
+            {
+                "option": f"{dtype} {optimizer}",
+                "dtype": dtype,
+                "optimizer": optimizer,
+                "dim": dim,
+                "nodes": r["nodes"],
+                "value_bytes": r["value_bytes"]["row"],
+                "item_bytes": r["item_bytes"]["row"],
+                "chunk_bytes": int(p["chunk_bytes"]),
+                "m_bytes": p["m_bytes"],
+                "m_bytes_measured": p["m_bytes_measured"],
+                "gib_of_m_per_100m_rows": r["gib_of_m_per_100m_rows"],
+                "fp32_adam_chunk_bytes": int(fp32["per_row"]["chunk_bytes"]) if fp32 else None,
+                "target_chunk_bytes": target,
+                "met": None if target is None else p["chunk_bytes"] <= target,
+            }
+        )
     return out
 
 
@@ -342,8 +356,14 @@ def _table(header: list[str], rows: list[list[str]], *, left: int = 1) -> list[s
     ]
 
 
+def _option(r: dict[str, Any]) -> str:
+    if r["dtype"] != "float32":
+        return f"{r['dtype']} {r['optimizer']}"
+    return "adam (rows + slots)" if r["optimizer"] == "adam" else "sgd (rows only)"
+
+
 def render(
-    results: list[dict[str, Any]], n: int, memory_mb: int, projected: list[dict[str, Any]]
+    results: list[dict[str, Any]], n: int, memory_mb: int, compact: list[dict[str, Any]]
 ) -> str:
     r0 = results[0]
     lines = [
@@ -383,7 +403,7 @@ def render(
             [
                 r["nodes"],
                 str(r["dim"]),
-                "adam (rows + slots)" if r["optimizer"] == "adam" else "sgd (rows only)",
+                _option(r),
                 str(r["dim"] + r["slot_width"]),
                 f"{p['item_bytes']:.0f}",
                 f"{p['chunk_bytes']:.0f}",
@@ -416,22 +436,26 @@ def render(
     )
     lines += [
         "",
-        "the compact rows, from their value bytes and the overhead measured at dim 16 above",
+        "the compact rows on compact nodes, measured above (stats slabs), against the targets",
         "",
     ]
     lines += _table(
-        ["option", "dim", "nodes", "value", "item", "chunk", "target"],
+        ["option", "dim", "value", "item", "chunk", "-m", "measured", "fp32 adam chunk", "target"],
         [
             [
                 p["option"],
                 str(p["dim"]),
-                p["nodes"],
                 str(p["value_bytes"]),
                 str(p["item_bytes"]),
                 str(p["chunk_bytes"]),
-                f"<= {p['target_chunk_bytes']}",
+                f"{p['m_bytes']:.0f}",
+                f"{p['m_bytes_measured']:.0f}",
+                str(p["fp32_adam_chunk_bytes"]),
+                "-"
+                if p["target_chunk_bytes"] is None
+                else f"<= {p['target_chunk_bytes']}: {'met' if p['met'] else 'NOT MET'}",
             ]
-            for p in projected
+            for p in compact
         ],
     )
     biggest = max(results, key=lambda r: r["journal_item_bytes_per_slot"])
@@ -459,27 +483,31 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(cpu=False, nproc_usable=False)
     code = lookup_table_fingerprint()
     started = time.time()
+    cases = [
+        (nodes, dim, optimizer, "float32")
+        for nodes in NODES
+        for dim in DIMS
+        for optimizer in OPTIMIZERS
+    ] + [("compact", dim, optimizer, dtype) for dtype, optimizer, dim, _ in COMPACT]
     results = []
-    for nodes in NODES:
-        for dim in DIMS:
-            for optimizer in OPTIMIZERS:
-                compact = nodes == "compact"
-                rows = row_item_bytes(case_config("127.0.0.1:1", dim, optimizer))
-                with memcached_cluster(
-                    1,
-                    memory_mb=memory_mb,
-                    slab_sizes=slab_sizes(rows.values()) if compact else None,
-                    cas=not compact,
-                ) as (server,):
-                    result = asyncio.run(run_case(server, dim, optimizer, n, nodes=nodes))
-                print(
-                    f"  {nodes} nodes, dim {dim} {optimizer}: {n:,} rows in "
-                    f"{result['fill_seconds']:.1f} s",
-                    file=sys.stderr,
-                )
-                results.append(result)
-    projected = projections(results)
-    print(render(results, n, memory_mb, projected))
+    for nodes, dim, optimizer, dtype in cases:
+        compact = nodes == "compact"
+        rows = row_item_bytes(case_config("127.0.0.1:1", dim, optimizer, dtype))
+        with memcached_cluster(
+            1,
+            memory_mb=memory_mb,
+            slab_sizes=slab_sizes(rows.values()) if compact else None,
+            cas=not compact,
+        ) as (server,):
+            result = asyncio.run(run_case(server, dim, optimizer, n, nodes=nodes, dtype=dtype))
+        print(
+            f"  {nodes} nodes, dim {dim} {dtype} {optimizer}: {n:,} rows in "
+            f"{result['fill_seconds']:.1f} s",
+            file=sys.stderr,
+        )
+        results.append(result)
+    measured = targets(results)
+    print(render(results, n, memory_mb, measured))
     report = {
         **report_head("sizing", started, machine, code),
         "parameters": {
@@ -488,6 +516,10 @@ def main(argv: list[str] | None = None) -> int:
             "dims": list(DIMS),
             "optimizers": list(OPTIMIZERS),
             "nodes": list(NODES),
+            "compact": [
+                {"dtype": d, "optimizer": o, "dim": dim, "target_chunk_bytes": t}
+                for d, o, dim, t in COMPACT
+            ],
             "namespace": NAMESPACE,
             "table": TABLE,
             "memcached_memory_mb": memory_mb,
@@ -514,13 +546,13 @@ def main(argv: list[str] | None = None) -> int:
                 "48-byte header, the CAS unique unless -C, key + NUL, no client flags, "
                 "value + CRLF), checked against its stats bytes and stats items "
                 "mem_requested; class_rounding: the chunk's bytes past the item",
-                "projections: value bytes of float16 rows with the row-wise optimizers "
-                "(core.optimizers.layout.value_bytes) plus the overhead measured for the "
-                "dim-16 rows on each kind of node, in the class memcached would use",
+                "compact: 16-bit rows (float16 with rowwise_adam, rowwise_adagrad; bfloat16 "
+                "with adam), each a case of its own on compact nodes, measured as the others; "
+                "targets: those cases' chunk and -m bytes per row beside their target",
             ],
         },
         "results": results,
-        "projections": projected,
+        "targets": measured,
     }
     save(report, args.out_dir, code_at_end=lookup_table_fingerprint())
     return 0

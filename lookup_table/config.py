@@ -26,7 +26,7 @@ from lookup_table.core.expiry import MAX_RELATIVE_TTL_S, MAX_TTL_S
 from lookup_table.core.hashing import stable_hash
 from lookup_table.core.initializers import InitializerSpec
 from lookup_table.core.keys import validate_name
-from lookup_table.core.precision import ROW_DTYPES, RowDtype
+from lookup_table.core.precision import ROW_DTYPES, Rounding, RowDtype
 from lookup_table.errors import ConfigError, KeyEncodingError
 
 __all__ = [
@@ -157,7 +157,9 @@ class TableSpec:
     `admit_ttl_s` without a sighting (None: the table's `ttl_s`, else one day).
 
     `dtype`: how the rows are stored (float32, or float16/bfloat16 in half the bytes:
-    stepped in float32, rounded when stored; trainers get float32 rows).
+    stepped in float32, rounded when stored; trainers get float32 rows). `rounding`: how
+    a 16-bit table's stepped rows are rounded (stochastic where a replay can repeat it,
+    or to nearest).
     """
 
     name: str
@@ -170,6 +172,7 @@ class TableSpec:
     admit_after: int = 1
     admit_ttl_s: int | None = None
     dtype: RowDtype = "float32"
+    rounding: Rounding = "stochastic"
 
     @property
     def counter_ttl_s(self) -> int:
@@ -284,6 +287,7 @@ class ClusterConfig:
                 t.name: {
                     "dim": t.dim,
                     "dtype": t.dtype,
+                    **({"rounding": t.rounding} if t.dtype != "float32" else {}),
                     "id_type": t.id_type,
                     "seed": t.seed,
                     "initializer": t.initializer.to_dict(),
@@ -342,6 +346,7 @@ class ClusterConfig:
                     **({"admit_after": t.admit_after} if t.admit_after != 1 else {}),
                     **({"admit_ttl_s": t.admit_ttl_s} if t.admit_ttl_s is not None else {}),
                     **({"dtype": t.dtype} if t.dtype != "float32" else {}),
+                    **({"rounding": t.rounding} if t.rounding != "stochastic" else {}),
                 }
                 for t in self.tables
             ],
@@ -564,6 +569,19 @@ def _parse_table(raw: object, path: str, default_optimizer: OptimizerConfig) -> 
         ROW_DTYPES,
         why="float32 stores rows as they are; float16 and bfloat16 in half the bytes",
     )
+    rounding_given = "rounding" in section.raw
+    rounding = section.choice(
+        "rounding",
+        "stochastic",
+        ("stochastic", "nearest"),
+        why="stochastic keeps updates smaller than the dtype's gap on average; nearest rounds "
+        "each stored value to the closest one",
+    )
+    if rounding_given and dtype == "float32":
+        raise ConfigError(
+            f"{section.at('rounding')}: only used with dtype 'float16' or 'bfloat16' (float32 "
+            f"rows are stored as stepped); remove it or set dtype"
+        )
     ttl_s = section.seconds("ttl_s")
     admit_after = section.integer("admit_after", 1, minimum=1)
     admit_ttl_s = section.seconds("admit_ttl_s")
@@ -582,6 +600,7 @@ def _parse_table(raw: object, path: str, default_optimizer: OptimizerConfig) -> 
             "initializer",
             "name",
             "optimizer",
+            "rounding",
             "seed",
             "ttl_s",
         ]
@@ -597,6 +616,7 @@ def _parse_table(raw: object, path: str, default_optimizer: OptimizerConfig) -> 
         admit_after=admit_after,
         admit_ttl_s=admit_ttl_s,
         dtype=cast(RowDtype, dtype),  # checked above; str does not narrow
+        rounding=cast(Rounding, rounding),
     )
 
 

@@ -28,6 +28,8 @@ from benchmarks.real_data import (
     SIDES,
     TARGET_AUC_DIFF,
     TARGET_LOGLOSS_REL_DIFF,
+    VARIANT_TARGET_AUC_DIFF,
+    VARIANTS,
 )
 from benchmarks.real_data.keras_side import run_keras
 from benchmarks.real_data.ours import run_ours
@@ -38,7 +40,15 @@ from benchmarks.real_data.prep import (
     data_cache_dir,
     prepare,
 )
-from benchmarks.real_data.report import brief, compare, plot, render_table
+from benchmarks.real_data.report import (
+    brief,
+    compare,
+    compare_variants,
+    plot,
+    plot_variants,
+    render_table,
+    render_variants,
+)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -59,6 +69,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="train each side with this many seeds (0, 1, ...); the acceptance line compares "
         "the seed-0 runs, a second one the means over seeds",
     )
+    options.add_argument(
+        "--variants",
+        default="fp32-adam",
+        help=f"comma-separated, from {', '.join(VARIANTS)}: our side's tables' dtype and "
+        "optimizer, each trained with every seed; more than one writes real_data_variants.json "
+        "(each against the first) instead of real_data.json (default fp32-adam)",
+    )
     options.add_argument("--prepare-only", action="store_true", help="prepare the data and exit")
     options.add_argument(
         "--data-cache",
@@ -75,6 +92,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.sides = [s for s in args.sides.split(",") if s]
     if not set(args.sides) <= set(SIDES) or not args.sides:
         options.error(f"--sides takes keras and/or ours, got {args.sides}")
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or not args.variants or len(set(args.variants)) != len(args.variants):
+        options.error(
+            f"--variants takes distinct names from {', '.join(VARIANTS)}, got {args.variants}"
+        )
+    if len(args.variants) > 1 and "ours" not in args.sides:
+        options.error("--variants are our side's: add ours to --sides")
     return args
 
 
@@ -110,16 +135,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             train_path = Path(stamp["datasets"][name]["train"]["path"])
             eval_path = Path(stamp["datasets"][name]["eval"]["path"])
             results[name] = {}
-            for side in args.sides:
-                print(f"{name}: {LABELS[side]}, {epochs} epochs ...", flush=True)
+            variant_runs: dict[str, list[dict[str, Any]]] = {}
+            for side, variant in [
+                (s, v) for s in args.sides for v in (args.variants if s == "ours" else [""])
+            ]:
+                what = f"{LABELS[side]} {variant}".strip()
+                print(f"{name}: {what}, {epochs} epochs ...", flush=True)
                 runs = []
                 for seed in range(SEED, SEED + args.seeds):
                     if side == "keras":
                         r = run_keras(ds, train_path, eval_path, epochs=epochs, seed=seed)
                     else:
-                        work_dir = Path(tmp) / f"{name}-seed{seed}"
+                        work_dir = Path(tmp) / f"{name}-{variant}-seed{seed}"
                         r = run_ours(
-                            ds, train_path, eval_path, epochs=epochs, work_dir=work_dir, seed=seed
+                            ds,
+                            train_path,
+                            eval_path,
+                            epochs=epochs,
+                            work_dir=work_dir,
+                            seed=seed,
+                            variant=variant,
                         )
                     print(
                         f"  seed {seed}: eval AUC {r['eval_auc']:.4f}, logloss "
@@ -128,8 +163,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         flush=True,
                     )
                     runs.append(r)
+                if variant:
+                    variant_runs[variant] = runs
+                if variant and variant != args.variants[0]:
+                    continue  # the first variant's runs are the side's, as without variants
                 results[name][side] = runs[0]
                 results[name][f"{side}_other_seeds"] = [brief(r) for r in runs[1:]]
+            if len(variant_runs) > 1:
+                results[name]["variants"] = compare_variants(variant_runs)
             if all(s in results[name] for s in SIDES):
                 results[name]["comparison"] = compare(
                     results[name]["keras"],
@@ -140,11 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     complete = {n: r for n, r in results.items() if "comparison" in r}
     table = render_table(complete) if complete else "(one side only: no table)"
+    varied = {n: r["variants"] for n, r in results.items() if "variants" in r}
+    if varied:
+        table += "\n\n" + render_variants(varied)
     print()
     print(table)
     print(f"\n{time.time() - started:.0f} s in all")
     report = {
-        **report_head("real_data", started, machine, code),
+        **report_head("real_data_variants" if varied else "real_data", started, machine, code),
         "parameters": {
             "datasets": {
                 n: {
@@ -165,6 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "embedding_dim": EMBEDDING_DIM,
             "initializer": f"uniform +-{INIT_RANGE}",
             "seeds": list(range(SEED, SEED + args.seeds)),
+            "variants": {v: VARIANTS[v] for v in args.variants},
+            "variant_target_auc_diff": {
+                v: VARIANT_TARGET_AUC_DIFF[v]
+                for v in args.variants[1:]
+                if v in VARIANT_TARGET_AUC_DIFF
+            },
             "numeric_transform": "standardize (training rows' mean and variance; empty -> mean)",
         },
         "data": {k: v for k, v in stamp.items() if k != "datasets"}
@@ -180,7 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         report,
         args.out_dir,
         code_at_end=code_fingerprint(),
-        plot=partial(plot, complete) if complete else None,
+        plot=partial(plot_variants, varied)
+        if varied
+        else partial(plot, complete)
+        if complete
+        else None,
     )
     return 0
 

@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 import time
+import tomllib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,7 @@ from benchmarks.real_data import (
     MEMCACHED_MEMORY_MB,
     MODEL,
     SEED,
+    VARIANTS,
 )
 from benchmarks.real_data.prep import Dataset
 
@@ -61,10 +63,19 @@ def print_tables(ds: Dataset, train_path: Path) -> str:
     return done.stdout
 
 
-def write_cluster_file(path: Path, ds: Dataset, train_path: Path) -> dict[str, Any]:
+def with_variant(tables_toml: str, variant: str) -> str:
+    """The `[[tables]]` TOML with every table given `variant`'s dtype and optimizer."""
+    tables = tomllib.loads(tables_toml)["tables"]
+    return to_toml({"tables": [{**t, **VARIANTS[variant]} for t in tables]})
+
+
+def write_cluster_file(
+    path: Path, ds: Dataset, train_path: Path, *, variant: str = "fp32-adam"
+) -> dict[str, Any]:
     """2 memcached nodes + 1 optimizer replica on fresh ports, a fresh namespace, adam lr
     0.001, and the `[[tables]]` that `--print-tables` gives for the columns (checked:
-    one per categorical and multivalued column, dim 16, string ids, uniform +-0.05)."""
+    one per categorical and multivalued column, dim 16, string ids, uniform +-0.05), each
+    with `variant`'s dtype and optimizer."""
     from lookup_table.config import load_config
 
     mc1, mc2, opt = free_ports(3)
@@ -84,7 +95,7 @@ def write_cluster_file(path: Path, ds: Dataset, train_path: Path) -> dict[str, A
         "service": {"max_body_bytes": 64 * 2**20},
         "store": {"timeout_s": 5.0, "pool_size": 4},
     }
-    tables = print_tables(ds, train_path)
+    tables = with_variant(print_tables(ds, train_path), variant)
     path.write_text(to_toml(raw) + "\n" + tables)
     config = load_config(path)  # rejects a bad file now, not in the trainer
     columns = [*ds.categorical, *ds.multivalued]
@@ -98,7 +109,15 @@ def write_cluster_file(path: Path, ds: Dataset, train_path: Path) -> dict[str, A
             f"--print-tables gave {got}; expected {columns} each with (dim, id_type, "
             f"initializer) = {want}"
         )
+    spec = VARIANTS[variant]
+    opt = spec.get("optimizer", {}).get("name", config.optimizer.name)
+    made = {(t.dtype, t.optimizer.name, t.rounding) for t in config.tables}
+    if made != {(spec.get("dtype", "float32"), opt, spec.get("rounding", "stochastic"))}:
+        raise RuntimeError(
+            f"variant {variant!r} made tables of (dtype, optimizer, rounding) {made}"
+        )
     return {
+        "variant": variant,
         "namespace": config.namespace,
         "memcached": list(config.node_addresses),
         "optimizers": list(config.optimizers),
@@ -108,12 +127,12 @@ def write_cluster_file(path: Path, ds: Dataset, train_path: Path) -> dict[str, A
 
 @contextlib.contextmanager
 def local_cluster(
-    work_dir: Path, ds: Dataset, train_path: Path
+    work_dir: Path, ds: Dataset, train_path: Path, *, variant: str = "fp32-adam"
 ) -> Iterator[tuple[Path, dict[str, Any]]]:
     """Start the cluster of a fresh cluster file; always stop it."""
     work_dir.mkdir(parents=True, exist_ok=True)
     config_path, run_dir = work_dir / "cluster.toml", work_dir / "run"
-    info = write_cluster_file(config_path, ds, train_path)
+    info = write_cluster_file(config_path, ds, train_path, variant=variant)
     try:
         with running_cluster(
             config_path, run_dir, memory_mb=MEMCACHED_MEMORY_MB, env=checkout_env()
@@ -151,9 +170,11 @@ def run_ours(
     epochs: int,
     work_dir: Path,
     seed: int = SEED,
+    variant: str = "fp32-adam",
 ) -> dict[str, Any]:
-    """The CLI against a fresh local cluster; its summary plus what we measured around it."""
-    with local_cluster(work_dir, ds, train_path) as (config_path, info):
+    """The CLI against a fresh local cluster whose tables are of `variant`; its summary
+    plus what we measured around it."""
+    with local_cluster(work_dir, ds, train_path, variant=variant) as (config_path, info):
         output = work_dir / "summary.json"
         args = cli_command(
             ds, config_path, train_path, eval_path, epochs=epochs, output=output, seed=seed
@@ -168,6 +189,7 @@ def run_ours(
     steps_per_epoch = max(1, math.ceil(summary.get("examples", 0) / max(1, epochs) / BATCH_SIZE))
     return {
         "side": "ours",
+        "variant": variant,
         "seed": seed,
         "epochs": epochs,
         "command": "lookup-table-train " + shlex.join(args),

@@ -10,7 +10,14 @@ from typing import Any
 import numpy as np
 
 from benchmarks.harness.plot import figure
-from benchmarks.real_data import COLORS, LABELS, SIDES, TARGET_AUC_DIFF, TARGET_LOGLOSS_REL_DIFF
+from benchmarks.real_data import (
+    COLORS,
+    LABELS,
+    SIDES,
+    TARGET_AUC_DIFF,
+    TARGET_LOGLOSS_REL_DIFF,
+    VARIANT_TARGET_AUC_DIFF,
+)
 
 
 def brief(run: Mapping[str, Any]) -> dict[str, Any]:
@@ -223,3 +230,112 @@ def _plot_dataset(axes: Sequence[Any], name: str, result: Mapping[str, Any]) -> 
         handles, labels = ax.get_legend_handles_labels()
         keep = {lab: h for h, lab in zip(handles, labels, strict=True)}
         ax.legend(keep.values(), keep.keys(), fontsize=7, loc="best")
+
+
+# ---------------------------------------------------------------- our side's variants
+
+
+def compare_variants(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """Each variant's runs (one per seed) against the first variant's: the means over
+    seeds, the same-seed differences and the verdict on the mean AUC difference."""
+    base_name, *_ = runs
+    base = _spread(runs[base_name])
+    by_seed = {r["seed"]: r for r in runs[base_name]}
+    out: dict[str, Any] = {}
+    for variant, rs in runs.items():
+        s = _spread(rs)
+        auc_diff = s["auc_mean"] - base["auc_mean"]
+        target = VARIANT_TARGET_AUC_DIFF.get(variant) if variant != base_name else None
+        out[variant] = {
+            **s,
+            "runs": [
+                {
+                    **brief(r),
+                    "seconds": r.get("seconds"),
+                    "process_wall_seconds": r.get("process_wall_seconds"),
+                }
+                for r in rs
+            ],
+            "against": base_name,
+            "auc_diff_of_means": auc_diff,
+            "logloss_rel_diff_of_means": s["logloss_mean"] / base["logloss_mean"] - 1,
+            "auc_diff_per_seed": {
+                str(r["seed"]): r["eval_auc"] - by_seed[r["seed"]]["eval_auc"]
+                for r in rs
+                if r["seed"] in by_seed
+            },
+            "target_auc_diff": target,
+            "met": None if target is None else auc_diff >= -target,
+        }
+    return out
+
+
+def render_variants(results: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
+    """One line per data set and variant: means over seeds, each seed, the verdict."""
+    lines = [
+        f"{'data set':<14} {'variant':<26} {'AUC mean':>9} {'diff':>8} {'logloss':>8} "
+        f"{'rel diff':>9} {'s/run':>6}  per seed AUC / logloss  target",
+    ]
+    for name, variants in results.items():
+        for variant, v in variants.items():
+            seeds = "  ".join(
+                f"{r['seed']}: {r['eval_auc']:.4f}/{r['eval_logloss']:.4f}" for r in v["runs"]
+            )
+            walls = [r["process_wall_seconds"] for r in v["runs"] if r["process_wall_seconds"]]
+            target = v["target_auc_diff"]
+            verdict = (
+                "(reference)"
+                if target is None and v["auc_diff_of_means"] == 0
+                else "no target"
+                if target is None
+                else f"diff >= -{target}: {'met' if v['met'] else 'NOT MET'}"
+            )
+            lines.append(
+                f"{name:<14} {variant:<26} {v['auc_mean']:>9.4f} {v['auc_diff_of_means']:>+8.4f} "
+                f"{v['logloss_mean']:>8.4f} {v['logloss_rel_diff_of_means']:>+9.2%} "
+                f"{np.mean(walls) if walls else float('nan'):>6.0f}  {seeds}  {verdict}"
+            )
+    lines.append(
+        "(diff = variant's mean eval AUC over seeds - the first variant's; rel diff of the "
+        "mean logloss; s/run = the trainer process's wall seconds, cluster start excluded)"
+    )
+    return "\n".join(lines)
+
+
+def plot_variants(results: Mapping[str, Mapping[str, Mapping[str, Any]]], path: Path) -> None:
+    """Per data set: eval AUC and log loss of each seed (dots) and their mean (bar) per variant."""
+    names = list(results)
+    with figure(path, nrows=2, ncols=len(names), figsize=(6 * len(names), 8), squeeze=False) as (
+        _,
+        axes,
+    ):
+        for j, name in enumerate(names):
+            variants = results[name]
+            labels = list(variants)
+            for row, (metric, mean) in enumerate(
+                (("eval_auc", "auc_mean"), ("eval_logloss", "logloss_mean"))
+            ):
+                ax = axes[row][j]
+                x = np.arange(len(labels))
+                ax.bar(x, [variants[v][mean] for v in labels], 0.6, color="tab:orange", alpha=0.4)
+                for i, v in enumerate(labels):
+                    ax.plot(
+                        [i] * len(variants[v]["runs"]),
+                        [r[metric] for r in variants[v]["runs"]],
+                        "o",
+                        color="tab:orange",
+                    )
+                    ax.annotate(
+                        f"{variants[v][mean]:.4f}",
+                        (i, variants[v][mean]),
+                        ha="center",
+                        va="bottom",
+                        fontsize=8,
+                    )
+                lo = min(r[metric] for v in labels for r in variants[v]["runs"])
+                hi = max(r[metric] for v in labels for r in variants[v]["runs"])
+                pad = max(hi - lo, 1e-3)
+                ax.set_ylim(lo - pad, hi + pad)
+                ax.set_xticks(x, labels, fontsize=8)
+                ax.set_title(f"{name}: {metric.replace('_', ' ')} per variant (dots: seeds)")
+                ax.grid(alpha=0.3, axis="y")

@@ -30,7 +30,8 @@ class RowRounder:
     and be known to a replay: the row's step before the update where its optimizer
     counts steps (adam, rowwise_adam), else the hash of its new slots (they change at
     every update with a gradient: rowwise_adagrad's and adagrad's accumulators, sgd's
-    momentum). SGD without momentum keeps nothing a replay knows: to nearest.
+    momentum). SGD without momentum keeps nothing a replay knows: to nearest, as is
+    every table whose `rounding` is "nearest".
     """
 
     def __init__(self, spec: TableSpec, optimizer: Optimizer) -> None:
@@ -38,7 +39,9 @@ class RowRounder:
         self.dtype = spec.dtype
         self.seed = spec.seed
         self.step_column = step_slot(optimizer, spec.dim)
-        self.stochastic = self.step_column is not None or optimizer.slot_width(spec.dim) > 0
+        self.stochastic = spec.rounding == "stochastic" and (
+            self.step_column is not None or optimizer.slot_width(spec.dim) > 0
+        )
 
     @property
     def rounds(self) -> bool:

@@ -277,8 +277,9 @@ def test_sizing_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     assert (params["rows"], params["quick"]) == (10_000, True)
     assert params["dims"] == [8, 16, 64] and params["optimizers"] == ["sgd", "adam"]
     assert params["nodes"] == ["defaults", "compact"]
-    every = {(r["nodes"], r["dim"], r["optimizer"]): r for r in report["results"]}
-    assert len(every) == len(report["results"]) == 12
+    fp32 = [r for r in report["results"] if r["dtype"] == "float32"]
+    every = {(r["nodes"], r["dim"], r["optimizer"]): r for r in fp32}
+    assert len(every) == len(fp32) == 12 and len(report["results"]) == 18
     results = {(d, o): r for (nodes, d, o), r in every.items() if nodes == "defaults"}
     assert set(results) == {(d, o) for d in (8, 16, 64) for o in ("sgd", "adam")}
     for (dim, optimizer), r in results.items():
@@ -308,10 +309,12 @@ def test_sizing_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
                 < every[("defaults", dim, optimizer)]["per_row"]["chunk_bytes"]
             )
         assert r["per_row"]["bookkeeping_bytes"] < 1  # the journals' chunks are gone
-    compact = {(p["option"], p["dim"]): p for p in report["projections"] if p["nodes"] == "compact"}
-    assert len(compact) == 3
+    compact = {(p["option"], p["dim"]): p for p in report["targets"]}
+    assert len(compact) == 6  # each measured on its own compact node
     for p in compact.values():
-        assert p["chunk_bytes"] <= p["target_chunk_bytes"]
+        assert p["chunk_bytes"] < p["fp32_adam_chunk_bytes"]
+        assert p["met"] is None or p["chunk_bytes"] <= p["target_chunk_bytes"]
+    assert [p["met"] for p in compact.values() if p["target_chunk_bytes"]] == [True] * 3
 
 
 @pytest.mark.integration

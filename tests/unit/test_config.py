@@ -171,7 +171,7 @@ ROUND_TRIP_CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "precision": lambda: minimal(
         optimizer={"name": "rowwise_adam", "learning_rate": 0.01, "momentum_dtype": "float32"},
         tables=[
-            {"name": "a", "dim": 2, "dtype": "float16"},
+            {"name": "a", "dim": 2, "dtype": "float16", "rounding": "nearest"},
             {"name": "b", "dim": 3, "dtype": "bfloat16", "optimizer": {"name": "rowwise_adam"}},
             {"name": "c", "dim": 4, "optimizer": {"name": "rowwise_adagrad", "epsilon": 0.1}},
         ],
@@ -189,6 +189,8 @@ def test_row_dtypes_and_the_row_wise_optimizers() -> None:
     assert c.optimizer == RowwiseAdagradConfig(epsilon=0.1)
     assert c.optimizer.learning_rate == 0.01  # FBGEMM's default
     assert config.agreement()["tables"]["a"]["dtype"] == "float16"
+    assert (a.rounding, b.rounding) == ("nearest", "stochastic")  # stochastic: default
+    assert config.agreement()["tables"]["a"]["rounding"] == "nearest"
 
 
 @pytest.mark.parametrize("case", sorted(ROUND_TRIP_CASES))
@@ -406,6 +408,17 @@ BAD_VALUES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         r"tables\[0\]\.dtype: expected one of .* got 16 \(float32 stores rows",
     ),
     (
+        "unknown rounding",
+        _set("tables[1].rounding", "up"),
+        r"tables\[1\]\.rounding: expected one of 'stochastic', 'nearest', got 'up' \(stochastic",
+    ),
+    (
+        "rounding of a float32 table",
+        _set("tables[0].rounding", "nearest"),
+        r"tables\[0\]\.rounding: only used with dtype 'float16' or 'bfloat16' .* remove it or "
+        r"set dtype",
+    ),
+    (
         "momentum dtype of row-wise adam",
         _set("tables[1].optimizer", {"name": "rowwise_adam", "momentum_dtype": "float16"}),
         r"tables\[1\]\.optimizer\.momentum_dtype: expected one of 'bfloat16', 'float32', "
@@ -522,7 +535,7 @@ BAD_VALUES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         "unknown lifecycle key",
         _set("tables[0].ttl", 60),
         r"tables\[0\]\.ttl: unknown key; expected one of admit_after, admit_ttl_s, dim, "
-        r"dtype, id_type, initializer, name, optimizer, seed, ttl_s",
+        r"dtype, id_type, initializer, name, optimizer, rounding, seed, ttl_s",
     ),
     (
         "push_record_ttl_s over a year",

@@ -16,6 +16,7 @@ from lookup_table.core.hashing import id_hashes
 from lookup_table.core.precision import (
     MAX_FINITE,
     ROW_DTYPES,
+    RowDtype,
     decode,
     encode,
     itemsize,
@@ -370,3 +371,34 @@ def test_encode_leaves_its_input_alone() -> None:
             words.tolist()
         )
     assert rows.tobytes() == before.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_tables_rounding_key_picks_stochastic_or_nearest_rounding_of_stepped_rows(
+    dtype: RowDtype,
+) -> None:
+    from lookup_table.config import parse_config
+    from lookup_table.core.optimizers import make_optimizer
+    from optimizer_service.engine.rounding import RowRounder
+
+    def rounder(**rounding: str) -> RowRounder:
+        table = {"name": "t", "dim": 8, "seed": 3, "dtype": dtype, **rounding}
+        raw = {"namespace": "n", "memcached": ["127.0.0.1:1"], "tables": [table]}
+        spec = parse_config(raw, env={}).tables[0]
+        return RowRounder(spec, make_optimizer(spec.optimizer))
+
+    rng = np.random.default_rng(4)
+    ids = np.arange(64, dtype=np.int64)
+    rows = rng.uniform(-1, 1, (64, 8)).astype(np.float32)
+    old_slots = np.zeros((64, 17), dtype=np.float32)
+    old_slots[:, -1] = rng.integers(0, 100, 64)  # adam's step: the key of the random bits
+    new_slots = old_slots + 1
+    nearest = round_to(rows, dtype)
+    stochastic = rounder().round(ids, old_slots, rows, new_slots)
+    assert not np.array_equal(stochastic, nearest)  # the default: stochastic
+    assert np.array_equal(
+        rounder(rounding="nearest").round(ids, old_slots, rows, new_slots), nearest
+    )
+    assert np.array_equal(
+        rounder(rounding="stochastic").round(ids, old_slots, rows, new_slots), stochastic
+    )
