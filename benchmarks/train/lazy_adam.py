@@ -6,14 +6,11 @@ embeddings held constant: the compute floor of the step."""
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from benchmarks.harness.cpu import cpu_snapshot, cpu_usage
 from benchmarks.train.local import (
     DENSE_LR,
     EMBEDDING_LR,
@@ -22,9 +19,8 @@ from benchmarks.train.local import (
     build_local_model,
     dense_weights,
 )
-from benchmarks.train.steps import timing
+from benchmarks.train.steps import run_in_process
 from trainer.data import Batch
-from trainer.metrics import auc, logloss
 
 # deploy/demo.toml's tables: Adam with Keras' defaults but the learning rate
 BETA_1 = 0.9
@@ -188,28 +184,4 @@ def run_lazy_adam(
         return {n: tf.constant(np.asarray(batch.features[n])) for n in columns + numeric}
 
     method = "mlp_floor" if floor else "lazy_adam"
-    pids = {method: os.getpid()}
-    ends: list[float] = []
-    losses: list[float] = []
-    cpu_start: dict[str, Any] | None = None
-    for batch in train:
-        loss = float(step(tensors(batch), tf.constant(batch.labels)))
-        ends.append(time.perf_counter())
-        losses.append(loss)
-        if len(ends) == warmup:
-            cpu_start = cpu_snapshot(pids)
-    cpu_end = cpu_snapshot(pids)
-    if cpu_start is None:
-        raise RuntimeError(f"--warmup {warmup} needs more than {len(train)} steps")
-    preds = np.concatenate([np.asarray(predict(tensors(b))).reshape(-1) for b in evals])
-    labels = np.concatenate([b.labels for b in evals])
-    return {
-        "method": method,
-        "steps": len(train),
-        **timing(ends, ends[-1], warmup, len(train[0].labels)),
-        "losses": losses,
-        "eval_auc": auc(labels, preds),
-        "eval_logloss": logloss(labels, preds),
-        "eval_examples": int(labels.shape[0]),
-        "cpu": cpu_usage(cpu_start, cpu_end, len(train) - warmup),
-    }
+    return run_in_process(method, step, predict, tensors, train, evals, warmup)

@@ -3,19 +3,15 @@ with plain Keras in this process."""
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.harness.cpu import cpu_snapshot, cpu_usage
 from benchmarks.harness.data import HIDDEN, MODEL_SEED
-from benchmarks.train.steps import timing
+from benchmarks.train.steps import run_in_process
 from trainer.data import Batch
-from trainer.metrics import auc, logloss
 
 VOCABULARY = 100_000  # rows per local Keras table
 EMBEDDING_LR = 0.01  # deploy/demo.toml: C1..C26 Adam 0.01
@@ -115,28 +111,4 @@ def run_local(
     def tensors(batch: Batch) -> dict[str, Any]:
         return {n: tf.constant(np.asarray(batch.features[n])) for n in names}
 
-    pids = {"local": os.getpid()}
-    ends: list[float] = []
-    losses: list[float] = []
-    cpu_start: dict[str, Any] | None = None
-    for batch in train:
-        loss = float(step(tensors(batch), tf.constant(batch.labels)))
-        ends.append(time.perf_counter())
-        losses.append(loss)
-        if len(ends) == warmup:
-            cpu_start = cpu_snapshot(pids)
-    cpu_end = cpu_snapshot(pids)
-    if cpu_start is None:
-        raise RuntimeError(f"--warmup {warmup} needs more than {len(train)} steps")
-    preds = np.concatenate([np.asarray(predict(tensors(b))).reshape(-1) for b in evals])
-    labels = np.concatenate([b.labels for b in evals])
-    return {
-        "method": "local",
-        "steps": len(train),
-        **timing(ends, ends[-1], warmup, len(train[0].labels)),
-        "losses": losses,
-        "eval_auc": auc(labels, preds),
-        "eval_logloss": logloss(labels, preds),
-        "eval_examples": int(labels.shape[0]),
-        "cpu": cpu_usage(cpu_start, cpu_end, len(train) - warmup),
-    }
+    return run_in_process("local", step, predict, tensors, train, evals, warmup)

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Sequence
+import os
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from benchmarks.harness.cpu import cpu_snapshot, cpu_usage
 from benchmarks.harness.rounds import step_window
 from trainer.data import Batch
+from trainer.metrics import auc, logloss
 
 
 def data_digest(batches: Sequence[Batch]) -> str:
@@ -33,4 +37,44 @@ def timing(
         **step_window(ends, window_end, warmup, batch_size),
         "step_ms_p90": float(np.percentile(step_ms, 90)),
         "warmup_ms": [(b - a) * 1e3 for a, b in itertools.pairwise(ends[:warmup])],
+    }
+
+
+def run_in_process(
+    method: str,
+    step: Callable[[Any, Any], Any],
+    predict: Callable[[Any], Any],
+    tensors: Callable[[Batch], Any],
+    train: Sequence[Batch],
+    evals: Sequence[Batch],
+    warmup: int,
+) -> dict[str, Any]:
+    """Time `step` over `train` in this process (CPU from step `warmup` on), then evaluate
+    `predict` on `evals`: one round of a method that trains locally."""
+    import tensorflow as tf
+
+    pids = {method: os.getpid()}
+    ends: list[float] = []
+    losses: list[float] = []
+    cpu_start: dict[str, Any] | None = None
+    for batch in train:
+        loss = float(step(tensors(batch), tf.constant(batch.labels)))
+        ends.append(time.perf_counter())
+        losses.append(loss)
+        if len(ends) == warmup:
+            cpu_start = cpu_snapshot(pids)
+    cpu_end = cpu_snapshot(pids)
+    if cpu_start is None:
+        raise RuntimeError(f"--warmup {warmup} needs more than {len(train)} steps")
+    preds = np.concatenate([np.asarray(predict(tensors(b))).reshape(-1) for b in evals])
+    labels = np.concatenate([b.labels for b in evals])
+    return {
+        "method": method,
+        "steps": len(train),
+        **timing(ends, ends[-1], warmup, len(train[0].labels)),
+        "losses": losses,
+        "eval_auc": auc(labels, preds),
+        "eval_logloss": logloss(labels, preds),
+        "eval_examples": int(labels.shape[0]),
+        "cpu": cpu_usage(cpu_start, cpu_end, len(train) - warmup),
     }
