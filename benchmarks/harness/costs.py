@@ -12,15 +12,14 @@ hashing, copying) everything else.
 from __future__ import annotations
 
 import collections
-import contextlib
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.cpu import task_stats
+
 CATEGORIES = ("math", "bytes", "else")
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 _HEAD_RE = re.compile(r"^thread \((?P<tid>\d+)\)")
 _FRAME_RE = re.compile(r"^(?P<func>.*) \((?P<file>.*):\d+\)$")
 
@@ -74,16 +73,7 @@ def category(leaf: str) -> str:
 
 def task_cpu_s(pid: int) -> dict[str, list[float]]:
     """{tid: [user s, system s]} of a process's live threads ({} if it is gone)."""
-    out: dict[str, list[float]] = {}
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                text = (task / "stat").read_text()
-            except OSError:
-                continue
-            fields = text[text.rindex(")") + 2 :].split()
-            out[task.name] = [int(fields[11]) / _CLK_TCK, int(fields[12]) / _CLK_TCK]
-    return out
+    return {tid: [user, system] for tid, (_, user, system) in task_stats(pid).items()}
 
 
 def snapshot(pids: Mapping[str, int]) -> dict[str, dict[str, list[float]]]:

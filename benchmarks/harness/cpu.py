@@ -36,9 +36,9 @@ def proc_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
-def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds of a process's live threads, summed by thread name (comm)."""
-    out: dict[str, float] = collections.defaultdict(float)
+def task_stats(pid: int) -> dict[str, tuple[str, float, float]]:
+    """{tid: (thread name, user s, system s)} of a process's live threads ({} if gone)."""
+    out: dict[str, tuple[str, float, float]] = {}
     with contextlib.suppress(OSError):
         for task in Path(f"/proc/{pid}/task").iterdir():
             try:
@@ -47,7 +47,15 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
                 continue
             comm = text[text.index("(") + 1 : text.rindex(")")]
             fields = text[text.rindex(")") + 2 :].split()
-            out[re.sub(r"\d+$", "#", comm)] += (int(fields[11]) + int(fields[12])) / _CLK_TCK
+            out[task.name] = (comm, int(fields[11]) / _CLK_TCK, int(fields[12]) / _CLK_TCK)
+    return out
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's live threads, summed by thread name (comm)."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for comm, user, system in task_stats(pid).values():
+        out[re.sub(r"\d+$", "#", comm)] += user + system
     return dict(out)
 
 

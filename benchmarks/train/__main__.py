@@ -57,7 +57,7 @@ from benchmarks.train.report import (
     render_table,
     summarize,
 )
-from benchmarks.train.steps import data_digest
+from benchmarks.train.steps import LocalRound, data_digest
 from trainer.metrics import auc
 
 
@@ -133,25 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         save_weights(weights_path, initial_dense)
 
         def one_round(k: int, method: str, attempt: int) -> dict[str, Any]:
+            local = LocalRound(train, evals, source.schema, dims, args.warmup, initial_dense)
             if method in ("lazy_adam", "mlp_floor"):
-                return run_lazy_adam(
-                    train,
-                    evals,
-                    source.schema,
-                    dims,
-                    warmup=args.warmup,
-                    initial_dense=initial_dense,
-                    floor=method == "mlp_floor",
-                )
+                return run_lazy_adam(local, floor=method == "mlp_floor")
             if method == "local":
-                return run_local(
-                    train,
-                    evals,
-                    source.schema,
-                    dims,
-                    warmup=args.warmup,
-                    initial_dense=initial_dense,
-                )
+                return run_local(local)
             r = run_distributed(
                 args, Path(tmp) / f"cluster{k}-{attempt}", initial_weights=weights_path
             )

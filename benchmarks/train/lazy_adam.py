@@ -19,7 +19,7 @@ from benchmarks.train.local import (
     build_local_model,
     dense_weights,
 )
-from benchmarks.train.steps import run_in_process
+from benchmarks.train.steps import LocalRound, run_in_process
 from trainer.data import Batch
 
 # deploy/demo.toml's tables: Adam with Keras' defaults but the learning rate
@@ -119,16 +119,7 @@ class LazyAdamTables:
         self.items.scatter_nd_update(unique[:, None], tf.concat([w, m, v, t[:, None]], axis=1))
 
 
-def run_lazy_adam(
-    train: Sequence[Batch],
-    evals: Sequence[Batch],
-    schema: Any,
-    dims: Mapping[str, int],
-    *,
-    warmup: int,
-    initial_dense: Sequence[np.ndarray],
-    floor: bool = False,
-) -> dict[str, Any]:
+def run_lazy_adam(r: LocalRound, *, floor: bool = False) -> dict[str, Any]:
     """Train with lazy Adam on the tables (or, `floor`, the MLP alone on constant
     embeddings) in this process; time, CPU, eval, as `run_local`."""
     import keras
@@ -136,10 +127,11 @@ def run_lazy_adam(
 
     # the local Keras model gives the dense layers (and their initial weights) and the
     # tables' initial rows; the lazy tables then own the rows
-    model = build_local_model(schema, dims)
-    assign_dense(model, initial_dense)
+    model = build_local_model(r.schema, r.dims)
+    assign_dense(model, r.initial_dense)
     dense_vars = dense_weights(model)
     layers = [layer for layer in model.layers if isinstance(layer, keras.layers.Dense)]
+    schema, dims = r.schema, r.dims
     columns = list(schema.categorical)
     numeric = list(schema.numeric)
     if len({dims[c] for c in columns}) != 1:
@@ -184,4 +176,4 @@ def run_lazy_adam(
         return {n: tf.constant(np.asarray(batch.features[n])) for n in columns + numeric}
 
     method = "mlp_floor" if floor else "lazy_adam"
-    return run_in_process(method, step, predict, tensors, train, evals, warmup)
+    return run_in_process(method, step, predict, tensors, r)

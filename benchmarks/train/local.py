@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.harness.data import HIDDEN, MODEL_SEED
-from benchmarks.train.steps import run_in_process
+from benchmarks.train.steps import LocalRound, run_in_process
 from trainer.data import Batch
 
 VOCABULARY = 100_000  # rows per local Keras table
@@ -69,21 +69,13 @@ def load_weights(path: Path) -> list[np.ndarray]:
         return [f[f"arr_{i}"] for i in range(len(f.files))]
 
 
-def run_local(
-    train: Sequence[Batch],
-    evals: Sequence[Batch],
-    schema: Any,
-    dims: Mapping[str, int],
-    *,
-    warmup: int,
-    initial_dense: Sequence[np.ndarray],
-) -> dict[str, Any]:
+def run_local(r: LocalRound) -> dict[str, Any]:
     """Train the local Keras model on `train` in this process; time, CPU, eval."""
     import keras
     import tensorflow as tf
 
-    model = build_local_model(schema, dims)
-    assign_dense(model, initial_dense)
+    model = build_local_model(r.schema, r.dims)
+    assign_dense(model, r.initial_dense)
     dense_vars = dense_weights(model)
     emb_vars = [w for w in model.trainable_weights if "embedding" in w.path]
     emb_opt = keras.optimizers.Adam(learning_rate=EMBEDDING_LR)
@@ -111,4 +103,4 @@ def run_local(
     def tensors(batch: Batch) -> dict[str, Any]:
         return {n: tf.constant(np.asarray(batch.features[n])) for n in names}
 
-    return run_in_process("local", step, predict, tensors, train, evals, warmup)
+    return run_in_process("local", step, predict, tensors, r)

@@ -6,7 +6,8 @@ import hashlib
 import itertools
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,19 +41,31 @@ def timing(
     }
 
 
+@dataclass(frozen=True)
+class LocalRound:
+    """What a method trained in this process gets: the same batches, model shape and
+    initial dense weights as the cluster's round."""
+
+    train: Sequence[Batch]
+    evals: Sequence[Batch]
+    schema: Any
+    dims: Mapping[str, int]
+    warmup: int
+    initial_dense: Sequence[np.ndarray]
+
+
 def run_in_process(
     method: str,
     step: Callable[[Any, Any], Any],
     predict: Callable[[Any], Any],
     tensors: Callable[[Batch], Any],
-    train: Sequence[Batch],
-    evals: Sequence[Batch],
-    warmup: int,
+    r: LocalRound,
 ) -> dict[str, Any]:
     """Time `step` over `train` in this process (CPU from step `warmup` on), then evaluate
     `predict` on `evals`: one round of a method that trains locally."""
     import tensorflow as tf
 
+    train, evals, warmup = r.train, r.evals, r.warmup
     pids = {method: os.getpid()}
     ends: list[float] = []
     losses: list[float] = []
