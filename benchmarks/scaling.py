@@ -45,12 +45,7 @@ TRAINER_COUNTS = (1, 2)
 SAMPLE_S = 0.2  # CPU sampling period
 PER = 1000  # examples: figures are per 1,000 examples
 COMPONENTS = ("trainer", "optimizer", "memcached-1", "memcached-2")
-COLORS = {
-    "trainer": "tab:orange",
-    "optimizer": "tab:green",
-    "memcached-1": "tab:gray",
-    "memcached-2": "silver",
-}
+COLORS = dict(zip(COMPONENTS, ("tab:orange", "tab:green", "tab:gray", "silver"), strict=True))
 
 
 # ---------------------------------------------------------------- the trainer process
