@@ -238,7 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("profiling one more distributed run with py-spy ...", flush=True)
             args.out_dir.mkdir(parents=True, exist_ok=True)
             r = run_distributed(
-                args, Path(tmp) / "profiled", initial_weights=weights_path, py_spy_dir=args.out_dir
+                args,
+                Path(tmp) / "profiled",
+                initial_weights=weights_path,
+                columns=columns,
+                py_spy_dir=args.out_dir,
             )
             timed = args.steps - args.warmup
             profile = {

@@ -31,9 +31,9 @@ def run_distributed(
     work_dir: Path,
     *,
     initial_weights: Path,
+    columns: Sequence[str],
     py_spy_dir: Path | None = None,
     variant: str = BASE_VARIANT,
-    columns: Sequence[str] = (),
     tables: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One distributed round: a fresh cluster and one trainer process. The cluster's
