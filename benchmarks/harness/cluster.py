@@ -77,13 +77,20 @@ def write_cluster_file(
     prefix: str = "benchtrain",
     service: Mapping[str, Any] | None = None,
     replicas: int = 1,
+    tables: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """deploy/demo.toml with fresh ports, a fresh namespace (`prefix` + 8 hex digits),
     `workers`, `mode` and `service`'s keys set in its `[service]` table: 2 memcached nodes
-    and `replicas` optimizer replicas (the demo's: 1)."""
+    and `replicas` optimizer replicas (the demo's: 1). `tables`: table name -> keys set in
+    that `[[tables]]` entry (a dtype, an optimizer, a seed); the other tables stay the demo's."""
     from lookup_table.config import load_config
 
     raw = tomllib.loads(DEMO_CONFIG.read_text())
+    changed = dict(tables or {})
+    unknown = sorted(set(changed) - {t["name"] for t in raw["tables"]})
+    if unknown:
+        raise ValueError(f"deploy/demo.toml has no tables {unknown} to change")
+    raw["tables"] = [{**t, **changed.get(t["name"], {})} for t in raw["tables"]]
     mc1, mc2, *opts = free_ports(2 + replicas)
     raw.update(
         namespace=prefix + uuid.uuid4().hex[:8],
@@ -95,7 +102,8 @@ def write_cluster_file(
     raw["service"] = {**raw.get("service", {}), **(service or {})}
     path.write_text(to_toml(raw))
     ours, demo = load_config(path), load_config(DEMO_CONFIG)
-    if ours.tables != demo.tables or ours.optimizer != demo.optimizer:
+    kept = [(a, b) for a, b in zip(ours.tables, demo.tables, strict=True) if a.name not in changed]
+    if any(a != b for a, b in kept) or ours.optimizer != demo.optimizer:
         raise RuntimeError(f"{path} does not reproduce deploy/demo.toml's tables and optimizer")
     return {
         "namespace": ours.namespace,
@@ -161,10 +169,11 @@ def local_cluster(
     memory_mb: int = MEMCACHED_MEMORY_MB,
     service: Mapping[str, Any] | None = None,
     replicas: int = 1,
+    tables: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Iterator[tuple[Path, Path, dict[str, Any]]]:
     """2 memcached nodes + `replicas` optimizer replicas from a fresh cluster file (see
-    `write_cluster_file`), in a `running_cluster`. Yields the cluster file, the run dir
-    (pid files, logs) and a summary of the cluster."""
+    `write_cluster_file`, `tables` too), in a `running_cluster`. Yields the cluster file,
+    the run dir (pid files, logs) and a summary of the cluster."""
     work_dir.mkdir(parents=True)
     config_path, run_dir = work_dir / "cluster.toml", work_dir / "run"
     info = write_cluster_file(
@@ -174,6 +183,7 @@ def local_cluster(
         prefix=prefix,
         service=service,
         replicas=replicas,
+        tables=tables,
     )
     with running_cluster(config_path, run_dir, memory_mb=memory_mb):
         yield config_path, run_dir, info

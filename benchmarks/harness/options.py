@@ -27,6 +27,7 @@ class Options(argparse.ArgumentParser):
             description=(doc or "").split("\n\n")[0],
         )
         self._counts: list[tuple[str, int, int, int]] = []  # flag, full, quick, minimum
+        self.defaulted: set[str] = set()  # after `parse`: the count flags not given
         self._quiet_wait_s: float | None = None
         self._warmup = False
         self._row_flush = False
@@ -115,6 +116,7 @@ class Options(argparse.ArgumentParser):
             if value is None:
                 value = quick if args.quick else full
                 setattr(args, dest, value)
+                self.defaulted.add(flag)
             if value < minimum:
                 self.error(f"{flag} must be at least {minimum}, got {value}")
         if self._warmup and not args.warmup < args.steps - 1:

@@ -16,7 +16,9 @@ import benchmarks.real_data
 from benchmarks.harness.cluster import begin
 from benchmarks.harness.options import Options
 from benchmarks.harness.report import code_fingerprint, machine_info, report_head, save
+from benchmarks.harness.variants import VARIANT_TARGET_AUC_DIFF, VARIANTS, parse_variants
 from benchmarks.real_data import (
+    ADAM,
     BATCH_SIZE,
     EMBEDDING_DIM,
     HIDDEN,
@@ -28,8 +30,6 @@ from benchmarks.real_data import (
     SIDES,
     TARGET_AUC_DIFF,
     TARGET_LOGLOSS_REL_DIFF,
-    VARIANT_TARGET_AUC_DIFF,
-    VARIANTS,
 )
 from benchmarks.real_data.keras_side import run_keras
 from benchmarks.real_data.ours import run_ours
@@ -92,12 +92,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.sides = [s for s in args.sides.split(",") if s]
     if not set(args.sides) <= set(SIDES) or not args.sides:
         options.error(f"--sides takes keras and/or ours, got {args.sides}")
-    args.variants = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown or not args.variants or len(set(args.variants)) != len(args.variants):
-        options.error(
-            f"--variants takes distinct names from {', '.join(VARIANTS)}, got {args.variants}"
-        )
+    try:
+        args.variants = parse_variants(args.variants)
+    except ValueError as exc:
+        options.error(str(exc))
     if len(args.variants) > 1 and "ours" not in args.sides:
         options.error("--variants are our side's: add ours to --sides")
     return args
@@ -209,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "embedding_dim": EMBEDDING_DIM,
             "initializer": f"uniform +-{INIT_RANGE}",
             "seeds": list(range(SEED, SEED + args.seeds)),
-            "variants": {v: VARIANTS[v] for v in args.variants},
+            "variants": {v: VARIANTS[v].table_keys(ADAM) for v in args.variants},
             "variant_target_auc_diff": {
                 v: VARIANT_TARGET_AUC_DIFF[v]
                 for v in args.variants[1:]

@@ -4,6 +4,7 @@ tables are what `--print-tables` gives for the columns."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import shlex
 import subprocess
@@ -26,16 +27,16 @@ from benchmarks.harness.cluster import (
     service_log_errors,
     to_toml,
 )
+from benchmarks.harness.variants import VARIANTS, check_tables
 from benchmarks.real_data import (
+    ADAM,
     BATCH_SIZE,
     EMBEDDING_DIM,
     HIDDEN,
     INIT_RANGE,
-    LEARNING_RATE,
     MEMCACHED_MEMORY_MB,
     MODEL,
     SEED,
-    VARIANTS,
 )
 from benchmarks.real_data.prep import Dataset
 
@@ -64,9 +65,11 @@ def print_tables(ds: Dataset, train_path: Path) -> str:
 
 
 def with_variant(tables_toml: str, variant: str) -> str:
-    """The `[[tables]]` TOML with every table given `variant`'s dtype and optimizer."""
+    """The `[[tables]]` TOML with every table given `variant`'s dtype and optimizer (its
+    row-wise Adam at the cluster's Adam rate)."""
     tables = tomllib.loads(tables_toml)["tables"]
-    return to_toml({"tables": [{**t, **VARIANTS[variant]} for t in tables]})
+    keys = VARIANTS[variant].table_keys(ADAM)
+    return to_toml({"tables": [{**t, **keys} for t in tables]})
 
 
 def write_cluster_file(
@@ -85,13 +88,7 @@ def write_cluster_file(
         "optimizers": [f"http://127.0.0.1:{opt}"],
         "mode": "async",
         "workers": 1,
-        "optimizer": {
-            "name": "adam",
-            "learning_rate": LEARNING_RATE,
-            "beta_1": 0.9,
-            "beta_2": 0.999,
-            "epsilon": 1e-7,
-        },
+        "optimizer": dataclasses.asdict(ADAM),
         "service": {"max_body_bytes": 64 * 2**20},
         "store": {"timeout_s": 5.0, "pool_size": 4},
     }
@@ -109,13 +106,7 @@ def write_cluster_file(
             f"--print-tables gave {got}; expected {columns} each with (dim, id_type, "
             f"initializer) = {want}"
         )
-    spec = VARIANTS[variant]
-    opt = spec.get("optimizer", {}).get("name", config.optimizer.name)
-    made = {(t.dtype, t.optimizer.name, t.rounding) for t in config.tables}
-    if made != {(spec.get("dtype", "float32"), opt, spec.get("rounding", "stochastic"))}:
-        raise RuntimeError(
-            f"variant {variant!r} made tables of (dtype, optimizer, rounding) {made}"
-        )
+    check_tables(variant, config.tables)
     return {
         "variant": variant,
         "namespace": config.namespace,

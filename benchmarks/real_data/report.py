@@ -10,14 +10,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.harness.plot import figure
-from benchmarks.real_data import (
-    COLORS,
-    LABELS,
-    SIDES,
-    TARGET_AUC_DIFF,
-    TARGET_LOGLOSS_REL_DIFF,
-    VARIANT_TARGET_AUC_DIFF,
-)
+from benchmarks.harness.variants import VARIANT_TARGET_AUC_DIFF, auc_target_met
+from benchmarks.real_data import COLORS, LABELS, SIDES, TARGET_AUC_DIFF, TARGET_LOGLOSS_REL_DIFF
 
 
 def brief(run: Mapping[str, Any]) -> dict[str, Any]:
@@ -265,7 +259,7 @@ def compare_variants(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[st
                 if r["seed"] in by_seed
             },
             "target_auc_diff": target,
-            "met": None if target is None else auc_diff >= -target,
+            "met": None if target is None else auc_target_met(auc_diff, target),
         }
     return out
 

@@ -29,6 +29,18 @@ from benchmarks.harness.data import (
 from benchmarks.harness.options import Options
 from benchmarks.harness.report import code_fingerprint, machine_info, report_head, save
 from benchmarks.harness.rounds import DISTURBED_SHARE, interleaved, with_retries
+from benchmarks.harness.variants import (
+    BASE_VARIANT,
+    VARIANT_TARGET_AUC_DIFF,
+    VARIANTS,
+    parse_variants,
+)
+from benchmarks.train.compact import (
+    TARGET_SPEED_RATIO,
+    method_of,
+    table_changes,
+    variant_of,
+)
 from benchmarks.train.distributed import (
     PY_SPY_RATE_HZ,
     cost_table,
@@ -45,7 +57,6 @@ from benchmarks.train.local import (
     save_weights,
 )
 from benchmarks.train.report import (
-    LABELS,
     METHODS,
     TARGET_AUC_GAP,
     TARGET_CPU_RATIO,
@@ -53,6 +64,9 @@ from benchmarks.train.report import (
     TARGET_LAZY_CPU_RATIO,
     TARGET_LAZY_RATIO,
     TARGET_RATIO,
+    label,
+    methods_in,
+    ordered,
     plot,
     render_table,
     summarize,
@@ -91,10 +105,43 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="Trainer max_pushes_in_flight (default: the Trainer's own default)",
     )
+    options.add_argument(
+        "--variants",
+        default=BASE_VARIANT,
+        help=f"comma-separated, from {', '.join(VARIANTS)}: the compact rows' variants, each "
+        f"one more distributed method a round with its own cluster, held against "
+        f"{BASE_VARIANT} (the distributed method); more than one writes train_variants.json "
+        f"instead of train.json (default {BASE_VARIANT})",
+    )
+    options.count(
+        "--seeds",
+        full=1,
+        help="seeds 0..N-1 of the dense weights' and the tables' initial values, round k "
+        "with seed k mod N (every method of a round the same); more than 1 makes --rounds "
+        "default to N and writes train_variants.json",
+    )
     options.roles(
         ["trainer"], "--config", "--run-dir", "--output", "--py-spy-dir", "--initial-weights"
     )
-    return options.parse(argv)
+    args = options.parse(argv)
+    try:
+        args.variants = parse_variants(args.variants)
+    except ValueError as exc:
+        options.error(str(exc))
+    if BASE_VARIANT not in args.variants:
+        options.error(
+            f"--variants must include {BASE_VARIANT}, the distributed method every variant is "
+            f"held against; got {args.variants}"
+        )
+    if args.seeds > 1 and "--rounds" in options.defaulted:
+        args.rounds = args.seeds
+    if args.rounds % args.seeds:
+        options.error(
+            f"--rounds must be a multiple of --seeds (round k trains with seed k mod seeds), got "
+            f"--rounds {args.rounds} for --seeds {args.seeds}: give --rounds {args.seeds} or "
+            "leave it out"
+        )
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -114,44 +161,72 @@ def main(argv: Sequence[str] | None = None) -> int:
     source, train, evals = demo_batches(args.steps, args.batch_size, args.eval_batches)
     digest = data_digest(train + evals)
     demo = load_config(DEMO_CONFIG)
-    dims = {c: demo.table(c).dim for c in source.schema.categorical}
-    # both sides start from these dense weights (build_model's, seeded)
-    initial_dense = [
-        np.asarray(w.numpy())
-        for w in dense_weights(
-            build_model(MODEL, source.schema, demo, hidden=HIDDEN, seed=MODEL_SEED)
-        )
-    ]
+    columns = list(source.schema.categorical)
+    dims = {c: demo.table(c).dim for c in columns}
+    seeds = range(MODEL_SEED, MODEL_SEED + args.seeds)
+    # both sides start from these dense weights (build_model's, seeded), one set a seed
+    initial_dense = {
+        seed: [
+            np.asarray(w.numpy())
+            for w in dense_weights(
+                build_model(MODEL, source.schema, demo, hidden=HIDDEN, seed=seed)
+            )
+        ]
+        for seed in seeds
+    }
     eval_labels = np.concatenate([b.labels for b in evals])
     reference_auc = auc(eval_labels, np.concatenate([source.logits(b) for b in evals]))
 
     # every method once a round, the order rotated each round
-    order = [m for _, m in interleaved(METHODS, args.rounds)]
+    methods = ordered([*METHODS, *(method_of(v) for v in args.variants)])
+    plan = list(interleaved(methods, args.rounds))
+    order = [m for _, m in plan]
     profile: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-        weights_path = Path(tmp) / "initial_dense.npz"
-        save_weights(weights_path, initial_dense)
+        weights_paths = {seed: Path(tmp) / f"initial_dense-{seed}.npz" for seed in seeds}
+        for seed, path in weights_paths.items():
+            save_weights(path, initial_dense[seed])
+        weights_path = weights_paths[MODEL_SEED]
 
-        def one_round(k: int, method: str, attempt: int) -> dict[str, Any]:
-            local = LocalRound(train, evals, source.schema, dims, args.warmup, initial_dense)
+        def one_round(k: int, item: tuple[int, str], attempt: int) -> dict[str, Any]:
+            paired_round, method = item
+            seed = seeds[paired_round % len(seeds)]
+            r = run_method(k, method, seed, attempt)
+            r["paired_round"], r["seed"] = paired_round, seed
+            return r
+
+        def run_method(k: int, method: str, seed: int, attempt: int) -> dict[str, Any]:
+            local = LocalRound(
+                train, evals, source.schema, dims, args.warmup, initial_dense[seed], seed
+            )
             if method in ("lazy_adam", "mlp_floor"):
                 return run_lazy_adam(local, floor=method == "mlp_floor")
             if method == "local":
                 return run_local(local)
+            variant = variant_of(method) or BASE_VARIANT
             r = run_distributed(
-                args, Path(tmp) / f"cluster{k}-{attempt}", initial_weights=weights_path
+                args,
+                Path(tmp) / f"cluster{k}-{attempt}",
+                initial_weights=weights_paths[seed],
+                variant=variant,
+                columns=columns,
+                tables=table_changes(demo, columns, variant, seed - MODEL_SEED),
             )
             if r["data_digest"] != digest:
                 raise RuntimeError("the trainer process saw other batches than the local run")
             return r
 
         rounds = with_retries(
-            order,
+            plan,
             one_round,
             retries=args.retries,
             quiet_wait_s=args.quiet_wait_s,
             share=lambda r: float(r["cpu"]["other_processes_share"]),
-            title=lambda method: LABELS[method],
+            title=lambda item: (
+                f"{label(item[1])}, seed {seeds[item[0] % len(seeds)]}"
+                if len(seeds) > 1
+                else label(item[1])
+            ),
             line=lambda r: (
                 f"{r['examples_per_s']:,.0f} examples/s, "
                 f"{r['step_ms_median']:.1f} ms/step, eval AUC {r['eval_auc']:.4f}, other processes "
@@ -163,7 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("profiling one more distributed run with py-spy ...", flush=True)
             args.out_dir.mkdir(parents=True, exist_ok=True)
             r = run_distributed(
-                args, Path(tmp) / "profiled", initial_weights=weights_path, py_spy_dir=args.out_dir
+                args,
+                Path(tmp) / "profiled",
+                initial_weights=weights_path,
+                columns=columns,
+                py_spy_dir=args.out_dir,
             )
             timed = args.steps - args.warmup
             profile = {
@@ -177,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 },
             }
 
-    summary = summarize(rounds, reference_auc, args.batch_size)
+    compared = args.variants if len(args.variants) > 1 or args.seeds > 1 else []
+    summary = summarize(rounds, reference_auc, args.batch_size, variants=compared)
     params = {
         "steps": args.steps,
         "warmup": args.warmup,
@@ -194,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         "retries": args.retries,
         "disturbed_share": DISTURBED_SHARE,
+        "variants": args.variants,
+        "seeds": list(seeds),
     }
     table = render_table(summary, params)
     print()
@@ -203,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("cost table, the profiled distributed run (CPU ms per step; /proc, split by py-spy):")
         print(render_costs(profile["costs"]))
     report = {
-        **report_head("train", started, machine, code),
+        **report_head("train_variants" if compared else "train", started, machine, code),
         "parameters": {
             **params,
             "model": MODEL,
@@ -246,6 +328,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 + ") in its own process",
             },
+            "variant_tables": {
+                v: table_changes(demo, columns, v, 0).get(columns[0], {}) for v in args.variants
+            },
+            "seeding": "round k: seed k mod seeds for build_model's dense weights (both sides), "
+            "the local Keras tables' initial rows (keras.utils.set_random_seed) and each "
+            "cluster table's seed (deploy/demo.toml's + seed); the data is the same every round",
             "timing": "steps warmup+1..steps; a step ends when its loss is back in Python; the "
             "distributed window also covers the final push drain and dense read, and the "
             "replicas' writes behind (a pause, then resume)",
@@ -263,9 +351,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": summary,
         "rounds": rounds,
     }
+    if compared:
+        report["variant_targets"] = {
+            f"variant/{BASE_VARIANT} examples/s, median of paired rounds": TARGET_SPEED_RATIO,
+            f"variant eval AUC - {BASE_VARIANT}'s, mean over seeds, at least minus": {
+                v: VARIANT_TARGET_AUC_DIFF[v] for v in compared if v in VARIANT_TARGET_AUC_DIFF
+            },
+        }
     if profile is not None:
         report["profile"] = profile
-    disturbed = [m for m in METHODS if m in summary and summary[m]["all_used_rounds_disturbed"]]
+    disturbed = [m for m in methods_in(summary) if summary[m]["all_used_rounds_disturbed"]]
     if disturbed:
         print(
             f"warning: every round of {', '.join(disturbed)} ran while other processes used more "

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from benchmarks.harness import costs, pyspy
 from benchmarks.harness.cluster import cluster_pids, local_cluster, run_role, service_log_errors
 from benchmarks.harness.cpu import cpu_snapshot, cpu_usage
 from benchmarks.harness.data import HIDDEN, MODEL, MODEL_SEED, demo_batches
+from benchmarks.harness.variants import BASE_VARIANT
+from benchmarks.train.compact import check_cluster, method_of
 from benchmarks.train.local import assign_dense, load_weights
 from benchmarks.train.steps import data_digest, timing
 
@@ -28,11 +31,23 @@ def run_distributed(
     work_dir: Path,
     *,
     initial_weights: Path,
+    columns: Sequence[str],
     py_spy_dir: Path | None = None,
+    variant: str = BASE_VARIANT,
+    tables: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One distributed round: a fresh cluster and one trainer process."""
+    """One distributed round: a fresh cluster and one trainer process. The cluster's
+    tables of `columns` are `variant`'s, `tables` their keys changed from the demo's
+    (`compact.table_changes`), checked before the trainer starts."""
+    from lookup_table.config import load_config
+
     service = {} if args.row_flush_pushes is None else {"row_flush_pushes": args.row_flush_pushes}
-    with local_cluster(work_dir, mode=args.mode, service=service) as (config_path, run_dir, info):
+    with local_cluster(work_dir, mode=args.mode, service=service, tables=tables) as (
+        config_path,
+        run_dir,
+        info,
+    ):
+        check_cluster(load_config(config_path), columns, variant, tables or {})
         output = work_dir / "trainer.json"
         cmd = [sys.executable, "-m", "benchmarks.train", "--role", "trainer"]
         cmd += ["--config", str(config_path), "--run-dir", str(run_dir), "--output", str(output)]
@@ -51,6 +66,7 @@ def run_distributed(
             what="the trainer process",
         )
         result["cluster"] = info
+        result["method"], result["variant"] = method_of(variant), variant
         result["service_log_errors"] = service_log_errors(config_path, run_dir)
         return result
 

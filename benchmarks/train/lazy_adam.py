@@ -127,7 +127,7 @@ def run_lazy_adam(r: LocalRound, *, floor: bool = False) -> dict[str, Any]:
 
     # the local Keras model gives the dense layers (and their initial weights) and the
     # tables' initial rows; the lazy tables then own the rows
-    model = build_local_model(r.schema, r.dims)
+    model = build_local_model(r.schema, r.dims, r.seed)
     assign_dense(model, r.initial_dense)
     dense_vars = dense_weights(model)
     layers = [layer for layer in model.layers if isinstance(layer, keras.layers.Dense)]

@@ -18,12 +18,13 @@ EMBEDDING_LR = 0.01  # deploy/demo.toml: C1..C26 Adam 0.01
 DENSE_LR = 0.001  # deploy/demo.toml: [optimizer] Adam 0.001
 
 
-def build_local_model(schema: Any, dims: Mapping[str, int]) -> Any:
-    """`build_model("mlp")` with a `keras.layers.Embedding(VOCABULARY, dim)` per column."""
+def build_local_model(schema: Any, dims: Mapping[str, int], seed: int = MODEL_SEED) -> Any:
+    """`build_model("mlp")` with a `keras.layers.Embedding(VOCABULARY, dim)` per column,
+    its initial weights drawn with `seed`."""
     import keras
     from keras import ops
 
-    keras.utils.set_random_seed(MODEL_SEED)
+    keras.utils.set_random_seed(seed)
     inputs: dict[str, Any] = {}
     embedded = []
     for column in schema.categorical:
@@ -74,7 +75,7 @@ def run_local(r: LocalRound) -> dict[str, Any]:
     import keras
     import tensorflow as tf
 
-    model = build_local_model(r.schema, r.dims)
+    model = build_local_model(r.schema, r.dims, r.seed)
     assign_dense(model, r.initial_dense)
     dense_vars = dense_weights(model)
     emb_vars = [w for w in model.trainable_weights if "embedding" in w.path]

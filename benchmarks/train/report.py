@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,8 @@ from benchmarks.harness.data import HIDDEN, MODEL
 from benchmarks.harness.plot import figure
 from benchmarks.harness.report import met
 from benchmarks.harness.rounds import DISTURBED_SHARE, undisturbed
+from benchmarks.harness.variants import VARIANTS
+from benchmarks.train import compact
 
 TARGET_RATIO = 1.0
 TARGET_CPU_RATIO = 1.0  # examples per CPU-second, distributed / local
@@ -42,9 +44,47 @@ MEANINGS = {
 CPU_COLORS = {"optimizer": "tab:green", "memcached-1": "tab:gray", "memcached-2": "silver"}
 
 
+def label(method: str) -> str:
+    """A method's name in the table and the PNG (a variant's: "distributed <variant>")."""
+    return LABELS.get(method) or f"distributed {compact.variant_of(method)}"
+
+
+def meaning(method: str) -> str:
+    variant = compact.variant_of(method)
+    if method in MEANINGS or variant is None:
+        return MEANINGS[method]
+    return f"as distributed, the tables {VARIANTS[variant].made} (dtype, optimizer, rounding)"
+
+
+def ordered(methods: Iterable[str]) -> list[str]:
+    """METHODS' order, each variant's distributed method after distributed (VARIANTS' order)."""
+    variants = list(VARIANTS)
+
+    def key(m: str) -> tuple[int, int]:
+        if m in METHODS:
+            return (METHODS.index(m), -1)
+        variant = compact.variant_of(m)
+        if variant is None:
+            raise ValueError(f"unknown method {m!r}")
+        return (METHODS.index("distributed"), variants.index(variant))
+
+    return sorted(set(methods), key=key)
+
+
+def methods_in(summary: Mapping[str, Any]) -> list[str]:
+    """The methods `summary` has, in `ordered` order."""
+    return ordered(k for k in summary if k in METHODS or compact.variant_of(k) is not None)
+
+
 def summarize(
-    rounds: Sequence[Mapping[str, Any]], reference_auc: float, batch_size: int
+    rounds: Sequence[Mapping[str, Any]],
+    reference_auc: float,
+    batch_size: int,
+    *,
+    variants: Sequence[str] = (),
 ) -> dict[str, Any]:
+    """Each method's medians over its used rounds and the ratios between them; with
+    `variants`, each against fp32 Adam distributed (`compact.compare`)."""
     by: dict[str, list[Mapping[str, Any]]] = {}
     out: dict[str, Any] = {}
     for m in methods_of(rounds):
@@ -110,13 +150,15 @@ def summarize(
             out["ratio_examples_per_cpu_s"] >= TARGET_CPU_RATIO
         ),
     }
+    if variants:
+        out["variants"] = compact.compare(rounds, variants)
+        out["variants_acceptance"] = compact.verdicts(out["variants"])
     return out
 
 
 def methods_of(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The METHODS that ran, in METHODS' order."""
-    ran = {r["method"] for r in rounds}
-    return [m for m in METHODS if m in ran]
+    """The methods that ran, in `ordered` order."""
+    return ordered(r["method"] for r in rounds)
 
 
 def _against_lazy_adam(
@@ -148,6 +190,8 @@ def _against_lazy_adam(
 
 
 def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
+    methods = methods_in(summary)
+    width = max(17, *(len(label(m)) for m in methods))
     lines = [
         f"{MODEL} {HIDDEN}, 26 tables dim 16, batch {params['batch_size']}, {params['steps']} "
         f"steps ({params['warmup']} warm-up steps not timed), {params['rounds']} round(s) each, "
@@ -156,23 +200,22 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
         "rounds used (other processes under "
         f"{DISTURBED_SHARE * 100:.0f}% of the machine): "
         + ", ".join(
-            f"{LABELS[m]} {len(summary[m]['rounds_used'])} of {summary[m]['rounds_run']}"
+            f"{label(m)} {len(summary[m]['rounds_used'])} of {summary[m]['rounds_run']}"
             + (" (all disturbed)" if summary[m]["all_used_rounds_disturbed"] else "")
-            for m in METHODS
-            if m in summary
+            for m in methods
         ),
         "",
-        f"{'method':<17} {'examples/s':>10} {'ms/step':>8} {'eval AUC':>9} {'logloss':>8} "
+        f"{'method':<{width}} {'examples/s':>10} {'ms/step':>8} {'eval AUC':>9} {'logloss':>8} "
         f"{'CPU ms/step':>11} {'ex/CPU-s':>9} {'other CPU':>9}",
     ]
-    for m in (m for m in METHODS if m in summary):
+    for m in methods:
         s = summary[m]
         lines.append(
-            f"{LABELS[m]:<17} {s['examples_per_s']:>10,.0f} {s['step_ms_median']:>8.1f} "
+            f"{label(m):<{width}} {s['examples_per_s']:>10,.0f} {s['step_ms_median']:>8.1f} "
             f"{s['eval_auc']:>9.4f} {s['eval_logloss']:>8.4f} {s['total_cpu_ms_per_step']:>11.0f} "
             f"{s['examples_per_cpu_s']:>9,.0f} {s['other_processes_share']:>9.0%}"
         )
-    lines += [f"  {LABELS[m]}: {MEANINGS[m]}" for m in METHODS if m in summary]
+    lines += [f"  {label(m)}: {meaning(m)}" for m in methods]
     if "lazy_adam" in summary:
         lazy = list(summary["lazy_adam_acceptance"].values())
         lines += [
@@ -211,6 +254,8 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
         f"infrastructure (service + memcached) CPU / trainer CPU: "
         f"{summary['infrastructure_cpu_per_trainer_cpu']:.2f}",
     ]
+    if "variants" in summary:
+        lines += ["", compact.render(summary["variants"])]
     return "\n".join(lines)
 
 
@@ -238,7 +283,10 @@ def plot(
     params: Mapping[str, Any],
     costs: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
-    ratios = [2.2, 1.3, 1.5] + ([1.3] if costs else [])
+    compared = summary.get("variants", {})
+    varied = len(compared) > 1
+    ratios = [2.2, 1.3 + 0.3 * varied, 1.5 + 0.3 * varied] + ([1.3] if costs else [])
+    ratios += [1.3, 1.3] if varied else []
     with figure(
         path,
         nrows=1,
@@ -251,6 +299,9 @@ def plot(
         _plot_cpu(axes[2], summary)
         if costs:
             _plot_costs(axes[3], costs)
+        if varied:
+            compact.plot_speed(axes[-2], compared)
+            compact.plot_accuracy(axes[-1], compared)
 
 
 _COLORS = {
@@ -259,7 +310,15 @@ _COLORS = {
     "distributed": "tab:orange",
     "mlp_floor": "tab:brown",
 }
+_VARIANT_COLORS = ("tab:red", "tab:green", "tab:olive", "tab:cyan", "tab:pink", "tab:gray")
 _COST_COLORS = {"math": "tab:blue", "bytes": "tab:orange", "else": "tab:red"}
+
+
+def _color(method: str) -> str:
+    if method in _COLORS:
+        return _COLORS[method]
+    variant = compact.variant_of(method) or ""
+    return _VARIANT_COLORS[list(VARIANTS).index(variant) % len(_VARIANT_COLORS)]
 
 
 def _plot_loss(
@@ -268,19 +327,18 @@ def _plot_loss(
     summary: Mapping[str, Any],
     params: Mapping[str, Any],
 ) -> None:
-    colors = _COLORS
     seen: set[str] = set()
     window = max(1, min(10, len(rounds[0]["losses"]) // 5))
     for r in rounds:
         m = r["method"]
         steps = np.arange(1, len(r["losses"]) + 1)
-        ax_loss.plot(steps, r["losses"], color=colors[m], alpha=0.15, lw=0.8)
+        ax_loss.plot(steps, r["losses"], color=_color(m), alpha=0.15, lw=0.8)
         ax_loss.plot(
             steps,
             _smooth(r["losses"], window),
-            color=colors[m],
+            color=_color(m),
             lw=1.6,
-            label=None if m in seen else f"{LABELS[m]} (AUC {summary[m]['eval_auc']:.4f})",
+            label=None if m in seen else f"{label(m)} (AUC {summary[m]['eval_auc']:.4f})",
         )
         seen.add(m)
     ax_loss.axvline(params["warmup"], color="grey", ls=":", lw=1)
@@ -292,17 +350,16 @@ def _plot_loss(
 
 
 def _plot_rate(ax_rate: Any, summary: Mapping[str, Any]) -> None:
-    colors = _COLORS
-    methods = [m for m in METHODS if m in summary]
+    methods = methods_in(summary)
     x = np.arange(len(methods))
     bars = ax_rate.bar(
-        x, [summary[m]["examples_per_s"] for m in methods], color=[colors[m] for m in methods]
+        x, [summary[m]["examples_per_s"] for m in methods], color=[_color(m) for m in methods]
     )
     ax_rate.bar_label(bars, fmt="%.0f")
     for i, m in enumerate(methods):
         pts = summary[m]["examples_per_s_rounds"]
         ax_rate.plot([i] * len(pts), pts, "k.", ms=5)
-    ax_rate.set_xticks(x, [LABELS[m].replace(" ", "\n", 1) for m in methods], fontsize=8)
+    ax_rate.set_xticks(x, [label(m).replace(" ", "\n", 1) for m in methods], fontsize=8)
     ax_rate.set_ylabel("examples/s (median of rounds; dots: rounds)")
     title = f"distributed / Keras dense = {summary['ratio_distributed_vs_local']:.2f}"
     if "ratio_distributed_vs_lazy_adam" in summary:
@@ -314,19 +371,18 @@ def _plot_rate(ax_rate: Any, summary: Mapping[str, Any]) -> None:
 
 
 def _plot_cpu(ax_cpu: Any, summary: Mapping[str, Any]) -> None:
-    colors = _COLORS
-    methods = [m for m in METHODS if m in summary]
+    methods = methods_in(summary)
     x = np.arange(len(methods))
     for i, m in enumerate(methods):
         bottom = 0.0
         for k, v in summary[m]["cpu_ms_per_step"].items():
-            color = colors[m] if k in (m, "trainer") else CPU_COLORS.get(k, "tab:gray")
+            color = _color(m) if k in (m, "trainer") else CPU_COLORS.get(k, "tab:gray")
             ax_cpu.bar(i, v, bottom=bottom, color=color, edgecolor="white")
             ax_cpu.text(i, bottom + v / 2, f"{k}\n{v:.0f}", ha="center", va="center", fontsize=7)
             bottom += v
         wall = summary[m]["step_ms_median"]
         ax_cpu.plot([i - 0.4, i + 0.4], [wall * (os.cpu_count() or 1)] * 2, "k--", lw=1)
-    ax_cpu.set_xticks(x, [LABELS[m].replace(" ", "\n", 1) for m in methods], fontsize=8)
+    ax_cpu.set_xticks(x, [label(m).replace(" ", "\n", 1) for m in methods], fontsize=8)
     ax_cpu.set_ylabel("CPU ms per step (dashed: wall ms/step x cores)")
     ax_cpu.set_title("where the CPU goes")
     ax_cpu.grid(alpha=0.3, axis="y")

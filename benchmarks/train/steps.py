@@ -52,6 +52,7 @@ class LocalRound:
     dims: Mapping[str, int]
     warmup: int
     initial_dense: Sequence[np.ndarray]
+    seed: int = 0  # the local tables' initial rows (`build_local_model`)
 
 
 def run_in_process(

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.real_data import VARIANTS
+from benchmarks.harness.variants import VARIANTS
 from benchmarks.real_data.__main__ import parse_args
 from benchmarks.real_data.ours import with_variant
 from benchmarks.real_data.report import compare_variants, render_variants
@@ -34,12 +34,7 @@ id_type = "string"
 def test_a_variant_sets_every_tables_dtype_optimizer_and_rounding(variant: str) -> None:
     raw = tomllib.loads(with_variant(TABLES, variant))
     config = parse_config({"namespace": "n", "memcached": ["127.0.0.1:1"], **raw}, env={})
-    spec = VARIANTS[variant]
-    want = (
-        spec.get("dtype", "float32"),
-        spec.get("optimizer", {}).get("name", "adam"),
-        spec.get("rounding", "stochastic"),
-    )
+    want = VARIANTS[variant].made
     assert [(t.dtype, t.optimizer.name, t.rounding) for t in config.tables] == [want] * 2
     assert config.tables[0].initializer.params == {"minval": -0.05, "maxval": 0.05}
 
