@@ -1,4 +1,4 @@
-"""Row precision (pure numpy): rows stepped in float32, stored as float32, float16 or bfloat16.
+"""Row precision: rows stepped in float32, stored as float32, float16 or bfloat16.
 
 `encode` rounds float32 values to a dtype's stored little-endian words (`<f4`, or `<u2`
 bits for the 16-bit dtypes); `decode` gives them back as float32, exactly (every float16
@@ -14,9 +14,11 @@ from __future__ import annotations
 from typing import Any, Literal, TypeAlias, get_args
 
 import numpy as np
+from numba import types
 from numpy.typing import NDArray
 
-from lookup_table.core.hashing import mix64
+from lookup_table.core.hashing import mix64, mix64_one
+from lookup_table.core.jit import compiled
 from lookup_table.errors import ConfigError, RowOverflowError
 
 __all__ = [
@@ -54,10 +56,6 @@ _STORED: dict[str, np.dtype[Any]] = {
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment: counters spread over 2**64
 _ROUND_TAG = 0x726F756E642D7372  # "round-sr": rounding's keys are no other hash's
 _U16 = np.uint32(16)
-_SIGN = np.uint32(0x80000000)
-_MAGNITUDE = np.uint32(0x7FFFFFFF)
-_INF_BITS = np.uint32(0x7F800000)
-_F16_TINY_BITS = np.uint32(0x33800000)  # 2**-24, float16's smallest subnormal, as float32
 
 
 def check_dtype(dtype: object) -> RowDtype:
@@ -113,12 +111,6 @@ def rounding_keys(
         return mix64(mix64(hashes ^ salt) + counter)
 
 
-def _element_bits(keys: NDArray[np.uint64], width: int) -> NDArray[np.uint64]:
-    """64 random bits per element: splitmix64 of the row's key plus the element's counter."""
-    counters = (np.arange(1, width + 1, dtype=np.uint64) * _GAMMA)[None, :]
-    return mix64(keys[:, None] + counters)
-
-
 def _bf16_nearest(bits: NDArray[np.uint32]) -> NDArray[np.uint16]:
     """bfloat16 bits of float32 `bits`, to nearest, ties to even: add 0x7FFF plus the
     lowest kept bit, then truncate (a carry into the exponent is the right result)."""
@@ -126,39 +118,75 @@ def _bf16_nearest(bits: NDArray[np.uint32]) -> NDArray[np.uint16]:
     return ((bits + np.uint32(0x7FFF) + kept_lsb) >> _U16).astype(np.uint16)
 
 
-def _bf16_stochastic(bits: NDArray[np.uint32], random16: NDArray[np.uint32]) -> NDArray[np.uint16]:
-    """bfloat16 bits of float32 `bits`, rounded away from zero with probability (dropped
-    bits) / 2**16: add 16 uniform bits to the magnitude's dropped ones, truncate. The
-    grid is uniform within a binade and the carry moves to the next one, so each value
-    goes up exactly as often as its distance from the lower neighbour says."""
-    return ((bits + random16) >> _U16).astype(np.uint16)
+_WORDS = types.Array(types.uint16, 2, "C")
+_KEYS = types.Array(types.uint64, 1, "C", readonly=True)
+_VALUES = types.Array(types.float32, 2, "C", readonly=True)
 
 
-def _f16_stochastic(
-    values: NDArray[np.float32], random64: NDArray[np.uint64]
-) -> NDArray[np.uint16]:
-    """float16 bits of finite `values` (|x| <= 65504), rounded stochastically.
+@compiled(types.void(_VALUES, _KEYS, _WORDS))
+def _bf16_stochastic(values, keys, out):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """bfloat16 bits of `values` (finite or NaN), rounded away from zero with probability
+    (dropped bits) / 2**16: the top 16 of element j's random bits (splitmix64 of the
+    row's key + (j + 1) * GAMMA) added to the dropped ones, then truncated. The grid is
+    uniform within a binade and the carry moves to the next one, so each value goes up
+    exactly as often as its distance from the lower neighbour says. A NaN stays a quiet
+    NaN of its sign (the carry must not turn it into an inf)."""
+    bits = values.view(np.uint32)
+    for i in range(bits.shape[0]):
+        key = keys[i]
+        for j in range(bits.shape[1]):
+            b = bits[i, j]
+            if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                out[i, j] = np.uint16((b >> np.uint32(16)) | np.uint32(0x0040))
+                continue
+            counter = np.uint64(j + 1) * np.uint64(0x9E3779B97F4A7C15)
+            random16 = np.uint32(mix64_one(key + counter) >> np.uint64(48))
+            out[i, j] = np.uint16((b + random16) >> np.uint32(16))
+
+
+@compiled(types.void(_VALUES, _KEYS, _WORDS))
+def _f16_stochastic(values, keys, out):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """float16 bits of `values` (|x| <= 65504 or NaN), rounded stochastically.
 
     float16 keeps 10 of float32's 23 mantissa bits for normal values (13 dropped), fewer
     for its subnormals (14..23 dropped, one more each binade down: the grid there is
-    2**-24); the dropped bits take `random` as in `_bf16_stochastic`. Below 2**-24 the
-    neighbours are 0 and 2**-24: up with probability |x| * 2**24, to 2**-40.
+    2**-24); the dropped bits take the top 32 random bits as in `_bf16_stochastic`. Below
+    2**-24 the neighbours are 0 and 2**-24: up with probability |x| * 2**24, to 2**-40.
+    The rounded value is a float16 one, so its bits follow without another rounding.
+    NaNs are left as 0 words: `encode` converts them as numpy does.
     """
     bits = values.view(np.uint32)
-    sign = bits & _SIGN
-    magnitude = bits & _MAGNITUDE
-    exponent = (magnitude >> np.uint32(23)).astype(np.int32)  # biased: 127 is 2**0
-    dropped = np.clip(126 - exponent, 13, 23).astype(np.uint32)  # 113 (2**-14) and up: 13
-    mask = (np.uint32(1) << dropped) - np.uint32(1)
-    random32 = (random64 >> np.uint64(32)).astype(np.uint32)
-    rounded = (magnitude + (random32 & mask)) & ~mask
-    tiny = exponent < 103  # below 2**-24
-    if tiny.any():
-        scaled = np.floor(np.abs(values[tiny]).astype(np.float64) * 2.0**64)  # < 2**40, exact
-        up = (random64[tiny] >> np.uint64(24)).astype(np.float64) < scaled
-        rounded[tiny] = np.where(up, _F16_TINY_BITS, np.uint32(0))
-    exact = (sign | rounded).view(np.float32)  # every one a float16 value: the cast is exact
-    return exact.astype(np.float16).view(np.uint16)
+    for i in range(bits.shape[0]):
+        key = keys[i]
+        for j in range(bits.shape[1]):
+            b = bits[i, j]
+            magnitude = b & np.uint32(0x7FFFFFFF)
+            if magnitude > np.uint32(0x7F800000):
+                out[i, j] = np.uint16(0)
+                continue
+            sign = np.uint16((b >> np.uint32(16)) & np.uint32(0x8000))
+            counter = np.uint64(j + 1) * np.uint64(0x9E3779B97F4A7C15)
+            random64 = mix64_one(key + counter)
+            exponent = np.int64(magnitude >> np.uint32(23))  # biased: 127 is 2**0
+            if exponent < 103:  # below 2**-24
+                scaled = np.floor(np.float64(abs(values[i, j])) * 2.0**64)  # < 2**40, exact
+                up = np.float64(random64 >> np.uint64(24)) < scaled
+                out[i, j] = sign | np.uint16(1) if up else sign
+                continue
+            dropped = 126 - exponent  # 13 for normal float16 values, up to 23 below
+            if dropped < 13:
+                dropped = np.int64(13)
+            mask = (np.uint32(1) << np.uint32(dropped)) - np.uint32(1)
+            random32 = np.uint32(random64 >> np.uint64(32))
+            rounded = (magnitude + (random32 & mask)) & ~mask
+            e = np.int64(rounded >> np.uint32(23))
+            if e >= 113:  # a normal float16 (a carry to 2**16 gives its inf, as numpy's cast)
+                mantissa = np.int64((rounded >> np.uint32(13)) & np.uint32(0x3FF))
+                half = ((e - 112) << 10) | mantissa
+            else:  # a subnormal one: the significand in units of 2**-24
+                significand = (rounded & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+                half = np.int64(significand >> np.uint32(126 - e))
+            out[i, j] = sign | np.uint16(half)
 
 
 def _check_fits(
@@ -229,16 +257,16 @@ def encode(
         bits = values.view(np.uint32)
         if row_keys is None:
             out = _bf16_nearest(bits)
+            if nan.any():  # a quiet NaN of the same sign: rounding must not carry it into inf
+                out[nan] = ((bits[nan] >> _U16) | np.uint32(0x0040)).astype(np.uint16)
         else:
-            random = _element_bits(row_keys, values.shape[1]) >> np.uint64(48)
-            out = _bf16_stochastic(bits, random.astype(np.uint32))
-        if nan.any():  # a quiet NaN of the same sign: rounding must not carry it into inf
-            out[nan] = ((bits[nan] >> _U16) | np.uint32(0x0040)).astype(np.uint16)
+            out = np.empty(values.shape, np.uint16)
+            _bf16_stochastic(values, row_keys, out)
         return out
     if row_keys is None:
         return values.astype(np.float16).view(np.uint16)  # IEEE conversion: ties to even
-    finite = np.where(nan, np.float32(0), values)
-    out = _f16_stochastic(finite, _element_bits(row_keys, values.shape[1]))
+    out = np.empty(values.shape, np.uint16)
+    _f16_stochastic(values, row_keys, out)
     if nan.any():
         out[nan] = values[nan].astype(np.float16).view(np.uint16)
     return out

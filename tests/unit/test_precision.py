@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.typing import NDArray
 
-import lookup_table.core.precision as precision
-from lookup_table.core.hashing import id_hashes
+from lookup_table.core.hashing import id_hashes, mix64
 from lookup_table.core.precision import (
     MAX_FINITE,
     ROW_DTYPES,
@@ -154,6 +153,44 @@ def test_nearest_is_monotonic_and_within_half_a_step(values: list[float], dtype:
 
 
 # ---------------------------------------------------------------- stochastic rounding
+# The rule in numpy, op by op as docs/storage.md states it: the exhaustive tests below
+# hold it to exactness, and the compiled encoders are held to it bit for bit.
+
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _element_bits(keys: NDArray[np.uint64], width: int) -> NDArray[np.uint64]:
+    """64 random bits per element: splitmix64 of the row's key plus (j + 1) * GAMMA."""
+    counters = (np.arange(1, width + 1, dtype=np.uint64) * _GAMMA)[None, :]
+    return mix64(keys[:, None] + counters)
+
+
+def _bf16_stochastic_rule(
+    bits: NDArray[np.uint32], random16: NDArray[np.uint32]
+) -> NDArray[np.uint16]:
+    """Add 16 uniform bits to the dropped ones, truncate."""
+    return ((bits + random16) >> np.uint32(16)).astype(np.uint16)
+
+
+def _f16_stochastic_rule(
+    values: NDArray[np.float32], random64: NDArray[np.uint64]
+) -> NDArray[np.uint16]:
+    """13 dropped bits for normal float16 values, 14..23 for subnormals, and below 2**-24
+    up to 2**-24 with probability |x| * 2**24 (compared to 40 bits)."""
+    bits = values.view(np.uint32)
+    sign = bits & np.uint32(0x80000000)
+    magnitude = bits & np.uint32(0x7FFFFFFF)
+    exponent = (magnitude >> np.uint32(23)).astype(np.int32)
+    dropped = np.clip(126 - exponent, 13, 23).astype(np.uint32)
+    mask = (np.uint32(1) << dropped) - np.uint32(1)
+    random32 = (random64 >> np.uint64(32)).astype(np.uint32)
+    rounded = (magnitude + (random32 & mask)) & ~mask
+    tiny = exponent < 103
+    if tiny.any():
+        scaled = np.floor(np.abs(values[tiny]).astype(np.float64) * 2.0**64)
+        up = (random64[tiny] >> np.uint64(24)).astype(np.float64) < scaled
+        rounded[tiny] = np.where(up, np.uint32(0x33800000), np.uint32(0))
+    return (sign | rounded).view(np.float32).astype(np.float16).view(np.uint16)
 
 
 @pytest.mark.parametrize(
@@ -171,7 +208,7 @@ def test_bfloat16_stochastic_rounds_up_exactly_as_often_as_it_should(
     exactly (value - low) / (high - low) of the time: unbiased, no approximation."""
     bits = np.full((2**draws,), np.array([value], np.float32).view(np.uint32)[0])
     random = np.arange(2**draws, dtype=np.uint32)
-    out = (precision._bf16_stochastic(bits, random).astype(np.uint32) << 16).view(np.float32)
+    out = (_bf16_stochastic_rule(bits, random).astype(np.uint32) << 16).view(np.float32)
     assert set(out.tolist()) <= {low, high}
     ups = int((out == F32(high)).sum())
     assert ups == (value - low) / (high - low) * 2**draws
@@ -194,7 +231,7 @@ def test_float16_stochastic_rounds_up_exactly_as_often_as_it_should(
     n = 2**dropped
     values = np.full((n,), value, dtype=np.float32)
     random = np.arange(n, dtype=np.uint64) << np.uint64(32)  # every value of the used bits
-    out = precision._f16_stochastic(values, random).view(np.float16).astype(np.float64)
+    out = _f16_stochastic_rule(values, random).view(np.float16).astype(np.float64)
     assert set(out.tolist()) <= {low, high}
     assert out.mean() == value
 
@@ -204,10 +241,10 @@ def test_float16_stochastic_below_the_smallest_subnormal() -> None:
     counted over evenly spread draws of the 40 bits it compares."""
     values = np.full((2**16,), 2.0**-26, dtype=np.float32)
     random = np.arange(2**16, dtype=np.uint64) << np.uint64(48)
-    out = precision._f16_stochastic(values, random).view(np.float16).astype(np.float64)
+    out = _f16_stochastic_rule(values, random).view(np.float16).astype(np.float64)
     assert set(out.tolist()) == {0.0, 2.0**-24}
     assert out.mean() == 2.0**-26
-    zero = precision._f16_stochastic(np.zeros(4, np.float32), np.full(4, 2**64 - 1, np.uint64))
+    zero = _f16_stochastic_rule(np.zeros(4, np.float32), np.full(4, 2**64 - 1, np.uint64))
     assert zero.tolist() == [0, 0, 0, 0]
 
 
@@ -252,6 +289,37 @@ def test_stochastic_gives_a_neighbour_deterministically(
     assert ((got & 0x8000) == (nearest & 0x8000)).all()
     magnitude = got & 0x7FFF
     assert ((magnitude == toward) | (~exact & (magnitude == toward + 1))).all()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_compiled_stochastic_rounding_is_the_rule_bit_for_bit(dtype: Any) -> None:
+    """`encode`'s compiled pass against the numpy rule above, over every binade of
+    float16 and bfloat16 (subnormals, below 2**-24, near the largest value, both signs,
+    zeros and NaNs) and hashed keys."""
+    rng = np.random.default_rng(5)
+    values = _mixed_values(20_000, 3).reshape(-1)
+    if dtype == "float16":
+        values = values[np.abs(values) <= 65504]
+        tiny = (rng.random(4000) * 2.0**-23).astype(np.float32)  # around 2**-24
+        subnormal = (rng.random(4000) * 2.0**-14).astype(np.float32)
+        edge = np.array([65504, -65504, 65503.9, 2.0**-24, 2.0**-25, 0.0, -0.0], np.float32)
+        values = np.concatenate([values, tiny, -subnormal, edge])
+    values = np.append(values, np.float32(np.nan))
+    width = 7
+    values = np.resize(values, (values.shape[0] // width + 1) * width).reshape(-1, width)
+    keys = rounding_keys(99, id_hashes(np.arange(values.shape[0], dtype=np.int64)), 3)
+    got = encode(values, dtype, rounding="stochastic", keys=keys)
+    random = _element_bits(keys, width)
+    finite = np.where(np.isnan(values), np.float32(0), values)
+    if dtype == "float16":
+        want = _f16_stochastic_rule(finite, random)
+    else:
+        random16 = (random >> np.uint64(48)).astype(np.uint32)
+        want = _bf16_stochastic_rule(values.view(np.uint32), random16)
+    nan = np.isnan(values)
+    assert nan.any()
+    assert (got[~nan] == want[~nan]).all()
+    assert np.isnan(decode(got, dtype)[nan]).all()
 
 
 def test_stochastic_bits_are_pinned() -> None:
