@@ -10,19 +10,20 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 # a frame of the raw format: "function (file:line)"
 _FRAME_RE = re.compile(r"^(?P<func>.*) \((?P<file>.*):\d+\)$")
 _PROJECT_FRAME_RE = re.compile(r"^(?P<func>.*) \((?P<file>[^:]*):\d+\)$")
+MIN_LIFETIME_S = 3.0  # py-spy's attach (reading the target's memory maps) before a SIGINT
 # leaves where a thread waits: an idle event loop, or a future / lock of another thread
 _WAITING_LEAVES = ("EpollSelector.select", "Condition.wait", "Event.wait", "Thread.join")
 
 
-def record(
-    pid: int, out_path: Path, *, rate_hz: int, flag: str, idle: bool = True
-) -> subprocess.Popen[bytes]:
+def record(pid: int, out_path: Path, *, rate_hz: int, flag: str, idle: bool = True) -> Spy:
     """py-spy recording `pid` into `out_path` until `stop`; `flag` is the option that
     asked for it (in the error when py-spy is missing). `idle=False`: only samples of
     threads on a CPU (what `benchmarks.harness.costs` splits)."""
@@ -33,16 +34,34 @@ def record(
     cmd += ["raw", "--threads", *(["--idle"] if idle else []), "--nonblocking"]
     cmd += ["--output", str(out_path)]
     try:
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     except FileNotFoundError:
         raise RuntimeError(f"{flag} needs py-spy on PATH: pip install py-spy") from None
+    return Spy(proc, out_path, time.monotonic())
 
 
-def stop(spy: subprocess.Popen[bytes]) -> None:
-    spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-    _, err = spy.communicate(timeout=120)
-    if spy.returncode not in (0, -signal.SIGINT):
-        raise RuntimeError(f"py-spy failed ({spy.returncode}): {err.decode(errors='replace')}")
+@dataclass(frozen=True)
+class Spy:
+    """A running `py-spy record` and the file it writes when stopped."""
+
+    proc: subprocess.Popen[bytes]
+    out_path: Path
+    started: float  # time.monotonic()
+
+
+def stop(spy: Spy) -> None:
+    """SIGINT py-spy, which then writes its file. A SIGINT during its attach kills it
+    before it handles the signal: it gets MIN_LIFETIME_S first, and a missing file is an
+    error, not an empty profile."""
+    time.sleep(max(0.0, spy.started + MIN_LIFETIME_S - time.monotonic()))
+    spy.proc.send_signal(signal.SIGINT)
+    _, err = spy.proc.communicate(timeout=120)
+    if spy.proc.returncode not in (0, -signal.SIGINT) or not spy.out_path.exists():
+        raise RuntimeError(
+            f"py-spy failed (exit {spy.proc.returncode}, {spy.out_path} "
+            f"{'written' if spy.out_path.exists() else 'not written'}): "
+            f"{err.decode(errors='replace')}"
+        )
 
 
 def main_thread_per_push(path: Path, *, pushes: int, rate_hz: int) -> dict[str, Any]:

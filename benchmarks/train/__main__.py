@@ -85,7 +85,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--profile",
         action="store_true",
         help="one more distributed run under py-spy (trainer and service): the cost table "
-        "per process (math, bytes moved, else); not in the rounds' table",
+        "per process (math, bytes moved, else); not in the rounds' table (with --quick: the "
+        "round's own distributed run is the profiled one)",
     )
     options.add_argument(
         "--mode",
@@ -188,6 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             save_weights(path, initial_dense[seed])
         weights_path = weights_paths[MODEL_SEED]
 
+        profiled_runs: list[dict[str, Any]] = []
+
         def one_round(k: int, item: tuple[int, str], attempt: int) -> dict[str, Any]:
             paired_round, method = item
             seed = seeds[paired_round % len(seeds)]
@@ -204,6 +207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if method == "local":
                 return run_local(local)
             variant = variant_of(method) or BASE_VARIANT
+            # a smoke run's figures mean nothing: its one distributed round is the profiled run
+            profiled = args.quick and args.profile and method == "distributed"
+            if profiled:
+                args.out_dir.mkdir(parents=True, exist_ok=True)
             r = run_distributed(
                 args,
                 Path(tmp) / f"cluster{k}-{attempt}",
@@ -211,9 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 variant=variant,
                 columns=columns,
                 tables=table_changes(demo, columns, variant, seed - MODEL_SEED),
+                py_spy_dir=args.out_dir if profiled else None,
             )
             if r["data_digest"] != digest:
                 raise RuntimeError("the trainer process saw other batches than the local run")
+            if profiled:
+                profiled_runs.append(r)
             return r
 
         rounds = with_retries(
@@ -234,7 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 + ", ".join(f"{n} {v:.0f}" for n, v in r["cpu"]["cpu_ms_per_step"].items())
             ),
         )
-        if args.profile:
+        if args.profile and profiled_runs:
+            r = profiled_runs[-1]
+        elif args.profile:
             print("profiling one more distributed run with py-spy ...", flush=True)
             args.out_dir.mkdir(parents=True, exist_ok=True)
             r = run_distributed(
@@ -244,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 columns=columns,
                 py_spy_dir=args.out_dir,
             )
+        if args.profile:
             timed = args.steps - args.warmup
             profile = {
                 "run": {k: v for k, v in r.items() if k != "losses"},

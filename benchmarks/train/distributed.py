@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -105,7 +104,7 @@ def trainer_role(args: argparse.Namespace) -> int:
     warmup = args.warmup
     ends: list[float] = []
     marks: dict[str, Any] = {}
-    spies: dict[str, subprocess.Popen[bytes]] = {}
+    spies: dict[str, pyspy.Spy] = {}
 
     class TimedTrainer(Trainer):
         """Timestamps at the end of each step; the window closes when evaluation starts."""
