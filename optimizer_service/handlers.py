@@ -176,9 +176,9 @@ async def _answered(request: web.Request, push: Push) -> web.StreamResponse:
     except Exception as exc:
         status, outcome, reason = error_answer(exc)
         outcome["status"] = status
-    # written before it is counted: a client gone by now is counted as such instead
-    await response.write(pack(outcome))
-    await response.write_eof()
+    # written before it is counted: a client gone by now is counted as such instead;
+    # with the end of the stream, in one write
+    await response.write_eof(pack(outcome))
     count_answer(request, status, reason)
     return response
 

@@ -244,18 +244,39 @@ def _check_sentinel(
     The commands pipelined behind the sentinel read ran whatever it found: the writes
     of a batch (`writes`) may have reached a node that has lost its data.
     """
-    reply = parse_mg(data, 0, 1)
-    if reply is None:
+    found = _one_value(data)
+    if found is None:  # not the common reply (or not all here): the full parser decides
+        reply = parse_mg(data, 0, 1)
+        if reply is None:
+            return None
+        if reply.errors:
+            raise StoreError(
+                f"memcached node {node.address} answered {reply.errors[0]!r}", node=node.address
+            )
+        if not reply.found[0]:
+            raise sentinel.lost(node, writes=writes)
+        start, size = int(reply.starts[0]), int(reply.sizes[0])
+        found = (data[start : start + size], reply.end)
+    value, end = found
+    sentinel.accept(node.address, value)
+    return end
+
+
+def _one_value(data: bytes) -> tuple[bytes, int] | None:
+    """The value and end of a `VA <size>` reply at the start of `data`, complete; None
+    for anything else. Every batch reads a sentinel in front: a few string operations
+    here, where `parse_mg`'s arrays are built for many replies."""
+    if not data.startswith(b"VA "):
         return None
-    if reply.errors:
-        raise StoreError(
-            f"memcached node {node.address} answered {reply.errors[0]!r}", node=node.address
-        )
-    if not reply.found[0]:
-        raise sentinel.lost(node, writes=writes)
-    start, size = int(reply.starts[0]), int(reply.sizes[0])
-    sentinel.accept(node.address, bytes(data[start : start + size]))
-    return reply.end
+    nl = data.find(b"\r\n", 3)
+    digits = data[3:nl].split(b" ", 1)[0] if nl > 0 else b""
+    if not digits.isdigit():
+        return None
+    start = nl + 2
+    end = start + int(digits)
+    if data[end : end + 2] != b"\r\n":
+        return None
+    return data[start:end], end + 2
 
 
 async def _verify_format(node: Node, sentinel: Sentinel) -> None:

@@ -40,6 +40,11 @@ __all__ = [
 ]
 
 
+_MEMO_BATCH = 8  # str ids placed in batches up to this size are remembered
+_MEMO_IDS = 4096  # ... up to this many (then forgotten at once: unique ones come too)
+_ZERO = np.zeros(0, dtype=np.intp)
+
+
 @dataclass(frozen=True, slots=True)
 class TableRead:
     """One part of `EmbeddingStore.get_many`: fixed-width float32 values of one (table, kind).
@@ -155,6 +160,8 @@ def unique_ids(ids: IdArray) -> tuple[IdArray, NDArray[np.intp]]:
 def positions_by(group: NDArray[np.intp], count: int) -> list[NDArray[np.intp]]:
     """For each group number 0 .. count - 1, the positions of `group` that have it,
     ascending (one stable sort)."""
+    if count <= np.iinfo(np.int16).max:  # numpy's stable sort of 16-bit keys: a radix sort
+        group = group.astype(np.int16)
     order = np.argsort(group, kind="stable")
     bounds = np.searchsorted(group[order], np.arange(count + 1)).tolist()
     return [order[bounds[g] : bounds[g + 1]] for g in range(count)]
@@ -173,6 +180,9 @@ class Placement:
         self.config = config
         self.namespace = config.namespace
         self.nodes: tuple[str, ...] = config.node_addresses
+        # (table, str id) -> (key body, node) of ids placed in small batches: the
+        # bookkeeping keys (journal slots, versions, dense pointers) come back every push
+        self._memo: dict[tuple[str, str], tuple[bytes, int]] = {}
 
     def table_ids(self, table: str, ids: Any) -> IdArray:
         spec = self.config.table(table)
@@ -221,15 +231,17 @@ class Placement:
                     placement[i] = where[a:b]
         for i, (table, ids) in enumerate(items):
             if bodies[i] is None:
-                bodies[i] = id_bodies(table, ids)
-                if k > 1:
-                    placement[i] = node_of(table, ids, self.nodes)
+                bodies[i], placement[i] = self._str_placed(table, ids)
         done = cast("list[IdBodies]", bodies)
         if k == 1:
             return [
                 Placed(table, ids, done[i], [np.arange(ids.shape[0], dtype=np.intp)])
                 for i, (table, ids) in enumerate(items)
             ]
+        if len(items) == 1:  # no sort: each node's positions, ascending
+            table, ids = items[0]
+            where = placement[0]
+            return [Placed(table, ids, done[0], [np.flatnonzero(where == j) for j in range(k)])]
         sizes = [ids.shape[0] for _, ids in items]
         firsts = list(itertools.accumulate(sizes, initial=0))
         group = np.repeat(np.arange(len(items)) * k, sizes) + np.concatenate(placement)
@@ -238,6 +250,30 @@ class Placement:
             Placed(table, ids, done[i], [each[i * k + j] - firsts[i] for j in range(k)])
             for i, (table, ids) in enumerate(items)
         ]
+
+    def _str_placed(self, table: str, ids: IdArray) -> tuple[IdBodies, NDArray[np.intp]]:
+        """The key bodies and nodes of str ids; those of a small batch remembered."""
+        one_node = len(self.nodes) == 1
+        if ids.shape[0] > _MEMO_BATCH:
+            bodies = id_bodies(table, ids)
+            where = _ZERO if one_node else node_of(table, ids, self.nodes)
+            return bodies, where
+        values = ids.tolist()
+        got = [self._memo.get((table, value)) for value in values]
+        if None in got:
+            bodies = id_bodies(table, ids)
+            where = np.zeros(len(values), np.intp) if one_node else node_of(table, ids, self.nodes)
+            if len(self._memo) > _MEMO_IDS:
+                self._memo.clear()
+            for value, body, node in zip(values, bodies.bodies, where.tolist(), strict=True):
+                self._memo[table, value] = (bytes(body), node)
+            return bodies, where
+        known = cast("list[tuple[bytes, int]]", got)
+        encoded = [body for body, _ in known]
+        where = np.array([node for _, node in known], dtype=np.intp)
+        return IdBodies(
+            ids=ids, table=table, bodies=encoded, longest=max(map(len, encoded), default=0)
+        ), where
 
     def encode_ints(
         self, items: Sequence[tuple[str, IdArray]]

@@ -29,7 +29,14 @@ from lookup_table.core.wire import (
 )
 from lookup_table.errors import StorageFormatError
 from lookup_table.memcached.protocol import Wire
-from optimizer_service.engine.plan import DenseSwitch, TableRedo, TableStep, TableUpdate, WritePlan
+from optimizer_service.engine.plan import (
+    DenseSwitch,
+    TableRedo,
+    TableStep,
+    TableUpdate,
+    WritePlan,
+    stacked,
+)
 
 __all__ = [
     "BEHIND",
@@ -191,8 +198,8 @@ def _encode_behind_all(
             {
                 "group": [u.table for u in members],
                 "counts": [int(u.ids.shape[0]) for u in members],
-                "ids": encode_array(np.concatenate([u.ids for u in members])),
-                "grads": encode_array(np.concatenate([u.grads for u in members])),
+                "ids": encode_array(stacked([u.ids for u in members])),
+                "grads": encode_array(stacked([u.grads for u in members if u.grads is not None])),
                 "steps": encode_array(new_steps - np.float32(1)),
             }
         )

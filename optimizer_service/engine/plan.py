@@ -77,8 +77,35 @@ class TableStep:
 
 def stacked(arrays: Sequence[NDArray[Any]]) -> NDArray[Any]:
     """The arrays' rows one after another: the tables of a push that are worked as one
-    batch (the array itself when there is one: no copy)."""
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    batch. No copy when there is one array, or when they are consecutive blocks of one
+    (a group's tables as the push was parsed: `blocks`); then a view: read it only."""
+    if len(arrays) == 1:
+        return arrays[0]
+    joined = _joined_blocks(arrays)
+    return np.concatenate(arrays) if joined is None else joined
+
+
+def _joined_blocks(arrays: Sequence[NDArray[Any]]) -> NDArray[Any] | None:
+    """The view of one array that `arrays` are consecutive C-contiguous blocks of, in
+    order; None when they are not."""
+    first = arrays[0]
+    base = first.base
+    if base is None:
+        return None
+    at = first.__array_interface__["data"][0]
+    for a in arrays:
+        if a.dtype != first.dtype or a.shape[1:] != first.shape[1:]:
+            return None
+        if not a.size:  # an empty block may point anywhere
+            continue
+        if a.base is not base or not a.flags.c_contiguous or a.__array_interface__["data"][0] != at:
+            return None
+        at += a.nbytes
+    rows = sum(a.shape[0] for a in arrays)
+    view: NDArray[Any] = np.lib.stride_tricks.as_strided(
+        first, shape=(rows, *first.shape[1:]), writeable=first.flags.writeable
+    )
+    return view
 
 
 def shares(values: NDArray[Any], steps: Sequence[TableStep]) -> list[NDArray[Any]]:

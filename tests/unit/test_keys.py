@@ -497,3 +497,20 @@ def test_vectorized_int_keys_are_not_slower_than_a_python_loop() -> None:
             times.append(time.perf_counter() - start)
         best[name] = min(times)
     assert best["naive"] / best["vectorized"] >= 1.0, best
+
+
+@given(int_id_arrays())
+def test_int_bodies_are_the_base64url_digits_of_the_ids_bits(ids: np.ndarray) -> None:
+    """The compiled key bodies of int ids: `i` and the 11 digits numpy's expression of
+    them gives, from a contiguous array, a read-only one and into a strided view."""
+    from lookup_table.core.keys import _B64_DIGITS, _SHIFTS
+
+    bits = ids.view(np.uint64)
+    want = np.empty((ids.shape[0], 12), dtype=np.uint8)
+    want[:, 0] = ord("i")
+    want[:, 1:] = _B64_DIGITS[(bits[:, None] >> _SHIFTS) & np.uint64(63)]
+    frozen = ids.copy()
+    frozen.setflags(write=False)
+    for given_ids in (ids, frozen):
+        assert np.array_equal(id_bodies("t", given_ids).bodies, want)
+    assert np.array_equal(int_key_matrix(b"ns/t/w/", ids)[:, 7:], want)

@@ -13,7 +13,7 @@ from hypothesis.extra.numpy import arrays
 
 from lookup_table.core.keys import int_key_matrix, key_prefix
 from lookup_table.errors import ProtocolError, StoreError
-from lookup_table.memcached.batch import ReadGroup, Segment
+from lookup_table.memcached.batch import ReadGroup, Segment, _one_value
 from lookup_table.memcached.protocol import (
     END,
     END_REPLY,
@@ -1042,3 +1042,32 @@ def test_a_read_groups_segments_of_one_key_width_are_built_as_one_request() -> N
     request = group.request()
     assert b"".join(request) == b"".join(expected)
     assert len(request) == 5  # widths 10 | 11 | str | 11 with a TTL | 11
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b'VA 14\r\n{"created": 1}\r\n',
+        b"VA 3 f0\r\nabc\r\nMN\r\n",
+        b"VA 0\r\n\r\n",
+        b"VA 3\r\nab",  # incomplete
+        b"VA 3\r\nabcd\r\n",  # not followed by CRLF
+        b"VA -2\r\nab\r\n",
+        b"VA\r\n",
+        b"EN\r\n",
+        b"SERVER_ERROR out of memory\r\n",
+    ],
+)
+def test_a_sentinel_reply_reads_as_the_full_parser_reads_it(reply: bytes) -> None:
+    """`_one_value` (the sentinel read every batch starts with) gives what
+    `parse_mg` gives for a complete `VA` reply, and leaves everything else to it."""
+    fast = _one_value(reply)
+    try:
+        full = parse_mg(reply, 0, 1)
+    except ProtocolError:
+        full = None
+    if full is None or full.errors or not full.found[0]:
+        assert fast is None
+        return
+    start, size = int(full.starts[0]), int(full.sizes[0])
+    assert fast == (reply[start : start + size], full.end)

@@ -207,3 +207,26 @@ def test_a_read_group_takes_no_grads() -> None:
         parse_rows_request(_wire({"tables": {}, "groups": [group]}), config=_config())
     with pytest.raises(BadRequestError, match="with tables \\(and groups\\)"):
         parse_rows_request({"groups": []}, config=_config())
+
+
+@given(st.lists(st.integers(0, 5), min_size=2, max_size=6), st.integers(1, 3))
+def test_a_groups_tables_are_stacked_back_without_a_copy(counts: list[int], dim: int) -> None:
+    """`stacked` gives the tables' rows one after another: a view of the group's array
+    when they are its consecutive blocks (as a push of a group is parsed), a copy when
+    they are not (other blocks, another order, arrays of their own), equal either way."""
+    from lookup_table.core.rows import blocks
+    from optimizer_service.engine.plan import stacked
+
+    group = np.arange(sum(counts) * dim, dtype=np.float32).reshape(-1, dim)
+    parts = blocks(group, counts)
+    joined = stacked(parts)
+    assert np.array_equal(joined, group)
+    assert np.shares_memory(joined, group) or not group.size
+    own = [p.copy() for p in parts]
+    assert not np.shares_memory(stacked(own), group) and np.array_equal(stacked(own), group)
+    swapped = [parts[-1], *parts[:-1]]
+    if counts[-1] and sum(counts[:-1]):  # a block out of its place: copied, in that order
+        assert not np.shares_memory(stacked(swapped), group)
+        assert np.array_equal(stacked(swapped), np.concatenate(swapped))
+    ids = np.arange(sum(counts), dtype=np.int64)
+    assert np.array_equal(stacked(blocks(ids, counts)), ids)

@@ -322,3 +322,32 @@ def test_compiled_placement_is_the_numpy_definition_bit_for_bit(
                 [combine(id_hashes(ints), salt), row_hashes(table + "x", ints[::-1].copy())]
             ),
         )
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 3])
+def test_small_batches_of_str_ids_are_placed_as_big_ones(nodes: int) -> None:
+    """`Placement` remembers the bodies and nodes of str ids placed a few at a time (the
+    bookkeeping keys every push writes): placed again, remembered or not, forgotten
+    once the memo is full, they get the bodies and nodes of the vectorized path, and each
+    node's positions ascending."""
+    from lookup_table.core.keys import as_ids, id_bodies
+    from lookup_table.core.keyspace import META_TABLE
+    from lookup_table.store import placement as placement_module
+    from lookup_table.store.placement import Placement
+    from tests.conftest import make_config
+
+    config = make_config(_nodes(nodes))
+    placement = Placement(config)
+    words = [f"p/r0:w1-{i}" for i in range(3 * placement_module._MEMO_IDS)]
+    batches = [words[i : i + 1 + i % 8] for i in range(0, len(words), 5)]
+    # each batch twice in a row (the second time from the memo), the first ones again
+    # after the memo was forgotten
+    twice = [batch for batch in batches for _ in range(2)]
+    for batch in [*twice, *batches[:50], ["é", "a b"], ["é", "a b"], []]:
+        ids = as_ids(batch, table=META_TABLE)
+        (placed,) = placement.place_many([(META_TABLE, ids)])
+        assert list(placed.bodies.bodies) == list(id_bodies(META_TABLE, ids).bodies)
+        where = node_of(META_TABLE, ids, config.node_addresses)
+        for j, positions in enumerate(placed.by_node):
+            assert positions.tolist() == np.flatnonzero(where == j).tolist()
+    assert len(placement._memo) <= placement_module._MEMO_IDS + 8
