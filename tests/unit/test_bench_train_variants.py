@@ -165,3 +165,24 @@ def test_each_variant_is_paired_by_round_for_speed_and_by_seed_for_accuracy() ->
     text = render(out)
     assert ">= 1.0: PASS" in text and ">= 1.0: FAIL" in text
     assert ">= -0.002: PASS" in text and ">= -0.005: FAIL" in text
+
+
+def test_every_seed_counts_for_accuracy_and_only_quiet_pairs_for_speed() -> None:
+    """A round whose every try was disturbed still gives its seed's AUC (the eval does
+    not depend on the load), but its speed is left out while a quiet pair exists."""
+    loud = {"disturbed": True}
+    rounds = [
+        _round("distributed", 0, 0, 1000.0, 0.750),
+        _round("distributed-bf16-adam", 0, 0, 1050.0, 0.751),
+        {**_round("distributed", 1, 1, 300.0, 0.760), **loud},
+        {**_round("distributed-bf16-adam", 1, 1, 900.0, 0.761), **loud},
+    ]
+    out = compare(rounds, ["fp32-adam", "bf16-adam"])["bf16-adam"]
+    assert out["eval_auc_per_seed"] == pytest.approx({"0": 0.751, "1": 0.761})
+    assert out["auc_diff_mean"] == pytest.approx(0.001)
+    assert out["examples_per_s_ratio_per_round"] == pytest.approx({"0": 1.05})
+    assert out["examples_per_s_ratio_disturbed"] is False
+    everything_loud = [{**r, **loud} for r in rounds]
+    out = compare(everything_loud, ["fp32-adam", "bf16-adam"])["bf16-adam"]
+    assert out["examples_per_s_ratio_per_round"] == pytest.approx({"0": 1.05, "1": 3.0})
+    assert out["examples_per_s_ratio_disturbed"] is True
