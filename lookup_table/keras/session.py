@@ -111,6 +111,7 @@ class TrainingSession:
         self._pushes: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
         self._dense_ready = False
         self._dense_future: concurrent.futures.Future[Any] | None = None
+        self._assign_all: Callable[[list[NDArray[np.float32]]], Any] | None = None
         self._closed = False
         self._lookup_error: Exception | None = None
         # read your writes: the rows of the last push's answer, and whether the dense
@@ -509,7 +510,10 @@ class TrainingSession:
                     f"parameters were initialized by a model of other layer shapes (other "
                     f"units, inputs, or a table's dim); {start_over}"
                 )
-            var.assign(value)
+        if self._assign_all is None:
+            self._assign_all = _assigner(list(self.dense_vars.values()))
+        # one graph call for every variable: no Keras conversion per variable
+        self._assign_all([params[path] for path in self.dense_vars])
         self.version = version
 
     def refresh_dense(self, *, fresh: bool = False) -> None:
@@ -678,6 +682,21 @@ def check_layer(config: ClusterConfig, layer: DistributedEmbedding) -> None:
             f"layer {layer.name!r} expects dim={layer.dim} but table {layer.table!r} has "
             f"dim={spec.dim} in the cluster file"
         )
+
+
+def _assigner(variables: Sequence[Any]) -> Callable[[list[NDArray[np.float32]]], Any]:
+    """A tf.function assigning a list of arrays to `variables` (in order), traced once
+    for their shapes."""
+    signature = [[tf.TensorSpec(v.shape, tf.float32) for v in variables]]
+
+    def assign_all(values: list[tf.Tensor]) -> None:
+        for var, value in zip(variables, values, strict=True):
+            var.assign(tf.cast(value, var.dtype))
+
+    return cast(
+        Callable[[list[NDArray[np.float32]]], Any],
+        tf.function(assign_all, input_signature=signature),
+    )
 
 
 async def _cancel_pending() -> None:
