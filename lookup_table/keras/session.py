@@ -37,8 +37,9 @@ from lookup_table.keras.rows import (
     RowPatch,
     column_of,
     fed_ids,
+    fed_ids_many,
     lookup_batch,
-    member,
+    members,
     patched,
 )
 from lookup_table.store import EmbeddingStore
@@ -264,16 +265,21 @@ class TrainingSession:
         `newer` gets, brings their rows. With `earlier`, neither are the ids whose rows
         earlier answers brought, while those are current (`_known_rows`)."""
         pre = Prefetched()
-        wanted: list[tuple[str, IdArray, NDArray[np.bool_] | None]] = []
-        layers: list[tuple[int, FedIds, bool]] = []
-        for i, value in self._columns(features):
-            layer = self.layers[i]
-            fed = fed_ids(layer, value)
-            skip = member(fed.uniq, (answered or {}).get(layer.table))
-            wanted.append((layer.table, fed.uniq, skip))
-            layers.append((i, fed, skip is None))
-        if not wanted:
+        columns = list(self._columns(features))
+        if not columns:
             return pre
+        feds = fed_ids_many([self.layers[i] for i, _ in columns], [v for _, v in columns])
+        skips = members(
+            [fed.uniq for fed in feds],
+            [(answered or {}).get(self.layers[i].table) for i, _ in columns],
+        )
+        wanted = [
+            (self.layers[i].table, fed.uniq, skip)
+            for (i, _), fed, skip in zip(columns, feds, skips, strict=True)
+        ]
+        layers = [
+            (i, fed, skip is None) for (i, _), fed, skip in zip(columns, feds, skips, strict=True)
+        ]
         known = self._known_rows(wanted) if earlier else None
         pre.from_answers = sum(int(k[1].shape[0]) for k in known or () if k is not None)
         batch = self._submit(lookup_batch(self._reader, wanted, known, create=create))
@@ -378,12 +384,34 @@ class TrainingSession:
         ids = fed_ids(fed.layer, column_of(features, fed.key))
         return ids, self._training_rows(fed.layer.table, ids.uniq, None)
 
+    def fed_parts(
+        self, fed: Sequence[FedLayer], features: Any
+    ) -> tuple[
+        list[FedIds], list[NDArray[np.float32]], list[NDArray[np.bool_] | None], list[RowPatch]
+    ]:
+        """The fed layers' ids, rows and rows skipped (left to a push's answer) for this
+        training batch, and the answers to put into the rows (`FedBatch` does, for every
+        layer at once): those that came after the rows were fetched ahead; rows read
+        now come with them put in."""
+        ahead = [self._prefetched.fed.get(self._position[id(f.layer)]) for f in fed]
+        known = [a for a in ahead if a is not None]
+        if len(known) < len(fed):
+            got = [self.fed_rows(f, features) for f in fed]
+            return [i for i, _ in got], [r for _, r in got], [None] * len(fed), []
+        values = [part.result() for _, part in known]
+        return (
+            [ids for ids, _ in known],
+            [v.rows if isinstance(v, PartialRows) else v for v in values],
+            [v.skipped if isinstance(v, PartialRows) else None for v in values],
+            list(self._prefetched.newer),
+        )
+
     def evaluation_rows(
         self, fed: Sequence[FedLayer], features: Any
     ) -> list[tuple[FedIds, NDArray[np.float32]]]:
         """The fed layers' ids and rows of an evaluation batch: one `lookup_many` with
         `create=False` (writes nothing; unseen ids get their would-be initial rows)."""
-        ids = [fed_ids(f.layer, column_of(features, f.key)) for f in fed]
+        ids = fed_ids_many([f.layer for f in fed], [column_of(features, f.key) for f in fed])
         if not fed:
             return []
         got = self._run(
