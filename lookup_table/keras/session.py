@@ -112,7 +112,7 @@ class TrainingSession:
         self._pushes: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
         self._dense_ready = False
         self._dense_future: concurrent.futures.Future[Any] | None = None
-        self._assign_all: Callable[[list[NDArray[np.float32]]], Any] | None = None
+        self._assign_all: Callable[[list[NDArray[np.float32]]], None] | None = None
         self._closed = False
         self._lookup_error: Exception | None = None
         # read your writes: the rows of the last push's answer, and whether the dense
@@ -540,7 +540,6 @@ class TrainingSession:
                 )
         if self._assign_all is None:
             self._assign_all = _assigner(list(self.dense_vars.values()))
-        # one graph call for every variable: no Keras conversion per variable
         self._assign_all([params[path] for path in self.dense_vars])
         self.version = version
 
@@ -712,19 +711,24 @@ def check_layer(config: ClusterConfig, layer: DistributedEmbedding) -> None:
         )
 
 
-def _assigner(variables: Sequence[Any]) -> Callable[[list[NDArray[np.float32]]], Any]:
-    """A tf.function assigning a list of arrays to `variables` (in order), traced once
-    for their shapes."""
-    signature = [[tf.TensorSpec(v.shape, tf.float32) for v in variables]]
+def _assigner(variables: Sequence[Any]) -> Callable[[list[NDArray[np.float32]]], None]:
+    """Assign a list of float32 arrays to `variables` (in order): one raw assign op per
+    variable on its handle (Keras' `assign` converts and checks each value in Python; a
+    tf.function casts its inputs to its signature in Python too)."""
+    if not all(tf.as_dtype(v.dtype) == tf.float32 for v in variables):
 
-    def assign_all(values: list[tf.Tensor]) -> None:
-        for var, value in zip(variables, values, strict=True):
-            var.assign(tf.cast(value, var.dtype))
+        def assign_each(values: list[NDArray[np.float32]]) -> None:
+            for var, value in zip(variables, values, strict=True):
+                var.assign(value)  # converted to the variable's dtype
 
-    return cast(
-        Callable[[list[NDArray[np.float32]]], Any],
-        tf.function(assign_all, input_signature=signature),
-    )
+        return assign_each
+    handles = [v.handle for v in variables]
+
+    def assign_all(values: list[NDArray[np.float32]]) -> None:
+        for handle, value in zip(handles, values, strict=True):
+            tf.raw_ops.AssignVariableOp(resource=handle, value=value)
+
+    return assign_all
 
 
 async def _cancel_pending() -> None:
