@@ -23,27 +23,53 @@ _ROWS = types.Array(types.float32, 2, "C", readonly=True)
 _ROWS_OUT = types.Array(types.float32, 2, "C")
 
 
+_GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: the top bits of id * 2**64 / phi
+
+
 @compiled(types.void(_I64, _I64, _I64, _BOOLS, _I64_OUT, _I64_OUT, _I64_OUT))
 def _unique(ids, bounds, pads, padded, uniq, counts, index):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    # a column's distinct ids through a hash map (one pass), then only those sorted: a
+    # batch column has far fewer distinct ids than positions
+    longest = 0
+    for s in range(bounds.shape[0] - 1):
+        longest = max(longest, bounds[s + 1] - bounds[s])
+    bits = 4
+    while (1 << bits) < 2 * longest:
+        bits += 1
+    mask = (1 << bits) - 1
+    shift = np.uint64(64 - bits)
+    keys = np.empty(1 << bits, np.int64)
+    first = np.full(1 << bits, -1, np.int64)  # per slot, its id's number in arrival order
+    used = np.empty(longest, np.int64)
+    rank = np.empty(longest, np.int64)
     for s in range(bounds.shape[0] - 1):
         lo, hi = bounds[s], bounds[s + 1]
-        order = np.argsort(ids[lo:hi])
         n = 0
-        for k in range(hi - lo):
-            at = lo + order[k]
-            v = ids[at]
+        for k in range(lo, hi):
+            v = ids[k]
             if padded[s] and v == pads[s]:
-                index[at] = -1
+                index[k] = -1
                 continue
-            if n == 0 or v != uniq[lo + n - 1]:
+            j = np.int64((np.uint64(v) * np.uint64(_GOLDEN)) >> shift)
+            while first[j] >= 0 and keys[j] != v:
+                j = (j + 1) & mask
+            if first[j] < 0:
+                keys[j] = v
+                first[j] = n
+                used[n] = j
                 uniq[lo + n] = v
                 n += 1
-            index[at] = n - 1
+            index[k] = first[j]
+        for r in range(n):
+            first[used[r]] = -1  # the map empty again for the next column
+        order = np.argsort(uniq[lo : lo + n])
+        arrived = uniq[lo : lo + n].copy()
+        for r in range(n):
+            rank[order[r]] = r
+            uniq[lo + r] = arrived[order[r]]
+        for k in range(lo, hi):
+            index[k] = n if index[k] < 0 else rank[index[k]]  # padding: the zero row
         counts[s] = n
-        if padded[s]:
-            for at in range(lo, hi):
-                if index[at] < 0:
-                    index[at] = n  # the zero row after the column's unique ids
 
 
 def unique_segments(

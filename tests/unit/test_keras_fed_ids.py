@@ -66,6 +66,23 @@ def test_fed_ids_many_is_numpys_unique_per_column(columns: list[Any]) -> None:
         np.testing.assert_array_equal(g.index, e.index)
 
 
+def test_long_columns_of_few_and_of_many_distinct_ids() -> None:
+    rng = np.random.default_rng(7)
+    values = [
+        rng.integers(0, 100, 5000),
+        rng.integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64),
+        np.zeros(0, np.int64),
+        np.array([5]),
+        (rng.integers(0, 2**20, 4096) << 20).astype(np.int64),  # equal low bits
+    ]
+    pads = [3, None, None, 5, None]
+    got = fed_ids_many([_Layer(p) for p in pads], values)  # type: ignore[arg-type]
+    for g, v, pad in zip(got, values, pads, strict=True):
+        e = _numpy(v.astype(np.int64), pad)
+        np.testing.assert_array_equal(g.uniq, e.uniq)
+        np.testing.assert_array_equal(g.index, e.index)
+
+
 def test_string_columns_and_padding_go_column_by_column() -> None:
     layers = [_Layer(""), _Layer(0), _Layer()]
     values = [np.array(["b", "", "a", "b"], object), np.array([[3, 0], [3, 1]]), np.zeros(0, int)]
