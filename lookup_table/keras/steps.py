@@ -141,6 +141,7 @@ def fed_train_step(
     inputs_of: Callable[[Any], Any],
     forward: Callable[[Any], tuple[Any, Any]],
     after: Callable[[Any, Any, Any], Any],
+    unpack: Callable[[Any], Any] | None = None,
 ) -> Any:
     """A train step as one tf.function: `step(data, tables, index, bounds)` ->
     (what `after` returns, row gradients of the in-graph lookups, gradients w.r.t.
@@ -148,10 +149,14 @@ def fed_train_step(
 
     `forward(data)` -> (loss, state) runs under the tape, with `fed` layers fed from
     `tables` (their columns found in `inputs_of(data)`) and the others looking up inside
-    the graph; `after(data, loss, state)` runs after it (e.g. Keras' metrics)."""
+    the graph; `after(data, loss, state)` runs after it (e.g. Keras' metrics).
+    `unpack(data)`, if given, makes the data these see of the step's argument (e.g.
+    columns stacked into one tensor, as each argument costs TF's call path)."""
 
     @tf.function(reduce_retracing=True)
     def step(data: Any, tables: Any, index: Any, bounds: Any) -> Any:
+        if unpack is not None:
+            data = unpack(data)
         with tf.GradientTape() as tape:
             for layer in layers:
                 layer.begin_step(tape)  # at trace time: a new trace, rows watched
