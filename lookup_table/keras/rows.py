@@ -14,6 +14,7 @@ import tensorflow as tf
 from numpy.typing import NDArray
 
 from lookup_table.client import RowReader
+from lookup_table.client.answers import RowGroup, UpdatedRows
 from lookup_table.core.keys import IdArray, as_ids
 from lookup_table.keras.ids import patch_segments, segment_members, unique_segments
 from lookup_table.keras.layer import DistributedEmbedding
@@ -203,6 +204,10 @@ def patch_rows(
     every = (np.concatenate(ids) if len(ids) > 1 else ids[0]) if ints and ids else None
     empty = np.zeros(0, np.int64), np.zeros((0, rows.shape[1]), np.float32)
     for patch in patches:
+        block = _block_of(patch, tables)
+        if block is not None and every is not None:  # the answer's block as it came
+            patch_segments(every, bounds, block.ids, block.bounds, block.rows, rows, brought)
+            continue
         got = [patch.get(t) for t in tables]
         if all(g is None for g in got):
             continue
@@ -227,6 +232,15 @@ def patch_rows(
                 rows[lo:hi] = out
                 brought[lo:hi] |= hit
     return brought
+
+
+def _block_of(patch: RowPatch, tables: Sequence[str]) -> RowGroup | None:
+    """The block of `patch` that holds exactly `tables` in this order, if any."""
+    if isinstance(patch, UpdatedRows):
+        for block in patch.groups:
+            if len(block.tables) == len(tables) and list(block.tables) == list(tables):
+                return block
+    return None
 
 
 def patched(

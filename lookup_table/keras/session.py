@@ -22,6 +22,7 @@ import tensorflow as tf
 from numpy.typing import NDArray
 
 from lookup_table.client import OptimizerClient, RowReader
+from lookup_table.client.answers import UpdatedRows
 from lookup_table.config import ClusterConfig
 from lookup_table.core.keys import IdArray
 from lookup_table.core.rowcache import RowCache
@@ -334,11 +335,17 @@ class TrainingSession:
         self._stamps = dict(stamps)
         if not self._answers_current:
             self._answered.forget()
+        updated = doc["updated"]
+        put: set[str] = set()
+        for block in updated.groups if isinstance(updated, UpdatedRows) else ():
+            # as it came: no copy of each table's rows into one array again
+            if self._answered.put_block(block.tables, block.bounds, block.ids, block.rows):
+                put.update(block.tables)
         self._answered.put_many(
             [
                 (table, ids, rows, rows[:, :0])
-                for table, (ids, rows) in doc["updated"].items()
-                if self._answered.caches(table)
+                for table, (ids, rows) in updated.items()
+                if table not in put and self._answered.caches(table)
             ]
         )
 
