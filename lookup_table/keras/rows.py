@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 from lookup_table.client import RowReader
 from lookup_table.client.answers import RowGroup, UpdatedRows
 from lookup_table.core.keys import IdArray, as_ids
-from lookup_table.keras.ids import patch_segments, segment_members, unique_segments
+from lookup_table.core.segments import patch_segments, segment_members, unique_segments
 from lookup_table.keras.layer import DistributedEmbedding
 
 __all__ = [

@@ -23,7 +23,6 @@ LAYERS = [
     ("lookup_table.dense", 4),
     ("lookup_table.client", 5),
     ("lookup_table.keras.layer", 5),  # DistributedEmbedding: a leaf of keras/
-    ("lookup_table.keras.ids", 5),  # a batch's id columns made unique and patched, compiled
     ("lookup_table.keras.rows", 5),  # a batch's ids and rows, fetched ahead, patched
     ("lookup_table.keras.session", 5),  # the cluster side of training (store, client, layers)
     ("lookup_table.keras.steps", 5),  # the graph step that Trainer and model.fit run

@@ -1,7 +1,7 @@
 """A batch's integer id columns handled all at once, compiled (numba): per column its
 sorted unique ids (padding left out) and per position its row among them, which of them
 are in a sorted set, and the rows a push answered with put in; one call for every column
-instead of numpy's passes per column. Pure, no I/O (`rows` calls these)."""
+instead of numpy's passes per column. Pure, no I/O (`keras.rows` calls these)."""
 
 from __future__ import annotations
 
