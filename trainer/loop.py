@@ -158,6 +158,35 @@ class Trainer(TrainingSession):
             raise ValueError(f"the batch lacks model inputs {missing}; it has {sorted(features)}")
         return {n: _as_tensor(features[n]) for n in self.input_names}
 
+    def _packed(self, features: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[Any, ...]]:
+        """The model inputs as few tensors (each costs TF's conversion and call path):
+        (columns one tensor each, ((names, their 1-D numeric columns of one dtype and
+        length stacked), ...)); `_unpacked` makes them the inputs again in the graph."""
+        missing = [n for n in self.input_names if n not in features]
+        if missing:
+            raise ValueError(f"the batch lacks model inputs {missing}; it has {sorted(features)}")
+        singles: dict[str, Any] = {}
+        stacks: dict[tuple[str, int], list[str]] = {}
+        for name in self.input_names:
+            value = features[name]
+            if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iuf":
+                stacks.setdefault((value.dtype.str, value.shape[0]), []).append(name)
+            else:
+                singles[name] = _as_tensor(value)
+        packs = tuple(
+            (tuple(names), tf.constant(np.stack([features[n] for n in names])))
+            for names in stacks.values()
+        )
+        return singles, packs
+
+    def _unpacked(self, data: Any) -> Any:
+        """(In the graph.) The step's data with `_packed` inputs as the model's inputs."""
+        (singles, packs), labels = data
+        inputs = dict(singles)
+        for names, stacked in packs:
+            inputs.update(zip(names, tf.unstack(stacked, num=len(names)), strict=True))
+        return {n: inputs[n] for n in self.input_names}, labels
+
     def _make_graph_step(self, fed: list[FedLayer]) -> Any:
         """The train step as one tf.function (`fed_train_step`): (inputs, labels) in,
         the loss out."""
@@ -175,6 +204,7 @@ class Trainer(TrainingSession):
             inputs_of=lambda data: data[0],
             forward=forward,
             after=lambda data, loss, state: loss,
+            unpack=self._unpacked,
         )
 
     def _make_graph_predict(self) -> Any:
@@ -187,7 +217,6 @@ class Trainer(TrainingSession):
     def train_step(self, features: Mapping[str, Any], labels: NDArray[np.float32]) -> float:
         """One step on one batch; returns its loss."""
         self.ensure_dense()
-        inputs = self._inputs(features)
         if self.graph:
             if self._graph_step is None:
                 candidates = [
@@ -197,12 +226,13 @@ class Trainer(TrainingSession):
                 ]
                 self._graph_step = GraphStep(self, candidates, self._make_graph_step)
             loss_t, records, row_grads, dense_grads = self._graph_step(
-                (inputs, tf.constant(labels)), features
+                (self._packed(features), tf.constant(labels)), features
             )
             # the push waits for the step's gradients anyway: the loss costs no extra wait
             loss_value = float(loss_t)
             self.push_step(records, row_grads, dense_grads, examples=len(labels), loss=loss_value)
             return loss_value
+        inputs = self._inputs(features)
         with tf.GradientTape() as tape:
             for layer in self.layers:
                 layer.begin_step(tape)

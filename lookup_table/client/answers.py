@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -29,6 +30,8 @@ from lookup_table.errors import (
 
 __all__ = [
     "STORE_ERRORS",
+    "RowGroup",
+    "UpdatedRows",
     "created",
     "cut_group",
     "error_of",
@@ -83,24 +86,53 @@ def merged_answer(answers: Mapping[int, Mapping[str, Any]], asked: Sequence[str]
     return out
 
 
-def updated_rows(results: Sequence[Mapping[str, Any]]) -> dict[str, tuple[Any, Any]]:
+@dataclass(frozen=True, slots=True)
+class RowGroup:
+    """Tables whose rows an answer brought as one block: `ids[bounds[i]:bounds[i + 1]]`
+    (sorted unique) and the same rows of `rows` are those of `tables[i]`."""
+
+    tables: tuple[str, ...]
+    bounds: NDArray[np.int64]
+    ids: NDArray[np.int64]
+    rows: NDArray[np.float32]
+
+
+class UpdatedRows(dict[str, tuple[Any, Any]]):
+    """Per table, (unique ids sorted, rows); `groups`, the tables among them whose entries
+    are the consecutive parts of one block (`RowGroup`), for whoever takes them all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups: list[RowGroup] = []
+
+
+def updated_rows(results: Sequence[Mapping[str, Any]]) -> UpdatedRows:
     """Per table, (unique ids sorted, rows) from every replica's `updated` answer (and
     `updated_groups`: tables that came grouped, their rows as one array)."""
     parts: dict[str, list[tuple[Any, NDArray[np.float32]]]] = {}
+    blocks: list[RowGroup] = []
     for r in results:
         for i, group in enumerate(r.get("updated_groups", [])):
             where = f"updated_groups[{i}]"
             ids = decode_ids(group["ids"], field=f"{where}.ids")
             rows = decode_array(group["rows"], field=f"{where}.rows", dtype="<f4", ndim=2)
-            for name, (table_ids, table_rows) in cut_group(
-                group["tables"], group["counts"], [ids, rows], where
-            ):
+            cut = cut_group(group["tables"], group["counts"], [ids, rows], where)
+            for name, (table_ids, table_rows) in cut:
                 parts.setdefault(name, []).append((table_ids, table_rows))
+            if len(results) == 1 and ids.dtype == np.int64:
+                bounds = np.zeros(len(cut) + 1, np.int64)
+                np.cumsum(group["counts"], out=bounds[1:])
+                blocks.append(RowGroup(tuple(n for n, _ in cut), bounds, ids, rows))
         for name, doc in r.get("updated", {}).items():
             ids = decode_ids(doc["ids"], field=f"updated.{name}.ids")
             rows = decode_array(doc["rows"], field=f"updated.{name}.rows", dtype="<f4", ndim=2)
             parts.setdefault(name, []).append((ids, rows))
-    out: dict[str, tuple[Any, Any]] = {}
+    out = UpdatedRows()
+    for block in blocks:  # one replica's: sorted already, checked for all its tables at once
+        if _each_sorted(block) and all(len(parts[name]) == 1 for name in block.tables):
+            for name in block.tables:
+                out[name] = parts.pop(name)[0]
+            out.groups.append(block)
     for name, got in parts.items():
         if len(got) == 1:
             ids, rows = got[0]
@@ -113,6 +145,14 @@ def updated_rows(results: Sequence[Mapping[str, Any]]) -> dict[str, tuple[Any, A
         order = np.argsort(ids, kind="stable")
         out[name] = (ids[order], rows[order])
     return out
+
+
+def _each_sorted(group: RowGroup) -> bool:
+    """Whether each table's ids in `group` are strictly increasing."""
+    ids, inner = group.ids, group.bounds[1:-1]
+    rising = ids[1:] > ids[:-1]
+    rising[inner[(inner > 0) & (inner < ids.shape[0])] - 1] = True  # a table's first id
+    return bool(rising.all())
 
 
 def cut_group(

@@ -635,6 +635,25 @@ class RowCache:
             if dirty:
                 self._dirty_puts[width] += ids.shape[0]
 
+    def put_block(
+        self,
+        tables: Sequence[str],
+        bounds: NDArray[np.int64],
+        ids: NDArray[np.int64],
+        rows: NDArray[np.float32],
+    ) -> bool:
+        """Remember clean rows of tables without slots given as one block (the ids and
+        rows `bounds[i]:bounds[i + 1]` are those of `tables[i]`), as `put_many` does;
+        False (nothing put) unless every table is cached, of the block's width."""
+        where = [self._where.get(t) for t in tables]
+        width = rows.shape[1]
+        if not all(w is not None and w[1] == w[2] == width for w in where):
+            return False
+        numbers = np.array([cast(tuple[int, int, int], w)[0] for w in where], dtype=np.int32)
+        tabs = np.repeat(numbers, np.diff(bounds))
+        self._groups[width].put(ids, tabs, rows, self._next_stamp(False))
+        return True
+
     def dirty(
         self,
     ) -> tuple[list[tuple[str, IdArray, NDArray[np.float32], NDArray[np.float32]]], int]:

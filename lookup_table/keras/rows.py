@@ -14,7 +14,9 @@ import tensorflow as tf
 from numpy.typing import NDArray
 
 from lookup_table.client import RowReader
+from lookup_table.client.answers import RowGroup, UpdatedRows
 from lookup_table.core.keys import IdArray, as_ids
+from lookup_table.core.segments import patch_segments, segment_members, unique_segments
 from lookup_table.keras.layer import DistributedEmbedding
 
 __all__ = [
@@ -28,8 +30,11 @@ __all__ = [
     "RowPatch",
     "column_of",
     "fed_ids",
+    "fed_ids_many",
     "lookup_batch",
     "member",
+    "members",
+    "patch_rows",
     "patched",
 ]
 
@@ -82,6 +87,40 @@ def fed_ids(layer: DistributedEmbedding, value: Any) -> FedIds:
     return FedIds(uniq=uniq, index=index)
 
 
+def fed_ids_many(layers: Sequence[DistributedEmbedding], values: Sequence[Any]) -> list[FedIds]:
+    """`fed_ids` of every layer on its column, the integer columns in one compiled pass."""
+    raws = [_column_ids(v) for v in values]
+    ints = [
+        k
+        for k, raw in enumerate(raws)
+        if raw.dtype.kind in "iu" and raw.ndim == 1 and _int64_or_none(layers[k].padding_id)
+    ]
+    out: list[FedIds | None] = [None] * len(raws)
+    if ints:
+        cols = [as_ids(raws[k], table=layers[k].table) for k in ints]
+        bounds = np.zeros(len(cols) + 1, np.int64)
+        np.cumsum([c.shape[0] for c in cols], out=bounds[1:])
+        padding = [layers[k].padding_id for k in ints]
+        pads = np.array([0 if p is None else p for p in padding], np.int64)
+        padded = np.array([p is not None for p in padding], bool)
+        uniq, counts, index = unique_segments(
+            np.concatenate(cols) if len(cols) > 1 else cols[0], bounds, pads, padded
+        )
+        for j, k in enumerate(ints):
+            lo, hi = int(bounds[j]), int(bounds[j + 1])
+            out[k] = FedIds(uniq=uniq[lo : lo + int(counts[j])], index=index[lo:hi])
+    for k, raw in enumerate(raws):
+        if out[k] is None:  # strings (or a padding id of another type): one at a time
+            out[k] = fed_ids(layers[k], raw)
+    return cast(list[FedIds], out)
+
+
+def _int64_or_none(padding: Any) -> bool:
+    return padding is None or (
+        isinstance(padding, int) and not isinstance(padding, bool) and -(2**63) <= padding < 2**63
+    )
+
+
 RowPatch = Mapping[str, tuple[IdArray, NDArray[np.float32]]]
 """Rows a push produced (its answer): table -> (sorted unique ids, rows)."""
 
@@ -93,6 +132,40 @@ def member(ids: IdArray, among: IdArray | None) -> NDArray[np.bool_] | None:
     pos = np.minimum(np.searchsorted(among, ids), among.shape[0] - 1)
     hit: NDArray[np.bool_] = among[pos] == ids
     return hit if hit.any() else None
+
+
+def members(
+    ids: Sequence[IdArray], among: Sequence[IdArray | None]
+) -> list[NDArray[np.bool_] | None]:
+    """`member` of each of `ids` (sorted unique) in its `among`, in one compiled pass for
+    the int64 ones."""
+    out: list[NDArray[np.bool_] | None] = [None] * len(ids)
+    both = [
+        k
+        for k, (i, a) in enumerate(zip(ids, among, strict=True))
+        if a is not None and a.shape[0] and i.shape[0] and i.dtype == a.dtype == np.int64
+    ]
+    for k, (i, a) in enumerate(zip(ids, among, strict=True)):
+        if a is not None and i.dtype != np.int64:
+            out[k] = member(i, a)
+    if not both:
+        return out
+    counts = np.array([ids[k].shape[0] for k in both], np.int64)
+    bounds = np.zeros(len(both) + 1, np.int64)
+    np.cumsum(counts, out=bounds[1:])
+    among_bounds = np.zeros(len(both) + 1, np.int64)
+    np.cumsum([cast(IdArray, among[k]).shape[0] for k in both], out=among_bounds[1:])
+    hit = segment_members(
+        np.concatenate([ids[k] for k in both]),
+        bounds,
+        counts,
+        np.concatenate([cast(IdArray, among[k]) for k in both]),
+        among_bounds,
+    )
+    for j, k in enumerate(both):
+        mine = hit[bounds[j] : bounds[j + 1]]
+        out[k] = mine if mine.any() else None
+    return out
 
 
 def _patch(
@@ -113,6 +186,61 @@ def _patch(
         out[hit] = newer[1][np.searchsorted(newer[0], ids[hit])]
         brought |= hit
     return out, brought
+
+
+def patch_rows(
+    rows: NDArray[np.float32],
+    tables: Sequence[str],
+    ids: Sequence[IdArray],
+    patches: Iterable[RowPatch],
+) -> NDArray[np.bool_]:
+    """Put into `rows` (those of `ids[s]` of table `tables[s]`, one segment after the
+    other) the rows of `patches`, later patches winning, in one compiled pass per patch
+    for int64 ids; returns which rows the patches brought."""
+    bounds = np.zeros(len(ids) + 1, np.int64)
+    np.cumsum([i.shape[0] for i in ids], out=bounds[1:])
+    brought = np.zeros(int(bounds[-1]), dtype=bool)
+    ints = all(i.dtype == np.int64 for i in ids)
+    every = (np.concatenate(ids) if len(ids) > 1 else ids[0]) if ints and ids else None
+    empty = np.zeros(0, np.int64), np.zeros((0, rows.shape[1]), np.float32)
+    for patch in patches:
+        block = _block_of(patch, tables)
+        if block is not None and every is not None:  # the answer's block as it came
+            patch_segments(every, bounds, block.ids, block.bounds, block.rows, rows, brought)
+            continue
+        got = [patch.get(t) for t in tables]
+        if all(g is None for g in got):
+            continue
+        if every is not None and all(g is None or g[0].dtype == np.int64 for g in got):
+            parts = [empty if g is None else g for g in got]
+            patch_bounds = np.zeros(len(parts) + 1, np.int64)
+            np.cumsum([p[0].shape[0] for p in parts], out=patch_bounds[1:])
+            patch_segments(
+                every,
+                bounds,
+                np.concatenate([p[0] for p in parts]),
+                patch_bounds,
+                np.concatenate([p[1] for p in parts]),
+                rows,
+                brought,
+            )
+            continue
+        for k, g in enumerate(got):  # string ids: one table at a time
+            if g is not None:
+                lo, hi = int(bounds[k]), int(bounds[k + 1])
+                out, hit = _patch(tables[k], ids[k], rows[lo:hi], [{tables[k]: g}])
+                rows[lo:hi] = out
+                brought[lo:hi] |= hit
+    return brought
+
+
+def _block_of(patch: RowPatch, tables: Sequence[str]) -> RowGroup | None:
+    """The block of `patch` that holds exactly `tables` in this order, if any."""
+    if isinstance(patch, UpdatedRows):
+        for block in patch.groups:
+            if len(block.tables) == len(tables) and list(block.tables) == list(tables):
+                return block
+    return None
 
 
 def patched(

@@ -22,6 +22,7 @@ import tensorflow as tf
 from numpy.typing import NDArray
 
 from lookup_table.client import OptimizerClient, RowReader
+from lookup_table.client.answers import UpdatedRows
 from lookup_table.config import ClusterConfig
 from lookup_table.core.keys import IdArray
 from lookup_table.core.rowcache import RowCache
@@ -37,8 +38,9 @@ from lookup_table.keras.rows import (
     RowPatch,
     column_of,
     fed_ids,
+    fed_ids_many,
     lookup_batch,
-    member,
+    members,
     patched,
 )
 from lookup_table.store import EmbeddingStore
@@ -111,6 +113,7 @@ class TrainingSession:
         self._pushes: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
         self._dense_ready = False
         self._dense_future: concurrent.futures.Future[Any] | None = None
+        self._assign_all: Callable[[list[NDArray[np.float32]]], None] | None = None
         self._closed = False
         self._lookup_error: Exception | None = None
         # read your writes: the rows of the last push's answer, and whether the dense
@@ -263,16 +266,21 @@ class TrainingSession:
         `newer` gets, brings their rows. With `earlier`, neither are the ids whose rows
         earlier answers brought, while those are current (`_known_rows`)."""
         pre = Prefetched()
-        wanted: list[tuple[str, IdArray, NDArray[np.bool_] | None]] = []
-        layers: list[tuple[int, FedIds, bool]] = []
-        for i, value in self._columns(features):
-            layer = self.layers[i]
-            fed = fed_ids(layer, value)
-            skip = member(fed.uniq, (answered or {}).get(layer.table))
-            wanted.append((layer.table, fed.uniq, skip))
-            layers.append((i, fed, skip is None))
-        if not wanted:
+        columns = list(self._columns(features))
+        if not columns:
             return pre
+        feds = fed_ids_many([self.layers[i] for i, _ in columns], [v for _, v in columns])
+        skips = members(
+            [fed.uniq for fed in feds],
+            [(answered or {}).get(self.layers[i].table) for i, _ in columns],
+        )
+        wanted = [
+            (self.layers[i].table, fed.uniq, skip)
+            for (i, _), fed, skip in zip(columns, feds, skips, strict=True)
+        ]
+        layers = [
+            (i, fed, skip is None) for (i, _), fed, skip in zip(columns, feds, skips, strict=True)
+        ]
         known = self._known_rows(wanted) if earlier else None
         pre.from_answers = sum(int(k[1].shape[0]) for k in known or () if k is not None)
         batch = self._submit(lookup_batch(self._reader, wanted, known, create=create))
@@ -327,11 +335,17 @@ class TrainingSession:
         self._stamps = dict(stamps)
         if not self._answers_current:
             self._answered.forget()
+        updated = doc["updated"]
+        put: set[str] = set()
+        for block in updated.groups if isinstance(updated, UpdatedRows) else ():
+            # as it came: no copy of each table's rows into one array again
+            if self._answered.put_block(block.tables, block.bounds, block.ids, block.rows):
+                put.update(block.tables)
         self._answered.put_many(
             [
                 (table, ids, rows, rows[:, :0])
-                for table, (ids, rows) in doc["updated"].items()
-                if self._answered.caches(table)
+                for table, (ids, rows) in updated.items()
+                if table not in put and self._answered.caches(table)
             ]
         )
 
@@ -377,12 +391,34 @@ class TrainingSession:
         ids = fed_ids(fed.layer, column_of(features, fed.key))
         return ids, self._training_rows(fed.layer.table, ids.uniq, None)
 
+    def fed_parts(
+        self, fed: Sequence[FedLayer], features: Any
+    ) -> tuple[
+        list[FedIds], list[NDArray[np.float32]], list[NDArray[np.bool_] | None], list[RowPatch]
+    ]:
+        """The fed layers' ids, rows and rows skipped (left to a push's answer) for this
+        training batch, and the answers to put into the rows (`FedBatch` does, for every
+        layer at once): those that came after the rows were fetched ahead; rows read
+        now come with them put in."""
+        ahead = [self._prefetched.fed.get(self._position[id(f.layer)]) for f in fed]
+        known = [a for a in ahead if a is not None]
+        if len(known) < len(fed):
+            got = [self.fed_rows(f, features) for f in fed]
+            return [i for i, _ in got], [r for _, r in got], [None] * len(fed), []
+        values = [part.result() for _, part in known]
+        return (
+            [ids for ids, _ in known],
+            [v.rows if isinstance(v, PartialRows) else v for v in values],
+            [v.skipped if isinstance(v, PartialRows) else None for v in values],
+            list(self._prefetched.newer),
+        )
+
     def evaluation_rows(
         self, fed: Sequence[FedLayer], features: Any
     ) -> list[tuple[FedIds, NDArray[np.float32]]]:
         """The fed layers' ids and rows of an evaluation batch: one `lookup_many` with
         `create=False` (writes nothing; unseen ids get their would-be initial rows)."""
-        ids = [fed_ids(f.layer, column_of(features, f.key)) for f in fed]
+        ids = fed_ids_many([f.layer for f in fed], [column_of(features, f.key) for f in fed])
         if not fed:
             return []
         got = self._run(
@@ -509,7 +545,9 @@ class TrainingSession:
                     f"parameters were initialized by a model of other layer shapes (other "
                     f"units, inputs, or a table's dim); {start_over}"
                 )
-            var.assign(value)
+        if self._assign_all is None:
+            self._assign_all = _assigner(list(self.dense_vars.values()))
+        self._assign_all([params[path] for path in self.dense_vars])
         self.version = version
 
     def refresh_dense(self, *, fresh: bool = False) -> None:
@@ -678,6 +716,26 @@ def check_layer(config: ClusterConfig, layer: DistributedEmbedding) -> None:
             f"layer {layer.name!r} expects dim={layer.dim} but table {layer.table!r} has "
             f"dim={spec.dim} in the cluster file"
         )
+
+
+def _assigner(variables: Sequence[Any]) -> Callable[[list[NDArray[np.float32]]], None]:
+    """Assign a list of float32 arrays to `variables` (in order): one raw assign op per
+    variable on its handle (Keras' `assign` converts and checks each value in Python; a
+    tf.function casts its inputs to its signature in Python too)."""
+    if not all(tf.as_dtype(v.dtype) == tf.float32 for v in variables):
+
+        def assign_each(values: list[NDArray[np.float32]]) -> None:
+            for var, value in zip(variables, values, strict=True):
+                var.assign(value)  # converted to the variable's dtype
+
+        return assign_each
+    handles = [v.handle for v in variables]
+
+    def assign_all(values: list[NDArray[np.float32]]) -> None:
+        for handle, value in zip(handles, values, strict=True):
+            tf.raw_ops.AssignVariableOp(resource=handle, value=value)
+
+    return assign_all
 
 
 async def _cancel_pending() -> None:

@@ -12,7 +12,7 @@ import tensorflow as tf
 from numpy.typing import NDArray
 
 from lookup_table.keras.layer import DistributedEmbedding, RecordedLookup
-from lookup_table.keras.rows import FedIds, FedLayer, column_of
+from lookup_table.keras.rows import FedIds, FedLayer, RowPatch, column_of, patch_rows
 from lookup_table.keras.session import TrainingSession
 
 __all__ = ["FedBatch", "GraphStep", "fed_train_step", "feed_layers"]
@@ -25,36 +25,87 @@ class FedBatch:
     The rows come as few tensors, whatever the number of layers (each argument costs
     TF's call path): `args` = (one table per dim: the rows of its layers one after the
     other, then a zero row; one index of every layer's positions; the bounds of each
-    layer's part of it).
+    layer's part of it). `patches` (push answers, later winning) are put into the
+    tables; the rows `skipped` (per layer, or None) must come from them.
     """
 
     def __init__(
         self,
         fed: Sequence[FedLayer],
-        got: Sequence[tuple[FedIds, NDArray[np.float32]]],
+        ids: Sequence[FedIds],
+        rows: Sequence[NDArray[np.float32]],
+        *,
+        patches: Sequence[RowPatch] = (),
+        skipped: Sequence[NDArray[np.bool_] | None] | None = None,
     ) -> None:
-        self.dims = sorted({f.layer.dim for f in fed})
-        parts: dict[int, list[NDArray[np.float32]]] = {d: [] for d in self.dims}
-        self.offsets: list[int] = []
-        for f, (_, rows) in zip(fed, got, strict=True):
-            self.offsets.append(sum(r.shape[0] for r in parts[f.layer.dim]))
-            parts[f.layer.dim].append(rows)
-        totals = {d: sum(r.shape[0] for r in parts[d]) for d in self.dims}
-        indexes = []
-        for f, (ids, _), start in zip(fed, got, self.offsets, strict=True):
-            own = ids.uniq.shape[0]
-            indexes.append(np.where(ids.index < own, ids.index + start, totals[f.layer.dim]))
-        lengths = [i.shape[0] for i in indexes]
         self.fed = list(fed)
-        self.ids = [ids for ids, _ in got]
-        self.args = (
-            [
-                tf.constant(np.concatenate([*parts[d], np.zeros((1, d), np.float32)]))
-                for d in self.dims
-            ],
-            tf.constant(np.concatenate(indexes) if indexes else np.zeros(0, np.int64)),
-            tf.constant(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)),
+        self.ids = list(ids)
+        self.dims = sorted({f.layer.dim for f in fed})
+        self.offsets = [0] * len(self.fed)
+        zero_rows = [0] * len(self.fed)  # per layer, the zero row of its dim's table
+        tables = []
+        for dim in self.dims:
+            group = [k for k, f in enumerate(self.fed) if f.layer.dim == dim]
+            starts = np.zeros(len(group) + 1, np.int64)
+            np.cumsum([self.ids[k].uniq.shape[0] for k in group], out=starts[1:])
+            total = int(starts[-1])
+            table = np.empty((total + 1, dim), np.float32)
+            np.concatenate([rows[k] for k in group], out=table[:total])
+            table[total] = 0.0
+            if patches or skipped is not None:
+                self._complete(table[:total], group, patches, skipped)
+            for k, start in zip(group, starts.tolist(), strict=False):
+                self.offsets[k] = start
+                zero_rows[k] = total
+            tables.append(table)
+        lengths = [i.index.shape[0] for i in self.ids]
+        if self.ids:
+            index = np.concatenate([i.index for i in self.ids])
+            own = np.repeat([i.uniq.shape[0] for i in self.ids], lengths)
+            index = np.where(
+                index < own,
+                index + np.repeat(np.asarray(self.offsets, np.int64), lengths),
+                np.repeat(np.asarray(zero_rows, np.int64), lengths),
+            )
+        else:
+            index = np.zeros(0, np.int64)
+        bounds = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=bounds[1:])
+        self.args = ([tf.constant(t) for t in tables], tf.constant(index), tf.constant(bounds))
+
+    def _complete(
+        self,
+        rows: NDArray[np.float32],
+        group: Sequence[int],
+        patches: Sequence[RowPatch],
+        skipped: Sequence[NDArray[np.bool_] | None] | None,
+    ) -> None:
+        """Put `patches` into the rows of the layers `group` (one after the other);
+        RuntimeError where a skipped row was not brought."""
+        tables = [self.fed[k].layer.table for k in group]
+        uniq = [self.ids[k].uniq for k in group]
+        brought = patch_rows(rows, tables, uniq, patches)
+        if skipped is None or all(skipped[k] is None for k in group):
+            return
+        left = (
+            np.concatenate(
+                [
+                    np.zeros(u.shape[0], bool) if skipped[k] is None else skipped[k]
+                    for k, u in zip(group, uniq, strict=True)
+                ]
+            )
+            & ~brought
         )
+        if left.any():
+            first = int(
+                np.searchsorted(
+                    np.cumsum([u.shape[0] for u in uniq]), np.flatnonzero(left)[0], side="right"
+                )
+            )
+            raise RuntimeError(
+                f"{int(left.sum())} rows of table {tables[first]!r} and others were left to "
+                f"a push's answer that did not bring them (a bug)"
+            )
 
     def records(
         self, table_grads: Sequence[Any]
@@ -90,6 +141,7 @@ def fed_train_step(
     inputs_of: Callable[[Any], Any],
     forward: Callable[[Any], tuple[Any, Any]],
     after: Callable[[Any, Any, Any], Any],
+    unpack: Callable[[Any], Any] | None = None,
 ) -> Any:
     """A train step as one tf.function: `step(data, tables, index, bounds)` ->
     (what `after` returns, row gradients of the in-graph lookups, gradients w.r.t.
@@ -97,10 +149,14 @@ def fed_train_step(
 
     `forward(data)` -> (loss, state) runs under the tape, with `fed` layers fed from
     `tables` (their columns found in `inputs_of(data)`) and the others looking up inside
-    the graph; `after(data, loss, state)` runs after it (e.g. Keras' metrics)."""
+    the graph; `after(data, loss, state)` runs after it (e.g. Keras' metrics).
+    `unpack(data)`, if given, makes the data these see of the step's argument (e.g.
+    columns stacked into one tensor, as each argument costs TF's call path)."""
 
     @tf.function(reduce_retracing=True)
     def step(data: Any, tables: Any, index: Any, bounds: Any) -> Any:
+        if unpack is not None:
+            data = unpack(data)
         with tf.GradientTape() as tape:
             for layer in layers:
                 layer.begin_step(tape)  # at trace time: a new trace, rows watched
@@ -155,10 +211,11 @@ class GraphStep:
         and the fed rows it was given."""
         session = self.session
         if self.training:
-            got = [session.fed_rows(f, features) for f in self.fed]
+            ids, rows, skipped, patches = session.fed_parts(self.fed, features)
+            batch = FedBatch(self.fed, ids, rows, patches=patches, skipped=skipped)
         else:
             got = session.evaluation_rows(self.fed, features)
-        batch = FedBatch(self.fed, got)
+            batch = FedBatch(self.fed, [i for i, _ in got], [r for _, r in got])
         if self._fn is None:
             self._fn = self._make(self.fed)
             self._fn.get_concrete_function(data, *batch.args)  # trace: which feeds are taken

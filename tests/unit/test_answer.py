@@ -47,3 +47,31 @@ def test_an_answer_sends_only_what_was_asked() -> None:
     assert Answer(updated={}).to_wire() == {"updated": {}}
     with pytest.raises(AttributeError):
         Answer().stamp = ("e", 1)  # type: ignore[misc]
+
+
+def test_a_trainer_reads_an_answer_back_with_its_blocks_as_they_came() -> None:
+    """`updated_rows` gives every table's (ids, rows) and, for one replica's group whose
+    tables' ids each rise, the block itself (patches and caches take it whole); a block
+    with a table out of order is only read table by table (sorted)."""
+    from lookup_table.client.answers import updated_rows
+
+    updated = {
+        "a": (np.array([1, 2]), _rows(2, 0)),
+        "b": (np.array([7]), _rows(1, 10)),
+        "e": (np.array([], np.int64), _rows(0, 0)),
+        "c": (np.array([3, 4, 5]), _rows(3, 20)),
+        "d": (np.array([9, 8]), _rows(2, 30)),  # not sorted: read table by table
+    }
+    wire = Answer(updated=updated, groups=[("a", "b", "e", "c"), ("d", "x")]).to_wire()
+    got = updated_rows([wire])
+    assert set(got) == set(updated) - {"x"}
+    for name, (ids, rows) in updated.items():
+        order = np.argsort(ids)
+        np.testing.assert_array_equal(got[name][0], ids[order])
+        np.testing.assert_array_equal(got[name][1], rows[order])
+    (block,) = got.groups
+    assert block.tables == ("a", "b", "e", "c") and block.bounds.tolist() == [0, 2, 3, 3, 6]
+    np.testing.assert_array_equal(block.ids, [1, 2, 7, 3, 4, 5])
+    unsorted = Answer(updated=updated, groups=[("c", "d")]).to_wire()
+    assert updated_rows([unsorted]).groups == []
+    assert updated_rows([wire, unsorted]).groups == []  # two replicas: merged per table

@@ -133,6 +133,31 @@ def test_one_batch_of_several_tables_finds_each_tables_own_rows() -> None:
     assert not any(h.any() for h, _, _ in cache.get_many([("a", ids), ("c", ids)]))
 
 
+def test_a_block_of_several_tables_is_put_as_put_many_puts_them() -> None:
+    """`put_block` (one answer's block of tables, one after the other) remembers what
+    `put_many` of each table's part does; not at all where a table is not cached or
+    has another width."""
+    rng = np.random.default_rng(3)
+    ids = rng.permutation(1000)[:300].astype(np.int64)
+    rows = rng.normal(size=(300, 3)).astype(np.float32)
+    bounds = np.array([0, 100, 180, 300])
+    names = ("a", "b", "a")  # a table in two parts (of other ids)
+    block, many = _cache(1 << 22), _cache(1 << 22)
+    assert block.put_block(names, bounds, ids, rows)
+    many.put_many(
+        [
+            (n, ids[lo:hi], rows[lo:hi], rows[lo:hi, :0])
+            for n, lo, hi in zip(names, bounds, bounds[1:], strict=False)
+        ]
+    )
+    asks = [("a", np.arange(1000)), ("b", np.arange(1000))]
+    for (h1, r1, _), (h2, r2, _) in zip(block.get_many(asks), many.get_many(asks), strict=True):
+        np.testing.assert_array_equal(h1, h2)
+        assert h1.any() and r1[h1].tobytes() == r2[h2].tobytes()
+    assert not block.put_block(("a", "c"), np.array([0, 1, 2]), ids[:2], rows[:2])  # c: 2+2
+    assert not block.put_block(("a", "z"), np.array([0, 1, 2]), ids[:2], rows[:2])
+
+
 def _tabs(n: int) -> np.ndarray:
     return np.zeros(n, dtype=np.int32)
 
