@@ -626,6 +626,20 @@ class EmbeddingStore:
         results = await gather([write(node) for node in targets])
         return {n.address: ok for n, ok in zip(targets, results, strict=True)}
 
+    async def record_layouts(self, tables: Sequence[str] | None = None) -> dict[str, list[str]]:
+        """Check the stored layout of `tables` (default: every table of the cluster file)
+        on every node, and record it where neither the sentinel nor a record holds it
+        (`store.layouts`; a batch of a table does the same before its first round trip).
+        Returns, per node, the tables recorded by this call.
+
+        Raises:
+            StorageFormatError: a node holds one of the tables in another layout.
+        """
+        names = [t.name for t in self.config.tables] if tables is None else list(tables)
+        for name in names:
+            self.config.table(name)  # ConfigError: not a table of the cluster file
+        return await self._fan.layouts.check(names)
+
     def check_format(self, address: str, sentinel: bytes) -> None:
         """Raise StorageFormatError unless `sentinel` (node `address`'s) records this
         version's storage format (`core.keyspace.STORAGE_FORMAT`)."""
