@@ -206,8 +206,13 @@ async def test_checkpoint_round_trips_and_the_conversion_the_refusal_names(
         before = await store.lookup("late", IDS)
     await save_checkpoint_async(added, tmp_path / "ck", pause=False, progress=False)
 
-    # into another namespace: its sentinels record the table, no record needed
+    # into another namespace, initialized without the table, which a read recorded in
+    # another layout: no data, so no force needed; the restore's sentinels record it
     elsewhere = dataclasses.replace(added, namespace=added.namespace + "r")
+    await init_cluster(dataclasses.replace(config, namespace=elsewhere.namespace))
+    async with EmbeddingStore(_with(elsewhere, "late", dtype="float16")) as store:
+        await store.lookup("late", IDS, create=False)
+    assert all(_records(elsewhere, "late"))
     await restore_checkpoint_async(elsewhere, tmp_path / "ck", pause=False, progress=False)
     async with EmbeddingStore(elsewhere) as store:
         np.testing.assert_array_equal(await store.lookup("late", IDS, create=False), before)
