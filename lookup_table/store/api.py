@@ -603,6 +603,8 @@ class EmbeddingStore:
                     return False
                 (seen,) = await batch.mg_blobs(node, [self._sentinel_key], sentinel=None)
                 if seen is not None:
+                    if self._fan.guard is not None:  # its tables need no layout record
+                        self._sentinels.accept(node.address, seen)
                     return True
                 # memcached without CAS (-C) hides every item written in the second of a
                 # flush_all: add it again once that second is over, unless the node was

@@ -13,7 +13,7 @@ from numpy.typing import NDArray
 from lookup_table.config import ClusterConfig
 from lookup_table.core.keys import IdArray, as_ids, prefixed_keys
 from lookup_table.core.rows import ROW_DTYPE
-from lookup_table.errors import ClusterNotInitializedError, DataLossError
+from lookup_table.errors import ClusterNotInitializedError, CorruptValueError, DataLossError
 from lookup_table.memcached import batch
 from lookup_table.memcached.batch import Segment
 from lookup_table.memcached.node import Node
@@ -164,29 +164,21 @@ class FanOut:
         ]
         chunks = self.chunks(parts)
         describe = self._items.describer(parts)
-        if self._check_sentinels:
-            await self.layouts.ensure(parts)
-        generation = self._sentinels.generation
         jobs = [
             batch.mg_rows(node, parts, segs, results, sentinel=self.guard, describe=describe)
             for node, segs in chunks
         ]
-        await self.run(jobs)
-        if self._sentinels.generation != generation and self.layouts.pending(parts):
-            # a node's new sentinel (reset, reinit, restore) came with these values: the
-            # layouts are checked again before they are used, and the values read again
+        try:
+            await self.run(jobs)
+        except CorruptValueError:
+            # a value of another size than the layout's: another layout, if one is recorded
+            if self._check_sentinels:
+                await self.layouts.ensure(parts)
+            raise
+        # the batch read the sentinels in front (the tables they record are checked): the
+        # tables they do not are checked before the values are used
+        if self._check_sentinels:
             await self.layouts.ensure(parts)
-            for values, found in results:
-                values.fill(0)
-                found.fill(False)
-            await self.run(
-                [
-                    batch.mg_rows(
-                        node, parts, segs, results, sentinel=self.guard, describe=describe
-                    )
-                    for node, segs in chunks
-                ]
-            )
         return [
             (values if p.decode is None else p.decode(values), found)
             for p, (values, found) in zip(parts, results, strict=True)

@@ -54,21 +54,22 @@ class TableLayouts:
         self._lock = asyncio.Lock()
 
     def pending(self, parts: Sequence[Part]) -> set[str]:
-        """The cluster file's tables of `parts` still to check (usually none)."""
-        if self._generation == self._sentinels.generation:
-            checked, mine = self._checked, self._sentinels.layouts
-            if all(
-                t in checked or t not in mine
-                for p in parts
-                for t in (p.placed.table, *p.placed.tables)
-            ):
-                return set()
-        return {
-            t
-            for p in parts
-            for t in (p.placed.table, *p.placed.tables)
-            if t in self._sentinels.layouts
-        }
+        """The cluster file's tables of `parts` still to check: none once they were, and
+        none that the sentinel of every node (as read so far) records."""
+        if self._generation != self._sentinels.generation:
+            self._checked.clear()
+            self._generation = self._sentinels.generation
+        checked, mine = self._checked, self._sentinels.layouts
+        if all(
+            t in checked or t not in mine for p in parts for t in (p.placed.table, *p.placed.tables)
+        ):
+            return set()
+        tables = {t for p in parts for t in (p.placed.table, *p.placed.tables) if t in mine}
+        tables -= checked
+        recorded = self._sentinels.recorded
+        settled = {t for t in tables if all(t in recorded.get(n.address, ()) for n in self._nodes)}
+        checked |= settled
+        return tables - settled
 
     async def ensure(self, parts: Sequence[Part]) -> None:
         """`check` the tables of `parts` unless they were (the fast path of every batch)."""
@@ -91,9 +92,11 @@ class TableLayouts:
         async with self._lock:
             if self._generation != self._sentinels.generation:
                 self._checked.clear()
+                self._generation = self._sentinels.generation
             todo = sorted(set(tables) - self._checked)
             if not todo:
                 return {}
+            generation = self._sentinels.generation
             keys = [layout_key(self._namespace, t) for t in todo]
             found = await gather(
                 [
@@ -125,8 +128,8 @@ class TableLayouts:
                 added.update(await self._record(*first))
                 for got in await gather([self._record(node, ts) for node, ts in rest]):
                     added.update(got)
-            self._checked.update(todo)
-            self._generation = self._sentinels.generation
+            if self._generation == generation:  # else a node's sentinel changed meanwhile
+                self._checked.update(todo)
             return added
 
     async def _read(self, node: Node, keys: list[bytes]) -> list[bytes | None]:

@@ -63,9 +63,10 @@ class Sentinels:
         self.key = sentinel_key(namespace)
         self._formats_ok: set[bytes] = set()  # sentinel values whose storage format is ours
         self._verified: set[str] = set()  # nodes whose sentinel was checked before a batch
-        # counts the sentinel values seen for the first time: a node re-initialized (or
-        # restored) since `store.layouts` checked it has a new one
+        # counts the nodes seen with a new sentinel: re-initialized (or restored) since
+        # `store.layouts` checked them
         self.generation = 0
+        self.recorded: dict[str, frozenset[str]] = {}  # the tables each node's sentinel records
 
     def verified(self, address: str) -> bool:
         return address in self._verified
@@ -143,5 +144,7 @@ class Sentinels:
         if value not in self._formats_ok:
             self.check_format(address, value)
             self._formats_ok.add(value)
-            self.generation += 1
+            if address in self.recorded:  # a new sentinel: the node was initialized again
+                self.generation += 1
+            self.recorded[address] = frozenset(recorded_layouts(value))
         self._verified.add(address)
