@@ -2,8 +2,9 @@
 does not record (one added to the cluster file after the namespace was initialized).
 
 The first process that uses such a table `add`s its layout on every node (the first
-writer wins); every process checks it before its first batch of the table, so that rows
-are never read or written in another dtype or optimizer's layout than they were stored in.
+writer wins); every process checks it before it first writes the table or uses values it
+read, so that rows are never read or written in another dtype or optimizer's layout than
+they were stored in.
 """
 
 from __future__ import annotations
