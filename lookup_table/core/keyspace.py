@@ -26,6 +26,9 @@ __all__ = [
     "dense_log_id",
     "is_journal_header",
     "journal_id",
+    "layout_id",
+    "layout_key",
+    "layout_table",
     "push_record_id",
     "sentinel_format",
     "sentinel_key",
@@ -68,7 +71,8 @@ ROW_KINDS = (Kind.ROW,)
 are sightings of ids without a row, transient by design; a restore starts them over)."""
 
 META_TABLE = "_meta"
-"""Bookkeeping of the cluster and the replicas: sentinel, versions, push records, journals."""
+"""Bookkeeping of the cluster and the replicas: sentinel, table layouts, versions, push
+records, journals."""
 DENSE_TABLE = "_dense"
 """The dense parameters (the model on top of the embeddings) and their slots."""
 BOOKKEEPING_TABLES = (META_TABLE, DENSE_TABLE)
@@ -80,6 +84,7 @@ STORAGE_FORMAT = 3
 in keys as 16 hex digits)."""
 DENSE_CURRENT_ID = "current"
 
+_LAYOUT_PREFIX = "layout:"
 _VERSION_RE = re.compile(r"version-r(\d+)\Z")
 _JOURNAL_HEADER_RE = re.compile(r"r\d+-j\d+\Z")
 
@@ -93,6 +98,22 @@ def version_replica(meta_id: str) -> int | None:
     """The replica whose version `meta_id` holds, or None if it is not a version id."""
     match = _VERSION_RE.match(meta_id)
     return int(match.group(1)) if match else None
+
+
+def layout_id(table: str) -> str:
+    """`_meta/m` id of a node's record of table `table`'s stored layout (a table that the
+    node's sentinel does not record: `store.layouts`)."""
+    return f"{_LAYOUT_PREFIX}{table}"
+
+
+def layout_table(meta_id: str) -> str | None:
+    """The table whose layout `meta_id` records, or None if it is not a layout id."""
+    return meta_id[len(_LAYOUT_PREFIX) :] if meta_id.startswith(_LAYOUT_PREFIX) else None
+
+
+def layout_key(namespace: str, table: str) -> bytes:
+    """The key of `layout_id(table)`: the same on every node of `namespace`."""
+    return encode_key(namespace, META_TABLE, Kind.META, layout_id(table))
 
 
 def push_record_id(replica: int, push_id: str) -> str:

@@ -1,6 +1,7 @@
 """`lookup-table-admin`: initialize a namespace on the fleet, inspect it, accept a loss.
 
-    lookup-table-admin init   --config C        # write the sentinels (fresh cluster)
+    lookup-table-admin init   --config C        # write the sentinels (fresh cluster), or
+                                                # record the layouts of tables added since
     lookup-table-admin stats  --config C [--json] [--table NAME ...]
     lookup-table-admin reinit --config C --yes  # accept that a node lost its data
     lookup-table-admin reset  --config C --yes  # start the namespace over (deletes it all)
@@ -28,6 +29,7 @@ from lookup_table.core.keyspace import (
     SENTINEL_ID,
     Kind,
     journal_id,
+    layout_id,
     version_id,
 )
 from lookup_table.errors import (
@@ -52,11 +54,14 @@ logger = logging.getLogger(__name__)
 
 
 async def init_cluster(config: ClusterConfig) -> dict[str, str]:
-    """Write the sentinels of a fresh namespace; returns each node's state.
+    """Write the sentinels of a fresh namespace; on an initialized one, check the stored
+    layouts of its tables and record those of tables its sentinels do not record (added
+    to the cluster file since), as their first use would. Returns each node's state.
 
     Raises:
         DataLossError: some nodes have a sentinel and others lost theirs.
-        StorageFormatError: the namespace holds another storage format's data.
+        StorageFormatError: the namespace holds another storage format's data, or a table
+            in another layout than the cluster file's (nothing is written).
     """
     async with EmbeddingStore(config, check_sentinels=False) as store:
         present = await store.sentinels()
@@ -73,9 +78,15 @@ async def init_cluster(config: ClusterConfig) -> dict[str, str]:
             if value is not None:  # an older version's namespace: say so, write nothing
                 store.check_format(node, value)
         written = await store.write_sentinels(missing) if missing else {}
-    return {
-        node: ("initialized" if written.get(node) else "already initialized") for node in present
-    }
+        recorded = await store.record_layouts()
+    states = {}
+    for node in present:
+        state = "initialized" if written.get(node) else "already initialized"
+        if recorded.get(node):
+            tables = ", ".join(repr(t) for t in recorded[node])
+            state += f"; recorded the stored layout of tables added since: {tables}"
+        states[node] = state
+    return states
 
 
 async def reinit_cluster(config: ClusterConfig) -> dict[str, str]:
@@ -214,10 +225,12 @@ async def _delete_namespace(
     # the keys that make a namespace continue are deleted by name first, on every node,
     # so that a reset stopped halfway leaves no namespace to continue from: the sentinels
     # (trainers reading meanwhile get DataLossError), the versions, the dense
-    # parameters' pointer, the journal headers (a replica's start replays what they list)
+    # parameters' pointer, the journal headers (a replica's start replays what they list);
+    # and the tables' layout records, which a namespace started over must not inherit
     replicas = range(max(len(config.optimizers), 1))
     known = [
         (META_TABLE, Kind.META, [SENTINEL_ID]),
+        (META_TABLE, Kind.META, [layout_id(t.name) for t in config.tables]),
         (META_TABLE, Kind.META, [version_id(k) for k in replicas]),
         (DENSE_TABLE, Kind.META, [DENSE_CURRENT_ID]),
         (
@@ -270,7 +283,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lookup-table-admin", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (
-        ("init", "write the data-loss sentinels of the namespace on every node"),
+        (
+            "init",
+            "write the data-loss sentinels of the namespace on every node; on an "
+            "initialized namespace, record the stored layout of tables added since",
+        ),
         (
             "stats",
             "per table: keys and bytes per node and in total (rows, slots, bookkeeping); "

@@ -2,8 +2,9 @@
 
 `api` is the public class; it composes `placement` (ids placed on nodes once per
 call, a batch's parts), `items` (what a row's item holds, new rows, TTLs, admission),
-`fanout` (one request per node, errors mapped) and `sentinels` (data loss, storage
-format). One node's request is `lookup_table.memcached.batch`'s.
+`fanout` (one request per node, errors mapped; `gathering`), `sentinels` (data loss,
+storage format) and `layouts` (the layouts of tables the sentinels do not record).
+One node's request is `lookup_table.memcached.batch`'s.
 """
 
 from __future__ import annotations

@@ -603,6 +603,8 @@ class EmbeddingStore:
                     return False
                 (seen,) = await batch.mg_blobs(node, [self._sentinel_key], sentinel=None)
                 if seen is not None:
+                    if self._fan.guard is not None:  # its tables need no layout record
+                        self._sentinels.accept(node.address, seen)
                     return True
                 # memcached without CAS (-C) hides every item written in the second of a
                 # flush_all: add it again once that second is over, unless the node was
@@ -625,6 +627,20 @@ class EmbeddingStore:
         targets = [n for n in self._fan.connections if n.address in wanted]
         results = await gather([write(node) for node in targets])
         return {n.address: ok for n, ok in zip(targets, results, strict=True)}
+
+    async def record_layouts(self, tables: Sequence[str] | None = None) -> dict[str, list[str]]:
+        """Check the stored layout of `tables` (default: every table of the cluster file)
+        on every node, and record it where neither the sentinel nor a record holds it
+        (`store.layouts`; a batch of a table does the same before its first round trip).
+        Returns, per node, the tables recorded by this call.
+
+        Raises:
+            StorageFormatError: a node holds one of the tables in another layout.
+        """
+        names = [t.name for t in self.config.tables] if tables is None else list(tables)
+        for name in names:
+            self.config.table(name)  # ConfigError: not a table of the cluster file
+        return await self._fan.layouts.check(names)
 
     def check_format(self, address: str, sentinel: bytes) -> None:
         """Raise StorageFormatError unless `sentinel` (node `address`'s) records this

@@ -4,9 +4,8 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -14,57 +13,25 @@ from numpy.typing import NDArray
 from lookup_table.config import ClusterConfig
 from lookup_table.core.keys import IdArray, as_ids, prefixed_keys
 from lookup_table.core.rows import ROW_DTYPE
-from lookup_table.errors import ClusterNotInitializedError, DataLossError, LookupTableError
+from lookup_table.errors import ClusterNotInitializedError, CorruptValueError, DataLossError
 from lookup_table.memcached import batch
 from lookup_table.memcached.batch import Segment
 from lookup_table.memcached.node import Node
 from lookup_table.memcached.protocol import Keys
+from lookup_table.store.gathering import gather, raise_first
 from lookup_table.store.items import Items
+from lookup_table.store.layouts import TableLayouts
 from lookup_table.store.placement import Part, Placement
 from lookup_table.store.sentinels import Sentinels
 
 __all__ = ["FanOut", "gather", "raise_first"]
 
-T = TypeVar("T")
-
-
-def raise_first(errors: Sequence[BaseException]) -> None:
-    """Raise the most useful single error of a fan-out (data loss first)."""
-    lost = [e for e in errors if isinstance(e, DataLossError)]
-    if lost:
-        nodes = tuple(sorted({n for e in lost for n in e.nodes}))
-        if len(lost) == 1:
-            raise lost[0]
-        raise DataLossError(
-            f"memcached nodes {', '.join(nodes)} have lost their data: their sentinels are "
-            f"gone (restart or flush). Nothing is read from them until you restore a checkpoint "
-            f"(lookup-table-checkpoint restore) or accept the loss (lookup-table-admin reinit "
-            f"--yes)",
-            nodes=nodes,
-        ) from lost[0]
-    for exc in errors:
-        if isinstance(exc, LookupTableError):
-            raise exc
-    raise errors[0]
-
-
-async def gather(jobs: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
-    """Run jobs concurrently; on failure cancel the rest and raise one clear error."""
-    if len(jobs) == 1:
-        return [await jobs[0]]
-    tasks: list[asyncio.Task[T]] = []
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(job) for job in jobs]
-    except BaseExceptionGroup as group_error:
-        raise_first(group_error.exceptions)
-    return [t.result() for t in tasks]
-
 
 class FanOut:
     """Runs the parts of a batch on the nodes: one pipelined request per node.
 
-    `check_sentinels`: every batch reads the node's sentinel in front of its commands.
+    `check_sentinels`: every batch reads the node's sentinel in front of its commands,
+    and the first batch of a table checks its stored layout (`layouts`).
     """
 
     def __init__(
@@ -86,6 +53,7 @@ class FanOut:
         self._check_sentinels = check_sentinels
         # what every batch reads in front of its commands (None: nothing)
         self.guard = sentinels if check_sentinels else None
+        self.layouts = TableLayouts(config.namespace, self._nodes, sentinels)
 
     @property
     def connections(self) -> list[Node]:
@@ -114,6 +82,8 @@ class FanOut:
             Part(p, self._placement.prefix(p, kind), p.by_node)
             for p, (_, _, kind) in zip(placed, reads, strict=True)
         ]
+        if self._check_sentinels:
+            await self.layouts.ensure(parts)
         out: list[list[bytes | None]] = [[None] * p.ids.shape[0] for p in placed]
         segments: dict[Node, list[Segment]] = {node: [] for node in self._nodes}
         for node, chunk in self.chunks(parts):  # a node's keys: one request, however many
@@ -194,12 +164,21 @@ class FanOut:
         ]
         chunks = self.chunks(parts)
         describe = self._items.describer(parts)
-        await self.run(
-            [
-                batch.mg_rows(node, parts, segs, results, sentinel=self.guard, describe=describe)
-                for node, segs in chunks
-            ]
-        )
+        jobs = [
+            batch.mg_rows(node, parts, segs, results, sentinel=self.guard, describe=describe)
+            for node, segs in chunks
+        ]
+        try:
+            await self.run(jobs)
+        except CorruptValueError:
+            # a value of another size than the layout's: another layout, if one is recorded
+            if self._check_sentinels:
+                await self.layouts.ensure(parts)
+            raise
+        # the batch read the sentinels in front (the tables they record are checked): the
+        # tables they do not are checked before the values are used
+        if self._check_sentinels:
+            await self.layouts.ensure(parts)
         return [
             (values if p.decode is None else p.decode(values), found)
             for p, (values, found) in zip(parts, results, strict=True)
@@ -241,7 +220,10 @@ class FanOut:
             for s, got in zip(mas, values, strict=True):
                 counted[s.part - len(writes)][s.index] = got
 
-        await self.run([one(node, segments) for node, segments in self.chunks(parts)])
+        chunks = self.chunks(parts)
+        if self._check_sentinels:
+            await self.layouts.ensure(parts)
+        await self.run([one(node, segments) for node, segments in chunks])
         return stored, counted
 
     async def fan_out(
@@ -257,4 +239,6 @@ class FanOut:
         placed = self._placement.place(table, ids)
         part = Part(placed, self._placement.prefix(placed, kind), placed.by_node)
         chunks = self.chunks([part])
+        if self._check_sentinels:
+            await self.layouts.ensure([part])
         await self.run([job(node, s.index, s.keys) for node, (s,) in chunks])

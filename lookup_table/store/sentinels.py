@@ -15,7 +15,7 @@ from lookup_table.core.optimizers import make_optimizer
 from lookup_table.errors import DataLossError, StorageFormatError
 from lookup_table.memcached.node import Node
 
-__all__ = ["Sentinels", "stored_layout", "stored_layouts"]
+__all__ = ["Sentinels", "recorded_layouts", "stored_layout", "stored_layouts"]
 
 
 def stored_layout(spec: TableSpec) -> dict[str, Any]:
@@ -32,6 +32,16 @@ def stored_layout(spec: TableSpec) -> dict[str, Any]:
 def stored_layouts(config: ClusterConfig) -> dict[str, dict[str, Any]]:
     """`stored_layout` of every table of `config`, by name."""
     return {t.name: stored_layout(t) for t in config.tables}
+
+
+def recorded_layouts(sentinel: bytes) -> dict[str, Any]:
+    """The stored layouts a sentinel's value records, by table (none in a sentinel that
+    `sentinel_format` cannot read)."""
+    try:
+        recorded = json.loads(sentinel).get("tables", {})
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
 
 
 def _describe(layout: Mapping[str, Any]) -> str:
@@ -53,6 +63,10 @@ class Sentinels:
         self.key = sentinel_key(namespace)
         self._formats_ok: set[bytes] = set()  # sentinel values whose storage format is ours
         self._verified: set[str] = set()  # nodes whose sentinel was checked before a batch
+        # counts the nodes seen with a new sentinel: re-initialized (or restored) since
+        # `store.layouts` checked them
+        self.generation = 0
+        self.recorded: dict[str, frozenset[str]] = {}  # the tables each node's sentinel records
 
     def verified(self, address: str) -> bool:
         return address in self._verified
@@ -79,28 +93,35 @@ class Sentinels:
                 f"(lookup-table-checkpoint restore --force)",
                 node=address,
             )
-        recorded = json.loads(sentinel).get("tables", {})  # sentinel_format parsed it
+        recorded = recorded_layouts(sentinel)
         for table, mine in self.layouts.items():
-            stored = recorded.get(table) if isinstance(recorded, dict) else None
-            if stored is None or stored == mine:
-                continue
-            if stored.get("optimizer") != mine["optimizer"]:
-                how = (
-                    "another optimizer's slots mean something else and are not converted: "
-                    "set the table's optimizer back, or train it under a new table name"
-                )
-            else:
-                how = (
-                    "convert it: save a checkpoint with the cluster file that wrote it "
-                    "(lookup-table-checkpoint save), then restore it with this one "
-                    "(lookup-table-checkpoint restore --force), which re-encodes the rows"
-                )
-            raise StorageFormatError(
-                f"memcached node {address} holds table {table!r} of namespace "
-                f"{self._namespace!r} as {_describe(stored)}, and this cluster file says "
-                f"{_describe(mine)}: nothing is read from it or written to it; {how}",
-                node=address,
+            stored = recorded.get(table)
+            if stored is not None and stored != mine:
+                raise self.mismatch(address, table, stored)
+
+    def mismatch(
+        self, address: str, table: str, stored: Mapping[str, Any], *, where: str = ""
+    ) -> StorageFormatError:
+        """The error of node `address` holding `table` in another layout (`stored`) than
+        the cluster file's; `where` says what recorded it, if not the sentinel."""
+        mine = self.layouts[table]
+        if stored.get("optimizer") != mine["optimizer"]:
+            how = (
+                "another optimizer's slots mean something else and are not converted: "
+                "set the table's optimizer back, or train it under a new table name"
             )
+        else:
+            how = (
+                "convert it: save a checkpoint with the cluster file that wrote it "
+                "(lookup-table-checkpoint save), then restore it with this one "
+                "(lookup-table-checkpoint restore --force), which re-encodes the rows"
+            )
+        return StorageFormatError(
+            f"memcached node {address} holds table {table!r} of namespace "
+            f"{self._namespace!r} as {_describe(stored)}{where}, and this cluster file says "
+            f"{_describe(mine)}: nothing is read from it or written to it; {how}",
+            node=address,
+        )
 
     def lost(self, node: Node, *, writes: bool) -> DataLossError:
         """What a batch raises that found `node`'s sentinel gone."""
@@ -123,4 +144,7 @@ class Sentinels:
         if value not in self._formats_ok:
             self.check_format(address, value)
             self._formats_ok.add(value)
+            if address in self.recorded:  # a new sentinel: the node was initialized again
+                self.generation += 1
+            self.recorded[address] = frozenset(recorded_layouts(value))
         self._verified.add(address)

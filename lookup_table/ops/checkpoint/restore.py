@@ -20,7 +20,7 @@ import numpy as np
 
 from lookup_table.client import OptimizerClient
 from lookup_table.config import ClusterConfig
-from lookup_table.core.keyspace import META_TABLE, Kind, sentinel_key
+from lookup_table.core.keyspace import META_TABLE, SENTINEL_ID, Kind, layout_table
 from lookup_table.core.optimizers import make_optimizer
 from lookup_table.dense import DenseParams
 from lookup_table.errors import LookupTableError, NamespaceNotEmptyError, ReplicaUnavailableError
@@ -32,7 +32,7 @@ from lookup_table.ops.checkpoint.format import (
     rows_from_file,
     table_dtype,
 )
-from lookup_table.ops.checkpoint.listing import namespace_keys
+from lookup_table.ops.checkpoint.listing import NodeKeys, decode_bodies, namespace_keys
 from lookup_table.ops.checkpoint.pipeline import (
     DEFAULT_BATCH_IDS,
     DEFAULT_PAUSE_TIMEOUT_S,
@@ -94,11 +94,7 @@ async def restore_checkpoint_async(
         _PausedReplicas(config, enabled=pause) as replicas,
     ):
         dumps = await namespace_keys(store)
-        sentinel_body = sentinel_key(ns).rsplit(b"/", 1)[1]
-        data = {
-            node: found.count - found.bodies.get((META_TABLE, Kind.META), []).count(sentinel_body)
-            for node, found in dumps.items()
-        }
+        data = {node: _data_keys(ns, found) for node, found in dumps.items()}
         if any(data.values()) and not force:
             where = ", ".join(f"{node}: {n}" for node, n in data.items() if n)
             raise NamespaceNotEmptyError(
@@ -212,6 +208,16 @@ class _PausedReplicas:
         finally:
             await self._client.close()
             self._client = None
+
+
+def _data_keys(namespace: str, found: NodeKeys) -> int:
+    """The keys of a node that hold data: not its sentinel, nor a table's layout record
+    (the restore deletes them and writes the sentinels, which record every table, anew)."""
+    meta = decode_bodies(
+        namespace, META_TABLE, Kind.META, found.bodies.get((META_TABLE, Kind.META), [])
+    )
+    book = [m for m in meta if m == SENTINEL_ID or (isinstance(m, str) and layout_table(m))]
+    return found.count - len(book)
 
 
 async def _write_checkpoint(
