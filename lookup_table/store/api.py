@@ -31,7 +31,8 @@ from lookup_table.errors import StoreError
 from lookup_table.memcached import batch, commands
 from lookup_table.memcached.node import Node
 from lookup_table.memcached.protocol import Keys, Wire
-from lookup_table.store.fanout import FanOut, gather
+from lookup_table.store.fanout import FanOut
+from lookup_table.store.gathering import gather
 from lookup_table.store.items import Items, TableLookup
 from lookup_table.store.placement import (
     Part,

@@ -18,13 +18,13 @@ from lookup_table.memcached import batch
 from lookup_table.memcached.batch import Segment
 from lookup_table.memcached.node import Node
 from lookup_table.memcached.protocol import Keys
-from lookup_table.store.gathering import gather, raise_first
+from lookup_table.store.gathering import gather
 from lookup_table.store.items import Items
 from lookup_table.store.layouts import TableLayouts
 from lookup_table.store.placement import Part, Placement
 from lookup_table.store.sentinels import Sentinels
 
-__all__ = ["FanOut", "gather", "raise_first"]
+__all__ = ["FanOut"]
 
 
 class FanOut:
