@@ -8,6 +8,7 @@ otherwise.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import shutil
@@ -54,11 +55,21 @@ def memcached_binary() -> str:
     return path
 
 
+_GIVEN_PORTS: collections.deque[int] = collections.deque(maxlen=1024)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bind to 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port that was free a moment ago (bind to 0, read it, close) and that this
+    process has not handed out lately: the kernel may offer a port again as soon as it
+    is closed, and two servers of one cluster file must not be given the same one."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.append(port)
+            return port
+    raise RuntimeError(f"the kernel kept offering ports this process handed out on {host}")
 
 
 def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> None:
