@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Literal, TypeAlias, get_args
 
 import numpy as np
-from numba import types
+from numba import njit, types
 from numpy.typing import NDArray
 
 from lookup_table.core.hashing import mix64, mix64_one
@@ -123,6 +123,13 @@ _KEYS = types.Array(types.uint64, 1, "C", readonly=True)
 _VALUES = types.Array(types.float32, 2, "C", readonly=True)
 
 
+@njit(inline="always")
+def _element_bits(key, j):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """Element j's 64 random bits of a row keyed `key` (`rounding_keys`): splitmix64 of
+    the key plus (j + 1) * GAMMA. A storage contract: a replay must draw the same bits."""
+    return mix64_one(key + np.uint64(j + 1) * _GAMMA)
+
+
 @compiled(types.void(_VALUES, _KEYS, _WORDS))
 def _bf16_stochastic(values, keys, out):  # type: ignore[no-untyped-def]  # pragma: no cover
     """bfloat16 bits of `values` (finite or NaN), rounded away from zero with probability
@@ -139,8 +146,7 @@ def _bf16_stochastic(values, keys, out):  # type: ignore[no-untyped-def]  # prag
             if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
                 out[i, j] = np.uint16((b >> np.uint32(16)) | np.uint32(0x0040))
                 continue
-            counter = np.uint64(j + 1) * np.uint64(0x9E3779B97F4A7C15)
-            random16 = np.uint32(mix64_one(key + counter) >> np.uint64(48))
+            random16 = np.uint32(_element_bits(key, j) >> np.uint64(48))
             out[i, j] = np.uint16((b + random16) >> np.uint32(16))
 
 
@@ -165,8 +171,7 @@ def _f16_stochastic(values, keys, out):  # type: ignore[no-untyped-def]  # pragm
                 out[i, j] = np.uint16(0)
                 continue
             sign = np.uint16((b >> np.uint32(16)) & np.uint32(0x8000))
-            counter = np.uint64(j + 1) * np.uint64(0x9E3779B97F4A7C15)
-            random64 = mix64_one(key + counter)
+            random64 = _element_bits(key, j)
             exponent = np.int64(magnitude >> np.uint32(23))  # biased: 127 is 2**0
             if exponent < 103:  # below 2**-24
                 scaled = np.floor(np.float64(abs(values[i, j])) * 2.0**64)  # < 2**40, exact
