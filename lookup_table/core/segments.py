@@ -5,6 +5,7 @@ instead of numpy's passes per column. Pure, no I/O (`keras.rows` calls these).""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ from numpy.typing import NDArray
 
 from lookup_table.core.jit import compiled
 
-__all__ = ["patch_segments", "segment_members", "unique_segments"]
+__all__ = ["patch_segments", "segment_bounds", "segment_members", "unique_segments"]
 
 _I64 = types.Array(types.int64, 1, "C", readonly=True)
 _I64_OUT = types.Array(types.int64, 1, "C")
@@ -21,6 +22,15 @@ _BOOLS = types.Array(types.bool_, 1, "C", readonly=True)
 _BOOLS_OUT = types.Array(types.bool_, 1, "C")
 _ROWS = types.Array(types.float32, 2, "C", readonly=True)
 _ROWS_OUT = types.Array(types.float32, 2, "C")
+
+
+def segment_bounds(lengths: Iterable[int]) -> NDArray[np.int64]:
+    """Where each of segments of `lengths`, laid one after the other, starts, and the
+    total last: the `bounds` the functions here take."""
+    sizes = np.fromiter(lengths, dtype=np.int64)
+    bounds = np.zeros(sizes.shape[0] + 1, np.int64)
+    np.cumsum(sizes, out=bounds[1:])
+    return bounds
 
 
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: the top bits of id * 2**64 / phi

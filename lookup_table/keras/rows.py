@@ -16,7 +16,12 @@ from numpy.typing import NDArray
 from lookup_table.client import RowReader
 from lookup_table.client.answers import RowGroup, UpdatedRows
 from lookup_table.core.keys import IdArray, as_ids
-from lookup_table.core.segments import patch_segments, segment_members, unique_segments
+from lookup_table.core.segments import (
+    patch_segments,
+    segment_bounds,
+    segment_members,
+    unique_segments,
+)
 from lookup_table.keras.layer import DistributedEmbedding
 
 __all__ = [
@@ -98,8 +103,7 @@ def fed_ids_many(layers: Sequence[DistributedEmbedding], values: Sequence[Any]) 
     out: list[FedIds | None] = [None] * len(raws)
     if ints:
         cols = [as_ids(raws[k], table=layers[k].table) for k in ints]
-        bounds = np.zeros(len(cols) + 1, np.int64)
-        np.cumsum([c.shape[0] for c in cols], out=bounds[1:])
+        bounds = segment_bounds(c.shape[0] for c in cols)
         padding = [layers[k].padding_id for k in ints]
         pads = np.array([0 if p is None else p for p in padding], np.int64)
         padded = np.array([p is not None for p in padding], bool)
@@ -150,11 +154,9 @@ def members(
             out[k] = member(i, a)
     if not both:
         return out
-    counts = np.array([ids[k].shape[0] for k in both], np.int64)
-    bounds = np.zeros(len(both) + 1, np.int64)
-    np.cumsum(counts, out=bounds[1:])
-    among_bounds = np.zeros(len(both) + 1, np.int64)
-    np.cumsum([cast(IdArray, among[k]).shape[0] for k in both], out=among_bounds[1:])
+    bounds = segment_bounds(ids[k].shape[0] for k in both)
+    counts = np.diff(bounds)
+    among_bounds = segment_bounds(cast(IdArray, among[k]).shape[0] for k in both)
     hit = segment_members(
         np.concatenate([ids[k] for k in both]),
         bounds,
@@ -197,8 +199,7 @@ def patch_rows(
     """Put into `rows` (those of `ids[s]` of table `tables[s]`, one segment after the
     other) the rows of `patches`, later patches winning, in one compiled pass per patch
     for int64 ids; returns which rows the patches brought."""
-    bounds = np.zeros(len(ids) + 1, np.int64)
-    np.cumsum([i.shape[0] for i in ids], out=bounds[1:])
+    bounds = segment_bounds(i.shape[0] for i in ids)
     brought = np.zeros(int(bounds[-1]), dtype=bool)
     ints = all(i.dtype == np.int64 for i in ids)
     every = (np.concatenate(ids) if len(ids) > 1 else ids[0]) if ints and ids else None
@@ -213,8 +214,7 @@ def patch_rows(
             continue
         if every is not None and all(g is None or g[0].dtype == np.int64 for g in got):
             parts = [empty if g is None else g for g in got]
-            patch_bounds = np.zeros(len(parts) + 1, np.int64)
-            np.cumsum([p[0].shape[0] for p in parts], out=patch_bounds[1:])
+            patch_bounds = segment_bounds(p[0].shape[0] for p in parts)
             patch_segments(
                 every,
                 bounds,

@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 from numpy.typing import NDArray
 
+from lookup_table.core.segments import segment_bounds
 from lookup_table.keras.layer import DistributedEmbedding, RecordedLookup
 from lookup_table.keras.rows import FedIds, FedLayer, RowPatch, column_of, patch_rows
 from lookup_table.keras.session import TrainingSession
@@ -46,8 +47,7 @@ class FedBatch:
         tables = []
         for dim in self.dims:
             group = [k for k, f in enumerate(self.fed) if f.layer.dim == dim]
-            starts = np.zeros(len(group) + 1, np.int64)
-            np.cumsum([self.ids[k].uniq.shape[0] for k in group], out=starts[1:])
+            starts = segment_bounds(self.ids[k].uniq.shape[0] for k in group)
             total = int(starts[-1])
             table = np.empty((total + 1, dim), np.float32)
             np.concatenate([rows[k] for k in group], out=table[:total])
@@ -69,8 +69,7 @@ class FedBatch:
             )
         else:
             index = np.zeros(0, np.int64)
-        bounds = np.zeros(len(lengths) + 1, np.int64)
-        np.cumsum(lengths, out=bounds[1:])
+        bounds = segment_bounds(lengths)
         self.args = ([tf.constant(t) for t in tables], tf.constant(index), tf.constant(bounds))
 
     def _complete(
