@@ -15,6 +15,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lookup_table.core.rows import blocks
+from lookup_table.core.segments import segment_bounds
 from lookup_table.core.wire import decode_array, decode_ids
 from lookup_table.errors import (
     CorruptValueError,
@@ -120,8 +121,7 @@ def updated_rows(results: Sequence[Mapping[str, Any]]) -> UpdatedRows:
             for name, (table_ids, table_rows) in cut:
                 parts.setdefault(name, []).append((table_ids, table_rows))
             if len(results) == 1 and ids.dtype == np.int64:
-                bounds = np.zeros(len(cut) + 1, np.int64)
-                np.cumsum(group["counts"], out=bounds[1:])
+                bounds = segment_bounds(group["counts"])
                 blocks.append(RowGroup(tuple(n for n, _ in cut), bounds, ids, rows))
         for name, doc in r.get("updated", {}).items():
             ids = decode_ids(doc["ids"], field=f"updated.{name}.ids")

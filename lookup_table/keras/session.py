@@ -274,13 +274,11 @@ class TrainingSession:
             [fed.uniq for fed in feds],
             [(answered or {}).get(self.layers[i].table) for i, _ in columns],
         )
-        wanted = [
-            (self.layers[i].table, fed.uniq, skip)
-            for (i, _), fed, skip in zip(columns, feds, skips, strict=True)
-        ]
-        layers = [
-            (i, fed, skip is None) for (i, _), fed, skip in zip(columns, feds, skips, strict=True)
-        ]
+        wanted: list[tuple[str, IdArray, NDArray[np.bool_] | None]] = []
+        layers: list[tuple[int, FedIds, bool]] = []
+        for (i, _), fed, skip in zip(columns, feds, skips, strict=True):
+            wanted.append((self.layers[i].table, fed.uniq, skip))
+            layers.append((i, fed, skip is None))
         known = self._known_rows(wanted) if earlier else None
         pre.from_answers = sum(int(k[1].shape[0]) for k in known or () if k is not None)
         batch = self._submit(lookup_batch(self._reader, wanted, known, create=create))
