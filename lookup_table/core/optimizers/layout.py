@@ -67,87 +67,110 @@ _OVERFLOW = 1  # a 16-bit value beyond its dtype's range: nothing the pass wrote
 _F16_NAN = 2  # float16 NaNs left as 0 words (or values): numpy converts them
 
 _PARTS = types.Array(types.int64, 2, "C", readonly=True)  # (kind, column, width, word)
+# read-only or writable: each an exact signature (a conversion costs every call more)
 _ITEMS = types.Array(types.float32, 2, "C", readonly=True)
+_WRITABLE_ITEMS = types.Array(types.float32, 2, "C")
 _KEYS = types.Array(types.uint64, 1, "C", readonly=True)
+_WRITABLE_KEYS = types.Array(types.uint64, 1, "C")
 _STORED = types.Array(types.uint16, 2, "C", readonly=True)
+_WRITABLE_STORED = types.Array(types.uint16, 2, "C")
 
 
-@compiled(types.intp(_ITEMS, _KEYS, _PARTS, types.Array(types.uint16, 2, "C")))
+@compiled(
+    [
+        types.intp(items, keys, _PARTS, types.Array(types.uint16, 2, "C"))
+        for items in (_ITEMS, _WRITABLE_ITEMS)
+        for keys in (_KEYS, _WRITABLE_KEYS)
+    ]
+)
 def _encode_pass(items, keys, parts, out):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Each item's parts as stored, into `out` (16-bit words): float32 bits as two words
     (low first), 16-bit values rounded by `precision`'s rules (row i's key `keys[i]`
-    when stochastic). Returns `_OVERFLOW` at the first value beyond its dtype (before
-    rounding it), else `_F16_NAN` if a float16 part holds a NaN, else 0."""
+    when stochastic). Returns `_OVERFLOW` at the first part holding a value beyond its
+    dtype (before rounding it), else `_F16_NAN` if a float16 part holds a NaN, else 0.
+
+    A part at a time over all rows: each inner loop is then one rule on 1-D views indexed
+    from 0, which LLVM vectorizes (a branch on the part inside the row loop stops it)."""
     bits = items.view(np.uint32)
-    status = 0
-    stochastic = keys.shape[0] > 0
-    for i in range(items.shape[0]):
-        x = items[i]
-        b = bits[i]
-        o = out[i]
-        key = keys[i] if stochastic else np.uint64(0)
-        for p in range(parts.shape[0]):
-            kind = parts[p, 0]
-            start = parts[p, 1]
-            width = parts[p, 2]
-            word = parts[p, 3]
-            if kind == _F32:
+    n = items.shape[0]
+    nan = False
+    for p in range(parts.shape[0]):
+        kind = parts[p, 0]
+        start = parts[p, 1]
+        width = parts[p, 2]
+        word = parts[p, 3]
+        if kind == _F32:
+            for i in range(n):
+                b = bits[i, start : start + width]
+                o = out[i, word : word + 2 * width]
                 for j in range(width):
-                    v = b[start + j]
-                    o[word + 2 * j] = np.uint16(v & np.uint32(0xFFFF))
-                    o[word + 2 * j + 1] = np.uint16(v >> np.uint32(16))
-                continue
-            f16 = kind == _F16 or kind == _F16_STOCHASTIC
-            limit = _F16_MAX if f16 else _BF16_MAX
+                    o[2 * j] = np.uint16(b[j] & np.uint32(0xFFFF))
+                    o[2 * j + 1] = np.uint16(b[j] >> np.uint32(16))
+            continue
+        f16 = kind == _F16 or kind == _F16_STOCHASTIC
+        limit = _F16_MAX if f16 else _BF16_MAX
+        beyond = False
+        for i in range(n):
+            x = items[i, start : start + width]
             for j in range(width):
-                value = x[start + j]
-                if abs(value) > limit:  # NaN compares False: it is stored as NaN
-                    return _OVERFLOW
-                if f16 and value != value:
-                    status = _F16_NAN
+                beyond |= abs(x[j]) > limit  # NaN compares False: it is stored as NaN
+                nan |= f16 and x[j] != x[j]
+        if beyond:
+            return _OVERFLOW
+        for i in range(n):
+            b = bits[i, start : start + width]
+            o = out[i, word : word + width]
             if kind == _F16:
                 for j in range(width):
-                    o[word + j] = np.uint16(f16_nearest_bits(b[start + j]))
+                    o[j] = np.uint16(f16_nearest_bits(b[j]))
             elif kind == _BF16:
                 for j in range(width):
-                    o[word + j] = np.uint16(bf16_nearest_bits(b[start + j]))
+                    o[j] = np.uint16(bf16_nearest_bits(b[j]))
             elif kind == _F16_STOCHASTIC:
+                x = items[i, start : start + width]
                 for j in range(width):
-                    o[word + j] = np.uint16(f16_stochastic_bits(b[start + j], x[start + j], key, j))
+                    o[j] = np.uint16(f16_stochastic_bits(b[j], x[j], keys[i], j))
             else:
                 for j in range(width):
-                    o[word + j] = np.uint16(bf16_stochastic_bits(b[start + j], key, j))
-    return status
+                    o[j] = np.uint16(bf16_stochastic_bits(b[j], keys[i], j))
+    return _F16_NAN if nan else 0
 
 
-@compiled(types.intp(_STORED, _PARTS, C2))
+@compiled([types.intp(words, _PARTS, C2) for words in (_STORED, _WRITABLE_STORED)])
 def _decode_pass(words, parts, out):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Each stored value's parts as float32 items, exactly; returns `_F16_NAN` if a
-    float16 word is a NaN (left for numpy to convert), else 0."""
+    """Each stored value's parts as float32 items, exactly (a part at a time, as in
+    `_encode_pass`); returns `_F16_NAN` if a float16 word is a NaN (left for numpy to
+    convert), else 0."""
     bits = out.view(np.uint32)
-    status = 0
-    for i in range(words.shape[0]):
-        w = words[i]
-        o = bits[i]
-        for p in range(parts.shape[0]):
-            kind = parts[p, 0]
-            start = parts[p, 1]
-            width = parts[p, 2]
-            word = parts[p, 3]
-            if kind == _F32:
+    n = words.shape[0]
+    nan = False
+    for p in range(parts.shape[0]):
+        kind = parts[p, 0]
+        start = parts[p, 1]
+        width = parts[p, 2]
+        word = parts[p, 3]
+        if kind == _F32:
+            for i in range(n):
+                w = words[i, word : word + 2 * width]
+                o = bits[i, start : start + width]
                 for j in range(width):
-                    low = np.uint32(w[word + 2 * j])
-                    o[start + j] = low | (np.uint32(w[word + 2 * j + 1]) << np.uint32(16))
-            elif kind == _BF16 or kind == _BF16_STOCHASTIC:
+                    o[j] = np.uint32(w[2 * j]) | (np.uint32(w[2 * j + 1]) << np.uint32(16))
+        elif kind == _BF16 or kind == _BF16_STOCHASTIC:
+            for i in range(n):
+                w = words[i, word : word + width]
+                o = bits[i, start : start + width]
                 for j in range(width):
-                    o[start + j] = np.uint32(w[word + j]) << np.uint32(16)
-            else:
+                    o[j] = np.uint32(w[j]) << np.uint32(16)
+        else:
+            for i in range(n):
+                w = words[i, word : word + width]
+                o = bits[i, start : start + width]
                 for j in range(width):
-                    h = np.uint32(w[word + j])
+                    h = np.uint32(w[j])
                     if (h & np.uint32(0x7FFF)) > np.uint32(0x7C00):
-                        status = _F16_NAN
-                    o[start + j] = f16_widened_bits(h)
-    return status
+                        nan = True
+                    o[j] = f16_widened_bits(h)
+    return _F16_NAN if nan else 0
 
 
 class _Coding(NamedTuple):
