@@ -27,9 +27,16 @@ __all__ = [
     "ROW_DTYPES",
     "RowDtype",
     "Rounding",
+    "bf16_nearest_bits",
+    "bf16_stochastic_bits",
     "check_dtype",
+    "check_row_keys",
+    "check_values_fit",
     "decode",
     "encode",
+    "f16_nearest_bits",
+    "f16_stochastic_bits",
+    "f16_widened_bits",
     "itemsize",
     "round_to",
     "rounding_keys",
@@ -130,6 +137,98 @@ def _element_bits(key, j):  # type: ignore[no-untyped-def]  # pragma: no cover -
     return mix64_one(key + np.uint64(j + 1) * _GAMMA)
 
 
+@njit(inline="always")
+def bf16_nearest_bits(b):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The bfloat16 word (as a uint32) of float32 bits `b`: `_bf16_nearest`'s rule for one
+    element, and a NaN a quiet NaN of its sign as `encode` makes it."""
+    if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return (b >> np.uint32(16)) | np.uint32(0x0040)
+    return (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+
+
+@njit(inline="always")
+def f16_nearest_bits(b):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The float16 word (as a uint32) of float32 bits `b` with |x| <= 65504, to nearest,
+    ties to even: IEEE's conversion, numpy's `astype(np.float16)` (NaN is not handled)."""
+    sign = (b >> np.uint32(16)) & np.uint32(0x8000)
+    magnitude = b & np.uint32(0x7FFFFFFF)
+    exponent = magnitude >> np.uint32(23)  # biased: 127 is 2**0
+    if exponent >= np.uint32(113):  # a normal float16: the carry may move up a binade
+        lsb = (magnitude >> np.uint32(13)) & np.uint32(1)
+        return sign | (
+            (magnitude - np.uint32(0x38000000) + np.uint32(0xFFF) + lsb) >> np.uint32(13)
+        )
+    if exponent < np.uint32(102):  # below 2**-25: zero (2**-25 itself ties to 0)
+        return sign
+    significand = (magnitude & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+    shift = np.uint32(126) - exponent  # 14..24: to units of 2**-24
+    kept = significand >> shift
+    rest = significand & ((np.uint32(1) << shift) - np.uint32(1))
+    half = np.uint32(1) << (shift - np.uint32(1))
+    if rest > half or (rest == half and (kept & np.uint32(1))):
+        kept += np.uint32(1)
+    return sign | kept
+
+
+@njit(inline="always")
+def f16_widened_bits(h):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The float32 bits of float16 word `h` (a uint32), exactly (NaN is not handled)."""
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    exponent = (h >> np.uint32(10)) & np.uint32(0x1F)
+    mantissa = h & np.uint32(0x3FF)
+    if exponent == np.uint32(0x1F):  # an inf
+        return sign | np.uint32(0x7F800000)
+    if exponent == np.uint32(0):
+        if mantissa == np.uint32(0):
+            return sign
+        biased = np.uint32(113)  # a subnormal: shift its leading bit to the implicit one
+        while (mantissa & np.uint32(0x400)) == np.uint32(0):
+            mantissa <<= np.uint32(1)
+            biased -= np.uint32(1)
+        return sign | (biased << np.uint32(23)) | ((mantissa & np.uint32(0x3FF)) << np.uint32(13))
+    return sign | ((exponent + np.uint32(112)) << np.uint32(23)) | (mantissa << np.uint32(13))
+
+
+@njit(inline="always")
+def bf16_stochastic_bits(b, key, j):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """`_bf16_stochastic`'s word (as a uint32) of float32 bits `b`, element j of a row
+    keyed `key`."""
+    if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return (b >> np.uint32(16)) | np.uint32(0x0040)
+    random16 = np.uint32(_element_bits(key, j) >> np.uint64(48))
+    return (b + random16) >> np.uint32(16)
+
+
+@njit(inline="always")
+def f16_stochastic_bits(b, x, key, j):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """`_f16_stochastic`'s word (as a uint32) of float32 `x` (its bits `b`), element j of
+    a row keyed `key`; 0 for a NaN."""
+    magnitude = b & np.uint32(0x7FFFFFFF)
+    if magnitude > np.uint32(0x7F800000):
+        return np.uint32(0)
+    sign = (b >> np.uint32(16)) & np.uint32(0x8000)
+    random64 = _element_bits(key, j)
+    exponent = np.int64(magnitude >> np.uint32(23))  # biased: 127 is 2**0
+    if exponent < 103:  # below 2**-24
+        scaled = np.floor(np.float64(abs(x)) * 2.0**64)  # < 2**40, exact
+        up = np.float64(random64 >> np.uint64(24)) < scaled
+        return sign | np.uint32(1) if up else sign
+    dropped = 126 - exponent  # 13 for normal float16 values, up to 23 below
+    if dropped < 13:
+        dropped = np.int64(13)
+    mask = (np.uint32(1) << np.uint32(dropped)) - np.uint32(1)
+    random32 = np.uint32(random64 >> np.uint64(32))
+    rounded = (magnitude + (random32 & mask)) & ~mask
+    e = np.int64(rounded >> np.uint32(23))
+    if e >= 113:  # a normal float16 (a carry to 2**16 gives its inf, as numpy's cast)
+        mantissa = np.int64((rounded >> np.uint32(13)) & np.uint32(0x3FF))
+        half = ((e - 112) << 10) | mantissa
+    else:  # a subnormal one: the significand in units of 2**-24
+        significand = (rounded & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+        half = np.int64(significand >> np.uint32(126 - e))
+    return sign | np.uint32(half)
+
+
 @compiled(types.void(_VALUES, _KEYS, _WORDS))
 def _bf16_stochastic(values, keys, out):  # type: ignore[no-untyped-def]  # pragma: no cover
     """bfloat16 bits of `values` (finite or NaN), rounded away from zero with probability
@@ -142,12 +241,7 @@ def _bf16_stochastic(values, keys, out):  # type: ignore[no-untyped-def]  # prag
     for i in range(bits.shape[0]):
         key = keys[i]
         for j in range(bits.shape[1]):
-            b = bits[i, j]
-            if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-                out[i, j] = np.uint16((b >> np.uint32(16)) | np.uint32(0x0040))
-                continue
-            random16 = np.uint32(_element_bits(key, j) >> np.uint64(48))
-            out[i, j] = np.uint16((b + random16) >> np.uint32(16))
+            out[i, j] = np.uint16(bf16_stochastic_bits(bits[i, j], key, j))
 
 
 @compiled(types.void(_VALUES, _KEYS, _WORDS))
@@ -165,36 +259,10 @@ def _f16_stochastic(values, keys, out):  # type: ignore[no-untyped-def]  # pragm
     for i in range(bits.shape[0]):
         key = keys[i]
         for j in range(bits.shape[1]):
-            b = bits[i, j]
-            magnitude = b & np.uint32(0x7FFFFFFF)
-            if magnitude > np.uint32(0x7F800000):
-                out[i, j] = np.uint16(0)
-                continue
-            sign = np.uint16((b >> np.uint32(16)) & np.uint32(0x8000))
-            random64 = _element_bits(key, j)
-            exponent = np.int64(magnitude >> np.uint32(23))  # biased: 127 is 2**0
-            if exponent < 103:  # below 2**-24
-                scaled = np.floor(np.float64(abs(values[i, j])) * 2.0**64)  # < 2**40, exact
-                up = np.float64(random64 >> np.uint64(24)) < scaled
-                out[i, j] = sign | np.uint16(1) if up else sign
-                continue
-            dropped = 126 - exponent  # 13 for normal float16 values, up to 23 below
-            if dropped < 13:
-                dropped = np.int64(13)
-            mask = (np.uint32(1) << np.uint32(dropped)) - np.uint32(1)
-            random32 = np.uint32(random64 >> np.uint64(32))
-            rounded = (magnitude + (random32 & mask)) & ~mask
-            e = np.int64(rounded >> np.uint32(23))
-            if e >= 113:  # a normal float16 (a carry to 2**16 gives its inf, as numpy's cast)
-                mantissa = np.int64((rounded >> np.uint32(13)) & np.uint32(0x3FF))
-                half = ((e - 112) << 10) | mantissa
-            else:  # a subnormal one: the significand in units of 2**-24
-                significand = (rounded & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
-                half = np.int64(significand >> np.uint32(126 - e))
-            out[i, j] = sign | np.uint16(half)
+            out[i, j] = np.uint16(f16_stochastic_bits(bits[i, j], values[i, j], key, j))
 
 
-def _check_fits(
+def check_values_fit(
     values: NDArray[np.float32],
     dtype: RowDtype,
     table: str,
@@ -254,9 +322,9 @@ def encode(
         raise ValueError(f"rows: expected a float32 array of shape (n, width), got {got}")
     if dtype == "float32":
         return np.array(rows, dtype=np.float32, order="C")  # native float32 is <f4 (x86, ARM)
-    row_keys = _row_keys(keys, rows.shape[0]) if rounding == "stochastic" else None
+    row_keys = check_row_keys(keys, rows.shape[0]) if rounding == "stochastic" else None
     values = np.ascontiguousarray(rows)
-    _check_fits(values, dtype, table, ids)
+    check_values_fit(values, dtype, table, ids)
     nan = np.isnan(values)
     if dtype == "bfloat16":
         bits = values.view(np.uint32)
@@ -277,7 +345,7 @@ def encode(
     return out
 
 
-def _row_keys(keys: object, n: int) -> NDArray[np.uint64]:
+def check_row_keys(keys: object, n: int) -> NDArray[np.uint64]:
     """`keys` if it is one uint64 key per row of `n`, else a ValueError saying so."""
     if not isinstance(keys, np.ndarray) or keys.dtype != np.uint64 or keys.shape != (n,):
         got = f"{keys.dtype} {keys.shape}" if isinstance(keys, np.ndarray) else repr(keys)

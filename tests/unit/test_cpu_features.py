@@ -22,12 +22,14 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-# the Keras parity and pow tests (Adam's beta**t), the initializers' golden values
+# the Keras parity and pow tests (Adam's beta**t), the initializers' golden values, and
+# the compiled item coding against numpy's float16 casts (F16C's or not)
 SELECTION = [
     "tests/unit/test_optimizers.py",
     "tests/unit/test_initializers.py",
+    "tests/unit/test_item_coding.py",
     "-k",
-    "matches_keras or beta_powers or golden",
+    "matches_keras or beta_powers or golden or on_its_own",
 ]
 _AVX512 = ("X86_V4", "AVX512_ICL", "AVX512_SPR", "AVX512F", "AVX512CD", "AVX512_SKX")
 _AVX2 = ("X86_V3", "AVX2", "FMA3", "F16C", "AVX")

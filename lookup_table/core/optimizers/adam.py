@@ -104,6 +104,12 @@ def _beta_powers(beta: float, t: Float32Array) -> Float32Array:
     return table[inverse.reshape(-1)].reshape(t.shape)
 
 
+def power_tables(beta_1: float, beta_2: float) -> tuple[Float32Array, Float32Array]:
+    """`beta_1**t` and `beta_2**t` for whole t below each table's length, the tables as
+    they are (not grown): what a compiled pass looks a row's alpha up in."""
+    return _power_table(float(_F32(beta_1)), 1), _power_table(float(_F32(beta_2)), 1)
+
+
 def step_sizes(learning_rate: float, beta_1: float, beta_2: float, t: Float32Array) -> Float32Array:
     """Each row's `alpha = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)` for its new step
     `t`, float32 as Keras computes it (the powers: `_beta_powers`)."""
@@ -338,8 +344,7 @@ class Adam:
         items = np.empty((n, values.shape[1]), dtype=np.float32)
         # alpha in the pass, from the powers' tables as they are (not grown here): one
         # pass over the items instead of two, and no numpy calls per row's alpha
-        powers_1 = _power_table(float(_F32(c.beta_1)), 1)
-        powers_2 = _power_table(float(_F32(c.beta_2)), 1)
+        powers_1, powers_2 = power_tables(c.beta_1, c.beta_2)
         constants = (
             _F32(c.learning_rate),
             _F32(1 - c.beta_1),
