@@ -25,6 +25,7 @@ __all__ = ["INITIAL", "Located", "RowCache", "Spots"]
 INITIAL = -1  # the stamp of an initial entry (see the module's doc)
 
 _MIN_CAPACITY = 1024
+_MIN_RECORD = 64  # slots of a map's record of dirty slots, at first (it grows as needed)
 # bytes per slot besides the values: the key row (id, table and flags) and the stamp
 _ENTRY_OVERHEAD = 2 * np.dtype(np.int64).itemsize + np.dtype(np.int64).itemsize
 # a key row's second word: the table number in the low 32 bits, then two flags
@@ -62,7 +63,12 @@ class _IntMap:
 
     A slot's key is one 16-byte row of `meta`: the id, then the table number (low 32
     bits) with a used and a valid flag, so a probe of a map far larger than the CPU's
-    caches waits for one cache line, not one per array (id, table, used, valid)."""
+    caches waits for one cache line, not one per array (id, table, used, valid).
+
+    `record[:logged]` holds every slot whose stamp is > 0 (a dirty entry; also slots
+    cleaned or forgotten since, and a slot twice once forgotten and put again), so what
+    is dirty is found without a scan of the map. The compiled puts append a slot as its
+    stamp turns > 0; `clean` and `dirty_slots` keep only the dirty ones."""
 
     def __init__(self, capacity: int, width: int) -> None:
         self.mask = capacity - 1
@@ -71,11 +77,35 @@ class _IntMap:
         self.stamps = np.zeros(capacity, dtype=np.int64)  # > 0: dirty, put by that stamp
         for arr in (self.meta, self.values, self.stamps):
             arr.fill(0)  # touch every page now: `nbytes` is what the cache holds resident
+        self.record = np.empty(0, dtype=np.intp)  # allocated by the first dirty put
+        self.logged = 0
         self.size = 0
         self.epoch = 0  # how many times it was cleared: a `Spots` of an older epoch is void
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.meta, self.values, self.stamps))
+        return sum(a.nbytes for a in (self.meta, self.values, self.stamps, self.record))
+
+    def _room(self, each: NDArray[np.int64]) -> NDArray[np.intp]:
+        """The record, with room for the slots a put of these stamps may make dirty: its
+        stale entries dropped first where it is full, then grown."""
+        n = each.shape[0] if each.shape[0] and int(each.max()) > 0 else 0
+        if self.logged + n > self.record.shape[0]:
+            self._compact()
+            if self.logged + n > self.record.shape[0]:
+                size = max(2 * self.record.shape[0], self.logged + n, _MIN_RECORD)
+                grown = np.empty(size, dtype=np.intp)
+                grown[: self.logged] = self.record[: self.logged]
+                self.record = grown
+        return self.record
+
+    def _compact(self) -> NDArray[np.intp]:
+        """Keep only the dirty slots in the record, once each, in slot order; returns them."""
+        out = np.empty(self.logged, dtype=np.intp)
+        bits = np.zeros((self.capacity + 63) // 64, dtype=np.uint64)
+        n = probing.dirty_slots(self.meta, self.stamps, self.record[: self.logged], bits, out)
+        self.record[:n] = out[:n]
+        self.logged = n
+        return out[:n]
 
     def clear(self) -> None:
         """Empty the map, keeping its memory: only the used flag says what a slot holds,
@@ -83,6 +113,7 @@ class _IntMap:
         touch a whole new map)."""
         self.meta[:, 1] = 0
         self.stamps.fill(0)
+        self.logged = 0
         self.size = 0
         self.epoch += 1
 
@@ -124,16 +155,30 @@ class _IntMap:
         """A copy of the values of these slots."""
         return self._gathered(slots)[0]
 
-    def set(self, slots: NDArray[np.intp], values: NDArray[np.float32], stamps: Any) -> None:
+    def set(
+        self, slots: NDArray[np.intp], values: NDArray[np.float32], stamps: Any, since: int = 0
+    ) -> int:
         """New values (and stamps: each one's, or one for all) of the keys these slots
-        hold, known from now on (compiled, as `_gathered`)."""
+        hold, known from now on (compiled, as `_gathered`). Returns how many of the slots
+        were dirty by a stamp > `since` before."""
         slots = _intp(slots, self.capacity)
         if values.shape != (slots.shape[0], self.values.shape[1]):
             raise ValueError(
                 f"values {values.shape} for {slots.shape[0]} slots of width {self.values.shape[1]}"
             )
         each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), slots.shape)
-        probing.scatter(self.meta, self.values, self.stamps, slots, values, each)
+        self.logged, again = probing.scatter(
+            self.meta,
+            self.values,
+            self.stamps,
+            slots,
+            values,
+            each,
+            self._room(each),
+            self.logged,
+            since,
+        )
+        return int(again)
 
     def forget(self, slots: NDArray[np.intp]) -> None:
         """Forget the values of these slots (their keys stay: no deletions)."""
@@ -150,13 +195,12 @@ class _IntMap:
         return np.flatnonzero((self.meta[:, 1] & (_USED | _VALID)) == (_USED | _VALID))
 
     def dirty_slots(self) -> NDArray[np.intp]:
-        """The slots of the dirty entries whose values are known."""
-        out = np.empty(self.stamps.shape[0], dtype=np.intp)
-        return out[: probing.dirty_slots(self.meta, self.stamps, out)]
+        """The slots of the dirty entries whose values are known, in slot order."""
+        return self._compact()
 
     def clean(self, upto: int) -> None:
         """Mark clean the dirty entries put with a stamp <= `upto`."""
-        probing.clean(self.stamps, upto)
+        self.logged = probing.clean(self.stamps, self.record, self.logged, upto)
 
     def insert(
         self,
@@ -174,7 +218,7 @@ class _IntMap:
             )
         each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), ids.shape)
         placed = np.empty(ids.shape[0], dtype=bool)
-        self.size += probing.insert(
+        count, self.logged = probing.insert(
             self.meta,
             self.mask,
             self.values,
@@ -185,7 +229,10 @@ class _IntMap:
             each,
             probing.USED | probing.VALID,
             placed,
+            self._room(each),
+            self.logged,
         )
+        self.size += count
         return placed
 
 
@@ -361,12 +408,11 @@ class _TableCache:
     def dirty(self) -> tuple[NDArray[np.int64], NDArray[np.int32], NDArray[np.float32]]:
         """Copies of the keys and values of every dirty entry, by table number (an old
         map's only where the young map does not hold the key: it has the newer value).
-        The slots are put in that order before their values are gathered: one copy of
-        the values (a flush's are megabytes)."""
-        maps: list[tuple[_IntMap, NDArray[np.intp]]] = []
+        Each map's values are read in slot order straight into their places by table:
+        one copy of the values (a flush's are megabytes), no masks."""
         at = self.young.dirty_slots()
         ids, tabs = self.young.keys_at(at)
-        maps.append((self.young, at))
+        maps: list[tuple[_IntMap, NDArray[np.intp]]] = [(self.young, at)]
         if self.old is not None:
             old_at = self.old.dirty_slots()
             if old_at.shape[0]:
@@ -376,14 +422,13 @@ class _TableCache:
                 ids = np.concatenate([ids, old_ids[older]])
                 tabs = np.concatenate([tabs, old_tabs[older]])
         order = _by_table(tabs)
-        if len(maps) == 1:
-            return ids[order], tabs[order], self.young.values_at(at[order])
+        place = np.empty_like(order)  # where each entry goes: `order` inverted
+        place[order] = np.arange(order.shape[0])
         values = np.empty((ids.shape[0], self.width), dtype=np.float32)
         start = 0
-        for m, slots in maps:  # each map's entries, gathered into their places in `order`
+        for m, slots in maps:
             stop = start + slots.shape[0]
-            into = np.flatnonzero((order >= start) & (order < stop))
-            values[into] = m.values_at(slots[order[into] - start])
+            probing.gather_to(m.values, _intp(slots, m.capacity), place[start:stop], values)
             start = stop
         return ids[order], tabs[order], values
 
@@ -582,13 +627,15 @@ class RowCache:
             return
         held = at >= 0
         if cache is spots.cache and cache.young is spots.map and spots.map.epoch == spots.epoch:
-            if dirty:  # the keys held dirty since the last `dirty()` are counted already
-                again = np.count_nonzero(spots.map.stamps[at[held]] > self._since)
-                self._dirty_puts[width] += items.shape[0] - again
+            # the keys held dirty since the last `dirty()` are counted already
             if held.all():
-                spots.map.set(at, items, stamp)
+                again = spots.map.set(at, items, stamp, self._since)
+                if dirty:
+                    self._dirty_puts[width] += items.shape[0] - again
                 return
-            spots.map.set(at[held], items[held], stamp)
+            again = spots.map.set(at[held], items[held], stamp, self._since)
+            if dirty:
+                self._dirty_puts[width] += items.shape[0] - again
         else:
             held[:] = False
             if dirty:
