@@ -28,6 +28,7 @@ __all__ = [
     "gather_to",
     "insert",
     "scatter",
+    "stamped",
 ]
 
 MAX_PROBES = 64  # at load <= 1/2 a probe sequence this long is vanishingly rare
@@ -189,6 +190,25 @@ def gather_to(values, slots, dest, out):  # type: ignore[no-untyped-def]  # prag
         o = out[dest[i]]
         for j in range(row.shape[0]):
             o[j] = row[j]
+
+
+@compiled(
+    types.void(
+        types.Array(types.int64, 1, "C", readonly=True),
+        _slots,
+        types.Array(types.bool_, 1, "C", readonly=True),
+        types.int64,
+        types.Array(types.bool_, 1, "C"),
+    )
+)
+def stamped(stamps, slots, hit, stamp, out):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """`out[i]`: whether `hit[i]` and slot `slots[i]` has the stamp `stamp` (numpy's
+    take and compare, with the stamps ahead asked for early)."""
+    n = slots.shape[0]
+    for i in range(n):
+        if i + PREFETCH_AHEAD < n and hit[i + PREFETCH_AHEAD]:
+            prefetch_row(stamps, slots[i + PREFETCH_AHEAD])
+        out[i] = hit[i] and stamps[slots[i]] == stamp
 
 
 @compiled(

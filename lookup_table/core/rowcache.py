@@ -290,8 +290,9 @@ class _TableCache:
         known (-1 elsewhere), and whether that is an initial entry. As `lookup`, a key
         only the old map holds moves to the young one first."""
         at, hit = self._found(ids, tabs)
-        initial = hit & (np.take(self.young.stamps, np.maximum(at, 0)) == INITIAL)
         at[~hit] = -1
+        initial = np.empty(hit.shape[0], dtype=bool)
+        probing.stamped(self.young.stamps, np.maximum(at, 0), hit, INITIAL, initial)
         return at, hit, initial
 
     def _found(
