@@ -167,16 +167,9 @@ class _IntMap:
                 f"values {values.shape} for {slots.shape[0]} slots of width {self.values.shape[1]}"
             )
         each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), slots.shape)
+        record = self._room(each)
         self.logged, again = probing.scatter(
-            self.meta,
-            self.values,
-            self.stamps,
-            slots,
-            values,
-            each,
-            self._room(each),
-            self.logged,
-            since,
+            self.meta, self.values, self.stamps, slots, values, each, record, self.logged, since
         )
         return int(again)
 
@@ -218,6 +211,7 @@ class _IntMap:
             )
         each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), ids.shape)
         placed = np.empty(ids.shape[0], dtype=bool)
+        record = self._room(each)
         count, self.logged = probing.insert(
             self.meta,
             self.mask,
@@ -229,7 +223,7 @@ class _IntMap:
             each,
             probing.USED | probing.VALID,
             placed,
-            self._room(each),
+            record,
             self.logged,
         )
         self.size += count
@@ -628,15 +622,15 @@ class RowCache:
             return
         held = at >= 0
         if cache is spots.cache and cache.young is spots.map and spots.map.epoch == spots.epoch:
-            # the keys held dirty since the last `dirty()` are counted already
-            if held.all():
+            every = bool(held.all())
+            if every:
                 again = spots.map.set(at, items, stamp, self._since)
-                if dirty:
-                    self._dirty_puts[width] += items.shape[0] - again
-                return
-            again = spots.map.set(at[held], items[held], stamp, self._since)
-            if dirty:
+            else:
+                again = spots.map.set(at[held], items[held], stamp, self._since)
+            if dirty:  # the keys held dirty since the last `dirty()` are counted already
                 self._dirty_puts[width] += items.shape[0] - again
+            if every:
+                return
         else:
             held[:] = False
             if dirty:
