@@ -4,7 +4,9 @@ A map (`lookup_table.core.rowcache._IntMap`) keys a slot by a 16-byte row of `me
 id, then the table number (low 32 bits) with a *used* and a *valid* flag; linear probing
 from a position mixed from (id, table number), at most `MAX_PROBES` slots, no deletions.
 Compiled, a batch's keys are found in one pass, where numpy needs a pass over the whole
-batch per probe step. Only integer work happens here, so the result is the same on every CPU.
+batch per probe step. The puts append the slots they make dirty to the map's record of
+them, which `dirty_slots` reads back in slot order (no scan of the map's stamps). Only
+integer work happens here, so the result is the same on every CPU.
 """
 
 from __future__ import annotations
