@@ -15,7 +15,7 @@ import numpy as np
 from numba import types
 
 from lookup_table.core.hashing import mix64_one
-from lookup_table.core.jit import PREFETCH_AHEAD, compiled, prefetch_row
+from lookup_table.core.jit import PREFETCH_AHEAD, compiled, prefetch_head, prefetch_row
 
 __all__ = [
     "MAX_PROBES",
@@ -158,17 +158,19 @@ def find_known(meta, mask, ids, tabs, out, known):  # type: ignore[no-untyped-de
     )
 )
 def gather(values, stamps, slots, out, out_stamps):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """`out[i]` and `out_stamps[i]`: the value and stamp of slot `slots[i]` (numpy's take,
-    with the rows a few slots ahead asked for early: `jit.prefetch_row`)."""
+    """`out[i]` and `out_stamps[i]`: the value (its first `out.shape[1]` floats) and
+    stamp of slot `slots[i]` (numpy's take, with the rows a few slots ahead asked for
+    early: `jit.prefetch_row`, of the floats wanted only)."""
     n = slots.shape[0]
+    width = out.shape[1]
     for i in range(n):
         if i + PREFETCH_AHEAD < n:
-            prefetch_row(values, slots[i + PREFETCH_AHEAD])
+            prefetch_head(values, slots[i + PREFETCH_AHEAD], 4 * width)
             prefetch_row(stamps, slots[i + PREFETCH_AHEAD])
         p = slots[i]
         row = values[p]
         o = out[i]
-        for j in range(row.shape[0]):
+        for j in range(width):
             o[j] = row[j]
         out_stamps[i] = stamps[p]
 

@@ -143,10 +143,14 @@ class _IntMap:
         values, stamps = self._gathered(np.maximum(out, 0))
         return out, hit, values, stamps
 
-    def _gathered(self, slots: NDArray[np.intp]) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
-        """Copies of the values and stamps of these slots (compiled, the slots ahead asked
-        for early: a batch's slots are random lines of a map far larger than the caches)."""
-        values = np.empty((slots.shape[0], self.values.shape[1]), dtype=np.float32)
+    def _gathered(
+        self, slots: NDArray[np.intp], cols: int | None = None
+    ) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+        """Copies of the values (their first `cols` floats: all by default) and stamps of
+        these slots (compiled, the slots ahead asked for early: a batch's slots are random
+        lines of a map far larger than the caches)."""
+        width = self.values.shape[1] if cols is None else min(cols, self.values.shape[1])
+        values = np.empty((slots.shape[0], width), dtype=np.float32)
         stamps = np.empty(slots.shape[0], dtype=np.int64)
         probing.gather(self.values, self.stamps, _intp(slots, self.capacity), values, stamps)
         return values, stamps
@@ -267,14 +271,15 @@ class _TableCache:
         return hit, values
 
     def lookup(
-        self, ids: NDArray[np.int64], tabs: NDArray[np.int32]
+        self, ids: NDArray[np.int64], tabs: NDArray[np.int32], cols: int | None = None
     ) -> tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.int64]]:
-        """(hit, values, stamps) of each key; garbage where not hit. A key only the old
-        map holds moves to the young one first (`_found`)."""
+        """(hit, values (their first `cols` floats: all by default), stamps) of each key;
+        garbage where not hit. A key only the old map holds moves to the young one first
+        (`_found`)."""
         at, hit = self._found(ids, tabs)
         # one gather of every id's slot, no masks (an absent id reads slot 0: garbage,
         # which a miss may hold)
-        values, stamps = self.young._gathered(np.maximum(at, 0))
+        values, stamps = self.young._gathered(np.maximum(at, 0), cols)
         return hit, values, stamps
 
     def locate(
@@ -558,24 +563,26 @@ class RowCache:
         return [(hit, rows, slots) for hit, rows, slots, _ in self.lookup_many(parts)]
 
     def lookup_many(
-        self, parts: Sequence[tuple[str, IdArray]]
+        self, parts: Sequence[tuple[str, IdArray]], *, rows_only: bool = False
     ) -> list[
         tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.float32], NDArray[np.bool_]]
     ]:
         """`get_many`'s (hit, rows, slots) and which hits are initial entries (no row
-        in memcached: see the module's doc)."""
+        in memcached: see the module's doc). `rows_only`: the slots are not copied (each
+        table's are (n, 0)): a row's floats are a fraction of its slots' (Adam's)."""
         out: list[Any] = [None] * len(parts)
         for width, members in self._by_width([t for t, _ in parts]).items():
             ids, tabs = self._keys([parts[i] for i in members])
-            hit, values, stamps = self._groups[width].lookup(ids, tabs)
+            dims = [self._where[parts[i][0]][2] for i in members]
+            cols = max(dims) if rows_only else width
+            hit, values, stamps = self._groups[width].lookup(ids, tabs, cols)
             initial = hit & (stamps == INITIAL)
             start = 0
-            for i in members:
-                n = parts[i][1].shape[0]
-                dim = self._where[parts[i][0]][2]
-                block = values[start : start + n]
-                stop = start + n
-                out[i] = (hit[start:stop], block[:, :dim], block[:, dim:], initial[start:stop])
+            for i, dim in zip(members, dims, strict=True):
+                stop = start + parts[i][1].shape[0]
+                block = values[start:stop]
+                slots = block[:, :0] if rows_only else block[:, dim:]
+                out[i] = (hit[start:stop], block[:, :dim], slots, initial[start:stop])
                 start = stop
         return out
 

@@ -202,3 +202,30 @@ def test_a_dirty_key_forgotten_and_put_again_is_flushed_once() -> None:
     ((_, got, rows, _),), _ = cache.dirty()
     assert (np.sort(got) == ids).all() and (rows == 1).all()
     assert group.young.logged == 20
+
+
+def test_rows_only_lookups_give_the_rows_hits_and_initial_entries_of_a_full_one() -> None:
+    """`lookup_many(rows_only=True)` (a replica's answer reads) copies the rows alone,
+    also of tables of one value width with different dims (one map, one gather)."""
+    widths = {"a": (3, 1), "b": (1, 3), "c": (2, 2)}  # one width: 4
+    cache = RowCache(widths, 1 << 20)
+    rng = np.random.default_rng(5)
+    parts = []
+    for name, (dim, slot_width) in widths.items():
+        ids = rng.permutation(500)[:200].astype(np.int64)
+        values = rng.normal(size=(200, dim + slot_width)).astype(np.float32)
+        cache.put_many([(name, ids[:120], values[:120, :dim], values[:120, dim:])])
+        cache.put_many(
+            [(name, ids[100:150], values[100:150, :dim], values[100:150, dim:])], initial=True
+        )
+        parts.append((name, ids))
+    full = cache.lookup_many(parts)
+    rows_only = cache.lookup_many(parts, rows_only=True)
+    for (name, _), (hit, rows, _, initial), got in zip(parts, full, rows_only, strict=True):
+        got_hit, got_rows, got_slots, got_initial = got
+        dim = widths[name][0]
+        assert hit[:150].all() and not hit[150:].any() and initial[120:150].all()
+        np.testing.assert_array_equal(got_hit, hit)
+        np.testing.assert_array_equal(got_initial, initial)
+        assert got_rows.shape == (200, dim) and got_slots.shape == (200, 0)
+        np.testing.assert_array_equal(got_rows[hit], rows[hit])
