@@ -16,7 +16,18 @@ from llvmlite import ir  # type: ignore[import-untyped]
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["A1", "A2", "C1", "C2", "PREFETCH_AHEAD", "RC1", "RC2", "compiled", "prefetch_row"]
+__all__ = [
+    "A1",
+    "A2",
+    "C1",
+    "C2",
+    "PREFETCH_AHEAD",
+    "RC1",
+    "RC2",
+    "compiled",
+    "prefetch_head",
+    "prefetch_row",
+]
 
 PREFETCH_AHEAD = 8  # rows: far enough to hide a memory access, near enough to stay cached
 _LINE = 64  # bytes of a cache line on x86-64 (and most others)
@@ -82,3 +93,12 @@ def prefetch_row(arr, row):  # type: ignore[no-untyped-def]  # pragma: no cover
     for offset in range(0, size, _LINE):
         _prefetch(arr, row, offset)  # type: ignore[call-arg]  # typed by numba
     _prefetch(arr, row, size - 1)  # type: ignore[call-arg]  # the last line, if not aligned
+
+
+@njit(inline="always")
+def prefetch_head(arr, row, nbytes):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """`prefetch_row` of the first `nbytes` bytes of the row only (a caller that reads
+    part of each row)."""
+    for offset in range(0, nbytes, _LINE):
+        _prefetch(arr, row, offset)  # type: ignore[call-arg]  # typed by numba
+    _prefetch(arr, row, nbytes - 1)  # type: ignore[call-arg]  # the last line, if not aligned

@@ -25,6 +25,7 @@ __all__ = ["INITIAL", "Located", "RowCache", "Spots"]
 INITIAL = -1  # the stamp of an initial entry (see the module's doc)
 
 _MIN_CAPACITY = 1024
+_MIN_RECORD = 64  # slots of a map's record of dirty slots, at first (it grows as needed)
 # bytes per slot besides the values: the key row (id, table and flags) and the stamp
 _ENTRY_OVERHEAD = 2 * np.dtype(np.int64).itemsize + np.dtype(np.int64).itemsize
 # a key row's second word: the table number in the low 32 bits, then two flags
@@ -62,7 +63,12 @@ class _IntMap:
 
     A slot's key is one 16-byte row of `meta`: the id, then the table number (low 32
     bits) with a used and a valid flag, so a probe of a map far larger than the CPU's
-    caches waits for one cache line, not one per array (id, table, used, valid)."""
+    caches waits for one cache line, not one per array (id, table, used, valid).
+
+    `record[:logged]` holds every slot whose stamp is > 0 (a dirty entry; also slots
+    cleaned or forgotten since, and a slot twice once forgotten and put again), so what
+    is dirty is found without a scan of the map. The compiled puts append a slot as its
+    stamp turns > 0; `clean` and `dirty_slots` keep only the dirty ones."""
 
     def __init__(self, capacity: int, width: int) -> None:
         self.mask = capacity - 1
@@ -71,11 +77,35 @@ class _IntMap:
         self.stamps = np.zeros(capacity, dtype=np.int64)  # > 0: dirty, put by that stamp
         for arr in (self.meta, self.values, self.stamps):
             arr.fill(0)  # touch every page now: `nbytes` is what the cache holds resident
+        self.record = np.empty(0, dtype=np.intp)  # allocated by the first dirty put
+        self.logged = 0
         self.size = 0
         self.epoch = 0  # how many times it was cleared: a `Spots` of an older epoch is void
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.meta, self.values, self.stamps))
+        return sum(a.nbytes for a in (self.meta, self.values, self.stamps, self.record))
+
+    def _room(self, each: NDArray[np.int64]) -> NDArray[np.intp]:
+        """The record, with room for the slots a put of these stamps may make dirty: its
+        stale entries dropped first where it is full, then grown."""
+        n = each.shape[0] if each.shape[0] and int(each.max()) > 0 else 0
+        if self.logged + n > self.record.shape[0]:
+            self._compact()
+            if self.logged + n > self.record.shape[0]:
+                size = max(2 * self.record.shape[0], self.logged + n, _MIN_RECORD)
+                grown = np.empty(size, dtype=np.intp)
+                grown[: self.logged] = self.record[: self.logged]
+                self.record = grown
+        return self.record
+
+    def _compact(self) -> NDArray[np.intp]:
+        """Keep only the dirty slots in the record, once each, in slot order; returns them."""
+        out = np.empty(self.logged, dtype=np.intp)
+        bits = np.zeros((self.capacity + 63) // 64, dtype=np.uint64)
+        n = probing.dirty_slots(self.meta, self.stamps, self.record[: self.logged], bits, out)
+        self.record[:n] = out[:n]
+        self.logged = n
+        return out[:n]
 
     def clear(self) -> None:
         """Empty the map, keeping its memory: only the used flag says what a slot holds,
@@ -83,6 +113,7 @@ class _IntMap:
         touch a whole new map)."""
         self.meta[:, 1] = 0
         self.stamps.fill(0)
+        self.logged = 0
         self.size = 0
         self.epoch += 1
 
@@ -112,10 +143,14 @@ class _IntMap:
         values, stamps = self._gathered(np.maximum(out, 0))
         return out, hit, values, stamps
 
-    def _gathered(self, slots: NDArray[np.intp]) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
-        """Copies of the values and stamps of these slots (compiled, the slots ahead asked
-        for early: a batch's slots are random lines of a map far larger than the caches)."""
-        values = np.empty((slots.shape[0], self.values.shape[1]), dtype=np.float32)
+    def _gathered(
+        self, slots: NDArray[np.intp], cols: int | None = None
+    ) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+        """Copies of the values (their first `cols` floats: all by default) and stamps of
+        these slots (compiled, the slots ahead asked for early: a batch's slots are random
+        lines of a map far larger than the caches)."""
+        width = self.values.shape[1] if cols is None else min(cols, self.values.shape[1])
+        values = np.empty((slots.shape[0], width), dtype=np.float32)
         stamps = np.empty(slots.shape[0], dtype=np.int64)
         probing.gather(self.values, self.stamps, _intp(slots, self.capacity), values, stamps)
         return values, stamps
@@ -124,16 +159,23 @@ class _IntMap:
         """A copy of the values of these slots."""
         return self._gathered(slots)[0]
 
-    def set(self, slots: NDArray[np.intp], values: NDArray[np.float32], stamps: Any) -> None:
+    def set(
+        self, slots: NDArray[np.intp], values: NDArray[np.float32], stamps: Any, since: int = 0
+    ) -> int:
         """New values (and stamps: each one's, or one for all) of the keys these slots
-        hold, known from now on (compiled, as `_gathered`)."""
+        hold, known from now on (compiled, as `_gathered`). Returns how many of the slots
+        were dirty by a stamp > `since` before."""
         slots = _intp(slots, self.capacity)
         if values.shape != (slots.shape[0], self.values.shape[1]):
             raise ValueError(
                 f"values {values.shape} for {slots.shape[0]} slots of width {self.values.shape[1]}"
             )
         each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), slots.shape)
-        probing.scatter(self.meta, self.values, self.stamps, slots, values, each)
+        record = self._room(each)
+        self.logged, again = probing.scatter(
+            self.meta, self.values, self.stamps, slots, values, each, record, self.logged, since
+        )
+        return int(again)
 
     def forget(self, slots: NDArray[np.intp]) -> None:
         """Forget the values of these slots (their keys stay: no deletions)."""
@@ -150,13 +192,12 @@ class _IntMap:
         return np.flatnonzero((self.meta[:, 1] & (_USED | _VALID)) == (_USED | _VALID))
 
     def dirty_slots(self) -> NDArray[np.intp]:
-        """The slots of the dirty entries whose values are known."""
-        out = np.empty(self.stamps.shape[0], dtype=np.intp)
-        return out[: probing.dirty_slots(self.meta, self.stamps, out)]
+        """The slots of the dirty entries whose values are known, in slot order."""
+        return self._compact()
 
     def clean(self, upto: int) -> None:
         """Mark clean the dirty entries put with a stamp <= `upto`."""
-        probing.clean(self.stamps, upto)
+        self.logged = probing.clean(self.stamps, self.record, self.logged, upto)
 
     def insert(
         self,
@@ -174,7 +215,8 @@ class _IntMap:
             )
         each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), ids.shape)
         placed = np.empty(ids.shape[0], dtype=bool)
-        self.size += probing.insert(
+        record = self._room(each)
+        count, self.logged = probing.insert(
             self.meta,
             self.mask,
             self.values,
@@ -185,7 +227,10 @@ class _IntMap:
             each,
             probing.USED | probing.VALID,
             placed,
+            record,
+            self.logged,
         )
+        self.size += count
         return placed
 
 
@@ -226,14 +271,15 @@ class _TableCache:
         return hit, values
 
     def lookup(
-        self, ids: NDArray[np.int64], tabs: NDArray[np.int32]
+        self, ids: NDArray[np.int64], tabs: NDArray[np.int32], cols: int | None = None
     ) -> tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.int64]]:
-        """(hit, values, stamps) of each key; garbage where not hit. A key only the old
-        map holds moves to the young one first (`_found`)."""
+        """(hit, values (their first `cols` floats: all by default), stamps) of each key;
+        garbage where not hit. A key only the old map holds moves to the young one first
+        (`_found`)."""
         at, hit = self._found(ids, tabs)
         # one gather of every id's slot, no masks (an absent id reads slot 0: garbage,
         # which a miss may hold)
-        values, stamps = self.young._gathered(np.maximum(at, 0))
+        values, stamps = self.young._gathered(np.maximum(at, 0), cols)
         return hit, values, stamps
 
     def locate(
@@ -243,8 +289,9 @@ class _TableCache:
         known (-1 elsewhere), and whether that is an initial entry. As `lookup`, a key
         only the old map holds moves to the young one first."""
         at, hit = self._found(ids, tabs)
-        initial = hit & (np.take(self.young.stamps, np.maximum(at, 0)) == INITIAL)
         at[~hit] = -1
+        initial = np.empty(hit.shape[0], dtype=bool)
+        probing.stamped(self.young.stamps, np.maximum(at, 0), hit, INITIAL, initial)
         return at, hit, initial
 
     def _found(
@@ -361,12 +408,11 @@ class _TableCache:
     def dirty(self) -> tuple[NDArray[np.int64], NDArray[np.int32], NDArray[np.float32]]:
         """Copies of the keys and values of every dirty entry, by table number (an old
         map's only where the young map does not hold the key: it has the newer value).
-        The slots are put in that order before their values are gathered: one copy of
-        the values (a flush's are megabytes)."""
-        maps: list[tuple[_IntMap, NDArray[np.intp]]] = []
+        Each map's values are read in slot order straight into their places by table:
+        one copy of the values (a flush's are megabytes), no masks."""
         at = self.young.dirty_slots()
         ids, tabs = self.young.keys_at(at)
-        maps.append((self.young, at))
+        maps: list[tuple[_IntMap, NDArray[np.intp]]] = [(self.young, at)]
         if self.old is not None:
             old_at = self.old.dirty_slots()
             if old_at.shape[0]:
@@ -376,14 +422,13 @@ class _TableCache:
                 ids = np.concatenate([ids, old_ids[older]])
                 tabs = np.concatenate([tabs, old_tabs[older]])
         order = _by_table(tabs)
-        if len(maps) == 1:
-            return ids[order], tabs[order], self.young.values_at(at[order])
+        place = np.empty_like(order)  # where each entry goes: `order` inverted
+        place[order] = np.arange(order.shape[0])
         values = np.empty((ids.shape[0], self.width), dtype=np.float32)
         start = 0
-        for m, slots in maps:  # each map's entries, gathered into their places in `order`
+        for m, slots in maps:
             stop = start + slots.shape[0]
-            into = np.flatnonzero((order >= start) & (order < stop))
-            values[into] = m.values_at(slots[order[into] - start])
+            probing.gather_to(m.values, _intp(slots, m.capacity), place[start:stop], values)
             start = stop
         return ids[order], tabs[order], values
 
@@ -518,24 +563,26 @@ class RowCache:
         return [(hit, rows, slots) for hit, rows, slots, _ in self.lookup_many(parts)]
 
     def lookup_many(
-        self, parts: Sequence[tuple[str, IdArray]]
+        self, parts: Sequence[tuple[str, IdArray]], *, rows_only: bool = False
     ) -> list[
         tuple[NDArray[np.bool_], NDArray[np.float32], NDArray[np.float32], NDArray[np.bool_]]
     ]:
         """`get_many`'s (hit, rows, slots) and which hits are initial entries (no row
-        in memcached: see the module's doc)."""
+        in memcached: see the module's doc). `rows_only`: the slots are not copied (each
+        table's are (n, 0)): a row's floats are a fraction of its slots' (Adam's)."""
         out: list[Any] = [None] * len(parts)
         for width, members in self._by_width([t for t, _ in parts]).items():
             ids, tabs = self._keys([parts[i] for i in members])
-            hit, values, stamps = self._groups[width].lookup(ids, tabs)
+            dims = [self._where[parts[i][0]][2] for i in members]
+            cols = max(dims) if rows_only else width
+            hit, values, stamps = self._groups[width].lookup(ids, tabs, cols)
             initial = hit & (stamps == INITIAL)
             start = 0
-            for i in members:
-                n = parts[i][1].shape[0]
-                dim = self._where[parts[i][0]][2]
-                block = values[start : start + n]
-                stop = start + n
-                out[i] = (hit[start:stop], block[:, :dim], block[:, dim:], initial[start:stop])
+            for i, dim in zip(members, dims, strict=True):
+                stop = start + parts[i][1].shape[0]
+                block = values[start:stop]
+                slots = block[:, :0] if rows_only else block[:, dim:]
+                out[i] = (hit[start:stop], block[:, :dim], slots, initial[start:stop])
                 start = stop
         return out
 
@@ -582,13 +629,15 @@ class RowCache:
             return
         held = at >= 0
         if cache is spots.cache and cache.young is spots.map and spots.map.epoch == spots.epoch:
+            every = bool(held.all())
+            if every:
+                again = spots.map.set(at, items, stamp, self._since)
+            else:
+                again = spots.map.set(at[held], items[held], stamp, self._since)
             if dirty:  # the keys held dirty since the last `dirty()` are counted already
-                again = np.count_nonzero(spots.map.stamps[at[held]] > self._since)
                 self._dirty_puts[width] += items.shape[0] - again
-            if held.all():
-                spots.map.set(at, items, stamp)
+            if every:
                 return
-            spots.map.set(at[held], items[held], stamp)
         else:
             held[:] = False
             if dirty:

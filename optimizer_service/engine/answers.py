@@ -135,7 +135,9 @@ class Answers:
         (and count sightings first with `admit_after`), so "no row" would not stay true."""
         use = [self.state.sentinels is not None and self.state.cache.caches(t) for t, _ in reads]
         cached = iter(
-            self.state.cache.lookup_many([r for r, u in zip(reads, use, strict=True) if u])
+            self.state.cache.lookup_many(
+                [r for r, u in zip(reads, use, strict=True) if u], rows_only=True
+            )
         )
         out: list[tuple[NDArray[np.float32], NDArray[np.bool_]]] = []
         misses: list[tuple[int, NDArray[np.bool_]]] = []
