@@ -244,8 +244,10 @@ class GraphStep:
         self.training = training
         self._make = make
         self._fn: Any = None
-        # per argument layout, the step taking its tensors alone (`_call`)
+        # per argument layout, the step taking its tensors alone (`_call`), and the
+        # concrete function it ran last, with the specs of its inputs
         self._flat: dict[Hashable, Any] = {}
+        self._last: dict[Hashable, tuple[Any, list[Any]]] = {}
         if training:
             session.fed_layers = [f.layer for f in self.fed]
 
@@ -260,7 +262,7 @@ class GraphStep:
             got = session.evaluation_rows(self.fed, features)
             batch = FedBatch(self.fed, [i for i, _ in got], [r for _, r in got])
         if self._fn is None:
-            self._fn, self._flat = self._make(self.fed), {}
+            self._fn, self._flat, self._last = self._make(self.fed), {}, {}
             self._trace(data, batch.args)  # which feeds are taken
             taken = [f for f in self.fed if f.layer.fed]
             if len(taken) < len(self.fed):  # e.g. the model transforms a column first
@@ -272,14 +274,14 @@ class GraphStep:
         with session.lookups():
             return self._call(data, batch.args), batch
 
-    def _flat_step(self, data: Any, args: Any) -> tuple[Any, list[Any]]:
-        """The step that takes the tensors of (data, *args) alone, and those tensors; None
-        when they cannot be taken apart or there are too many layouts."""
+    def _flat_step(self, data: Any, args: Any) -> tuple[Any, list[Any], Hashable]:
+        """The step that takes the tensors of (data, *args) alone, those tensors and their
+        layout; None when they cannot be taken apart or there are too many layouts."""
         tensors: list[Any] = []
         try:
             layout = _flatten((data, args), tensors)
         except _NotFlat:
-            return None, tensors
+            return None, tensors, None
         known = self._flat.get(layout)
         if known is None and len(self._flat) < _FLAT_LAYOUTS:
             structured = self._fn.python_function
@@ -290,10 +292,10 @@ class GraphStep:
                 return structured(data, *args)
 
             self._flat[layout] = known = flat
-        return known, tensors
+        return known, tensors, layout
 
     def _trace(self, data: Any, args: Any) -> None:
-        flat, tensors = self._flat_step(data, args)
+        flat, tensors, _ = self._flat_step(data, args)
         if flat is None:
             self._fn.get_concrete_function(data, *args)
         else:
@@ -303,10 +305,21 @@ class GraphStep:
         """The step on (data, *args): their tensors alone when it can (a tf.function binds
         and converts every argument of a nest in Python, the leaves that are not tensors
         (a column's name) the dearest), else the nest."""
-        flat, tensors = self._flat_step(data, args)
+        flat, tensors, layout = self._flat_step(data, args)
         if flat is None:
             return self._fn(data, *args)
-        return flat(*tensors)
+        last = self._last.get(layout)
+        if last is not None and all(
+            t.dtype == spec.dtype and spec.shape.is_compatible_with(t.shape)
+            for t, spec in zip(tensors, last[1], strict=True)
+        ):
+            # the trace that took the last batch takes this one: its concrete function,
+            # without the tf.function's look-up by the arguments' types
+            return last[0](*tensors)
+        out = flat(*tensors)
+        concrete = flat.get_concrete_function(*tensors)
+        self._last[layout] = (concrete, tf.nest.flatten(concrete.structured_input_signature))
+        return out
 
     def __call__(
         self, data: Any, features: Any
