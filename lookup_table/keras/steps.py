@@ -4,7 +4,7 @@ model input as arguments (`FedBatch`), the other layers looking up inside it;
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -181,6 +181,48 @@ def fed_train_step(
     return step
 
 
+class _NotFlat(Exception):
+    """An argument the flat call cannot take apart (it goes through the tf.function whole)."""
+
+
+_TENSOR = object()  # where a tensor was, in a `_flatten` layout
+_FLAT_LAYOUTS = 8  # more layouts than this: the tf.function's own call, which relaxes shapes
+
+
+def _flatten(value: Any, tensors: list[Any]) -> Hashable:
+    """The layout of `value` (its containers, dict keys, other leaves and where its
+    tensors were), its tensors (composites' components) appended to `tensors`."""
+    if isinstance(value, tf.Tensor):
+        tensors.append(value)
+        return _TENSOR
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return (kind, tuple(_flatten(v, tensors) for v in value))
+    if kind is dict:
+        return (dict, tuple((k, _flatten(v, tensors)) for k, v in value.items()))
+    if isinstance(value, tf.RaggedTensor | tf.SparseTensor):
+        tensors.extend(tf.nest.flatten(value, expand_composites=True))
+        return (tf.TypeSpec, tf.type_spec_from_value(value))
+    if value is None or kind in (str, int, float, bool, bytes):
+        return (kind, value)
+    raise _NotFlat
+
+
+def _rebuild(layout: Any, tensors: Iterator[Any]) -> Any:
+    """(In the graph.) The value of a `_flatten` layout, its tensors taken from `tensors`."""
+    if layout is _TENSOR:
+        return next(tensors)
+    kind, inner = layout
+    if kind is tuple or kind is list:
+        return kind(_rebuild(v, tensors) for v in inner)
+    if kind is dict:
+        return {k: _rebuild(v, tensors) for k, v in inner}
+    if kind is tf.TypeSpec:
+        parts = [next(tensors) for _ in tf.nest.flatten(inner, expand_composites=True)]
+        return tf.nest.pack_sequence_as(inner, parts, expand_composites=True)
+    return inner
+
+
 class GraphStep:
     """Runs a step built by `make(fed)` (see `fed_train_step`) with the session's rows:
     the fed layers' rows as arguments (`training`: a training step's, prefetched and
@@ -202,6 +244,10 @@ class GraphStep:
         self.training = training
         self._make = make
         self._fn: Any = None
+        # per argument layout, the step taking its tensors alone (`_call`), and the
+        # concrete function it ran last, with the specs of its inputs
+        self._flat: dict[Hashable, Any] = {}
+        self._last: dict[Hashable, tuple[Any, list[Any]]] = {}
         if training:
             session.fed_layers = [f.layer for f in self.fed]
 
@@ -216,8 +262,8 @@ class GraphStep:
             got = session.evaluation_rows(self.fed, features)
             batch = FedBatch(self.fed, [i for i, _ in got], [r for _, r in got])
         if self._fn is None:
-            self._fn = self._make(self.fed)
-            self._fn.get_concrete_function(data, *batch.args)  # trace: which feeds are taken
+            self._fn, self._flat, self._last = self._make(self.fed), {}, {}
+            self._trace(data, batch.args)  # which feeds are taken
             taken = [f for f in self.fed if f.layer.fed]
             if len(taken) < len(self.fed):  # e.g. the model transforms a column first
                 self.fed = taken
@@ -226,7 +272,54 @@ class GraphStep:
                 self._fn = None
                 return self.run(data, features)
         with session.lookups():
-            return self._fn(data, *batch.args), batch
+            return self._call(data, batch.args), batch
+
+    def _flat_step(self, data: Any, args: Any) -> tuple[Any, list[Any], Hashable]:
+        """The step that takes the tensors of (data, *args) alone, those tensors and their
+        layout; None when they cannot be taken apart or there are too many layouts."""
+        tensors: list[Any] = []
+        try:
+            layout = _flatten((data, args), tensors)
+        except _NotFlat:
+            return None, tensors, None
+        known = self._flat.get(layout)
+        if known is None and len(self._flat) < _FLAT_LAYOUTS:
+            structured = self._fn.python_function
+
+            @tf.function(reduce_retracing=True)
+            def flat(*parts: Any) -> Any:
+                data, args = _rebuild(layout, iter(parts))
+                return structured(data, *args)
+
+            self._flat[layout] = known = flat
+        return known, tensors, layout
+
+    def _trace(self, data: Any, args: Any) -> None:
+        flat, tensors, _ = self._flat_step(data, args)
+        if flat is None:
+            self._fn.get_concrete_function(data, *args)
+        else:
+            flat.get_concrete_function(*tensors)
+
+    def _call(self, data: Any, args: Any) -> Any:
+        """The step on (data, *args): their tensors alone when it can (a tf.function binds
+        and converts every argument of a nest in Python, the leaves that are not tensors
+        (a column's name) the dearest), else the nest."""
+        flat, tensors, layout = self._flat_step(data, args)
+        if flat is None:
+            return self._fn(data, *args)
+        last = self._last.get(layout)
+        if last is not None and all(
+            t.dtype == spec.dtype and spec.shape.is_compatible_with(t.shape)
+            for t, spec in zip(tensors, last[1], strict=True)
+        ):
+            # the trace that took the last batch takes this one: its concrete function,
+            # without the tf.function's look-up by the arguments' types
+            return last[0](*tensors)
+        out = flat(*tensors)
+        concrete = flat.get_concrete_function(*tensors)
+        self._last[layout] = (concrete, tf.nest.flatten(concrete.structured_input_signature))
+        return out
 
     def __call__(
         self, data: Any, features: Any
