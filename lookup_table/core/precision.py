@@ -40,6 +40,8 @@ __all__ = [
     "itemsize",
     "round_to",
     "rounding_keys",
+    "rounding_salt",
+    "salted_rounding_keys",
     "storage_dtype",
 ]
 
@@ -85,6 +87,12 @@ def storage_dtype(dtype: RowDtype) -> np.dtype[Any]:
     return _STORED[check_dtype(dtype)]
 
 
+def rounding_salt(seed: int) -> np.uint64:
+    """A table's part of its rows' rounding keys (`rounding_keys`), from its seed."""
+    salt: np.uint64 = mix64(np.array([(seed ^ _ROUND_TAG) & 0xFFFFFFFFFFFFFFFF], np.uint64))[0]
+    return salt
+
+
 def rounding_keys(
     seed: int, id_hashes: NDArray[np.uint64], steps: int | NDArray[np.integer[Any]]
 ) -> NDArray[np.uint64]:
@@ -96,9 +104,25 @@ def rounding_keys(
     rounds the same way twice, and the errors no longer average out.
     """
     hashes = np.asarray(id_hashes)
+    salt = np.full(1 if hashes.ndim != 1 else hashes.shape[0], rounding_salt(seed))
+    return salted_rounding_keys(salt, hashes, steps)
+
+
+def salted_rounding_keys(
+    salts: NDArray[np.uint64],
+    id_hashes: NDArray[np.uint64],
+    steps: int | NDArray[np.integer[Any]],
+) -> NDArray[np.uint64]:
+    """`rounding_keys` of rows of several tables at once: `salts` (n,) is each row's
+    table's `rounding_salt`; the same keys, bit for bit, as each table's own call."""
+    hashes = np.asarray(id_hashes)
     if hashes.dtype != np.uint64 or hashes.ndim != 1:
         raise ValueError(
             f"id_hashes: expected a uint64 array (n,), got {hashes.dtype} {hashes.shape}"
+        )
+    if salts.dtype != np.uint64 or salts.shape != hashes.shape:
+        raise ValueError(
+            f"salts: expected a uint64 array ({hashes.shape[0]},), got {salts.dtype} {salts.shape}"
         )
     step_arr = np.asarray(steps)
     if step_arr.dtype.kind not in "iu" or step_arr.ndim > 1:
@@ -112,10 +136,9 @@ def rounding_keys(
         )
     if step_arr.dtype.kind == "i" and step_arr.size and int(step_arr.min()) < 0:
         raise ValueError(f"steps: expected counts >= 0, got {int(step_arr.min())}")
-    salt = mix64(np.array([(seed ^ _ROUND_TAG) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
     with np.errstate(over="ignore"):
         counter = (step_arr.astype(np.uint64) + np.uint64(1)) * _GAMMA
-        return mix64(mix64(hashes ^ salt) + counter)
+        return mix64(mix64(hashes ^ salts) + counter)
 
 
 def _bf16_nearest(bits: NDArray[np.uint32]) -> NDArray[np.uint16]:
