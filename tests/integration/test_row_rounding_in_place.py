@@ -14,6 +14,7 @@ from lookup_table.core.wire import unpack
 from optimizer_service.app import UPDATER
 from optimizer_service.engine.journal_format import encode_journal
 from optimizer_service.engine.plan import WritePlan
+from optimizer_service.errors import BadRequestError
 from optimizer_service.push import parse_push
 from tests.integration.test_row_dtypes import PRECISE
 from tests.integration.test_row_write_behind import _config, _start
@@ -133,3 +134,41 @@ def _step_column(tables: list[dict[str, Any]], name: str) -> int | None:
 
     spec = make_config(["127.0.0.1:1"], tables=tables).table(name)
     return step_slot(make_optimizer(spec.optimizer), spec.dim)
+
+
+async def _overflowing_push(nodes: list[str], aiohttp_server: Any, flush_pushes: int) -> str:
+    """A push whose step takes one float16 row beyond 65504, by a replica writing rows
+    behind or through: its error's message, once nothing of it was written."""
+    sgd = {"name": "sgd", "learning_rate": 1.0}
+    tables = [
+        {"name": "wide", "dim": 4, "seed": 1, "dtype": "bfloat16", "optimizer": sgd},
+        {"name": "small", "dim": 4, "seed": 2, "dtype": "float16", "optimizer": sgd},
+    ]
+    config = _config(nodes, tables=tables, row_flush_pushes=flush_pushes)
+    updater = (await _start(config, aiohttp_server)).app[UPDATER]
+    ids = np.arange(5, dtype=np.int64) * 31
+    grads = np.zeros((5, 4), dtype=np.float32)
+    wide = grads.copy()
+    wide[1, 2] = -1e6  # fits bfloat16
+    small = grads.copy()
+    small[3, 1] = -1e5  # id 93: beyond float16's largest
+    body = _body("too-far", {"wide": (ids, wide), "small": (ids, small)})
+    with pytest.raises(BadRequestError) as err:
+        await updater.apply(parse_push(unpack(body), config=config))
+    assert err.value.reason == "row_overflow"
+    await updater.pause()
+    async with EmbeddingStore(config) as store:
+        for name in ("wide", "small"):
+            assert not (await store.get(name, ids, unique=True))[1].any()
+    updater.resume()
+    cached = updater.cache.lookup_many([("wide", ids), ("small", ids)])
+    assert not any(hit.any() for hit, *_ in cached)
+    return str(err.value)
+
+
+async def test_a_row_beyond_its_dtype_stepped_in_place_is_refused_as_when_gathered(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    behind = await _overflowing_push(memcached_nodes, aiohttp_server, 4)
+    assert behind == await _overflowing_push(memcached_nodes, aiohttp_server, 1)
+    assert "table 'small'" in behind and "(id 93)" in behind and "nothing was stored" in behind
