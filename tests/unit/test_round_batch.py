@@ -123,3 +123,30 @@ def test_a_batch_with_a_row_beyond_its_dtype_says_which_table_as_its_rounder_doe
         rounders[1].round(ids[1], old_slots[3:7], rows[3:7], new_slots[3:7])
     assert str(batch.value) == str(own.value)
     assert "table 'small'" in str(batch.value) and "(id 12)" in str(batch.value)
+
+
+def test_the_compiled_keys_are_the_rule_in_numpy_and_each_tables_own() -> None:
+    from lookup_table.core.hashing import mix64
+    from lookup_table.core.precision import rounding_keys, rounding_salt, salted_rounding_keys
+
+    rng = np.random.default_rng(9)
+    seeds = [0, 7, 2**63 + 5, -3]
+    hashes = rng.integers(0, 2**64, 400, dtype=np.uint64)
+    steps = rng.integers(0, 2**63, 400, dtype=np.int64)
+    steps[:50] = rng.integers(0, 2**24, 50)
+    salts = np.repeat(np.array([rounding_salt(s) for s in seeds]), 100)
+    tag = np.uint64(0x726F756E642D7372)
+    want = [mix64(np.array([(s ^ int(tag)) & (2**64 - 1)], dtype=np.uint64))[0] for s in seeds]
+    assert [int(w) for w in want] == [int(s) for s in salts[::100]]
+    with np.errstate(over="ignore"):
+        counter = (steps.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        numpy_rule = mix64(mix64(hashes ^ salts) + counter)
+    got = salted_rounding_keys(salts, hashes, steps)
+    assert got.tobytes() == numpy_rule.tobytes()
+    for k, seed in enumerate(seeds):
+        part = slice(100 * k, 100 * (k + 1))
+        assert rounding_keys(seed, hashes[part], steps[part]).tobytes() == got[part].tobytes()
+    assert (
+        rounding_keys(7, hashes[:3], 5).tobytes()
+        == salted_rounding_keys(salts[100:103], hashes[:3], np.full(3, 5)).tobytes()
+    )
