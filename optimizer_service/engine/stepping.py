@@ -16,8 +16,7 @@ from numpy.typing import NDArray
 
 from lookup_table.core.keys import IdArray
 from lookup_table.core.keyspace import META_TABLE, Kind
-from lookup_table.core.optimizers import Optimizer, items_at
-from lookup_table.core.optimizers.adam import column_at
+from lookup_table.core.optimizers import Optimizer, column_at, items_at
 from lookup_table.core.rowcache import Located, Spots
 from lookup_table.core.rows import NOT_UPDATED, change_witnesses, value_hashes
 from lookup_table.dense import DenseParams
