@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from lookup_table import EmbeddingStore
+from lookup_table.core.optimizers import make_optimizer, step_slot
+from lookup_table.core.precision import round_to
 from lookup_table.core.wire import unpack
 from optimizer_service.app import UPDATER
 from optimizer_service.engine.journal_format import encode_journal
@@ -60,11 +62,15 @@ async def _run(
     tables: list[dict[str, Any]],
     pushes: list[dict[str, tuple[Any, np.ndarray]]],
     flush_pushes: int,
+    stored_step: float | None = None,
 ) -> tuple[list[WritePlan], dict[str, np.ndarray], int]:
     """The pushes applied by a fresh replica: their plans, every table's items in
-    memcached afterwards, and how many tables' items were gathered to be stepped."""
+    memcached afterwards, and how many tables' items were gathered to be stepped. With
+    `stored_step`, the int tables' rows are stored first, each at a step about it."""
     config = _config(nodes, tables=tables, row_flush_pushes=flush_pushes)
     server = await _start(config, aiohttp_server)
+    if stored_step is not None:
+        await _store_rows(config, stored_step)
     updater = server.app[UPDATER]
     gathered = 0
     gather = updater.stepper.gather_items
@@ -122,6 +128,49 @@ async def test_16_bit_rows_stepped_in_place_are_the_gathered_steps_bit_for_bit(
         assert items.view(np.uint32).tobytes() == through_stored[name].view(np.uint32).tobytes()
 
 
+@pytest.mark.parametrize("variant", ["float16-rowwise_adam", "bfloat16-adam"])
+async def test_rows_past_float32s_exact_steps_are_keyed_by_their_old_step_in_place_too(
+    memcached_nodes: list[str], aiohttp_server: Any, variant: str
+) -> None:
+    """Past 2**24 a float32 step no longer moves (step + 1 == step): a row's key is its
+    stored step, the same in place as gathered."""
+    tables = _tables(variant, "stochastic")
+    pushes = _pushes(2)
+    behind, behind_stored, gathered = await _run(
+        memcached_nodes, aiohttp_server, tables, pushes, 4, stored_step=2.0**24
+    )
+    through, through_stored, _ = await _run(
+        memcached_nodes, aiohttp_server, tables, pushes, 1, stored_step=2.0**24
+    )
+    assert gathered == 0
+    for b, t in zip(behind, through, strict=True):
+        for ub, ut in zip(b.updates, t.updates, strict=True):
+            assert ub.rows.view(np.uint32).tobytes() == ut.rows.view(np.uint32).tobytes()
+            assert ub.slots.view(np.uint32).tobytes() == ut.slots.view(np.uint32).tobytes()
+    for name, items in behind_stored.items():
+        assert items.view(np.uint32).tobytes() == through_stored[name].view(np.uint32).tobytes()
+
+
+async def _store_rows(config: Any, step: float) -> None:
+    """Rows of tables a..d for every id the pushes use, their values what each dtype
+    stores, their slots small, and their step column (where there is one) around `step`."""
+    rng = np.random.default_rng(8)
+    ids = np.arange(300, dtype=np.int64) * 7919 - 10**6
+    async with EmbeddingStore(config) as store:
+        for name in "abcd":
+            spec = config.table(name)
+            rows = rng.uniform(-0.1, 0.1, (300, spec.dim)).astype(np.float32)
+            if spec.dtype != "float32":
+                rows = round_to(rows, spec.dtype)
+            optimizer = make_optimizer(spec.optimizer)
+            slots = rng.uniform(0, 1e-3, (300, optimizer.slot_width(spec.dim)))
+            slots = slots.astype(np.float32)
+            column = step_slot(optimizer, spec.dim)
+            if column is not None:
+                slots[:, column] = step + rng.integers(-2, 3, 300)
+            await store.set(name, ids, rows, slots=slots)
+
+
 def _journal_body(plan: WritePlan, step_slots: dict[str, int | None]) -> bytes:
     chunks, header = encode_journal(plan, seq=1, step_slots=step_slots)
     body = unpack(header)["body"] if not chunks else b"".join(bytes(c) for c in chunks)
@@ -129,7 +178,6 @@ def _journal_body(plan: WritePlan, step_slots: dict[str, int | None]) -> bytes:
 
 
 def _step_column(tables: list[dict[str, Any]], name: str) -> int | None:
-    from lookup_table.core.optimizers import make_optimizer, step_slot
     from tests.conftest import make_config
 
     spec = make_config(["127.0.0.1:1"], tables=tables).table(name)
