@@ -40,6 +40,8 @@ __all__ = [
     "itemsize",
     "round_to",
     "rounding_keys",
+    "rounding_salt",
+    "salted_rounding_keys",
     "storage_dtype",
 ]
 
@@ -63,6 +65,9 @@ _STORED: dict[str, np.dtype[Any]] = {
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment: counters spread over 2**64
 _ROUND_TAG = 0x726F756E642D7372  # "round-sr": rounding's keys are no other hash's
 _U16 = np.uint32(16)
+_WORDS = types.Array(types.uint16, 2, "C")
+_KEYS = types.Array(types.uint64, 1, "C", readonly=True)
+_VALUES = types.Array(types.float32, 2, "C", readonly=True)
 
 
 def check_dtype(dtype: object) -> RowDtype:
@@ -85,6 +90,12 @@ def storage_dtype(dtype: RowDtype) -> np.dtype[Any]:
     return _STORED[check_dtype(dtype)]
 
 
+def rounding_salt(seed: int) -> np.uint64:
+    """A table's part of its rows' rounding keys (`rounding_keys`), from its seed."""
+    salt: np.uint64 = mix64(np.array([(seed ^ _ROUND_TAG) & 0xFFFFFFFFFFFFFFFF], np.uint64))[0]
+    return salt
+
+
 def rounding_keys(
     seed: int, id_hashes: NDArray[np.uint64], steps: int | NDArray[np.integer[Any]]
 ) -> NDArray[np.uint64]:
@@ -96,9 +107,25 @@ def rounding_keys(
     rounds the same way twice, and the errors no longer average out.
     """
     hashes = np.asarray(id_hashes)
+    salt = np.full(1 if hashes.ndim != 1 else hashes.shape[0], rounding_salt(seed))
+    return salted_rounding_keys(salt, hashes, steps)
+
+
+def salted_rounding_keys(
+    salts: NDArray[np.uint64],
+    id_hashes: NDArray[np.uint64],
+    steps: int | NDArray[np.integer[Any]],
+) -> NDArray[np.uint64]:
+    """`rounding_keys` of rows of several tables at once: `salts` (n,) is each row's
+    table's `rounding_salt`; the same keys, bit for bit, as each table's own call."""
+    hashes = np.asarray(id_hashes)
     if hashes.dtype != np.uint64 or hashes.ndim != 1:
         raise ValueError(
             f"id_hashes: expected a uint64 array (n,), got {hashes.dtype} {hashes.shape}"
+        )
+    if salts.dtype != np.uint64 or salts.shape != hashes.shape:
+        raise ValueError(
+            f"salts: expected a uint64 array ({hashes.shape[0]},), got {salts.dtype} {salts.shape}"
         )
     step_arr = np.asarray(steps)
     if step_arr.dtype.kind not in "iu" or step_arr.ndim > 1:
@@ -112,10 +139,19 @@ def rounding_keys(
         )
     if step_arr.dtype.kind == "i" and step_arr.size and int(step_arr.min()) < 0:
         raise ValueError(f"steps: expected counts >= 0, got {int(step_arr.min())}")
-    salt = mix64(np.array([(seed ^ _ROUND_TAG) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
-    with np.errstate(over="ignore"):
-        counter = (step_arr.astype(np.uint64) + np.uint64(1)) * _GAMMA
-        return mix64(mix64(hashes ^ salt) + counter)
+    counts = np.ascontiguousarray(np.broadcast_to(step_arr, hashes.shape), dtype=np.uint64)
+    out = np.empty(hashes.shape, dtype=np.uint64)
+    _rounding_keys(np.ascontiguousarray(salts), np.ascontiguousarray(hashes), counts, out)
+    return out
+
+
+@compiled(types.void(_KEYS, _KEYS, _KEYS, types.Array(types.uint64, 1, "C")))
+def _rounding_keys(salts, hashes, steps, out):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The key of row i: mix64(mix64(hash ^ salt) + (step + 1) * GAMMA), one pass (what
+    numpy would take a dozen array passes for). A storage contract: replays redraw it."""
+    for i in range(out.shape[0]):
+        counter = (steps[i] + np.uint64(1)) * _GAMMA
+        out[i] = mix64_one(mix64_one(hashes[i] ^ salts[i]) + counter)
 
 
 def _bf16_nearest(bits: NDArray[np.uint32]) -> NDArray[np.uint16]:
@@ -123,11 +159,6 @@ def _bf16_nearest(bits: NDArray[np.uint32]) -> NDArray[np.uint16]:
     lowest kept bit, then truncate (a carry into the exponent is the right result)."""
     kept_lsb = (bits >> _U16) & np.uint32(1)
     return ((bits + np.uint32(0x7FFF) + kept_lsb) >> _U16).astype(np.uint16)
-
-
-_WORDS = types.Array(types.uint16, 2, "C")
-_KEYS = types.Array(types.uint64, 1, "C", readonly=True)
-_VALUES = types.Array(types.float32, 2, "C", readonly=True)
 
 
 @njit(inline="always")

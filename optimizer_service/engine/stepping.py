@@ -8,6 +8,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -15,15 +16,15 @@ from numpy.typing import NDArray
 
 from lookup_table.core.keys import IdArray
 from lookup_table.core.keyspace import META_TABLE, Kind
-from lookup_table.core.optimizers import Optimizer, items_at
+from lookup_table.core.optimizers import Optimizer, column_at, items_at
 from lookup_table.core.rowcache import Located, Spots
-from lookup_table.core.rows import NOT_UPDATED, change_witnesses
+from lookup_table.core.rows import NOT_UPDATED, change_witnesses, value_hashes
 from lookup_table.dense import DenseParams
 from lookup_table.errors import RowOverflowError
 from optimizer_service.engine.items import Items, Unwritten
 from optimizer_service.engine.plan import TableStep, TableUpdate, WritePlan, shares, stacked
 from optimizer_service.engine.replica import ReplicaState
-from optimizer_service.engine.rounding import RowRounder
+from optimizer_service.engine.rounding import RowRounder, round_batch
 from optimizer_service.engine.write_behind import RowFlushes
 from optimizer_service.errors import BadRequestError
 from optimizer_service.push import Push, TableGrads
@@ -45,6 +46,16 @@ Stepped = tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.int64]]
 Roundings = Sequence[tuple[RowRounder, IdArray]]
 
 
+def _key_counts(
+    old_steps: NDArray[np.float32] | None, new_slots: NDArray[np.float32]
+) -> NDArray[np.integer[Any]]:
+    """What a row's rounding key counts (`RowRounder`): its step before the update where
+    the optimizer counts steps (`old_steps`), else the hash of its new slots."""
+    if old_steps is not None:
+        return old_steps.astype(np.int64)
+    return value_hashes(new_slots)
+
+
 def _step_rows_sync(
     optimizer: Optimizer,
     rows: NDArray[np.float32],
@@ -61,13 +72,9 @@ def _step_rows_sync(
     try:
         new_rows, new_slots = optimizer.update(rows, grads, slots)
         if roundings:
-            start = 0
-            for rounder, ids in roundings:
-                stop = start + ids.shape[0]
-                new_rows[start:stop] = rounder.round(
-                    ids, slots[start:stop], new_rows[start:stop], new_slots[start:stop]
-                )
-                start = stop
+            column = roundings[0][0].step_column  # the batch's optimizer's
+            old_steps = None if column is None else slots[:, column]
+            round_batch(roundings, new_rows, partial(_key_counts, old_steps, new_slots))
     except RowOverflowError as exc:
         raise BadRequestError(str(exc), reason="row_overflow") from exc
     return new_rows, new_slots, change_witnesses((rows, slots), (new_rows, new_slots))
@@ -384,23 +391,20 @@ class Stepper:
         items are (`Optimizer.update_at`), unless the rows are not written behind after
         all (`behind` False: the journal needs change witnesses, of the old values) or
         the batch is large enough for a thread: then their items are gathered first.
+        Rows of 16-bit tables are rounded to what their table stores right after the
+        step, whichever way it ran (`round_batch`: the same bits both ways).
 
         Raises:
             CacheMoved: the cache reused the map the rows were located in (`Updater` reads
                 them again).
         """
         rounders = self.state.rounders
-        # the tables whose rows are rounded (16-bit dtypes) are stepped apart from the
-        # others, and never in place (rounded after the step, before the cache holds them)
-        groups: dict[tuple[Optimizer, int, bool], list[TableStart]] = {}
+        groups: dict[tuple[Optimizer, int], list[TableStart]] = {}
         here: dict[tuple[Optimizer, int, Spots], list[TableStart]] = {}
         for p in prepared:
             optimizer, dim = self.state.optimizers[p.grads.table], p.grads.grads.shape[1]
-            rounds = rounders[p.grads.table].rounds
-            if rounds:
-                self.gather_items(p)
             if p.place is None:
-                groups.setdefault((optimizer, dim, rounds), []).append(p)
+                groups.setdefault((optimizer, dim), []).append(p)
             else:
                 here.setdefault((optimizer, dim, p.place.spots), []).append(p)
         for (optimizer, dim, spots), members in list(here.items()):
@@ -408,17 +412,18 @@ class Stepper:
                 del here[optimizer, dim, spots]
                 for p in members:
                     self.gather_items(p)
-                groups.setdefault((optimizer, dim, False), []).extend(members)
+                groups.setdefault((optimizer, dim), []).extend(members)
         stepped: dict[int, Stepped] = {}
 
-        async def batch(optimizer: Optimizer, members: list[TableStart], rounds: bool) -> None:
+        async def batch(optimizer: Optimizer, members: list[TableStart]) -> None:
             steps = [p.step for p in members]
+            roundings = [(rounders[s.table], s.ids) for s in steps]
             new_rows, new_slots, witness = await step_rows(
                 optimizer,
                 stacked([s.rows for s in steps]),
                 stacked([s.grads for s in steps]),
                 stacked([s.slots for s in steps]),
-                [(rounders[s.table], s.ids) for s in steps] if rounds else (),
+                roundings if any(r.rounds for r, _ in roundings) else (),
             )
             for s, rows, slots, w in zip(
                 steps,
@@ -429,7 +434,7 @@ class Stepper:
             ):
                 stepped[id(s)] = (rows, slots, w)
 
-        await asyncio.gather(*(batch(key[0], members, key[2]) for key, members in groups.items()))
+        await asyncio.gather(*(batch(key[0], members) for key, members in groups.items()))
         updates = {
             id(p): self.table_update(p, *stepped[id(p.step)])
             for p in prepared
@@ -442,7 +447,26 @@ class Stepper:
                 raise CacheMoved(f"the row cache reused the map of {len(members)} tables' rows")
             at, extra = _joined([p.place for p in members if p.place is not None])
             grads = stacked([p.grads.grads for p in members])
+            roundings = [(rounders[p.step.table], p.step.ids) for p in members]
+            rounds = any(r.rounds for r, _ in roundings)
+            column = roundings[0][0].step_column
+            # a row's key counts its steps before this one: read from the old items (the
+            # new step is no count past 2**24, where float32's step + 1 == step)
+            old_steps = (
+                column_at(values, at, extra, dim + column)
+                if rounds and column is not None and any(r.stochastic for r, _ in roundings)
+                else None
+            )
             rows, items = optimizer.update_at(values, at, extra, grads)
+            if rounds:
+                # the new arrays are rounded before anything holds them (the cache gets
+                # the items after the journal), so every holder keeps the stored values
+                counts = partial(_key_counts, old_steps, items[:, dim:])
+                try:
+                    round_batch(roundings, rows, counts)
+                except RowOverflowError as exc:
+                    raise BadRequestError(str(exc), reason="row_overflow") from exc
+                items[:, :dim] = rows
             steps = [p.step for p in members]
             for p, new_rows, new_items in zip(
                 members, shares(rows, steps), shares(items, steps), strict=True

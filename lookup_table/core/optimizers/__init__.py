@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 from lookup_table.core.optimizers.adagrad import Adagrad
-from lookup_table.core.optimizers.adam import Adam, step_sizes
+from lookup_table.core.optimizers.adam import Adam, column_at, step_sizes
 from lookup_table.core.optimizers.base import (
     AnyOptimizerConfig,
     Float32Array,
@@ -47,6 +47,7 @@ __all__ = [
     "RowwiseAdam",
     "StoredSlot",
     "check_finite",
+    "column_at",
     "items_at",
     "make_optimizer",
     "mean_square",

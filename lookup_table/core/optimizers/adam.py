@@ -26,7 +26,7 @@ from lookup_table.core.optimizers.base import Float32Array, StoredSlot, check_up
 if TYPE_CHECKING:  # the runtime imports stay pure (numpy, numba, stdlib)
     from lookup_table.config import AdamConfig
 
-__all__ = ["Adam", "step_sizes"]
+__all__ = ["Adam", "column_at", "step_sizes"]
 
 _F32 = np.float32
 _F32_TINY = float(np.finfo(np.float32).tiny)
@@ -182,6 +182,17 @@ def _column_at(values, at, extra, column, out):  # type: ignore[no-untyped-def] 
             prefetch_row(values, at[i + PREFETCH_AHEAD])
         p = at[i]
         out[i] = values[p, column] if p >= 0 else extra[-1 - p, column]
+
+
+def column_at(
+    values: Float32Array, at: NDArray[np.intp], extra: Float32Array, column: int
+) -> Float32Array:
+    """Column `column` of the items where they are (as `Optimizer.update_at` reads them):
+    a new (n,) array."""
+    values, extra = (a if a.flags.writeable else a.copy() for a in (values, extra))
+    out = np.empty(at.shape[0], dtype=np.float32)
+    _column_at(values, at if at.flags.writeable else at.copy(), extra, column, out)
+    return out
 
 
 _EMPTY = np.empty(0, dtype=np.float32)  # `_stepped_at` without an alpha or tables
