@@ -21,7 +21,7 @@ from numba import types
 from numpy.typing import NDArray
 
 from lookup_table.core.jit import A1, A2, C1, C2, PREFETCH_AHEAD, RC1, RC2, compiled, prefetch_row
-from lookup_table.core.optimizers.base import Float32Array, StoredSlot, check_update_at_args, step
+from lookup_table.core.optimizers.base import Float32Array, StoredSlot, step, update_at_args
 
 if TYPE_CHECKING:  # the runtime imports stay pure (numpy, numba, stdlib)
     from lookup_table.config import AdamConfig
@@ -346,13 +346,10 @@ class Adam:
         and then the rows into new arrays, and laying those out as items again. Each
         row's `alpha` comes from its new step as in `finish`: the same bits."""
         c = self.config
-        dim = check_update_at_args(values, at, extra, grads, self.slot_width)
-        # the compiled pass takes writable arrays (its signatures: one exact match each)
-        values, extra = (a if a.flags.writeable else a.copy() for a in (values, extra))
-        at = at if at.flags.writeable else at.copy()
+        dim, values, at, extra, rows, items = update_at_args(
+            values, at, extra, grads, self.slot_width
+        )
         n = at.shape[0]
-        rows = np.empty((n, dim), dtype=np.float32)
-        items = np.empty((n, values.shape[1]), dtype=np.float32)
         # alpha in the pass, from the powers' tables as they are (not grown here): one
         # pass over the items instead of two, and no numpy calls per row's alpha
         powers_1, powers_2 = power_tables(c.beta_1, c.beta_2)

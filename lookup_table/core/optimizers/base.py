@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeAlias, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeAlias, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -200,6 +200,36 @@ def check_update_at_args(
             f"and {extra.shape[0]} extra items"
         )
     return dim
+
+
+class UpdateAtArgs(NamedTuple):
+    """`update_at`'s arguments as a compiled pass takes them, and its outputs."""
+
+    dim: int
+    values: Float32Array
+    at: NDArray[np.intp]
+    extra: Float32Array
+    rows: Float32Array  # (n, dim), to be written
+    items: Float32Array  # (n, dim + slot width), to be written
+
+
+def update_at_args(
+    values: Float32Array,
+    at: NDArray[np.intp],
+    extra: Float32Array,
+    grads: Float32Array,
+    slot_width: Callable[[int], int],
+) -> UpdateAtArgs:
+    """`check_update_at_args`, then the arrays a compiled `update_at` pass takes: read-only
+    ones copied (its signatures match one exact array type each: writable ones), and
+    empty outputs for the new rows and items."""
+    dim = check_update_at_args(values, at, extra, grads, slot_width)
+    values, extra = (a if a.flags.writeable else a.copy() for a in (values, extra))
+    at = at if at.flags.writeable else at.copy()
+    n = at.shape[0]
+    rows = np.empty((n, dim), dtype=np.float32)
+    items = np.empty((n, values.shape[1]), dtype=np.float32)
+    return UpdateAtArgs(dim, values, at, extra, rows, items)
 
 
 def items_at(values: Float32Array, at: NDArray[np.intp], extra: Float32Array) -> Float32Array:

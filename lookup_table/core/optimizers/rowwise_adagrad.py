@@ -27,8 +27,8 @@ from lookup_table.core.jit import A2, C1, C2, PREFETCH_AHEAD, RC2, compiled, pre
 from lookup_table.core.optimizers.base import (
     Float32Array,
     StoredSlot,
-    check_update_at_args,
     step,
+    update_at_args,
 )
 
 if TYPE_CHECKING:  # the runtime imports stay numpy + stdlib
@@ -168,12 +168,9 @@ class RowwiseAdagrad:
         """`update` of items read where they are (`Optimizer.update_at`): one compiled pass
         from the items to the new ones, the same bits."""
         c = self.config
-        dim = check_update_at_args(values, at, extra, grads, self.slot_width)
-        # the compiled pass takes writable arrays (its signatures: one exact match each)
-        values, extra = (a if a.flags.writeable else a.copy() for a in (values, extra))
-        at = at if at.flags.writeable else at.copy()
-        rows = np.empty((at.shape[0], dim), dtype=np.float32)
-        items = np.empty((at.shape[0], values.shape[1]), dtype=np.float32)
+        dim, values, at, extra, rows, items = update_at_args(
+            values, at, extra, grads, self.slot_width
+        )
         learning_rate, epsilon = _F32(c.learning_rate), _F32(c.epsilon)
         _stepped_at(values, at, extra, grads, learning_rate, epsilon, rows, items)
         return rows, items

@@ -29,9 +29,9 @@ from lookup_table.core.optimizers.adam import power_tables, step_sizes
 from lookup_table.core.optimizers.base import (
     Float32Array,
     StoredSlot,
-    check_update_at_args,
     items_at,
     step,
+    update_at_args,
 )
 from lookup_table.core.optimizers.rowwise_adagrad import row_mean_square
 from lookup_table.core.precision import MAX_FINITE, bf16_nearest_bits, round_to
@@ -255,13 +255,9 @@ class RowwiseAdam:
         pass from the items to the new ones, each row's alpha as adam's `update_at` takes
         it (from the powers' tables as they are, else `step_sizes`): the same bits."""
         c = self.config
-        dim = check_update_at_args(values, at, extra, grads, self.slot_width)
-        # the compiled pass takes writable arrays (its signatures: one exact match each)
-        values, extra = (a if a.flags.writeable else a.copy() for a in (values, extra))
-        at = at if at.flags.writeable else at.copy()
-        n = at.shape[0]
-        rows = np.empty((n, dim), dtype=np.float32)
-        items = np.empty((n, values.shape[1]), dtype=np.float32)
+        dim, values, at, extra, rows, items = update_at_args(
+            values, at, extra, grads, self.slot_width
+        )
         powers_1, powers_2 = power_tables(c.beta_1, c.beta_2)
         constants = (
             _F32(c.learning_rate),
