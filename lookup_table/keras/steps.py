@@ -17,7 +17,6 @@ from lookup_table.keras.rows import (
     BatchRows,
     FedIds,
     FedLayer,
-    PartialRows,
     RowPatch,
     column_of,
     patch_rows,
@@ -34,8 +33,8 @@ class FedBatch:
     The rows come as few tensors, whatever the number of layers (each argument costs
     TF's call path): `args` = (one table per dim: the rows of its layers one after the
     other, then a zero row; one index of every layer's positions; the bounds of each
-    layer's part of it). `rows` are per layer, or a batch lookup's `BatchRows`, whose
-    tables are taken as they are when its entries are these layers. `patches` (push
+    layer's part of it). `rows` are per layer, or the `BatchRows` of a batch lookup
+    whose entries are these layers: its tables are taken as they are. `patches` (push
     answers, later winning) are put into the tables; the rows `skipped` (per layer, or
     None) must come from them.
     """
@@ -54,7 +53,9 @@ class FedBatch:
         self.dims = sorted({f.layer.dim for f in fed})
         self.offsets = [0] * len(self.fed)
         zero_rows = [0] * len(self.fed)  # per layer, the zero row of its dim's table
-        block = rows if isinstance(rows, BatchRows) and self._fits(rows) else None
+        block = rows if isinstance(rows, BatchRows) else None
+        if block is not None and not self._fits(block):
+            raise RuntimeError("a batch lookup's entries are not the fed layers' (a bug)")
         tables = []
         for dim in self.dims:
             group = [k for k, f in enumerate(self.fed) if f.layer.dim == dim]
@@ -64,8 +65,8 @@ class FedBatch:
                 table = block.tables[dim]
             else:
                 table = np.empty((total + 1, dim), np.float32)
-                parts = [_rows_of(rows[k]) for k in group]
-                np.concatenate(parts, out=table[:total])
+                listed = cast(Sequence[NDArray[np.float32]], rows)
+                np.concatenate([listed[k] for k in group], out=table[:total])
                 table[total] = 0.0
             if patches or skipped is not None:
                 self._complete(table[:total], group, patches, skipped)
@@ -143,10 +144,6 @@ class FedBatch:
             for f, ids in zip(self.fed, self.ids, strict=True)
         ]
         return records, grads
-
-
-def _rows_of(rows: NDArray[np.float32] | PartialRows) -> NDArray[np.float32]:
-    return rows.rows if isinstance(rows, PartialRows) else rows
 
 
 def feed_layers(fed: Sequence[FedLayer], inputs: Any, tables: Any, index: Any, bounds: Any) -> None:
