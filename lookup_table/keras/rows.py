@@ -333,29 +333,35 @@ async def lookup_batch(
     for dim, count in zip(dims, counts, strict=True):
         starts.append(totals.get(dim, 0))
         totals[dim] = starts[-1] + count
-    tables = {dim: np.empty((total + 1, dim), np.float32) for dim, total in totals.items()}
+    # skipped rows stay zeros: a dim's array is zeroed whole (cheaper than a masked
+    # write per entry); otherwise only its last row
+    zeroed = {dim for dim, (_, _, skip) in zip(dims, wanted, strict=True) if skip is not None}
+    tables: dict[int, NDArray[np.float32]] = {}
     for dim, total in totals.items():
-        tables[dim][total] = 0.0
-    for k, ((table, _, skip), know, left, read) in enumerate(
+        if dim in zeroed:
+            tables[dim] = np.zeros((total + 1, dim), np.float32)
+        else:
+            tables[dim] = np.empty((total + 1, dim), np.float32)
+            tables[dim][total] = 0.0
+    for k, ((table, _, _), know, left, read) in enumerate(
         zip(wanted, known, lefts, reads, strict=True)
     ):
         if not counts[k]:
             continue
         out = tables[dims[k]][starts[k] : starts[k] + counts[k]]
-        every = union.get(table)
+        every, values = union.get(table), rows.get(table)
         if left is None:  # every id read: straight into its place
+            every, values = cast(IdArray, every), cast(NDArray[Any], values)
             if read is every:
-                out[...] = rows[table]
+                out[...] = values
+            elif values.dtype == np.float32:  # `read` is in `every`: no index is clipped
+                np.take(values, np.searchsorted(every, read), axis=0, out=out, mode="clip")
             else:
-                at = np.searchsorted(cast(IdArray, every), read)
-                np.take(rows[table], at, axis=0, out=out, mode="clip")  # `read` is in `every`
+                out[...] = values[np.searchsorted(every, read)]
             continue
-        if skip is not None:
-            out[skip] = 0.0
         if know is not None:
             out[know[0]] = know[1]
-        if every is not None:
-            values = rows[table]
+        if every is not None and values is not None:
             out[~left] = values if read is every else values[np.searchsorted(every, read)]
     return BatchRows(
         tables=tables, dims=dims, starts=starts, counts=counts, skipped=[s for _, _, s in wanted]
