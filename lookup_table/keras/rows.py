@@ -27,6 +27,7 @@ from lookup_table.keras.layer import DistributedEmbedding
 __all__ = [
     "WHOLE",
     "BatchPart",
+    "BatchRows",
     "FedIds",
     "FedLayer",
     "Known",
@@ -41,6 +42,7 @@ __all__ = [
     "members",
     "patch_rows",
     "patched",
+    "whole_batch",
 ]
 
 WHOLE = "<the inputs themselves>"
@@ -274,17 +276,40 @@ Known = tuple[NDArray[np.bool_], NDArray[np.float32]]
 """Rows of a batch's ids known without a read: which ids, and their rows in that order."""
 
 
+@dataclass(frozen=True, slots=True)
+class BatchRows:
+    """The rows of a batch lookup's entries, one array per dim (`tables`): the rows of
+    that dim's entries one after the other, then a zero row (what the graph step is fed
+    as is, when its layers are these entries). `self[k]` is entry k's rows (a view), or
+    a `PartialRows` where it has ids `skipped`."""
+
+    tables: Mapping[int, NDArray[np.float32]]
+    dims: list[int]  # per entry
+    starts: list[int]  # per entry, its first row in its dim's table
+    counts: list[int]
+    skipped: list[NDArray[np.bool_] | None]
+
+    def __len__(self) -> int:
+        return len(self.dims)
+
+    def __getitem__(self, k: int) -> NDArray[np.float32] | PartialRows:
+        start = self.starts[k]
+        rows = self.tables[self.dims[k]][start : start + self.counts[k]]
+        skip = self.skipped[k]
+        return rows if skip is None else PartialRows(rows=rows, skipped=skip)
+
+
 async def lookup_batch(
     store: RowReader,
     wanted: list[tuple[str, IdArray, NDArray[np.bool_] | None]],
     known: Sequence[Known | None] | None = None,
     *,
     create: bool = True,
-) -> list[NDArray[np.float32] | PartialRows]:
+) -> BatchRows:
     """The rows of every (table, unique ids, skipped or None) of a batch, in one
-    `lookup_many` (one request per node): full rows, or a `PartialRows` where ids are
-    skipped (left to a push's answer). The `known` rows (per entry, or None) are not
-    read but put in."""
+    `lookup_many` (one request per node), written into one array per dim: skipped ids'
+    rows are zeros (left to a push's answer). The `known` rows (per entry, or None) are
+    not read but put in."""
     known = known if known is not None else [None] * len(wanted)
     lefts: list[NDArray[np.bool_] | None] = []  # per entry, the ids not read
     for (_, _, skip), know in zip(wanted, known, strict=True):
@@ -301,22 +326,46 @@ async def lookup_batch(
         for table, got in parts.items()
     }
     rows = await store.lookup_many(union, create=create) if union else {}
-    out: list[NDArray[np.float32] | PartialRows] = []
-    for (table, ids, skip), know, left, read in zip(wanted, known, lefts, reads, strict=True):
-        if table in union:
-            every, values = union[table], rows[table]
-            mine = values if read is every else values[np.searchsorted(every, read)]
+    dims = [store.config.table(table).dim for table, _, _ in wanted]
+    counts = [int(ids.shape[0]) for _, ids, _ in wanted]
+    starts: list[int] = []
+    totals: dict[int, int] = {}
+    for dim, count in zip(dims, counts, strict=True):
+        starts.append(totals.get(dim, 0))
+        totals[dim] = starts[-1] + count
+    # skipped rows stay zeros: a dim's array is zeroed whole (cheaper than a masked
+    # write per entry); otherwise only its last row
+    zeroed = {dim for dim, (_, _, skip) in zip(dims, wanted, strict=True) if skip is not None}
+    tables: dict[int, NDArray[np.float32]] = {}
+    for dim, total in totals.items():
+        if dim in zeroed:
+            tables[dim] = np.zeros((total + 1, dim), np.float32)
         else:
-            mine = np.empty((0, store.config.table(table).dim), np.float32)
-        if left is None:
-            out.append(mine)
+            tables[dim] = np.empty((total + 1, dim), np.float32)
+            tables[dim][total] = 0.0
+    for k, ((table, _, _), know, left, read) in enumerate(
+        zip(wanted, known, lefts, reads, strict=True)
+    ):
+        if not counts[k]:
             continue
-        full = np.zeros((ids.shape[0], mine.shape[1]), np.float32)
+        out = tables[dims[k]][starts[k] : starts[k] + counts[k]]
+        every, values = union.get(table), rows.get(table)
+        if left is None:  # every id read: straight into its place
+            every, values = cast(IdArray, every), cast(NDArray[Any], values)
+            if read is every:
+                out[...] = values
+            elif values.dtype == np.float32:  # `read` is in `every`: no index is clipped
+                np.take(values, np.searchsorted(every, read), axis=0, out=out, mode="clip")
+            else:
+                out[...] = values[np.searchsorted(every, read)]
+            continue
         if know is not None:
-            full[know[0]] = know[1]
-        full[~left] = mine
-        out.append(full if skip is None else PartialRows(rows=full, skipped=skip))
-    return out
+            out[know[0]] = know[1]
+        if every is not None and values is not None:
+            out[~left] = values if read is every else values[np.searchsorted(every, read)]
+    return BatchRows(
+        tables=tables, dims=dims, starts=starts, counts=counts, skipped=[s for _, _, s in wanted]
+    )
 
 
 class BatchPart:
@@ -328,6 +377,17 @@ class BatchPart:
 
     def result(self) -> Any:
         return self._batch.result()[self._position]
+
+
+def whole_batch(parts: Sequence[BatchPart]) -> BatchRows | None:
+    """The batch lookup whose entries `parts` are, all of them in order; else None."""
+    if not parts:
+        return None
+    batch = parts[0]._batch
+    if any(p._batch is not batch or p._position != k for k, p in enumerate(parts)):
+        return None
+    got = batch.result()
+    return got if isinstance(got, BatchRows) and len(got) == len(parts) else None
 
 
 class Prefetched:

@@ -30,6 +30,7 @@ from lookup_table.errors import ConfigError
 from lookup_table.keras.layer import DistributedEmbedding, RecordedLookup
 from lookup_table.keras.rows import (
     BatchPart,
+    BatchRows,
     FedIds,
     FedLayer,
     Known,
@@ -42,6 +43,7 @@ from lookup_table.keras.rows import (
     lookup_batch,
     members,
     patched,
+    whole_batch,
 )
 from lookup_table.store import EmbeddingStore
 
@@ -392,41 +394,48 @@ class TrainingSession:
     def fed_parts(
         self, fed: Sequence[FedLayer], features: Any
     ) -> tuple[
-        list[FedIds], list[NDArray[np.float32]], list[NDArray[np.bool_] | None], list[RowPatch]
+        list[FedIds],
+        list[NDArray[np.float32]] | BatchRows,
+        list[NDArray[np.bool_] | None],
+        list[RowPatch],
     ]:
-        """The fed layers' ids, rows and rows skipped (left to a push's answer) for this
-        training batch, and the answers to put into the rows (`FedBatch` does, for every
-        layer at once): those that came after the rows were fetched ahead; rows read
-        now come with them put in."""
+        """The fed layers' ids, rows (the batch lookup as it came, when its entries are
+        these layers) and rows skipped (left to a push's answer) for this training
+        batch, and the answers to put into the rows (`FedBatch` does, for every layer at
+        once): those that came after the rows were fetched ahead; rows read now come
+        with them put in."""
         ahead = [self._prefetched.fed.get(self._position[id(f.layer)]) for f in fed]
         known = [a for a in ahead if a is not None]
         if len(known) < len(fed):
             got = [self.fed_rows(f, features) for f in fed]
             return [i for i, _ in got], [r for _, r in got], [None] * len(fed), []
+        ids = [i for i, _ in known]
+        patches = list(self._prefetched.newer)
+        block = whole_batch([part for _, part in known])
+        if block is not None:
+            return ids, block, list(block.skipped), patches
         values = [part.result() for _, part in known]
         return (
-            [ids for ids, _ in known],
+            ids,
             [v.rows if isinstance(v, PartialRows) else v for v in values],
             [v.skipped if isinstance(v, PartialRows) else None for v in values],
-            list(self._prefetched.newer),
+            patches,
         )
 
     def evaluation_rows(
         self, fed: Sequence[FedLayer], features: Any
-    ) -> list[tuple[FedIds, NDArray[np.float32]]]:
+    ) -> tuple[list[FedIds], BatchRows]:
         """The fed layers' ids and rows of an evaluation batch: one `lookup_many` with
         `create=False` (writes nothing; unseen ids get their would-be initial rows)."""
         ids = fed_ids_many([f.layer for f in fed], [column_of(features, f.key) for f in fed])
-        if not fed:
-            return []
-        got = self._run(
+        rows = self._run(
             lookup_batch(
                 self._reader,
                 [(f.layer.table, i.uniq, None) for f, i in zip(fed, ids, strict=True)],
                 create=False,
             )
         )
-        return [(i, cast(NDArray[np.float32], g)) for i, g in zip(ids, got, strict=True)]
+        return ids, rows
 
     # ------------------------------------------------------------ a training step
 

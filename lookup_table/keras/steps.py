@@ -13,7 +13,14 @@ from numpy.typing import NDArray
 
 from lookup_table.core.segments import segment_bounds
 from lookup_table.keras.layer import DistributedEmbedding, RecordedLookup
-from lookup_table.keras.rows import FedIds, FedLayer, RowPatch, column_of, patch_rows
+from lookup_table.keras.rows import (
+    BatchRows,
+    FedIds,
+    FedLayer,
+    RowPatch,
+    column_of,
+    patch_rows,
+)
 from lookup_table.keras.session import TrainingSession
 
 __all__ = ["FedBatch", "GraphStep", "fed_train_step", "feed_layers"]
@@ -26,15 +33,17 @@ class FedBatch:
     The rows come as few tensors, whatever the number of layers (each argument costs
     TF's call path): `args` = (one table per dim: the rows of its layers one after the
     other, then a zero row; one index of every layer's positions; the bounds of each
-    layer's part of it). `patches` (push answers, later winning) are put into the
-    tables; the rows `skipped` (per layer, or None) must come from them.
+    layer's part of it). `rows` are per layer, or the `BatchRows` of a batch lookup
+    whose entries are these layers: its tables are taken as they are. `patches` (push
+    answers, later winning) are put into the tables; the rows `skipped` (per layer, or
+    None) must come from them.
     """
 
     def __init__(
         self,
         fed: Sequence[FedLayer],
         ids: Sequence[FedIds],
-        rows: Sequence[NDArray[np.float32]],
+        rows: Sequence[NDArray[np.float32]] | BatchRows,
         *,
         patches: Sequence[RowPatch] = (),
         skipped: Sequence[NDArray[np.bool_] | None] | None = None,
@@ -44,14 +53,21 @@ class FedBatch:
         self.dims = sorted({f.layer.dim for f in fed})
         self.offsets = [0] * len(self.fed)
         zero_rows = [0] * len(self.fed)  # per layer, the zero row of its dim's table
+        block = rows if isinstance(rows, BatchRows) else None
+        if block is not None and not self._fits(block):
+            raise RuntimeError("a batch lookup's entries are not the fed layers' (a bug)")
         tables = []
         for dim in self.dims:
             group = [k for k, f in enumerate(self.fed) if f.layer.dim == dim]
             starts = segment_bounds(self.ids[k].uniq.shape[0] for k in group)
             total = int(starts[-1])
-            table = np.empty((total + 1, dim), np.float32)
-            np.concatenate([rows[k] for k in group], out=table[:total])
-            table[total] = 0.0
+            if block is not None:  # the lookup's table of this dim is this one already
+                table = block.tables[dim]
+            else:
+                table = np.empty((total + 1, dim), np.float32)
+                listed = cast(Sequence[NDArray[np.float32]], rows)
+                np.concatenate([listed[k] for k in group], out=table[:total])
+                table[total] = 0.0
             if patches or skipped is not None:
                 self._complete(table[:total], group, patches, skipped)
             for k, start in zip(group, starts.tolist(), strict=False):
@@ -71,6 +87,13 @@ class FedBatch:
             index = np.zeros(0, np.int64)
         bounds = segment_bounds(lengths)
         self.args = ([tf.constant(t) for t in tables], tf.constant(index), tf.constant(bounds))
+
+    def _fits(self, block: BatchRows) -> bool:
+        """Whether `block`'s entries are the fed layers' rows, in order (its tables are
+        then the graph step's, the rows of each dim one layer after the other)."""
+        return block.dims == [f.layer.dim for f in self.fed] and block.counts == [
+            i.uniq.shape[0] for i in self.ids
+        ]
 
     def _complete(
         self,
@@ -259,8 +282,8 @@ class GraphStep:
             ids, rows, skipped, patches = session.fed_parts(self.fed, features)
             batch = FedBatch(self.fed, ids, rows, patches=patches, skipped=skipped)
         else:
-            got = session.evaluation_rows(self.fed, features)
-            batch = FedBatch(self.fed, [i for i, _ in got], [r for _, r in got])
+            ids, block = session.evaluation_rows(self.fed, features)
+            batch = FedBatch(self.fed, ids, block)
         if self._fn is None:
             self._fn, self._flat, self._last = self._make(self.fed), {}, {}
             self._trace(data, batch.args)  # which feeds are taken
