@@ -79,6 +79,25 @@ def interleaved(
             yield r, method
 
 
+def rotated_within(plan: Sequence[tuple[int, str]], group: Sequence[str]) -> list[tuple[int, str]]:
+    """`plan` (as `interleaved` gives it) with the methods of `group` put into their places
+    in `group`'s order rotated by the round number: over len(group) rounds each takes
+    each place once. `interleaved` moves them as one block, in one order, every round."""
+    rounds: dict[int, list[str]] = {}
+    for r, method in plan:
+        rounds.setdefault(r, []).append(method)
+    out: list[tuple[int, str]] = []
+    for r, methods in rounds.items():
+        places = [i for i, m in enumerate(methods) if m in group]
+        if places:
+            members = [m for m in group if m in methods]  # group's order, not the round's
+            shift = r % len(members)
+            for i, m in zip(places, members[shift:] + members[:shift], strict=True):
+                methods[i] = m
+        out.extend((r, m) for m in methods)
+    return out
+
+
 def abba(pair: Sequence[T], rounds: int) -> list[T]:
     """`rounds` of each of the two, in the order A B B A A B ..."""
     return [pair[(k + (k // 2)) % 2] for k in range(2 * rounds)]

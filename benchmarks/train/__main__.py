@@ -28,7 +28,7 @@ from benchmarks.harness.data import (
 )
 from benchmarks.harness.options import Options
 from benchmarks.harness.report import code_fingerprint, machine_info, report_head, save
-from benchmarks.harness.rounds import DISTURBED_SHARE, interleaved, with_retries
+from benchmarks.harness.rounds import DISTURBED_SHARE, interleaved, rotated_within, with_retries
 from benchmarks.harness.variants import (
     BASE_VARIANT,
     VARIANT_TARGET_AUC_DIFF,
@@ -178,9 +178,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     eval_labels = np.concatenate([b.labels for b in evals])
     reference_auc = auc(eval_labels, np.concatenate([source.logits(b) for b in evals]))
 
-    # every method once a round, the order rotated each round
+    # every method once a round, the order rotated each round; the distributed methods
+    # also among their own places: a cluster run right after another may run slower (the
+    # last one's memory is still being given back), which one fixed order within the
+    # block would charge to the later variants every round
     methods = ordered([*METHODS, *(method_of(v) for v in args.variants)])
-    plan = list(interleaved(methods, args.rounds))
+    clusters = [method_of(v) for v in args.variants]
+    plan = rotated_within(list(interleaved(methods, args.rounds)), clusters)
     order = [m for _, m in plan]
     profile: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from benchmarks.harness.cluster import DEMO_CONFIG, write_cluster_file
+from benchmarks.harness.rounds import interleaved, rotated_within
 from benchmarks.harness.variants import VARIANTS
 from benchmarks.train.__main__ import parse_args
 from benchmarks.train.compact import (
@@ -186,3 +187,29 @@ def test_every_seed_counts_for_accuracy_and_only_quiet_pairs_for_speed() -> None
     out = compare(everything_loud, ["fp32-adam", "bf16-adam"])["bf16-adam"]
     assert out["examples_per_s_ratio_per_round"] == pytest.approx({"0": 1.05, "1": 3.0})
     assert out["examples_per_s_ratio_disturbed"] is True
+
+
+def test_each_cluster_method_takes_each_place_among_them_in_turn() -> None:
+    """The rounds rotate the cluster methods among their own places (a cluster run right
+    after another may run slower): over as many rounds as there are, each is first once,
+    and the other methods keep `interleaved`'s places."""
+    variants = ["fp32-adam", "f16-rowwise-adam", "f16-rowwise-adagrad", "bf16-adam"]
+    clusters = [method_of(v) for v in variants]
+    methods = ordered(["local", "lazy_adam", "mlp_floor", *clusters])
+    plain = list(interleaved(methods, 4))
+    plan = rotated_within(plain, clusters)
+    assert [r for r, _ in plan] == [r for r, _ in plain]
+    firsts = []
+    for r in range(4):
+        got = [m for k, m in plan if k == r]
+        before = [m for k, m in plain if k == r]
+        assert sorted(got) == sorted(before)
+        assert [m for m in got if m not in clusters] == [m for m in before if m not in clusters]
+        places = [i for i, m in enumerate(before) if m in clusters]
+        assert [i for i, m in enumerate(got) if m in clusters] == places
+        firsts.append(got[places[0]])
+    assert sorted(firsts) == sorted(clusters)
+    # one cluster method (no variants): the plan is interleaved's
+    assert rotated_within(
+        list(interleaved(ordered(["local", "distributed"]), 3)), ["distributed"]
+    ) == list(interleaved(ordered(["local", "distributed"]), 3))
