@@ -30,7 +30,7 @@ from lookup_table.core.precision import (
 from lookup_table.core.rows import value_hashes
 from lookup_table.errors import RowOverflowError
 
-__all__ = ["RowRounder", "round_batch"]
+__all__ = ["RowRounder", "key_counts", "round_batch"]
 
 
 class RowRounder:
@@ -76,15 +76,21 @@ class RowRounder:
             return new_rows
         if not self.stochastic:
             return round_to(new_rows, self.dtype, table=self.table, ids=ids)
-        steps: NDArray[np.integer[Any]] = (
-            old_slots[:, self.step_column].astype(np.int64)
-            if self.step_column is not None
-            else value_hashes(new_slots)
-        )
-        keys = rounding_keys(self.seed, id_hashes(ids), steps)
+        old_steps = None if self.step_column is None else old_slots[:, self.step_column]
+        keys = rounding_keys(self.seed, id_hashes(ids), key_counts(old_steps, new_slots))
         return round_to(
             new_rows, self.dtype, rounding="stochastic", keys=keys, table=self.table, ids=ids
         )
+
+
+def key_counts(
+    old_steps: NDArray[np.float32] | None, new_slots: NDArray[np.float32]
+) -> NDArray[np.integer[Any]]:
+    """What a row's rounding key counts (`RowRounder`): its step before the update where
+    the optimizer counts steps (`old_steps`), else the hash of its new slots."""
+    if old_steps is not None:
+        return old_steps.astype(np.int64)
+    return value_hashes(new_slots)
 
 
 def round_batch(

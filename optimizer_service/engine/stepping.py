@@ -18,13 +18,13 @@ from lookup_table.core.keys import IdArray
 from lookup_table.core.keyspace import META_TABLE, Kind
 from lookup_table.core.optimizers import Optimizer, column_at, items_at
 from lookup_table.core.rowcache import Located, Spots
-from lookup_table.core.rows import NOT_UPDATED, change_witnesses, value_hashes
+from lookup_table.core.rows import NOT_UPDATED, change_witnesses
 from lookup_table.dense import DenseParams
 from lookup_table.errors import RowOverflowError
 from optimizer_service.engine.items import Items, Unwritten
 from optimizer_service.engine.plan import TableStep, TableUpdate, WritePlan, shares, stacked
 from optimizer_service.engine.replica import ReplicaState
-from optimizer_service.engine.rounding import RowRounder, round_batch
+from optimizer_service.engine.rounding import RowRounder, key_counts, round_batch
 from optimizer_service.engine.write_behind import RowFlushes
 from optimizer_service.errors import BadRequestError
 from optimizer_service.push import Push, TableGrads
@@ -46,16 +46,6 @@ Stepped = tuple[NDArray[np.float32], NDArray[np.float32], NDArray[np.int64]]
 Roundings = Sequence[tuple[RowRounder, IdArray]]
 
 
-def _key_counts(
-    old_steps: NDArray[np.float32] | None, new_slots: NDArray[np.float32]
-) -> NDArray[np.integer[Any]]:
-    """What a row's rounding key counts (`RowRounder`): its step before the update where
-    the optimizer counts steps (`old_steps`), else the hash of its new slots."""
-    if old_steps is not None:
-        return old_steps.astype(np.int64)
-    return value_hashes(new_slots)
-
-
 def _step_rows_sync(
     optimizer: Optimizer,
     rows: NDArray[np.float32],
@@ -74,7 +64,7 @@ def _step_rows_sync(
         if roundings:
             column = roundings[0][0].step_column  # the batch's optimizer's
             old_steps = None if column is None else slots[:, column]
-            round_batch(roundings, new_rows, partial(_key_counts, old_steps, new_slots))
+            round_batch(roundings, new_rows, partial(key_counts, old_steps, new_slots))
     except RowOverflowError as exc:
         raise BadRequestError(str(exc), reason="row_overflow") from exc
     return new_rows, new_slots, change_witnesses((rows, slots), (new_rows, new_slots))
@@ -461,7 +451,7 @@ class Stepper:
             if rounds:
                 # the new arrays are rounded before anything holds them (the cache gets
                 # the items after the journal), so every holder keeps the stored values
-                counts = partial(_key_counts, old_steps, items[:, dim:])
+                counts = partial(key_counts, old_steps, items[:, dim:])
                 try:
                     round_batch(roundings, rows, counts)
                 except RowOverflowError as exc:
