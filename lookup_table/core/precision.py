@@ -418,8 +418,70 @@ def round_to(
     keys: NDArray[np.uint64] | None = None,
     table: str = "rows",
     ids: NDArray[Any] | None = None,
+    out: NDArray[np.float32] | None = None,
 ) -> NDArray[np.float32]:
-    """`decode(encode(...))`: float32 rows holding exactly what `dtype` stores (a new
-    array), so a holder of the row keeps what a reader of the store gets."""
-    words = encode(rows, dtype, rounding=rounding, keys=keys, table=table, ids=ids)
-    return decode(words, dtype)
+    """`decode(encode(...))`: float32 rows holding exactly what `dtype` stores, so a
+    holder of the row keeps what a reader of the store gets; one compiled pass. A new
+    array, or `out` (rows' shape, float32, C order; `rows` itself rounds in place).
+
+    Raises:
+        ValueError, RowOverflowError, ConfigError: as `encode` (nothing is written).
+    """
+    check_dtype(dtype)
+    if rounding not in ROUNDINGS:
+        raise ConfigError(f"rounding {rounding!r} is not one of {', '.join(ROUNDINGS)}")
+    if not isinstance(rows, np.ndarray) or rows.dtype != np.float32 or rows.ndim != 2:
+        got = f"{rows.dtype} {rows.shape}" if isinstance(rows, np.ndarray) else type(rows).__name__
+        raise ValueError(f"rows: expected a float32 array of shape (n, width), got {got}")
+    if out is None:
+        out = np.empty(rows.shape, np.float32)
+    elif (
+        out.dtype != np.float32 or out.shape != rows.shape or not out.flags.c_contiguous
+    ):  # a bug, not input
+        raise ValueError(f"out: expected float32 C-order {rows.shape}, got {out.dtype} {out.shape}")
+    if dtype == "float32":
+        out[...] = rows
+        return out
+    row_keys = check_row_keys(keys, rows.shape[0]) if rounding == "stochastic" else _NO_KEYS
+    values = np.ascontiguousarray(rows)
+    check_values_fit(values, dtype, table, ids)
+    kind = (0 if dtype == "float16" else 2) + (rounding == "stochastic")
+    nans = _rounded(values, row_keys, kind, out)
+    if nans:  # float16 keeps a NaN as numpy's cast does: the rare case, as `encode`
+        nan = np.isnan(values)
+        out[nan] = decode(encode(values[nan].reshape(-1, 1), dtype), dtype)[:, 0]
+    return out
+
+
+_NO_KEYS = np.zeros(0, np.uint64)
+_NO_KEYS.flags.writeable = False
+
+
+@compiled(types.int64(_VALUES, _KEYS, types.int64, types.Array(types.float32, 2, "C")))
+def _rounded(values, keys, kind, out):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """`decode(encode(values))` into `out` (which may be `values`), one element at a time
+    with `encode`'s rules (`kind`: 0 float16 nearest, 1 float16 stochastic, 2 bfloat16
+    nearest, 3 bfloat16 stochastic). float16 NaNs are left as they are and counted: the
+    caller converts them as numpy does."""
+    bits = values.view(np.uint32)
+    got = out.view(np.uint32)
+    nans = 0
+    for i in range(bits.shape[0]):
+        key = keys[i] if kind & 1 else np.uint64(0)
+        for j in range(bits.shape[1]):
+            b = bits[i, j]
+            if kind >= 2:
+                if kind == 2:
+                    word = bf16_nearest_bits(b)
+                else:
+                    word = bf16_stochastic_bits(b, key, j)
+                got[i, j] = word << np.uint32(16)
+            elif (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                nans += 1
+            else:
+                if kind == 0:
+                    half = f16_nearest_bits(b)
+                else:
+                    half = f16_stochastic_bits(b, values[i, j], key, j)
+                got[i, j] = f16_widened_bits(half)
+    return nans

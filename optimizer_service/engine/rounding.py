@@ -131,7 +131,11 @@ def round_batch(
                 salts = np.repeat(np.array([members[k][0].salt for k in ks]), sizes)
                 hashes = _hashes([members[k][1] for k in ks])
                 keys = salted_rounding_keys(salts, hashes, row_counts[at])
-            rows[at] = round_to(rows[at], dtype, rounding=rounding, keys=keys)
+            if every and rows.flags.c_contiguous:
+                round_to(rows, dtype, rounding=rounding, keys=keys, out=rows)
+            else:
+                part = rows[at]
+                rows[at] = round_to(part, dtype, rounding=rounding, keys=keys, out=part)
     except RowOverflowError:
         # the error of the table that does not fit, as its own `round` says it
         for rounder, ids in members:

@@ -396,6 +396,49 @@ def test_nan_stays_nan(dtype: Any, rounding: Any) -> None:
     assert np.signbit(out[0]).tolist() == [False, True, False, False, False]
 
 
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_round_to_is_decode_of_encode_bit_for_bit(dtype: Any, rounding: Any) -> None:
+    """`round_to`'s one compiled pass against the two it stands for: random float32 bits
+    (NaNs of every payload, infs and beyond-range values replaced), the float32 values
+    next to every 16-bit word (where ties and carries are), zeros, subnormals; a new
+    array, into `out`, and in place."""
+    rng = np.random.default_rng(17)
+    bits = rng.integers(0, 2**32, size=1 << 18, dtype=np.uint64).astype(np.uint32)
+    words = np.arange(1 << 16, dtype=np.uint32)
+    stored = words << 16 if dtype == "bfloat16" else f16_widened(words)
+    near = np.concatenate([stored.astype(np.int64) + d for d in (-1, 0, 1, 0x1000, 0x7FFF, 0x8000)])
+    values = np.concatenate([bits, (near % 2**32).astype(np.uint32)]).view(np.float32)
+    limit = F32(MAX_FINITE[dtype])
+    values = np.where(np.abs(values) > limit, F32(0.5), values)  # NaN compares False: kept
+    rows = np.ascontiguousarray(values[: values.shape[0] // 64 * 64].reshape(-1, 64))
+    keys = _keys(rows.shape[0], seed=9, step=4) if rounding == "stochastic" else None
+    want = decode(encode(rows, dtype, rounding=rounding, keys=keys), dtype)
+    assert np.isnan(rows).any()
+    assert round_to(rows, dtype, rounding=rounding, keys=keys).tobytes() == want.tobytes()
+    out = np.full(rows.shape, 7.0, np.float32)
+    assert round_to(rows, dtype, rounding=rounding, keys=keys, out=out) is out
+    assert out.tobytes() == want.tobytes()
+    inplace = rows.copy()
+    round_to(inplace, dtype, rounding=rounding, keys=keys, out=inplace)
+    assert inplace.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_round_to_writes_nothing_when_a_value_does_not_fit(dtype: Any) -> None:
+    rows = _mixed_values(64, 2)
+    rows[5, 3] = np.inf
+    before = rows.copy()
+    with pytest.raises(RowOverflowError, match=r"at row 5, column 3"):
+        round_to(rows, dtype, out=rows)
+    assert rows.tobytes() == before.tobytes()
+
+
+def f16_widened(words: NDArray[np.uint32]) -> NDArray[np.uint32]:
+    """float32 bits of float16 words, by numpy's cast."""
+    return words.astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+
+
 # ---------------------------------------------------------------- bad input
 
 
