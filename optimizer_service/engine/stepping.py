@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -59,15 +60,23 @@ def _step_rows_sync(
     Raises:
         BadRequestError: a value the table's dtype cannot hold (RowOverflowError's message).
     """
-    try:
+    with _overflow_refused():
         new_rows, new_slots = optimizer.update(rows, grads, slots)
         if roundings:
             column = roundings[0][0].step_column  # the batch's optimizer's
             old_steps = None if column is None else slots[:, column]
             round_batch(roundings, new_rows, partial(key_counts, old_steps, new_slots))
+    return new_rows, new_slots, change_witnesses((rows, slots), (new_rows, new_slots))
+
+
+@contextmanager
+def _overflow_refused() -> Iterator[None]:
+    """A value a table's dtype cannot hold (a row, or a row-wise Adam m) refused as the
+    push's 400 `row_overflow`: its message says which and what to do; nothing is written."""
+    try:
+        yield
     except RowOverflowError as exc:
         raise BadRequestError(str(exc), reason="row_overflow") from exc
-    return new_rows, new_slots, change_witnesses((rows, slots), (new_rows, new_slots))
 
 
 async def step_rows(
@@ -447,16 +456,14 @@ class Stepper:
                 if rounds and column is not None and any(r.stochastic for r, _ in roundings)
                 else None
             )
-            rows, items = optimizer.update_at(values, at, extra, grads)
-            if rounds:
-                # the new arrays are rounded before anything holds them (the cache gets
-                # the items after the journal), so every holder keeps the stored values
-                counts = partial(key_counts, old_steps, items[:, dim:])
-                try:
+            with _overflow_refused():
+                rows, items = optimizer.update_at(values, at, extra, grads)
+                if rounds:
+                    # the new arrays are rounded before anything holds them (the cache
+                    # gets the items after the journal): every holder keeps stored values
+                    counts = partial(key_counts, old_steps, items[:, dim:])
                     round_batch(roundings, rows, counts)
-                except RowOverflowError as exc:
-                    raise BadRequestError(str(exc), reason="row_overflow") from exc
-                items[:, :dim] = rows
+                    items[:, :dim] = rows
             steps = [p.step for p in members]
             for p, new_rows, new_items in zip(
                 members, shares(rows, steps), shares(items, steps), strict=True

@@ -220,3 +220,34 @@ async def test_a_row_beyond_its_dtype_stepped_in_place_is_refused_as_when_gather
     behind = await _overflowing_push(memcached_nodes, aiohttp_server, 4)
     assert behind == await _overflowing_push(memcached_nodes, aiohttp_server, 1)
     assert "table 'small'" in behind and "(id 93)" in behind and "nothing was stored" in behind
+
+
+async def _momentum_overflow(nodes: list[str], aiohttp_server: Any, flush_pushes: int) -> str:
+    """A push whose row-wise Adam m (stored as bfloat16) goes beyond bfloat16's range (a
+    gradient near float32's limit, beta_1 0: m is the gradient), by a replica writing rows
+    behind or through: its error's message, once nothing of it was written."""
+    adam = {"name": "rowwise_adam", "learning_rate": 0.01, "beta_1": 0.0}
+    tables = [{"name": "t", "dim": 4, "seed": 1, "dtype": "bfloat16", "optimizer": adam}]
+    config = _config(nodes, tables=tables, row_flush_pushes=flush_pushes)
+    updater = (await _start(config, aiohttp_server)).app[UPDATER]
+    ids = np.arange(5, dtype=np.int64) * 31
+    grads = np.zeros((5, 4), dtype=np.float32)
+    grads[2, 1] = 3.4e38  # finite float32, beyond bfloat16's 3.3895e38
+    with pytest.raises(BadRequestError) as err:
+        await updater.apply(parse_push(unpack(_body("m-far", {"t": (ids, grads)})), config=config))
+    assert err.value.reason == "row_overflow"
+    await updater.pause()
+    async with EmbeddingStore(config) as store:
+        assert not (await store.get("t", ids, unique=True))[1].any()
+    updater.resume()
+    assert not updater.cache.lookup_many([("t", ids)])[0][0].any()
+    return str(err.value)
+
+
+async def test_a_momentum_beyond_bfloat16_is_refused_as_a_bad_request_on_both_paths(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    behind = await _momentum_overflow(memcached_nodes, aiohttp_server, 4)
+    assert behind == await _momentum_overflow(memcached_nodes, aiohttp_server, 1)
+    assert "first moment m" in behind and "does not fit bfloat16" in behind
+    assert "nothing was stored" in behind and "clip them" in behind

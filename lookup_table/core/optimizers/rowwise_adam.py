@@ -35,6 +35,7 @@ from lookup_table.core.optimizers.base import (
 )
 from lookup_table.core.optimizers.rowwise_adagrad import row_mean_square
 from lookup_table.core.precision import MAX_FINITE, bf16_nearest_bits, round_to
+from lookup_table.errors import RowOverflowError
 
 if TYPE_CHECKING:  # the runtime imports stay numpy + numba + stdlib
     from lookup_table.config import RowwiseAdamConfig
@@ -287,5 +288,15 @@ class RowwiseAdam:
         new_m = grads - momentum
         new_m *= _F32(1 - self.config.beta_1)
         new_m += momentum
-        round_to(new_m, "bfloat16")
+        try:
+            round_to(new_m, "bfloat16", table="rowwise_adam's first moment m")
+        except RowOverflowError as exc:
+            raise RowOverflowError(
+                f"{exc.args[0].split('; nothing was stored')[0]}; nothing was stored. m follows "
+                f"the gradients: gradients this close to float32's limit mean the training "
+                f"diverged; clip them or lower the learning rate",
+                table=exc.table,
+                dtype=exc.dtype,
+                value=exc.value,
+            ) from None
         raise AssertionError("the compiled pass found an m beyond bfloat16, round_to none")
