@@ -4,7 +4,9 @@ write_coalescing, which needs no server).
 
 The figures of a quick run mean nothing (3 rounds of 8,192 or 4,096 ids, or 10
 or 12 training steps); this only checks that each script starts its cluster (and
-service), measures every method, writes its report and stops what it started.
+service), measures every method, writes its report and stops what it started. A run
+is mostly imports and start-ups that keep one core busy at most, so the selected runs
+go two at a time from the first test on, each test checking its own.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import json
 import math
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,38 +33,124 @@ RATIOS = (
     "mixed/lookup",
     "mixed_eval/lookup",
 )
+SIDE_BY_SIDE = 2  # quick runs at once: the machine's cores in CI
 
 
-def _run_quick(
-    name: str, tmp_path: Path, *, timeout_s: float, expect: str, args: Sequence[str] = ()
-) -> dict[str, Any]:
-    """Run `python -m benchmarks.<name> --quick [args]`; check it succeeded and printed
-    `expect`; return its JSON report. On a timeout it gets SIGTERM, so it stops the
-    cluster it started."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", f"benchmarks.{name}", "--quick", *args]
-        + ["--out-dir", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
+@dataclass(frozen=True)
+class QuickRun:
+    """How a test runs its benchmark: extra arguments and the seconds it may take alone."""
+
+    args: tuple[str, ...] = ()
+    timeout_s: float = 120.0
+
+
+# the test of benchmark <name> is test_<name>_benchmark_...
+QUICK_RUNS = {
+    "train": QuickRun(("--profile",), timeout_s=270),
+    "scaling": QuickRun(timeout_s=130),
+    "push_replay": QuickRun(("--row-flush-pushes", "4", "--replicas", "2")),
+    "sizing": QuickRun(timeout_s=130),
+    "checkpoint": QuickRun(timeout_s=180),
+    "store": QuickRun(),
+    "optimizer": QuickRun(timeout_s=140),
+    "write_coalescing": QuickRun(),
+}
+
+
+@dataclass
+class _Done:
+    returncode: int | None  # None: timed out (then terminated)
+    stdout: str
+    stderr: str
+
+
+class QuickRuns:
+    """The quick runs of the selected tests, SIDE_BY_SIDE at a time; `report(name)` waits
+    for one."""
+
+    def __init__(self, names: Sequence[str], out_dir: Path) -> None:
+        self._out_dir = out_dir
+        self._procs: list[subprocess.Popen[str]] = []
+        self._lock = threading.Lock()
+        self._closing = False
+        self._pool = ThreadPoolExecutor(SIDE_BY_SIDE, thread_name_prefix="quick-run")
+        self._runs: dict[str, Future[_Done]] = {
+            name: self._pool.submit(self._run, name) for name in names
+        }
+
+    def _run(self, name: str) -> _Done:
+        """`python -m benchmarks.<name> --quick [args]`; on a timeout it gets SIGTERM, so it
+        stops the cluster it started."""
+        run = QUICK_RUNS[name]
+        (self._out_dir / name).mkdir()
+        with self._lock:
+            if self._closing:
+                return _Done(None, "", "not started: the tests ended")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", f"benchmarks.{name}", "--quick", *run.args]
+                + ["--out-dir", str(self._out_dir / name)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
+            self._procs.append(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=run.timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            stdout, stderr = proc.communicate(timeout=25)
+            return _Done(None, stdout, stderr)
+        return _Done(proc.returncode, stdout, stderr)
+
+    def report(self, name: str, *, expect: str) -> tuple[dict[str, Any], Path]:
+        """Wait for `name`'s run; check it succeeded and printed `expect`; return its JSON
+        report and the directory it wrote to."""
+        done = self._runs[name].result()
+        output = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+        if done.returncode is None:
+            pytest.fail(f"timed out; {output}")
+        assert done.returncode == 0, output
+        assert expect in done.stdout, done.stdout
+        out = self._out_dir / name
+        report: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
+        return report, out
+
+    def close(self) -> None:
+        """Stop what still runs (a test failed or was interrupted before its run ended)."""
+        with self._lock:
+            self._closing = True
+            for proc in self._procs:
+                if proc.poll() is None:
+                    proc.terminate()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="module")
+def quick_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[QuickRuns]:
+    """The runs of this module's selected tests, started in the tests' order when the first
+    of them starts: when a test starts, the runs of the tests before it have ended, so it
+    waits for its own run alone."""
+    here = Path(__file__)
+    names = []
+    for item in request.session.items:
+        if Path(item.path) == here:
+            name = item.name.removeprefix("test_").partition("_benchmark_")[0]
+            assert name in QUICK_RUNS, f"{item.name}: no quick run for {name!r}"
+            names.append(name)
+    runs = QuickRuns(names, tmp_path_factory.mktemp("quick-runs"))
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        stdout, stderr = proc.communicate(timeout=25)
-        pytest.fail(f"timed out; stdout:\n{stdout}\nstderr:\n{stderr}")
-    assert proc.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{stderr}"
-    assert expect in stdout, stdout
-    report: dict[str, Any] = json.loads((tmp_path / f"{name}.json").read_text())
-    return report
+        yield runs
+    finally:
+        runs.close()
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(150)
-def test_store_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
-    report = _run_quick("store", tmp_path, timeout_s=120, expect="lookup/ceiling")
+def test_store_benchmark_quick_run_writes_its_report(quick_runs: QuickRuns) -> None:
+    report, out = quick_runs.report("store", expect="lookup/ceiling")
     assert {"timestamp", "machine", "code", "parameters", "dim16", "dim64", "key_encoding"} <= set(
         report
     )
@@ -109,13 +200,13 @@ def test_store_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
 
     keys = report["key_encoding"]
     assert set(keys["ratios"]) == {"naive_loop/encode_keys", "naive_loop/int_key_matrix"}
-    assert (tmp_path / "store.png").stat().st_size > 0
+    assert (out / "store.png").stat().st_size > 0
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(150)
-def test_optimizer_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
-    report = _run_quick("optimizer", tmp_path, timeout_s=140, expect="http/inprocess")
+def test_optimizer_benchmark_quick_run_writes_its_report(quick_runs: QuickRuns) -> None:
+    report, out = quick_runs.report("optimizer", expect="http/inprocess")
     assert report["benchmark"] == "optimizer"
     assert {"timestamp", "machine", "code", "parameters", "acceptance_targets"} <= set(report)
     assert {"dim16", "dim64"} <= set(report)
@@ -142,23 +233,17 @@ def test_optimizer_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None
         split = result["http_split_mean_seconds"]
         assert 0 < split["inside_apply"] < split["total"]
         assert set(result["acceptance"]) == {"http/inprocess >= 0.8"}
-    assert (tmp_path / "optimizer.png").stat().st_size > 0
+    assert (out / "optimizer.png").stat().st_size > 0
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
+def test_train_benchmark_quick_run_writes_its_report(quick_runs: QuickRuns) -> None:
     """`python -m benchmarks.train --quick --profile`: Keras dense Adam, lazy Adam, a local
     cluster and the MLP alone, 12 steps each; then the profiled run's cost table."""
     from lookup_table.ops.localcluster import wait_for_port
 
-    report = _run_quick(
-        "train",
-        tmp_path,
-        timeout_s=270,
-        expect="distributed/lazy Adam examples/s",
-        args=["--profile"],
-    )
+    report, out = quick_runs.report("train", expect="distributed/lazy Adam examples/s")
     assert report["benchmark"] == "train"
     assert {"timestamp", "machine", "code", "parameters", "summary", "rounds"} <= set(report)
     assert {"nproc", "python", "tensorflow", "keras", "memcached"} <= set(report["machine"])
@@ -225,7 +310,7 @@ def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     assert costs["trainer"]["samples"] > 0 and costs["optimizer"]["samples"] > 0
     assert 0.5 < summary["reference_auc_hidden_model"] <= 1
     assert len(summary["acceptance"]) == 3
-    assert (tmp_path / "train.png").stat().st_size > 0
+    assert (out / "train.png").stat().st_size > 0
 
     # the cluster was stopped: nothing listens on its ports any more
     for address in dist["cluster"]["memcached"]:
@@ -238,9 +323,9 @@ def test_train_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 @pytest.mark.timeout(200)
-def test_checkpoint_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
+def test_checkpoint_benchmark_quick_run_writes_its_report(quick_runs: QuickRuns) -> None:
     """`python -m benchmarks.checkpoint --quick`: 50,000 rows, 2 rounds, both cases."""
-    report = _run_quick("checkpoint", tmp_path, timeout_s=180, expect="save/ceiling_read")
+    report, _ = quick_runs.report("checkpoint", expect="save/ceiling_read")
     assert report["benchmark"] == "checkpoint"
     assert {"timestamp", "machine", "code", "parameters", "acceptance_targets"} <= set(report)
     assert report["machine"]["memcached"].startswith("memcached ")
@@ -267,9 +352,9 @@ def test_checkpoint_benchmark_quick_run_writes_its_report(tmp_path: Path) -> Non
 
 @pytest.mark.integration
 @pytest.mark.timeout(150)
-def test_sizing_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
+def test_sizing_benchmark_quick_run_writes_its_report(quick_runs: QuickRuns) -> None:
     """`python -m benchmarks.sizing --quick`: 10,000 rows per case, dims 8/16/64, sgd and adam."""
-    report = _run_quick("sizing", tmp_path, timeout_s=130, expect="GiB of -m per 100M rows")
+    report, _ = quick_runs.report("sizing", expect="GiB of -m per 100M rows")
     assert report["benchmark"] == "sizing"
     assert {"timestamp", "machine", "code", "parameters", "results"} <= set(report)
     assert report["machine"]["memcached"].startswith("memcached ")
@@ -319,12 +404,12 @@ def test_sizing_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 @pytest.mark.timeout(150)
-def test_scaling_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
+def test_scaling_benchmark_quick_run_writes_its_report(quick_runs: QuickRuns) -> None:
     """`python -m benchmarks.scaling --quick`: 1 trainer, then 2, 10 steps each, on fresh
     clusters."""
     from lookup_table.ops.localcluster import wait_for_port
 
-    report = _run_quick("scaling", tmp_path, timeout_s=130, expect="trainers/core")
+    report, out = quick_runs.report("scaling", expect="trainers/core")
     assert report["benchmark"] == "scaling"
     assert {"timestamp", "machine", "code", "parameters", "summary", "runs"} <= set(report)
     params = report["parameters"]
@@ -367,13 +452,13 @@ def test_scaling_benchmark_quick_run_writes_its_report(tmp_path: Path) -> None:
     assert val["cores"]["optimizer"]["predicted"] > 0 and val["cores"]["optimizer"]["measured"] > 0
     assert all(v["predicted"] >= 0 and v["measured"] >= 0 for v in val["cores"].values())
     assert val["examples_per_s_total"]["predicted"] > 0
-    assert (tmp_path / "scaling.png").stat().st_size > 0
+    assert (out / "scaling.png").stat().st_size > 0
 
 
 @pytest.mark.timeout(150)
-def test_write_coalescing_benchmark_quick_run_counts_every_interval(tmp_path: Path) -> None:
+def test_write_coalescing_benchmark_quick_run_counts_every_interval(quick_runs: QuickRuns) -> None:
     """`python -m benchmarks.write_coalescing --quick`: no servers, the demo's data replayed."""
-    report = _run_quick("write_coalescing", tmp_path, timeout_s=120, expect="of write-through")
+    report, _ = quick_runs.report("write_coalescing", expect="of write-through")
     assert report["benchmark"] == "write_coalescing"
     assert report["parameters"] == {"batches": 60, "batch_size": 1024, "tables": 26}
     per_push = report["unique_ids_per_push"]
@@ -387,17 +472,11 @@ def test_write_coalescing_benchmark_quick_run_counts_every_interval(tmp_path: Pa
 
 @pytest.mark.integration
 @pytest.mark.timeout(150)
-def test_push_replay_benchmark_quick_run_measures_both_cases(tmp_path: Path) -> None:
+def test_push_replay_benchmark_quick_run_measures_both_cases(quick_runs: QuickRuns) -> None:
     """`python -m benchmarks.push_replay --quick --row-flush-pushes 4 --replicas 2`: two fresh
     clusters of two replicas writing rows behind (the reads go through the owners), each
     stopped; every process of each measured, the replicas summed."""
-    report = _run_quick(
-        "push_replay",
-        tmp_path,
-        timeout_s=120,
-        expect="tables / one table",
-        args=["--row-flush-pushes", "4", "--replicas", "2"],
-    )
+    report, _ = quick_runs.report("push_replay", expect="tables / one table")
     assert report["benchmark"] == "push_replay"
     assert report["parameters"] == {
         "steps": 15,
