@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lookup_table.ops.localcluster.files import (
+    Part,
     cluster_parts,
     down_hint,
     running,
@@ -45,15 +46,20 @@ if TYPE_CHECKING:
 __all__ = ["cluster_down", "cluster_status", "cluster_up", "main"]
 
 
-def _stop_pid(pid: int) -> None:
-    os.kill(pid, signal.SIGTERM)
+def _stop_pids(pids: Sequence[int]) -> None:
+    """SIGTERM to all, then wait for all (side by side: memcached takes up to a second
+    to exit); SIGKILL to those still alive after 10 s."""
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 10
-    while pid_alive(pid) and time.monotonic() < deadline:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
         time.sleep(0.05)
-    if pid_alive(pid):
-        os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
@@ -154,21 +160,26 @@ def cluster_down(config_path: str, run_dir: Path) -> int:
     nodes, replicas = cluster_parts(config, run_dir)
     for part in replicas:
         adopt_index_pid_file(part)
-    for part in [*replicas, *nodes]:
-        pid, note = running(part)
-        if pid is None:
-            print(f"{part.label}: not running ({note or 'no pid file'})")
-            continue
-        owner = part.owner()
-        if not same_file(owner, config_path):
-            print(
-                f"{part.label}: left running (pid {pid}): it belongs to "
-                f"{down_hint(owner or {}, run_dir)}"
-            )
-            continue
-        _stop_pid(pid)
-        part.forget()
-        print(f"{part.label}: stopped (pid {pid})")
+    # the replicas first (they write the rows they hold behind), then the nodes
+    for parts in (replicas, nodes):
+        ours: list[tuple[Part, int]] = []
+        for part in parts:
+            pid, note = running(part)
+            if pid is None:
+                print(f"{part.label}: not running ({note or 'no pid file'})")
+                continue
+            owner = part.owner()
+            if not same_file(owner, config_path):
+                print(
+                    f"{part.label}: left running (pid {pid}): it belongs to "
+                    f"{down_hint(owner or {}, run_dir)}"
+                )
+                continue
+            ours.append((part, pid))
+        _stop_pids([pid for _, pid in ours])
+        for part, pid in ours:
+            part.forget()
+            print(f"{part.label}: stopped (pid {pid})")
     return 0
 
 
