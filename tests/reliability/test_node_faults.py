@@ -355,6 +355,8 @@ def test_node_lost_during_training_raises_data_loss_then_restore_resumes(tmp_pat
             version = manifest["dense"]["version"]
             assert resumed.versions == [version, version + 1, version + 2, version + 3]
     finally:
+        for node in nodes:  # side by side: each takes up to a second to exit
+            node.terminate()
         for node in nodes:
             node.stop()
 
@@ -410,6 +412,8 @@ def test_node_lost_with_a_push_in_flight_raises_at_most_one_step_later(tmp_path:
             with pytest.raises(DataLossError, match=lost.address):
                 asyncio.run(_read(config, "C1", ids_of[0]["C1"]))
     finally:
+        for node in nodes:  # side by side: each takes up to a second to exit
+            node.terminate()
         for node in nodes:
             node.stop()
 
@@ -478,6 +482,8 @@ def test_stopped_node_fails_training_and_pushes_within_the_timeout(tmp_path: Pat
             finally:
                 trainer.close()
     finally:
+        for node in nodes:  # side by side: each takes up to a second to exit
+            node.terminate()
         for node in nodes:
             node.stop()
 
@@ -622,6 +628,8 @@ def test_full_node_stops_training_with_store_full_and_keeps_rows(tmp_path: Path)
             loop.run_until_complete(reader.close())
     finally:
         loop.close()
+        big.terminate()
+        small.terminate()
         big.stop()
         small.stop()
 
@@ -714,9 +722,11 @@ async def test_failed_journaled_write_fails_other_pushes_fast_then_finishes_once
                     task.cancel()
                 await updater.close()
     finally:
-        big.stop()
+        big.terminate()
         if small is not None:
+            small.terminate()
             small.stop()
+        big.stop()
 
 
 @pytest.mark.timeout(120)
@@ -803,6 +813,8 @@ async def test_full_node_stops_training_written_behind_and_loses_nothing() -> No
             finally:
                 await updater.close()
     finally:
+        big.terminate()
+        small.terminate()
         big.stop()
         small.stop()
 
@@ -888,6 +900,8 @@ async def test_unfinished_push_blocks_a_save_and_a_restore_drops_it(
         assert found.all()
         np.testing.assert_allclose(values, _sgd_rows(config, "C1", ids, grads), atol=1e-6)
     finally:
-        big.stop()
+        big.terminate()
         if small is not None:
+            small.terminate()
             small.stop()
+        big.stop()
