@@ -71,9 +71,12 @@ def created(results: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     return out
 
 
-def merged_answer(answers: Mapping[int, Mapping[str, Any]], asked: Sequence[str]) -> dict[str, Any]:
-    """The replicas' answers to one push as one: `updated` rows, `params`, `dense_version`,
-    and `stamps` (replica -> (epoch, seq) of the replicas that stamped their answer)."""
+def merged_answer(
+    answers: Mapping[int, Mapping[str, Any]], asked: Sequence[str], *, copy: bool = True
+) -> dict[str, Any]:
+    """The replicas' answers to one push as one: `updated` rows, `params` (`copy`: see
+    `params_of`), `dense_version`, and `stamps` (replica -> (epoch, seq) of the replicas
+    that stamped their answer)."""
     out: dict[str, Any] = {}
     if "rows" in asked:
         out["updated"] = updated_rows([answers[k] for k in sorted(answers)])
@@ -82,7 +85,7 @@ def merged_answer(answers: Mapping[int, Mapping[str, Any]], asked: Sequence[str]
     }
     first = answers.get(0, {})
     if "dense" in asked and "params" in first:
-        out["params"] = params_of(first["params"])
+        out["params"] = params_of(first["params"], copy=copy)
         out["dense_version"] = int(first["dense_version"])
     return out
 
@@ -226,8 +229,16 @@ async def two_part_answer(
     return outcome
 
 
-def params_of(doc: Mapping[str, Any]) -> dict[str, NDArray[np.float32]]:
-    return {n: decode_array(v, field=f"params.{n}", dtype="<f4").copy() for n, v in doc.items()}
+def params_of(doc: Mapping[str, Any], *, copy: bool = True) -> dict[str, NDArray[np.float32]]:
+    """Dense parameters by name: writable copies, or (`copy=False`) read-only views of
+    the answer's bytes, for a reader that copies them anyway (an assign to variables)."""
+    return {
+        n: _copied(decode_array(v, field=f"params.{n}", dtype="<f4"), copy) for n, v in doc.items()
+    }
+
+
+def _copied(array: NDArray[Any], copy: bool) -> NDArray[Any]:
+    return array.copy() if copy else array
 
 
 def error_of(raw: bytes, status: int) -> tuple[str, dict[str, Any]]:

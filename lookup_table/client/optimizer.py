@@ -193,13 +193,17 @@ class OptimizerClient:
                     body["stats"] = stats
                 bodies[k] = pack(body)
         answers: dict[int, dict[str, Any]] = {}
+        # decoded once, when every replica answered: for `on_answer` and the summary
+        merged: dict[str, Any] = {}
 
         def answered(k: int, doc: dict[str, Any]) -> None:
             if k in answers:  # a retry answers again: the first answer stands
                 return
             answers[k] = doc
-            if on_answer is not None and len(answers) == len(bodies):
-                on_answer(merged_answer(answers, answer))
+            if len(answers) == len(bodies):
+                merged.update(merged_answer(answers, answer, copy=False))
+                if on_answer is not None:
+                    on_answer(dict(merged))
 
         results = await asyncio.gather(
             *(
@@ -223,7 +227,9 @@ class OptimizerClient:
             "created": created(results),
         }
         if answer:
-            summary.update(merged_answer(answers, answer))
+            summary.update(merged or merged_answer(answers, answer, copy=False))
+            if "params" in summary:  # the caller's own, writable
+                summary["params"] = {n: p.copy() for n, p in summary["params"].items()}
         return summary
 
     async def rows(self, tables: Mapping[str, Any]) -> dict[str, tuple[NDArray[np.float32], int]]:

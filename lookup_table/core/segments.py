@@ -14,7 +14,13 @@ from numpy.typing import NDArray
 
 from lookup_table.core.jit import compiled
 
-__all__ = ["patch_segments", "segment_bounds", "segment_members", "unique_segments"]
+__all__ = [
+    "patch_segments",
+    "place_segments",
+    "segment_bounds",
+    "segment_members",
+    "unique_segments",
+]
 
 _I64 = types.Array(types.int64, 1, "C", readonly=True)
 _I64_OUT = types.Array(types.int64, 1, "C")
@@ -70,13 +76,17 @@ def _unique(ids, bounds, pads, padded, uniq, counts, index):  # type: ignore[no-
                 uniq[lo + n] = v
                 n += 1
             index[k] = first[j]
+        # sorted in place (no index sort, no copy), then each id's arrival number found
+        # again through its slot
+        uniq[lo : lo + n].sort()
+        for r in range(n):
+            v = uniq[lo + r]
+            j = np.int64((np.uint64(v) * np.uint64(_GOLDEN)) >> shift)
+            while keys[j] != v:
+                j = (j + 1) & mask
+            rank[first[j]] = r
         for r in range(n):
             first[used[r]] = -1  # the map empty again for the next column
-        order = np.argsort(uniq[lo : lo + n])
-        arrived = uniq[lo : lo + n].copy()
-        for r in range(n):
-            rank[order[r]] = r
-            uniq[lo + r] = arrived[order[r]]
         for k in range(lo, hi):
             index[k] = n if index[k] < 0 else rank[index[k]]  # padding: the zero row
         counts[s] = n
@@ -154,3 +164,25 @@ def patch_segments(
     `patch_ids[patch_bounds[s]:patch_bounds[s + 1]]` is `ids[k]`, for k in
     `bounds[s]:bounds[s + 1]` (both sorted unique), and mark it `brought`."""
     _patch(ids, bounds, patch_ids, patch_bounds, patch_rows, rows, brought)
+
+
+@compiled(types.void(_I64_OUT, _I64, _I64, _I64, _I64))
+def _place(index, bounds, counts, offsets, zero_rows):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    for s in range(bounds.shape[0] - 1):
+        n, offset, zero = counts[s], offsets[s], zero_rows[s]
+        for k in range(bounds[s], bounds[s + 1]):
+            v = index[k]
+            index[k] = v + offset if v < n else zero
+
+
+def place_segments(
+    index: NDArray[np.int64],
+    bounds: NDArray[np.int64],
+    counts: NDArray[np.int64],
+    offsets: NDArray[np.int64],
+    zero_rows: NDArray[np.int64],
+) -> None:
+    """In place, per segment s of `index` (`bounds[s]:bounds[s + 1]`, rows among its
+    `counts[s]` unique ids, `counts[s]` for padding): each row moved by `offsets[s]`,
+    padding's to `zero_rows[s]` (where a table of many segments keeps them)."""
+    _place(index, bounds, counts, offsets, zero_rows)

@@ -343,6 +343,24 @@ async def lookup_batch(
         else:
             tables[dim] = np.empty((total + 1, dim), np.float32)
             tables[dim][total] = 0.0
+    names = [table for table, _, _ in wanted]
+    if len(set(names)) == len(names):  # each table's rows read are one entry's, in order
+        for dim, total in totals.items():
+            _place_dim(
+                tables[dim][:total],
+                [
+                    (counts[k], known[k], lefts[k], rows.get(names[k]))
+                    for k in range(len(wanted))
+                    if dims[k] == dim
+                ],
+            )
+        return BatchRows(
+            tables=tables,
+            dims=dims,
+            starts=starts,
+            counts=counts,
+            skipped=[s for _, _, s in wanted],
+        )
     for k, ((table, _, _), know, left, read) in enumerate(
         zip(wanted, known, lefts, reads, strict=True)
     ):
@@ -366,6 +384,28 @@ async def lookup_batch(
     return BatchRows(
         tables=tables, dims=dims, starts=starts, counts=counts, skipped=[s for _, _, s in wanted]
     )
+
+
+def _place_dim(
+    rows: NDArray[np.float32],
+    parts: Sequence[tuple[int, Known | None, NDArray[np.bool_] | None, NDArray[Any] | None]],
+) -> None:
+    """Write into `rows` the rows of a dim's entries, one after the other: per entry
+    (count, known rows, ids not read, rows read of the ids it read (all of them, in
+    order)). One copy of the rows read and one of the known rows for them all; rows
+    neither read nor known stay as they are."""
+    read = [values for _, _, _, values in parts if values is not None]
+    if all(left is None for _, _, left, _ in parts):  # every id read: straight into place
+        if read:
+            np.concatenate(read, out=rows, casting="unsafe")
+        return
+    left = np.concatenate([np.zeros(n, bool) if lf is None else lf for n, _, lf, _ in parts])
+    if read:
+        rows[~left] = np.concatenate(read) if len(read) > 1 else read[0]
+    knows = [know for _, know, _, _ in parts if know is not None]
+    if knows:
+        where = np.concatenate([np.zeros(n, bool) if k is None else k[0] for n, k, _, _ in parts])
+        rows[where] = np.concatenate([k[1] for k in knows]) if len(knows) > 1 else knows[0][1]
 
 
 class BatchPart:

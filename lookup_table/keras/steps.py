@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 from numpy.typing import NDArray
 
-from lookup_table.core.segments import segment_bounds
+from lookup_table.core.segments import place_segments, segment_bounds
 from lookup_table.keras.layer import DistributedEmbedding, RecordedLookup
 from lookup_table.keras.rows import (
     BatchRows,
@@ -74,18 +74,18 @@ class FedBatch:
                 self.offsets[k] = start
                 zero_rows[k] = total
             tables.append(table)
-        lengths = [i.index.shape[0] for i in self.ids]
+        bounds = segment_bounds(i.index.shape[0] for i in self.ids)
         if self.ids:
-            index = np.concatenate([i.index for i in self.ids])
-            own = np.repeat([i.uniq.shape[0] for i in self.ids], lengths)
-            index = np.where(
-                index < own,
-                index + np.repeat(np.asarray(self.offsets, np.int64), lengths),
-                np.repeat(np.asarray(zero_rows, np.int64), lengths),
+            index = np.concatenate([i.index for i in self.ids]).astype(np.int64, copy=False)
+            place_segments(
+                index,
+                bounds,
+                np.array([i.uniq.shape[0] for i in self.ids], np.int64),
+                np.array(self.offsets, np.int64),
+                np.array(zero_rows, np.int64),
             )
         else:
             index = np.zeros(0, np.int64)
-        bounds = segment_bounds(lengths)
         self.args = ([tf.constant(t) for t in tables], tf.constant(index), tf.constant(bounds))
 
     def _fits(self, block: BatchRows) -> bool:

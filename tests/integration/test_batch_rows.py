@@ -73,6 +73,36 @@ async def test_rows_land_in_one_array_per_dim(reader: RowReader) -> None:
     assert np.array_equal(items.rows[~skip], kept)
 
 
+async def test_each_table_once_lands_as_when_tables_repeat(reader: RowReader) -> None:
+    """Entries of distinct tables (each table's rows read are one entry's, placed per dim
+    at once) land as entry by entry: read rows, known rows, skipped rows zero, and an
+    entry whose every id is known or skipped reads nothing."""
+    skip = np.array([False, True, False, False, True])
+    known_items = (np.array([True, False, False, False, False]), np.full((1, 16), 2.5, np.float32))
+    all_known = (np.ones(4, bool), np.arange(32, dtype=np.float32).reshape(4, 8))
+    cases = [
+        ([("user", USERS_A, None), ("word", WORDS, None)], [None, None]),
+        ([("user", USERS_A, None), ("ads", ITEMS, skip)], [all_known, known_items]),
+        (
+            [("ads", ITEMS, skip), ("user", USERS_B, None)],
+            [None, (np.array([0, 1, 0], bool), all_known[1][:1])],
+        ),
+    ]
+    for wanted, known in cases:
+        got = await lookup_batch(reader, wanted, known)
+        for k, ((table, ids, skipped), know) in enumerate(zip(wanted, known, strict=True)):
+            want = await _read(reader, table, ids)
+            if know is not None:
+                want[know[0]] = know[1]
+            if skipped is not None:
+                want[skipped] = 0.0
+            entry = got[k]
+            rows = entry.rows if isinstance(entry, PartialRows) else entry
+            assert rows.tobytes() == want.astype(np.float32).tobytes(), (table, k)
+        for table in got.tables.values():
+            assert not table[-1].any()
+
+
 async def test_the_graph_step_takes_the_lookups_arrays(reader: RowReader) -> None:
     """`FedBatch` of the batch's own layers puts the push answers into the lookup's
     arrays and feeds them as they are; the same rows given per layer give the same

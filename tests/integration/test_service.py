@@ -660,11 +660,19 @@ async def test_a_push_answers_with_its_updated_rows_and_the_dense_weights(served
     dense0 = {"w": np.full((3, 2), 0.5, np.float32)}
     async with OptimizerClient(config) as client:
         await client.dense_init(dense0)
+        early: list[dict[str, Any]] = []
         result = await client.push(
             {"user": (ids, grads), "word": (words, wgrads)},
             dense={"w": np.ones((3, 2), np.float32)},
             answer=("rows", "dense"),
+            on_answer=early.append,
         )
+        # the answer as it came (before the writes) is the summary's; the summary's
+        # dense weights are the caller's own to change
+        (first,) = early
+        assert first["updated"].keys() == result["updated"].keys()
+        np.testing.assert_array_equal(first["params"]["w"], result["params"]["w"])
+        assert result["params"]["w"].flags.writeable
         version, dense = await client.dense()
         got_ids, got_rows = result["updated"]["user"]
         np.testing.assert_array_equal(got_ids, [4, 7, 9])

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lookup_table.core.segments import place_segments, segment_bounds
 from lookup_table.keras.rows import FedIds, fed_ids_many, member, members, patch_rows, patched
 
 pytestmark = pytest.mark.unit
@@ -151,3 +152,21 @@ def test_patch_rows_puts_in_what_patched_puts_in_per_table(tables: list[Any]) ->
         ]
     )
     np.testing.assert_array_equal(brought, hit)
+
+
+def test_place_segments_moves_each_columns_rows_and_its_padding() -> None:
+    """Per column, its rows among its own unique ids move by its offset, and its padding
+    (the row just past them) to its zero row: numpy's where, column by column."""
+    rng = np.random.default_rng(2)
+    counts = np.array([5, 0, 3, 7], np.int64)
+    columns = [rng.integers(0, n + 1, size=int(rng.integers(0, 20))) for n in counts]
+    offsets, zero_rows = np.array([0, 5, 5, 0], np.int64), np.array([8, 8, 8, 7], np.int64)
+    expected = np.concatenate(
+        [
+            np.where(c < n, c + o, z)
+            for c, n, o, z in zip(columns, counts, offsets, zero_rows, strict=True)
+        ]
+    )
+    index = np.concatenate(columns).astype(np.int64)
+    place_segments(index, segment_bounds(c.shape[0] for c in columns), counts, offsets, zero_rows)
+    np.testing.assert_array_equal(index, expected)
