@@ -50,7 +50,8 @@ def _stop_pids(pids: Sequence[int]) -> None:
     """SIGTERM to all, then wait for all (side by side: memcached takes up to a second
     to exit); SIGKILL to those still alive after 10 s."""
     for pid in pids:
-        os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it exited since it was found running
+            os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 10
     while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
         for pid in pids:
@@ -59,7 +60,8 @@ def _stop_pids(pids: Sequence[int]) -> None:
         time.sleep(0.05)
     for pid in pids:
         if pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
