@@ -324,6 +324,16 @@ def check_values_fit(
     )
 
 
+def _check_rows(rows: object, dtype: RowDtype, rounding: Rounding) -> None:
+    """What `encode` and `round_to` take: a known dtype and rounding, float32 (n, width)."""
+    check_dtype(dtype)
+    if rounding not in ROUNDINGS:
+        raise ConfigError(f"rounding {rounding!r} is not one of {', '.join(ROUNDINGS)}")
+    if not isinstance(rows, np.ndarray) or rows.dtype != np.float32 or rows.ndim != 2:
+        got = f"{rows.dtype} {rows.shape}" if isinstance(rows, np.ndarray) else type(rows).__name__
+        raise ValueError(f"rows: expected a float32 array of shape (n, width), got {got}")
+
+
 def encode(
     rows: NDArray[np.float32],
     dtype: RowDtype,
@@ -345,12 +355,7 @@ def encode(
         RowOverflowError: a value beyond MAX_FINITE[dtype] (an inf is one too).
         ConfigError: an unknown dtype or rounding.
     """
-    check_dtype(dtype)
-    if rounding not in ROUNDINGS:
-        raise ConfigError(f"rounding {rounding!r} is not one of {', '.join(ROUNDINGS)}")
-    if not isinstance(rows, np.ndarray) or rows.dtype != np.float32 or rows.ndim != 2:
-        got = f"{rows.dtype} {rows.shape}" if isinstance(rows, np.ndarray) else type(rows).__name__
-        raise ValueError(f"rows: expected a float32 array of shape (n, width), got {got}")
+    _check_rows(rows, dtype, rounding)
     if dtype == "float32":
         return np.array(rows, dtype=np.float32, order="C")  # native float32 is <f4 (x86, ARM)
     row_keys = check_row_keys(keys, rows.shape[0]) if rounding == "stochastic" else None
@@ -427,12 +432,7 @@ def round_to(
     Raises:
         ValueError, RowOverflowError, ConfigError: as `encode` (nothing is written).
     """
-    check_dtype(dtype)
-    if rounding not in ROUNDINGS:
-        raise ConfigError(f"rounding {rounding!r} is not one of {', '.join(ROUNDINGS)}")
-    if not isinstance(rows, np.ndarray) or rows.dtype != np.float32 or rows.ndim != 2:
-        got = f"{rows.dtype} {rows.shape}" if isinstance(rows, np.ndarray) else type(rows).__name__
-        raise ValueError(f"rows: expected a float32 array of shape (n, width), got {got}")
+    _check_rows(rows, dtype, rounding)
     if out is None:
         out = np.empty(rows.shape, np.float32)
     elif (
