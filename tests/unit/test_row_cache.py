@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookup_table.core.hashing import mix64
-from lookup_table.core.rowcache import RowCache, _IntMap, _TableCache
+from lookup_table.core.intmap import IntMap
+from lookup_table.core.rowcache import RowCache, _TableCache
 
 pytestmark = pytest.mark.unit
 
@@ -49,7 +50,7 @@ def test_probing_against_a_dict_in_a_crowded_map(keys: list[tuple[int, int]], st
     some inserts find no free slot within the probes. Every key placed is found at its
     slot with its value and stamp; every key not placed, and every key never inserted,
     is absent."""
-    m = _IntMap(64, 2)
+    m = IntMap(64, 2)
     ids = np.array([k for k, _ in keys], dtype=np.int64)
     tabs = np.array([t for _, t in keys], dtype=np.int32)
     values = np.arange(2 * len(keys), dtype=np.float32).reshape(-1, 2)
@@ -185,13 +186,13 @@ def test_the_cache_takes_its_bound_once_and_rotations_allocate_nothing(
     """The young map starts small; once it is half full the cache allocates both
     generations at the bound, once: no later rotation allocates (and touches) a map."""
     made: list[int] = []
-    real_init = _IntMap.__init__
+    real_init = IntMap.__init__
 
-    def counted(self: _IntMap, capacity: int, width: int) -> None:
+    def counted(self: IntMap, capacity: int, width: int) -> None:
         made.append(capacity)
         real_init(self, capacity, width)
 
-    monkeypatch.setattr(_IntMap, "__init__", counted)
+    monkeypatch.setattr(IntMap, "__init__", counted)
     bound = 1 << 14
     cache = _TableCache(width=2, max_capacity=bound)
     assert made == [bound // 16] and cache.nbytes() == (bound // 16) * (2 * 4 + 24)
@@ -208,7 +209,7 @@ def test_the_cache_takes_its_bound_once_and_rotations_allocate_nothing(
 
 
 def test_a_batch_that_collides_on_one_slot_is_placed_and_found() -> None:
-    m = _IntMap(1024, 1)
+    m = IntMap(1024, 1)
     rng = np.random.default_rng(1)
     pool = rng.integers(0, 2**62, size=200_000, dtype=np.int64)
     same = pool[_positions(pool, _tabs(pool.size), m.mask) == 7][:20]
@@ -236,7 +237,7 @@ def test_forgotten_ids_are_never_returned_from_either_generation_and_come_back_o
 
 
 def test_one_id_in_two_tables_is_two_keys_even_on_one_probe_chain() -> None:
-    m = _IntMap(1024, 1)
+    m = IntMap(1024, 1)
     pool = np.random.default_rng(2).integers(0, 2**62, size=200_000, dtype=np.int64)
     ones = np.ones(pool.size, dtype=np.int32)
     same = pool[_positions(pool, _tabs(pool.size), m.mask) == _positions(pool, ones, m.mask)]
@@ -463,7 +464,7 @@ def test_dirty_entries_of_both_generations_come_by_table_each_with_its_value() -
 def test_the_compiled_probes_get_shapes_checked_first() -> None:
     """The compiled loops do not check bounds: a table number missing for an id, or
     values of another width, is a ValueError before any of them runs."""
-    m = _IntMap(1024, 3)
+    m = IntMap(1024, 3)
     ids = np.arange(4, dtype=np.int64)
     with pytest.raises(ValueError, match="table numbers"):
         m.find(ids, _tabs(3))

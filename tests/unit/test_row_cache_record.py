@@ -15,14 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookup_table.core import probing
-from lookup_table.core.rowcache import RowCache, _IntMap, _TableCache
+from lookup_table.core.intmap import IntMap
+from lookup_table.core.rowcache import RowCache, _TableCache
 
 pytestmark = pytest.mark.unit
 
 WIDTH = {"a": (3, 0), "b": (3, 0), "c": (2, 2)}  # a and b share one map
 
 
-def _scanned(m: _IntMap) -> np.ndarray:
+def _scanned(m: IntMap) -> np.ndarray:
     """The dirty slots whose values are known, by a scan of the whole map."""
     valid = (m.meta[:, 1] & probing.VALID) != 0
     return np.flatnonzero((m.stamps > 0) & valid)
