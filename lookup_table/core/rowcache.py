@@ -386,6 +386,53 @@ class RowCache:
                 start = stop
         return out
 
+    def known_many(
+        self,
+        parts: Sequence[tuple[str, IdArray]],
+        wanted: Sequence[NDArray[np.bool_] | None],
+    ) -> list[tuple[NDArray[np.bool_], NDArray[np.float32]] | None]:
+        """Per (table, unique ids), which of its `wanted` ids (a mask; None: all) the
+        cache holds a row for, and those rows in that order (no slots); None where
+        none, or the table is not cached. One batch per value width: the ids of a
+        width's parts are picked, looked up and their hits copied once for all."""
+        out: list[tuple[NDArray[np.bool_], NDArray[np.float32]] | None] = [None] * len(parts)
+        for width, members in self._by_width([t for t, _ in parts]).items():
+            ids, tabs = self._keys([parts[i] for i in members])
+            ids_total = ids.shape[0]
+            dims = [self._where[parts[i][0]][2] for i in members]
+            masks = [wanted[i] for i in members]
+            picked: NDArray[np.intp] | None = None
+            if any(m is not None for m in masks):
+                picked = np.flatnonzero(
+                    np.concatenate(
+                        [
+                            np.ones(parts[i][1].shape[0], bool) if m is None else m
+                            for i, m in zip(members, masks, strict=True)
+                        ]
+                    )
+                )
+                ids, tabs = ids[picked], tabs[picked]
+            got, values, _ = self._groups[width].lookup(ids, tabs, max(dims))
+            if picked is None:
+                hit = got
+            else:
+                hit = np.zeros(ids_total, bool)
+                hit[picked] = got
+            rows = values[got]
+            # where each part's ids, and its hits' rows, start
+            starts = np.zeros(len(members) + 1, np.intp)
+            np.cumsum([parts[i][1].shape[0] for i in members], out=starts[1:])
+            before = np.zeros(hit.shape[0] + 1, np.intp)
+            np.cumsum(hit, out=before[1:])
+            firsts = before[starts].tolist()
+            for j, i in enumerate(members):
+                if firsts[j + 1] > firsts[j]:
+                    out[i] = (
+                        hit[starts[j] : starts[j + 1]],
+                        rows[firsts[j] : firsts[j + 1], : dims[j]],
+                    )
+        return out
+
     def locate_many(self, parts: Sequence[tuple[str, IdArray]]) -> list[Located]:
         """Where the values of each (table, unique ids) of cached tables are (`Located`),
         for a caller that reads them in place (`values_of`) and puts their new values

@@ -298,26 +298,10 @@ class TrainingSession:
         earlier answers brought, and those rows; None when they may not be current."""
         if not self._answers_current:
             return None
-        # per cached table: its entry, and the positions of the ids not skipped (None: all)
-        asks = [
-            (k, None if skip is None else np.flatnonzero(~skip))
-            for k, (table, _, skip) in enumerate(wanted)
-            if self._answered.caches(table)
-        ]
-        got = self._answered.get_many(
-            [(wanted[k][0], wanted[k][1] if at is None else wanted[k][1][at]) for k, at in asks]
+        return self._answered.known_many(
+            [(table, ids) for table, ids, _ in wanted],
+            [None if skip is None else ~skip for _, _, skip in wanted],
         )
-        out: list[Known | None] = [None] * len(wanted)
-        for (k, at), (hit, rows, _) in zip(asks, got, strict=True):
-            if not hit.any():
-                continue
-            if at is None:
-                mask = hit
-            else:
-                mask = np.zeros(wanted[k][1].shape[0], dtype=bool)
-                mask[at[hit]] = True
-            out[k] = (mask, rows[hit])
-        return out
 
     def _take_answer(self, doc: Mapping[str, Any]) -> None:
         """Keep a push's answered rows. Earlier answers stay current while every replica

@@ -134,6 +134,44 @@ def test_one_batch_of_several_tables_finds_each_tables_own_rows() -> None:
     assert not any(h.any() for h, _, _ in cache.get_many([("a", ids), ("c", ids)]))
 
 
+def test_known_many_is_get_many_of_the_wanted_ids() -> None:
+    """`known_many` answers, per (table, ids), which of the wanted ids the cache holds
+    and their rows (no slots), as `get_many` of those ids does; None where none is held,
+    the table is not cached, or no id is wanted."""
+    rng = np.random.default_rng(5)
+    cache = RowCache({"a": (3, 0), "b": (3, 0), "c": (2, 0), "d": (3, 0)}, 1 << 22)
+    held = {t: rng.permutation(2000)[:600].astype(np.int64) for t in "abc"}
+    cache.put_many(
+        [
+            (
+                t,
+                i,
+                rng.normal(size=(600, cache._where[t][2])).astype(np.float32),
+                np.zeros((600, 0)),
+            )
+            for t, i in held.items()
+        ]
+    )
+    asks = [("a", np.arange(0, 900)), ("c", np.arange(300)), ("b", np.arange(2000, 2100))]
+    asks += [("z", np.arange(50)), ("a", np.arange(900, 2000)), ("b", np.arange(1000))]
+    wanted = [rng.random(n.shape[0]) < 0.7 for _, n in asks]
+    wanted[1] = None  # every id
+    wanted[5] = np.zeros(1000, bool)  # none
+    got = cache.known_many([(t, i) for t, i in asks], wanted)
+    for (table, ids), want, known in zip(asks, wanted, got, strict=True):
+        if not cache.caches(table) or (want is not None and not want.any()):
+            assert known is None
+            continue
+        ((hit, rows, _),) = cache.get_many([(table, ids)])
+        hit = hit & (True if want is None else want)
+        if not hit.any():
+            assert known is None
+            continue
+        assert known is not None
+        np.testing.assert_array_equal(known[0], hit)
+        assert known[1].dtype == np.float32 and known[1].tobytes() == rows[hit].tobytes()
+
+
 def test_a_block_of_several_tables_is_put_as_put_many_puts_them() -> None:
     """`put_block` (one answer's block of tables, one after the other) remembers what
     `put_many` of each table's part does; not at all where a table is not cached or
