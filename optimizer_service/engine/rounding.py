@@ -133,9 +133,8 @@ def round_batch(
                 keys = salted_rounding_keys(salts, hashes, row_counts[at])
             if every and rows.flags.c_contiguous:
                 round_to(rows, dtype, rounding=rounding, keys=keys, out=rows)
-            else:
-                part = rows[at]
-                rows[at] = round_to(part, dtype, rounding=rounding, keys=keys, out=part)
+            else:  # a copy of the group's rows (or a view of rows not in C order)
+                rows[at] = round_to(rows[at], dtype, rounding=rounding, keys=keys)
     except RowOverflowError:
         # the error of the table that does not fit, as its own `round` says it
         for rounder, ids in members:
