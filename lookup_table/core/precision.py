@@ -298,8 +298,11 @@ def check_values_fit(
     dtype: RowDtype,
     table: str,
     ids: NDArray[Any] | None,
+    *,
+    remedy: str | None = None,
 ) -> None:
-    """RowOverflowError unless every non-NaN |value| <= MAX_FINITE[dtype]."""
+    """RowOverflowError unless every non-NaN |value| <= MAX_FINITE[dtype]; its message
+    ends with `remedy` (by default: another dtype, or a lower learning rate)."""
     limit = np.float32(MAX_FINITE[dtype])
     with np.errstate(invalid="ignore"):
         beyond = np.abs(values) > limit  # NaN compares False: it is kept as NaN
@@ -313,11 +316,14 @@ def check_values_fit(
         bad_id = ids[row]
         named = f" (id {bad_id.item() if isinstance(bad_id, np.generic) else bad_id!r})"
     other = "bfloat16" if dtype == "float16" else "float32"
+    if remedy is None:
+        remedy = (
+            f'Store the table as dtype = "{other}" (float32\'s range) or lower its learning rate'
+        )
     raise RowOverflowError(
         f"{table}: row value {value:.8g} at row {row}, column {col}{named} does not fit "
         f"{dtype} (largest finite value {MAX_FINITE[dtype]:.8g}); {where.shape[0]} of "
-        f"{values.size} values do not; nothing was stored. Store the table as "
-        f'dtype = "{other}" (float32\'s range) or lower its learning rate',
+        f"{values.size} values do not; nothing was stored. {remedy}",
         table=table,
         dtype=dtype,
         value=value,

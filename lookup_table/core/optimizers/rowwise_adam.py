@@ -34,8 +34,7 @@ from lookup_table.core.optimizers.base import (
     update_at_args,
 )
 from lookup_table.core.optimizers.rowwise_adagrad import row_mean_square
-from lookup_table.core.precision import MAX_FINITE, bf16_nearest_bits, round_to
-from lookup_table.errors import RowOverflowError
+from lookup_table.core.precision import MAX_FINITE, bf16_nearest_bits, check_values_fit
 
 if TYPE_CHECKING:  # the runtime imports stay numpy + numba + stdlib
     from lookup_table.config import RowwiseAdamConfig
@@ -288,15 +287,12 @@ class RowwiseAdam:
         new_m = grads - momentum
         new_m *= _F32(1 - self.config.beta_1)
         new_m += momentum
-        try:
-            round_to(new_m, "bfloat16", table="rowwise_adam's first moment m")
-        except RowOverflowError as exc:
-            raise RowOverflowError(
-                f"{exc.args[0].split('; nothing was stored')[0]}; nothing was stored. m follows "
-                f"the gradients: gradients this close to float32's limit mean the training "
-                f"diverged; clip them or lower the learning rate",
-                table=exc.table,
-                dtype=exc.dtype,
-                value=exc.value,
-            ) from None
-        raise AssertionError("the compiled pass found an m beyond bfloat16, round_to none")
+        check_values_fit(
+            new_m,
+            "bfloat16",
+            "rowwise_adam's first moment m",
+            None,
+            remedy="m follows the gradients: gradients this close to float32's limit mean "
+            "the training diverged; clip them or lower the learning rate",
+        )
+        raise AssertionError("the compiled pass found an m beyond bfloat16, the check none")
