@@ -20,6 +20,7 @@ from numpy.typing import NDArray
 from lookup_table.core import probing
 from lookup_table.core.intmap import ENTRY_OVERHEAD, IntMap, check_keys, intp_slots
 from lookup_table.core.keys import IdArray
+from lookup_table.core.segments import segment_bounds
 
 __all__ = ["INITIAL", "Located", "RowCache", "Spots"]
 
@@ -420,8 +421,7 @@ class RowCache:
                 hit[picked] = got
             rows = values[got]
             # where each part's ids, and its hits' rows, start
-            starts = np.zeros(len(members) + 1, np.intp)
-            np.cumsum([parts[i][1].shape[0] for i in members], out=starts[1:])
+            starts = segment_bounds(parts[i][1].shape[0] for i in members)
             before = np.zeros(hit.shape[0] + 1, np.intp)
             np.cumsum(hit, out=before[1:])
             firsts = before[starts].tolist()
