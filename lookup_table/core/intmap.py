@@ -214,3 +214,44 @@ class IntMap:
         )
         self.size += count
         return placed
+
+    def upsert(
+        self,
+        ids: NDArray[np.int64],
+        tabs: NDArray[np.int32],
+        values: NDArray[np.float32],
+        stamps: NDArray[np.int64] | int = 0,
+        *,
+        since: int = 0,
+        keep: bool = False,
+    ) -> tuple[NDArray[np.bool_], int]:
+        """`set` for the keys the map holds (left as they are where `keep`), `insert`
+        for the others, one probe sequence per key (a key given twice is inserted, then
+        set). Returns where each key was found or placed (False: neither within the
+        probes, nothing done), and how many held keys were dirty by a stamp > `since`
+        before."""
+        check_keys(ids, tabs)
+        if values.shape != (ids.shape[0], self.values.shape[1]):
+            raise ValueError(
+                f"values {values.shape} for {ids.shape[0]} keys of width {self.values.shape[1]}"
+            )
+        each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), ids.shape)
+        placed = np.empty(ids.shape[0], dtype=bool)
+        record = self._room(each)
+        count, self.logged, again = probing.upsert(
+            self.meta,
+            self.mask,
+            self.values,
+            self.stamps,
+            ids,
+            tabs,
+            values,
+            each,
+            keep,
+            placed,
+            record,
+            self.logged,
+            since,
+        )
+        self.size += count
+        return placed, int(again)

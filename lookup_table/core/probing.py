@@ -31,6 +31,7 @@ __all__ = [
     "insert",
     "scatter",
     "stamped",
+    "upsert",
 ]
 
 MAX_PROBES = 64  # at load <= 1/2 a probe sequence this long is vanishingly rare
@@ -136,6 +137,71 @@ def insert(  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
                 break
             p = (p + 1) & mask
     return count, logged
+
+
+@compiled(
+    types.UniTuple(types.intp, 3)(  # type: ignore[no-untyped-call]
+        _meta,
+        types.intp,
+        types.Array(types.float32, 2, "C"),
+        types.Array(types.int64, 1, "C"),
+        _ids,
+        _tabs,
+        types.Array(types.float32, 2, "A", readonly=True),
+        types.Array(types.int64, 1, "A", readonly=True),
+        types.boolean,
+        types.Array(types.bool_, 1, "C"),
+        _slots,
+        types.intp,
+        types.int64,
+    )
+)
+def upsert(  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    meta, mask, values, stamps, ids, tabs, src, each, keep, placed, record, logged, since
+):
+    """`scatter` for the keys the map holds (none changed where `keep`), `insert` for
+    the others, in one probe sequence per key: the key's slot or the first free one
+    ends it. `placed[i]` False where neither came within `MAX_PROBES` slots. Returns
+    how many were inserted, the record's new length (room for every key: the
+    caller's) and how many held slots were dirty with a stamp > `since` before."""
+    count = 0
+    again = 0
+    width = values.shape[1]
+    n = ids.shape[0]
+    for i in range(n):
+        if i + PREFETCH_AHEAD < n:  # where a later key most likely is, or will go
+            ahead = _position(ids[i + PREFETCH_AHEAD], tabs[i + PREFETCH_AHEAD], mask)
+            prefetch_row(meta, ahead)
+            prefetch_row(values, ahead)
+            prefetch_row(stamps, ahead)
+        key = ids[i]
+        want = np.int64(tabs[i]) | _USED
+        p = _position(key, tabs[i], mask)
+        placed[i] = False
+        for _ in range(MAX_PROBES):
+            word = meta[p, 1]
+            free = (word & _USED) == 0
+            if free or (meta[p, 0] == key and (word & _MATCH) == want):
+                placed[i] = True
+                if free:
+                    meta[p, 0] = key
+                    meta[p, 1] = want | _VALID
+                    count += 1
+                elif keep:
+                    break
+                else:
+                    meta[p, 1] = word | _VALID
+                    if stamps[p] > since:
+                        again += 1
+                for j in range(width):
+                    values[p, j] = src[i, j]
+                if stamps[p] <= 0 and each[i] > 0:  # a free slot's stamp is 0
+                    record[logged] = p
+                    logged += 1
+                stamps[p] = each[i]
+                break
+            p = (p + 1) & mask
+    return count, logged, again
 
 
 @compiled(types.void(_meta, types.intp, _ids, _tabs, _slots, types.Array(types.bool_, 1, "C")))

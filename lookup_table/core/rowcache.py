@@ -129,8 +129,16 @@ class _TableCache:
         values: NDArray[np.float32],
         stamps: NDArray[np.int64] | int = 0,
     ) -> None:
-        """Put values (`stamps` > 0: dirty, see the module's doc; 0: what memcached holds)."""
+        """Put values of unique keys (`stamps` > 0: dirty, see the module's doc; 0: what
+        memcached holds). Where every key may be new without making room, one probe
+        sequence per key sets or inserts it (`IntMap.upsert`)."""
         each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), ids.shape)
+        young = self.young
+        if 2 * (young.size + ids.shape[0]) <= young.capacity:
+            placed, _ = young.upsert(ids, tabs, values, each)
+            if not placed.all():
+                self._insert_left(ids, tabs, values, each, placed)
+            return
         ids, tabs, values, each = self._set_held(ids, tabs, values, each)
         if ids.shape[0]:
             self._insert_new(ids, tabs, values, each)
@@ -152,13 +160,25 @@ class _TableCache:
             if self.young is not young:
                 ids, tabs, values, stamps = self._set_held(ids, tabs, values, stamps)
         placed = self.young.insert(ids, tabs, values, stamps)
-        if not placed.all():  # a probe sequence ran out: start a fresh generation
-            left = ~placed
-            self._rotate()
-            ids, tabs, values, stamps = self._set_held(
-                ids[left], tabs[left], values[left], stamps[left]
-            )
-            self.young.insert(ids, tabs, values, stamps)
+        if not placed.all():
+            self._insert_left(ids, tabs, values, stamps, placed)
+
+    def _insert_left(
+        self,
+        ids: NDArray[np.int64],
+        tabs: NDArray[np.int32],
+        values: NDArray[np.float32],
+        stamps: NDArray[np.int64],
+        placed: NDArray[np.bool_],
+    ) -> None:
+        """Put the keys not `placed` (their probe sequences ran out) in a fresh generation,
+        as `_insert_new` puts keys."""
+        left = ~placed
+        self._rotate()
+        ids, tabs, values, stamps = self._set_held(
+            ids[left], tabs[left], values[left], stamps[left]
+        )
+        self.young.insert(ids, tabs, values, stamps)
 
     def _set_held(
         self,
@@ -186,15 +206,23 @@ class _TableCache:
         values: NDArray[np.float32],
         stamp: int,
     ) -> None:
-        """Put the keys that neither generation holds (valid or forgotten); the others
-        keep what they have."""
-        absent = self.young.find(ids, tabs) < 0
-        if self.old is not None and absent.any():
-            at = np.flatnonzero(absent)
-            absent[at[self.old.find(ids[at], tabs[at]) >= 0]] = False
+        """Put the unique keys that neither generation holds (valid or forgotten); the
+        others keep what they have. The old map is asked first, so that the young one
+        is probed once per key where the load allows (`IntMap.upsert`, keeping)."""
+        if self.old is not None:
+            new = self.old.find(ids, tabs) < 0
+            if not new.all():
+                ids, tabs, values = ids[new], tabs[new], values[new]
+        young = self.young
+        each = np.full(ids.shape[0], stamp, dtype=np.int64)
+        if 2 * (young.size + ids.shape[0]) <= young.capacity:
+            placed, _ = young.upsert(ids, tabs, values, each, keep=True)
+            if not placed.all():
+                self._insert_left(ids, tabs, values, each, placed)
+            return
+        absent = young.find(ids, tabs) < 0
         if absent.any():
-            each = np.full(int(absent.sum()), stamp, dtype=np.int64)
-            self._insert_new(ids[absent], tabs[absent], values[absent], each)
+            self._insert_new(ids[absent], tabs[absent], values[absent], each[absent])
 
     def drop(self, ids: NDArray[np.int64], tabs: NDArray[np.int32]) -> None:
         """Forget the values of these keys (what is stored for them is not known any more;
