@@ -149,22 +149,24 @@ async def _apply(
 async def _answered(request: web.Request, push: Push) -> web.StreamResponse:
     """Answer first (from the write plan, before anything is written), outcome second."""
     updater = request.app[UPDATER]
-    planned: asyncio.Future[WritePlan] = asyncio.get_running_loop().create_future()
+    # the plan, or None once the push ended without one; awaited directly, the plan
+    # wakes this task ahead of the writes the push starts next (asyncio.wait would add
+    # a turn of the loop, after them)
+    ready: asyncio.Future[WritePlan | None] = asyncio.get_running_loop().create_future()
 
-    def on_plan(plan: WritePlan) -> None:
-        if not planned.done():
-            planned.set_result(plan)
+    def on_plan(plan: WritePlan | None) -> None:
+        if not ready.done():
+            ready.set_result(plan)
 
     applying = asyncio.ensure_future(_apply(request, push, on_plan))
     # if the answer cannot be built or sent (the client went away), the push still
     # completes (or fails) alone, its error not left unretrieved
     applying.add_done_callback(_retrieve)
-    either: list[asyncio.Future[Any]] = [applying, planned]
-    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-    if planned.done():
-        first = await updater.answer(push, planned.result())
-    else:  # a duplicate, a sync round, or an error: nothing was sent yet
-        first = await updater.answer(push, applying.result().plan)
+    applying.add_done_callback(lambda _: on_plan(None))
+    plan = await ready
+    if plan is None:  # a duplicate, a sync round, or an error: nothing was sent yet
+        plan = applying.result().plan
+    first = await updater.answer(push, plan)
     response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
     response[COUNTED] = True
     await response.prepare(request)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -290,6 +290,7 @@ class Updater:
             plan: WritePlan | None = None
             cached: list[CachedItems] = []
             journaled = False
+            log: Coroutine[Any, Any, None] | None = None  # the dense log, until started
             behind = False
 
             async def settled() -> None:  # no write of the slot in flight any more
@@ -324,9 +325,11 @@ class Updater:
                     )
                     writes.append(started)
                 plan, prepared = planned
-                if plan.dense_logged and plan.version is not None:  # while it computes
+                if plan.dense_logged and plan.version is not None:
                     log = self.dense.write_log(plan.version, push.dense)
-                    writes.append(asyncio.ensure_future(log))
+                    if not behind:  # written while the rows are stepped (which awaits)
+                        writes.append(asyncio.ensure_future(log))
+                        log = None
                 while True:
                     try:
                         plan.updates, cached = await self.stepper.step_tables(
@@ -339,6 +342,11 @@ class Updater:
                 plan.seq = self.state.changes
                 if on_plan is not None:
                     on_plan(plan)
+                if log is not None:
+                    # rows stepped in place never yield: a log started before them would
+                    # encode its gradients ahead of the answer, on the trainer's wait
+                    writes.append(asyncio.ensure_future(log))
+                    log = None
                 results = await asyncio.gather(*writes, return_exceptions=True)
                 for result in results:
                     if isinstance(result, BaseException):
@@ -356,6 +364,8 @@ class Updater:
                 journaled = True
                 await self.writes.write_plan(plan, record=False, behind=behind)
             except BaseException:
+                if log is not None:  # never started
+                    log.close()
                 await settled()
                 if plan is not None and (journaled or not behind):
                     # half written? (rows written behind: a row the cache holds dirty is
