@@ -77,10 +77,11 @@ from benchmarks.train.steps import LocalRound, data_digest
 from benchmarks.train.torch_baselines import (
     INSTALL,
     ROWWISE_ADAGRAD,
+    TORCH_METHODS,
     grouped,
-    run_torch_sparse_adam,
-    run_torchrec,
+    run_torch_method,
     skipped,
+    torch_role,
 )
 from trainer.metrics import auc
 
@@ -140,7 +141,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "default to N and writes train_variants.json",
     )
     options.roles(
-        ["trainer"], "--config", "--run-dir", "--output", "--py-spy-dir", "--initial-weights"
+        ["trainer", "torch"],
+        "--config",
+        "--run-dir",
+        "--output",
+        "--py-spy-dir",
+        "--initial-weights",
+        "--method",
+        model_seed=MODEL_SEED,
     )
     args = options.parse(argv)
     try:
@@ -165,7 +173,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if (role := begin(args, {"trainer": trainer_role})) is not None:
+    if (role := begin(args, {"trainer": trainer_role, "torch": torch_role})) is not None:
         return role
     started = time.time()
     # before TensorFlow: torchrec cannot be imported after it
@@ -246,10 +254,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return run_lazy_adam(local, floor=method == "mlp_floor")
             if method == "local":
                 return run_local(local)
-            if method == "torchrec":
-                return run_torchrec(local)
-            if method == "torch_sparse_adam":
-                return run_torch_sparse_adam(local)
+            if method in TORCH_METHODS:
+                r = run_torch_method(
+                    args,
+                    method,
+                    Path(tmp) / f"{method}{k}-{attempt}",
+                    initial_weights=weights_paths[seed],
+                    seed=seed,
+                )
+                if r["data_digest"] != digest:
+                    raise RuntimeError(f"the {method} process saw other batches than this one")
+                return r
             variant = variant_of(method) or BASE_VARIANT
             # a smoke run's figures mean nothing: its one distributed round is the profiled run
             profiled = args.quick and args.profile and method == "distributed"

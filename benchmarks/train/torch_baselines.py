@@ -1,26 +1,43 @@
-"""The PyTorch baselines: the same model, batches and initial weights trained in this
-process by plain PyTorch (an `EmbeddingBag(sparse=True)` a table, `SparseAdam`)
-and by TorchRec's `FusedEmbeddingBagCollection` on FBGEMM's CPU kernels, whose fused
-optimizer is row-wise Adagrad (FBGEMM's CPU tables have no Adam). Optional: they need the
-`torch-baselines` extra and torchrec (`INSTALL`); `missing` says why one cannot run."""
+"""The PyTorch baselines: the same model, batches and initial weights trained by plain
+PyTorch (an `EmbeddingBag(sparse=True)` a table, `SparseAdam`) and by TorchRec's
+`FusedEmbeddingBagCollection` on FBGEMM's CPU kernels, whose fused optimizer is row-wise
+Adagrad (FBGEMM's CPU tables have no Adam), each round in its own process (`--role
+torch`), where no TensorFlow step ran. Optional: they need the `torch-baselines` extra
+and torchrec (`INSTALL`); `missing` says why one cannot run."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from benchmarks.harness.cluster import DEMO_CONFIG, run_role
+from benchmarks.harness.data import demo_batches
 from benchmarks.train.lazy_adam import BETA_1, BETA_2, EPSILON
-from benchmarks.train.local import DENSE_LR, EMBEDDING_LR, VOCABULARY, initial_tables
-from benchmarks.train.steps import LocalRound, run_in_process
+from benchmarks.train.local import (
+    DENSE_LR,
+    EMBEDDING_LR,
+    VOCABULARY,
+    initial_tables,
+    load_weights,
+)
+from benchmarks.train.steps import LocalRound, data_digest, run_in_process
 from trainer.data import Batch
 
 TORCH_METHODS = ("torchrec", "torch_sparse_adam")
 INSTALL = "pip install -e '.[torch-baselines]' && pip install --no-deps 'torchrec>=1.9,<1.10'"
-_NEEDS = {"torch_sparse_adam": ("torch",), "torchrec": ("torch", "fbgemm_gpu", "torchrec")}
+# torch._dynamo, which torch.optim's step imports, loads triton: it must come before
+# TensorFlow (see `skipped`)
+_NEEDS = {
+    "torch_sparse_adam": ("torch", "torch._dynamo"),
+    "torchrec": ("torch", "torch._dynamo", "fbgemm_gpu", "torchrec"),
+}
 THREADS = 2  # the machine's cores, as the other methods get them
 # TorchRec's fused row-wise Adagrad: the demo tables' learning rate, FBGEMM's other defaults
 ROWWISE_ADAGRAD = {"lr": EMBEDDING_LR}
@@ -40,8 +57,9 @@ def missing(method: str) -> str | None:
 
 def skipped(mode: str) -> dict[str, str]:
     """The methods of TORCH_METHODS that do not run under `--torch mode` (auto, on, off),
-    each with why. Call it before TensorFlow is imported: it imports torchrec, whose triton
-    crashes the process (SIGSEGV) when TensorFlow's libraries were loaded first."""
+    each with why. Call it before TensorFlow is imported: it imports what the methods need,
+    triton among them (through torch._dynamo and torchrec), and triton crashes the process
+    (SIGSEGV) when TensorFlow's libraries were loaded first."""
     if mode == "off":
         return {m: "--torch off" for m in TORCH_METHODS}
     return {m: why for m in TORCH_METHODS if (why := missing(m)) is not None}
@@ -53,6 +71,16 @@ def grouped(reasons: Mapping[str, str]) -> list[str]:
     for method, why in reasons.items():
         by.setdefault(why, []).append(method)
     return [f"{', '.join(methods)}: {why}" for why, methods in by.items()]
+
+
+def _check_import_order(method: str) -> None:
+    """A clear error instead of the crash `skipped` describes."""
+    if "tensorflow" in sys.modules and any(n not in sys.modules for n in _NEEDS[method]):
+        raise RuntimeError(
+            f"{method}: {', '.join(_NEEDS[method])} must be imported before tensorflow (the "
+            "triton they load crashes the process otherwise): call torch_baselines.missing() "
+            "first"
+        )
 
 
 def _mlp(dense: Sequence[np.ndarray]) -> Any:
@@ -119,6 +147,7 @@ def run_torch_sparse_adam(r: LocalRound) -> dict[str, Any]:
     on them (one step count a table, not one a row: its bias correction differs from the
     service's), Adam on the MLP. One bag a table: SparseAdam's step costs more the more rows
     its parameter has, so one bag stacking the 26 tables trains slower."""
+    _check_import_order("torch_sparse_adam")
     import torch
 
     tables = initial_tables(r)
@@ -142,11 +171,7 @@ def run_torchrec(r: LocalRound) -> dict[str, Any]:
     """TorchRec: a `FusedEmbeddingBagCollection` of the 26 tables (one FBGEMM table-batched
     embedding on the CPU, sum pooling of one id a bag) whose row-wise Adagrad runs in the
     backward pass; Adam on the MLP. Each batch goes in as a `KeyedJaggedTensor`."""
-    if "torchrec" not in sys.modules and "tensorflow" in sys.modules:
-        raise RuntimeError(
-            "torchrec must be imported before tensorflow (its triton crashes the process "
-            "otherwise): call benchmarks.train.torch_baselines.skipped() first"
-        )
+    _check_import_order("torchrec")
     import torch
     import torchrec.optim as trec_optim
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -186,3 +211,45 @@ def run_torchrec(r: LocalRound) -> dict[str, Any]:
         return ebc(features).values()
 
     return _run("torchrec", r, embed, None)
+
+
+def run_torch_method(
+    args: argparse.Namespace, method: str, work_dir: Path, *, initial_weights: Path, seed: int
+) -> dict[str, Any]:
+    """One round of `method` in a process of its own (`--role torch`): TensorFlow's and
+    torch's thread pools in one process take CPU from each other, which a PyTorch user's
+    process does not pay."""
+    work_dir.mkdir(parents=True)
+    output = work_dir / f"{method}.json"
+    cmd = [sys.executable, "-m", "benchmarks.train", "--role", "torch", "--method", method]
+    cmd += ["--output", str(output), "--initial-weights", str(initial_weights)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--batch-size", str(args.batch_size), "--eval-batches", str(args.eval_batches)]
+    cmd += ["--model-seed", str(seed)]
+    return run_role(
+        cmd,
+        output,
+        work_dir / f"{method}.log",
+        timeout_s=120 + 10 * args.steps,
+        what=f"the {method} process",
+    )
+
+
+def torch_role(args: argparse.Namespace) -> int:
+    """A PyTorch baseline's round in this process: its packages imported before
+    TensorFlow (which draws the initial rows), then `run_torchrec` or
+    `run_torch_sparse_adam`; the result, with the data's digest, to `args.output`."""
+    if (why := missing(args.method)) is not None:
+        raise RuntimeError(f"{args.method}: {why}")
+    from lookup_table.config import load_config
+
+    source, train, evals = demo_batches(args.steps, args.batch_size, args.eval_batches)
+    demo = load_config(DEMO_CONFIG)
+    dims = {c: demo.table(c).dim for c in source.schema.categorical}
+    dense = load_weights(Path(args.initial_weights))
+    local = LocalRound(train, evals, source.schema, dims, args.warmup, dense, args.model_seed)
+    run = {"torchrec": run_torchrec, "torch_sparse_adam": run_torch_sparse_adam}[args.method]
+    result = run(local)
+    result["data_digest"] = data_digest([*train, *evals])
+    Path(args.output).write_text(json.dumps(result))
+    return 0
