@@ -398,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{DENSE_LR} on the MLP; Keras' betas and epsilon",
                 "both": "the same batches and initial dense weights (Keras kernels transposed), "
                 "logits with binary_cross_entropy_with_logits, torch.set_num_threads(2), "
-                "eager steps",
+                "eager steps, each round in a process of its own (--role torch)",
             },
             "mlp_floor": "lazy_adam's step without the tables' update: the MLP alone trained on "
             "embeddings held constant",
