@@ -64,6 +64,8 @@ from benchmarks.train.report import (
     TARGET_LAZY_CPU_RATIO,
     TARGET_LAZY_RATIO,
     TARGET_RATIO,
+    TARGET_TORCH_AUC_GAP,
+    TARGET_TORCHREC_RATIO,
     label,
     methods_in,
     ordered,
@@ -72,6 +74,15 @@ from benchmarks.train.report import (
     summarize,
 )
 from benchmarks.train.steps import LocalRound, data_digest
+from benchmarks.train.torch_baselines import (
+    INSTALL,
+    ROWWISE_ADAGRAD,
+    TORCH_METHODS,
+    grouped,
+    run_torch_method,
+    skipped,
+    torch_role,
+)
 from trainer.metrics import auc
 
 
@@ -114,6 +125,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         f"{BASE_VARIANT} (the distributed method); more than one writes train_variants.json "
         f"instead of train.json (default {BASE_VARIANT})",
     )
+    options.add_argument(
+        "--torch",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the PyTorch baselines (torchrec, torch_sparse_adam): auto runs those that "
+        "import and says which it skipped; on fails at once if one cannot run; off skips "
+        f"them (install: {INSTALL})",
+    )
     options.count(
         "--seeds",
         full=1,
@@ -122,7 +141,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "default to N and writes train_variants.json",
     )
     options.roles(
-        ["trainer"], "--config", "--run-dir", "--output", "--py-spy-dir", "--initial-weights"
+        ["trainer", "torch"],
+        "--config",
+        "--run-dir",
+        "--output",
+        "--py-spy-dir",
+        "--initial-weights",
+        "--method",
+        model_seed=MODEL_SEED,
     )
     args = options.parse(argv)
     try:
@@ -147,13 +173,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if (role := begin(args, {"trainer": trainer_role})) is not None:
+    if (role := begin(args, {"trainer": trainer_role, "torch": torch_role})) is not None:
         return role
     started = time.time()
+    # before TensorFlow: torchrec cannot be imported after it
+    torch_skipped = skipped(args.torch)
+    if args.torch == "on" and torch_skipped:
+        why = "; ".join(grouped(torch_skipped))
+        print(f"python -m benchmarks.train: error: --torch on, but {why}", file=sys.stderr)
+        return 2
+    if args.torch == "auto":
+        for line in grouped({m: f"skipped: {why}" for m, why in torch_skipped.items()}):
+            print(line, flush=True)
     import keras
     import tensorflow as tf
 
-    machine = machine_info({"tensorflow": tf.__version__, "keras": keras.__version__})
+    versions = {"tensorflow": tf.__version__, "keras": keras.__version__}
+    for name in ("torch", "torchrec", "fbgemm_gpu"):
+        if (module := sys.modules.get(name)) is not None:
+            versions[name] = str(getattr(module, "__version__", "?"))
+    machine = machine_info(versions)
     code = code_fingerprint()
 
     from lookup_table.config import load_config
@@ -182,7 +221,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # also among their own places: a cluster run right after another may run slower (the
     # last one's memory is still being given back), which one fixed order within the
     # block would charge to the later variants every round
-    methods = ordered([*METHODS, *(method_of(v) for v in args.variants)])
+    methods = ordered(
+        [
+            *(m for m in METHODS if m not in torch_skipped),
+            *(method_of(v) for v in args.variants),
+        ]
+    )
     clusters = [method_of(v) for v in args.variants]
     plan = rotated_within(list(interleaved(methods, args.rounds)), clusters)
     order = [m for _, m in plan]
@@ -210,6 +254,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return run_lazy_adam(local, floor=method == "mlp_floor")
             if method == "local":
                 return run_local(local)
+            if method in TORCH_METHODS:
+                r = run_torch_method(
+                    args,
+                    method,
+                    Path(tmp) / f"{method}{k}-{attempt}",
+                    initial_weights=weights_paths[seed],
+                    seed=seed,
+                )
+                if r["data_digest"] != digest:
+                    raise RuntimeError(f"the {method} process saw other batches than this one")
+                return r
             variant = variant_of(method) or BASE_VARIANT
             # a smoke run's figures mean nothing: its one distributed round is the profiled run
             profiled = args.quick and args.profile and method == "distributed"
@@ -275,6 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     compared = args.variants if len(args.variants) > 1 or args.seeds > 1 else []
     summary = summarize(rounds, reference_auc, args.batch_size, variants=compared)
+    if torch_skipped:
+        summary["skipped"] = {m: f"skipped: {why}" for m, why in torch_skipped.items()}
     params = {
         "steps": args.steps,
         "warmup": args.warmup,
@@ -329,6 +386,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "on the dense weights",
                 "train_step": "one tf.function: unique, gather, forward, backward, both updates",
             },
+            "torch": {
+                "mode": args.torch,
+                "torchrec": "torchrec FusedEmbeddingBagCollection of the 26 tables (FBGEMM "
+                "table-batched embedding on the CPU, sum pooling, one id a bag, the local "
+                f"model's initial rows), fused RowWiseAdagrad {ROWWISE_ADAGRAD} (FBGEMM's CPU "
+                f"tables have no Adam); torch.optim.Adam lr {DENSE_LR} on the MLP",
+                "torch_sparse_adam": "torch.nn.EmbeddingBag(100,000, 16, sparse=True) a table "
+                f"(the local model's initial rows), torch.optim.SparseAdam lr {EMBEDDING_LR} "
+                "(one step count a table); torch.optim.Adam lr "
+                f"{DENSE_LR} on the MLP; Keras' betas and epsilon",
+                "both": "the same batches and initial dense weights (Keras kernels transposed), "
+                "logits with binary_cross_entropy_with_logits, torch.set_num_threads(2), "
+                "eager steps, each round in a process of its own (--role torch)",
+            },
             "mlp_floor": "lazy_adam's step without the tables' update: the MLP alone trained on "
             "embeddings held constant",
             "distributed": {
@@ -364,6 +435,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "distributed/lazy_adam examples/s": TARGET_LAZY_RATIO,
             "distributed/lazy_adam examples per CPU-second": TARGET_LAZY_CPU_RATIO,
             "abs eval AUC gap distributed - lazy_adam": TARGET_LAZY_AUC_GAP,
+        },
+        "torch_targets": {
+            "distributed/torchrec examples/s": TARGET_TORCHREC_RATIO,
+            "abs eval AUC gap torchrec or torch_sparse_adam - lazy_adam": TARGET_TORCH_AUC_GAP,
         },
         "summary": summary,
         "rounds": rounds,

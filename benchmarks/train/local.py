@@ -61,6 +61,14 @@ def assign_dense(model: Any, values: Sequence[np.ndarray]) -> None:
         w.assign(v)
 
 
+def initial_tables(r: LocalRound) -> list[np.ndarray]:
+    """Each categorical column's initial rows (VOCABULARY, dim), in the schema's order: the
+    local Keras model's, drawn with the round's seed, for a baseline that owns its tables."""
+    model = build_local_model(r.schema, r.dims, r.seed)
+    by_column = {w.path.split("/")[0].removeprefix("embedding_"): w for w in model.weights}
+    return [np.asarray(by_column[c].numpy()) for c in r.schema.categorical]
+
+
 def save_weights(path: Path, values: Sequence[np.ndarray]) -> None:
     np.savez(path, *values)
 

@@ -17,7 +17,7 @@ from benchmarks.harness.plot import figure
 from benchmarks.harness.report import met
 from benchmarks.harness.rounds import DISTURBED_SHARE, undisturbed
 from benchmarks.harness.variants import VARIANTS
-from benchmarks.train import compact
+from benchmarks.train import compact, torch_baselines
 
 TARGET_RATIO = 1.0
 TARGET_CPU_RATIO = 1.0  # examples per CPU-second, distributed / local
@@ -26,10 +26,17 @@ TARGET_AUC_GAP = 0.01
 TARGET_LAZY_RATIO = 0.5
 TARGET_LAZY_CPU_RATIO = 0.5
 TARGET_LAZY_AUC_GAP = 0.005
-METHODS = ("local", "lazy_adam", "distributed", "mlp_floor")
+# the PyTorch baselines: distributed against TorchRec on the CPU, and each baseline's AUC
+# against lazy Adam's (the check that it trains the same model)
+TARGET_TORCHREC_RATIO = 1.0
+TARGET_TORCH_AUC_GAP = 0.005
+TORCH_METHODS = ("torchrec", "torch_sparse_adam")
+METHODS = ("local", "lazy_adam", "torchrec", "torch_sparse_adam", "distributed", "mlp_floor")
 LABELS = {
     "local": "Keras dense Adam",
     "lazy_adam": "lazy Adam (TF)",
+    "torchrec": "TorchRec (FBGEMM)",
+    "torch_sparse_adam": "PyTorch SparseAdam",
     "distributed": "distributed",
     "mlp_floor": "MLP alone",
 }
@@ -38,6 +45,10 @@ MEANINGS = {
     'of every table every step (the JSON\'s "local")',
     "lazy_adam": "one tf.function: the batch's unique rows gathered, Adam on those rows only "
     "with a step count per row (the service's math), scattered back",
+    "torchrec": "TorchRec FusedEmbeddingBagCollection on FBGEMM's CPU kernels, row-wise "
+    "Adagrad fused into the backward pass (FBGEMM's CPU tables have no Adam)",
+    "torch_sparse_adam": "an EmbeddingBag(sparse=True) a table with torch.optim.SparseAdam (one "
+    "step count a table, not a row)",
     "distributed": "trainer.Trainer on a local cluster (2 memcached, 1 optimizer replica)",
     "mlp_floor": "embeddings held constant, only the MLP trained: the step's compute floor",
 }
@@ -139,6 +150,8 @@ def summarize(
     out["reference_auc_hidden_model"] = reference_auc
     if "lazy_adam" in out:
         out.update(_against_lazy_adam(out, by))
+    if any(m in out for m in TORCH_METHODS):
+        out.update(_against_torch(out, by))
     cpu = out["distributed"]["cpu_ms_per_step"]
     trainer_ms = cpu.get("trainer", 0.0)
     infra = sum(v for k, v in cpu.items() if k != "trainer")
@@ -189,6 +202,62 @@ def _against_lazy_adam(
     }
 
 
+def _against_torch(
+    out: Mapping[str, Any], by: Mapping[str, Sequence[Mapping[str, Any]]]
+) -> dict[str, Any]:
+    """Distributed against each PyTorch baseline that ran, and each one's AUC against lazy
+    Adam's."""
+    figures: dict[str, Any] = {}
+    acceptance: dict[str, bool] = {}
+    for m in (m for m in TORCH_METHODS if m in out):
+        ratio = out["distributed"]["examples_per_s"] / out[m]["examples_per_s"]
+        figures[f"ratio_distributed_vs_{m}"] = ratio
+        figures[f"ratio_distributed_vs_{m}_median_of_paired_rounds"] = statistics.median(
+            d["examples_per_s"] / t["examples_per_s"]
+            for t, d in zip(by[m], by["distributed"], strict=False)
+        )
+        figures[f"ratio_examples_per_cpu_s_vs_{m}"] = (
+            out["distributed"]["examples_per_cpu_s"] / out[m]["examples_per_cpu_s"]
+        )
+        if m == "torchrec":
+            acceptance[f"distributed/torchrec examples/s >= {TARGET_TORCHREC_RATIO}"] = (
+                ratio >= TARGET_TORCHREC_RATIO
+            )
+        if "lazy_adam" in out:
+            gap = out[m]["eval_auc"] - out["lazy_adam"]["eval_auc"]
+            figures[f"auc_gap_{m}_minus_lazy_adam"] = gap
+            acceptance[f"|eval AUC {m} - lazy_adam| <= {TARGET_TORCH_AUC_GAP}"] = (
+                abs(gap) <= TARGET_TORCH_AUC_GAP
+            )
+    return {**figures, "torch_acceptance": acceptance}
+
+
+def _torch_lines(summary: Mapping[str, Any]) -> list[str]:
+    """The PyTorch baselines' ratios, or the line that says why they did not run."""
+    lines = torch_baselines.grouped(summary.get("skipped", {}))
+    for m in (m for m in TORCH_METHODS if m in summary):
+        target = (
+            f"  target >= {TARGET_TORCHREC_RATIO}: "
+            f"{met(summary['ratio_distributed_vs_torchrec'] >= TARGET_TORCHREC_RATIO)}"
+            if m == "torchrec"
+            else "  (no target)"
+        )
+        lines.append(
+            f"distributed/{label(m)} examples/s: {summary[f'ratio_distributed_vs_{m}']:.2f} "
+            f"(paired rounds {summary[f'ratio_distributed_vs_{m}_median_of_paired_rounds']:.2f})"
+            f"{target}; examples per CPU-second "
+            f"{summary[f'ratio_examples_per_cpu_s_vs_{m}']:.2f}"
+        )
+        if f"auc_gap_{m}_minus_lazy_adam" in summary:
+            gap = summary[f"auc_gap_{m}_minus_lazy_adam"]
+            lines.append(
+                f"eval AUC {label(m)} - lazy Adam: {gap:+.4f}  target |gap| <= "
+                f"{TARGET_TORCH_AUC_GAP}: {met(abs(gap) <= TARGET_TORCH_AUC_GAP)}"
+                + (" (row-wise Adagrad, not Adam)" if m == "torchrec" else "")
+            )
+    return ["", *lines] if lines else []
+
+
 def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
     methods = methods_in(summary)
     width = max(17, *(len(label(m)) for m in methods))
@@ -231,6 +300,7 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
             f"{summary['auc_gap_distributed_minus_lazy_adam']:+.4f}  "
             f"target |gap| <= {TARGET_LAZY_AUC_GAP}: {met(lazy[2])}",
         ]
+    lines += _torch_lines(summary)
     ok = list(summary["acceptance"].values())
     lines += [
         "",
@@ -307,6 +377,8 @@ def plot(
 _COLORS = {
     "local": "tab:blue",
     "lazy_adam": "tab:purple",
+    "torchrec": "crimson",
+    "torch_sparse_adam": "goldenrod",
     "distributed": "tab:orange",
     "mlp_floor": "tab:brown",
 }

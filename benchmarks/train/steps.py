@@ -61,18 +61,23 @@ def run_in_process(
     predict: Callable[[Any], Any],
     tensors: Callable[[Batch], Any],
     r: LocalRound,
+    *,
+    labels: Callable[[np.ndarray], Any] | None = None,
 ) -> dict[str, Any]:
     """Time `step` over `train` in this process (CPU from step `warmup` on), then evaluate
-    `predict` on `evals`: one round of a method that trains locally."""
-    import tensorflow as tf
+    `predict` on `evals`: one round of a method that trains locally. `tensors` and `labels`
+    turn a batch into the framework's inputs (`labels` default: `tf.constant`)."""
+    if labels is None:
+        import tensorflow as tf
 
+        labels = tf.constant
     train, evals, warmup = r.train, r.evals, r.warmup
     pids = {method: os.getpid()}
     ends: list[float] = []
     losses: list[float] = []
     cpu_start: dict[str, Any] | None = None
     for batch in train:
-        loss = float(step(tensors(batch), tf.constant(batch.labels)))
+        loss = float(step(tensors(batch), labels(batch.labels)))
         ends.append(time.perf_counter())
         losses.append(loss)
         if len(ends) == warmup:
@@ -81,14 +86,14 @@ def run_in_process(
     if cpu_start is None:
         raise RuntimeError(f"--warmup {warmup} needs more than {len(train)} steps")
     preds = np.concatenate([np.asarray(predict(tensors(b))).reshape(-1) for b in evals])
-    labels = np.concatenate([b.labels for b in evals])
+    truth = np.concatenate([b.labels for b in evals])
     return {
         "method": method,
         "steps": len(train),
         **timing(ends, ends[-1], warmup, len(train[0].labels)),
         "losses": losses,
-        "eval_auc": auc(labels, preds),
-        "eval_logloss": logloss(labels, preds),
-        "eval_examples": int(labels.shape[0]),
+        "eval_auc": auc(truth, preds),
+        "eval_logloss": logloss(truth, preds),
+        "eval_examples": int(truth.shape[0]),
         "cpu": cpu_usage(cpu_start, cpu_end, len(train) - warmup),
     }

@@ -46,7 +46,8 @@ class QuickRun:
 
 # the test of benchmark <name> is test_<name>_benchmark_...
 QUICK_RUNS = {
-    "train": QuickRun(("--profile",), timeout_s=270),
+    # the PyTorch baselines have their own test (test_benchmarks_torch.py)
+    "train": QuickRun(("--profile", "--torch", "off"), timeout_s=270),
     "scaling": QuickRun(timeout_s=130),
     "push_replay": QuickRun(("--row-flush-pushes", "4", "--replicas", "2")),
     "sizing": QuickRun(timeout_s=130),
@@ -263,6 +264,10 @@ def test_train_benchmark_quick_run_writes_its_report(quick_runs: QuickRuns) -> N
 
     rounds = report["rounds"]
     assert [r["method"] for r in rounds] == ["local", "lazy_adam", "distributed", "mlp_floor"]
+    assert report["summary"]["skipped"] == {
+        "torchrec": "skipped: --torch off",
+        "torch_sparse_adam": "skipped: --torch off",
+    }
     for r in rounds:
         assert r["steps"] == 12 and r["timed_steps"] == 10
         assert len(r["losses"]) == 12 and all(0 < x < 10 for x in r["losses"])

@@ -104,6 +104,18 @@ def test_the_library_never_imports_the_service_or_the_trainer() -> None:
     assert wrong == []
 
 
+def test_no_package_module_imports_torch() -> None:
+    """torch, torchrec and fbgemm_gpu are the benchmarks' optional baselines (the
+    torch-baselines extra), never a dependency of the library, the service or the trainer."""
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line}: {target}"
+        for _, path in _modules()
+        for target, _, _, line in _imports(path)
+        if target.split(".")[0] in ("torch", "torchrec", "fbgemm_gpu")
+    ]
+    assert wrong == []
+
+
 def test_no_module_imports_another_modules_private_names() -> None:
     wrong = [
         f"{path.relative_to(ROOT)}:{line} takes {name} from {target}"
