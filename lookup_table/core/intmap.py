@@ -189,31 +189,9 @@ class IntMap:
         stamps: NDArray[np.int64] | int = 0,
     ) -> NDArray[np.bool_]:
         """Put absent, unique keys (`stamps`: each one's, or one for all: 0 clean);
-        False where no free slot was found within the probes."""
-        check_keys(ids, tabs)
-        if values.shape != (ids.shape[0], self.values.shape[1]):
-            raise ValueError(
-                f"values {values.shape} for {ids.shape[0]} keys of width {self.values.shape[1]}"
-            )
-        each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), ids.shape)
-        placed = np.empty(ids.shape[0], dtype=bool)
-        record = self._room(each)
-        count, self.logged = probing.insert(
-            self.meta,
-            self.mask,
-            self.values,
-            self.stamps,
-            ids,
-            tabs,
-            values,
-            each,
-            probing.USED | probing.VALID,
-            placed,
-            record,
-            self.logged,
-        )
-        self.size += count
-        return placed
+        False where no free slot was found within the probes (`upsert`, whose first free
+        slot ends each of these keys' probes)."""
+        return self.upsert(ids, tabs, values, stamps)[0]
 
     def upsert(
         self,

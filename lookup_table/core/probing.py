@@ -28,7 +28,6 @@ __all__ = [
     "find_known",
     "gather",
     "gather_to",
-    "insert",
     "scatter",
     "stamped",
     "upsert",
@@ -87,59 +86,6 @@ def find(meta, mask, ids, tabs, out):  # type: ignore[no-untyped-def]  # pragma:
 
 
 @compiled(
-    _PAIR(
-        _meta,
-        types.intp,
-        types.Array(types.float32, 2, "C"),
-        types.Array(types.int64, 1, "C"),
-        _ids,
-        _tabs,
-        types.Array(types.float32, 2, "A", readonly=True),
-        types.Array(types.int64, 1, "A", readonly=True),
-        types.int64,
-        types.Array(types.bool_, 1, "C"),
-        _slots,
-        types.intp,
-    )
-)
-def insert(  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    meta, mask, values, stamps, ids, tabs, src, each, flags, placed, record, logged
-):
-    """Put absent, unique keys with their values and stamps in the first free slot of
-    their probe sequences (`flags`: the used and valid bits to set); `placed[i]` False
-    where none was free within `MAX_PROBES` slots. A slot given a dirty stamp (> 0) is
-    appended to `record` after its first `logged` entries (room for every key: the
-    caller's). Returns how many were placed, and the record's new length."""
-    count = 0
-    width = values.shape[1]
-    n = ids.shape[0]
-    for i in range(n):
-        if i + PREFETCH_AHEAD < n:  # where a later key will most likely go
-            ahead = _position(ids[i + PREFETCH_AHEAD], tabs[i + PREFETCH_AHEAD], mask)
-            prefetch_row(meta, ahead)
-            prefetch_row(values, ahead)
-            prefetch_row(stamps, ahead)
-        key = ids[i]
-        p = _position(key, tabs[i], mask)
-        placed[i] = False
-        for _ in range(MAX_PROBES):
-            if (meta[p, 1] & _USED) == 0:
-                meta[p, 0] = key
-                meta[p, 1] = np.int64(tabs[i]) | flags
-                for j in range(width):
-                    values[p, j] = src[i, j]
-                stamps[p] = each[i]
-                if each[i] > 0:  # a free slot's stamp is 0: not recorded yet
-                    record[logged] = p
-                    logged += 1
-                placed[i] = True
-                count += 1
-                break
-            p = (p + 1) & mask
-    return count, logged
-
-
-@compiled(
     types.UniTuple(types.intp, 3)(  # type: ignore[no-untyped-call]
         _meta,
         types.intp,
@@ -159,11 +105,13 @@ def insert(  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
 def upsert(  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     meta, mask, values, stamps, ids, tabs, src, each, keep, placed, record, logged, since
 ):
-    """`scatter` for the keys the map holds (none changed where `keep`), `insert` for
-    the others, in one probe sequence per key: the key's slot or the first free one
-    ends it. `placed[i]` False where neither came within `MAX_PROBES` slots. Returns
-    how many were inserted, the record's new length (room for every key: the
-    caller's) and how many held slots were dirty with a stamp > `since` before."""
+    """`scatter` for the keys the map holds (none changed where `keep`); the others
+    take the first free slot of their probe sequences, with the used and valid flags.
+    One probe sequence per key: the key's slot or the first free one ends it.
+    `placed[i]` False where neither came within `MAX_PROBES` slots. A slot given a
+    dirty stamp (> 0) is appended to `record` after its first `logged` entries (room
+    for every key: the caller's). Returns how many were inserted, the record's new
+    length and how many held slots were dirty with a stamp > `since` before."""
     count = 0
     again = 0
     width = values.shape[1]
