@@ -18,6 +18,7 @@ from benchmarks.harness.report import met
 from benchmarks.harness.rounds import DISTURBED_SHARE, undisturbed
 from benchmarks.harness.variants import VARIANTS
 from benchmarks.train import compact, torch_baselines
+from benchmarks.train.torch_baselines import TORCH_METHODS
 
 TARGET_RATIO = 1.0
 TARGET_CPU_RATIO = 1.0  # examples per CPU-second, distributed / local
@@ -30,7 +31,6 @@ TARGET_LAZY_AUC_GAP = 0.005
 # against lazy Adam's (the check that it trains the same model)
 TARGET_TORCHREC_RATIO = 1.0
 TARGET_TORCH_AUC_GAP = 0.005
-TORCH_METHODS = ("torchrec", "torch_sparse_adam")
 METHODS = ("local", "lazy_adam", "torchrec", "torch_sparse_adam", "distributed", "mlp_floor")
 LABELS = {
     "local": "Keras dense Adam",
