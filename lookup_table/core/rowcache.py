@@ -133,11 +133,7 @@ class _TableCache:
         memcached holds). Where every key may be new without making room, one probe
         sequence per key sets or inserts it (`IntMap.upsert`)."""
         each = np.broadcast_to(np.asarray(stamps, dtype=np.int64), ids.shape)
-        young = self.young
-        if 2 * (young.size + ids.shape[0]) <= young.capacity:
-            placed, _ = young.upsert(ids, tabs, values, each)
-            if not placed.all():
-                self._insert_left(ids, tabs, values, each, placed)
+        if self._put_once(ids, tabs, values, each, keep=False):
             return
         ids, tabs, values, each = self._set_held(ids, tabs, values, each)
         if ids.shape[0]:
@@ -162,6 +158,26 @@ class _TableCache:
         placed = self.young.insert(ids, tabs, values, stamps)
         if not placed.all():
             self._insert_left(ids, tabs, values, stamps, placed)
+
+    def _put_once(
+        self,
+        ids: NDArray[np.int64],
+        tabs: NDArray[np.int32],
+        values: NDArray[np.float32],
+        each: NDArray[np.int64],
+        *,
+        keep: bool,
+    ) -> bool:
+        """One probe sequence per key (`IntMap.upsert`; `keep`: held keys left as they
+        are) where the young map has room for every key as a new one; the keys whose
+        probes ran out go to a fresh generation. False, nothing done, where it has not."""
+        young = self.young
+        if 2 * (young.size + ids.shape[0]) > young.capacity:
+            return False
+        placed, _ = young.upsert(ids, tabs, values, each, keep=keep)
+        if not placed.all():
+            self._insert_left(ids, tabs, values, each, placed)
+        return True
 
     def _insert_left(
         self,
@@ -213,14 +229,10 @@ class _TableCache:
             new = self.old.find(ids, tabs) < 0
             if not new.all():
                 ids, tabs, values = ids[new], tabs[new], values[new]
-        young = self.young
         each = np.full(ids.shape[0], stamp, dtype=np.int64)
-        if 2 * (young.size + ids.shape[0]) <= young.capacity:
-            placed, _ = young.upsert(ids, tabs, values, each, keep=True)
-            if not placed.all():
-                self._insert_left(ids, tabs, values, each, placed)
+        if self._put_once(ids, tabs, values, each, keep=True):
             return
-        absent = young.find(ids, tabs) < 0
+        absent = self.young.find(ids, tabs) < 0
         if absent.any():
             self._insert_new(ids[absent], tabs[absent], values[absent], each[absent])
 
