@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -87,6 +88,10 @@ class QuickRuns:
         with self._lock:
             if self._closing:
                 return _Done(None, "", "not started: the tests ended")
+            # An explicit environment: with env=None the child execs with the C
+            # `environ`, which a test on the main thread may reallocate (setenv)
+            # while this thread's vfork child reads it; exec then fails with
+            # EFAULT ("Bad address").
             proc = subprocess.Popen(
                 [sys.executable, "-m", f"benchmarks.{name}", "--quick", *run.args]
                 + ["--out-dir", str(self._out_dir / name)],
@@ -94,6 +99,7 @@ class QuickRuns:
                 stderr=subprocess.PIPE,
                 text=True,
                 cwd=ROOT,
+                env=dict(os.environ),
             )
             self._procs.append(proc)
         try:

@@ -192,12 +192,16 @@ class MemcachedProcess:
             self.log_path = Path(name)
             self._temporary_log = True
         with open(self.log_path, "ab") as log:
+            # env given, not inherited: a thread that starts a node would otherwise
+            # exec with the C `environ`, which another thread's setenv may move
+            # meanwhile (exec then fails with EFAULT, "Bad address").
             self.proc = subprocess.Popen(
                 self.command(),
                 stdout=log,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env=dict(os.environ),
             )
         deadline = time.monotonic() + timeout_s
         other = None
