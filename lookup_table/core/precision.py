@@ -43,6 +43,8 @@ __all__ = [
     "rounding_salt",
     "salted_rounding_keys",
     "storage_dtype",
+    "stored_words",
+    "widened",
 ]
 
 RowDtype: TypeAlias = Literal["float32", "float16", "bfloat16"]
@@ -385,6 +387,71 @@ def encode(
     if nan.any():
         out[nan] = values[nan].astype(np.float16).view(np.uint16)
     return out
+
+
+def stored_words(rows: NDArray[np.float32], dtype: RowDtype) -> NDArray[Any]:
+    """`encode(rows, dtype)` (to nearest) of rows that hold `dtype`'s values already, as a
+    replica's rows do: float16's words in one compiled pass (numpy's cast takes several
+    times as long); a NaN or a value beyond float16 takes `encode` (which refuses it)."""
+    values = np.ascontiguousarray(rows, dtype=np.float32)
+    if dtype == "float16" and values.ndim == 2:
+        out = np.empty(values.shape, np.uint16)
+        if _f16_words(values, out):
+            return out
+    return encode(values, dtype)
+
+
+def widened(words: NDArray[Any], dtype: RowDtype) -> NDArray[np.float32]:
+    """`decode(words, dtype)`, bit for bit (a NaN's payload too); float16's in one
+    compiled pass."""
+    if (
+        dtype == "float16"
+        and isinstance(words, np.ndarray)
+        and words.dtype == np.uint16
+        and words.ndim == 2
+    ):
+        out = np.empty(words.shape, np.float32)
+        _f16_widen(np.ascontiguousarray(words), out.view(np.uint32))
+        return out
+    return decode(words, dtype)
+
+
+@compiled(types.boolean(_VALUES, _WORDS))
+def _f16_words(values, out):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """float16 words of `values` to nearest (numpy's cast); False, leaving the rest,
+    at the first NaN, inf or |value| beyond 65504."""
+    bits = values.view(np.uint32)
+    for i in range(bits.shape[0]):
+        for j in range(bits.shape[1]):
+            b = bits[i, j]
+            if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x477FE000):
+                return False
+            out[i, j] = np.uint16(f16_nearest_bits(b))
+    return True
+
+
+@compiled(
+    types.void(types.Array(types.uint16, 2, "C", readonly=True), types.Array(types.uint32, 2, "C"))
+)
+def _f16_widen(words, out):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """float32 bits of float16 `words`, as numpy's cast gives them (a NaN keeps its
+    payload, shifted into place)."""
+    for i in range(words.shape[0]):
+        for j in range(words.shape[1]):
+            h = np.uint32(words[i, j])
+            e = h & np.uint32(0x7C00)
+            if e != np.uint32(0) and e != np.uint32(0x7C00):  # a normal value: rebias
+                out[i, j] = ((h & np.uint32(0x8000)) << np.uint32(16)) | (
+                    ((h & np.uint32(0x7FFF)) << np.uint32(13)) + np.uint32(0x38000000)
+                )
+            elif e == np.uint32(0x7C00) and (h & np.uint32(0x3FF)):
+                out[i, j] = (
+                    ((h & np.uint32(0x8000)) << np.uint32(16))
+                    | np.uint32(0x7F800000)
+                    | ((h & np.uint32(0x3FF)) << np.uint32(13))
+                )
+            else:
+                out[i, j] = f16_widened_bits(h)
 
 
 def check_row_keys(keys: object, n: int) -> NDArray[np.uint64]:

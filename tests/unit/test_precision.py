@@ -513,3 +513,35 @@ def test_a_tables_rounding_key_picks_stochastic_or_nearest_rounding_of_stepped_r
     assert np.array_equal(
         rounder(rounding="stochastic").round(ids, old_slots, rows, new_slots), stochastic
     )
+
+
+def test_widened_float16_is_numpys_cast_for_every_word() -> None:
+    """All 65,536 float16 words, NaN payloads, infs, zeros and subnormals included."""
+    from lookup_table.core.precision import widened
+
+    words = np.arange(2**16, dtype=np.uint16).reshape(256, 256)
+    want = words.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(widened(words, "float16").view(np.uint32), want.view(np.uint32))
+    bf = np.arange(2**16, dtype=np.uint16).reshape(256, 256)
+    np.testing.assert_array_equal(widened(bf, "bfloat16"), decode(bf, "bfloat16"))
+
+
+def test_stored_words_are_encodes_and_refuse_what_encode_refuses() -> None:
+    """Every finite float16 value, and values rounded to nearest on the way (numpy's cast);
+    a value beyond float16 raises as `encode` does, a NaN converts as `encode` does."""
+    from lookup_table.core.precision import stored_words
+
+    every = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    finite = every[np.isfinite(every)].reshape(-1, 2)
+    np.testing.assert_array_equal(stored_words(finite, "float16"), encode(finite, "float16"))
+    rng = np.random.default_rng(3)
+    between = (rng.standard_normal((500, 16)) * 300).astype(np.float32)  # not float16's own
+    np.testing.assert_array_equal(stored_words(between, "float16"), encode(between, "float16"))
+    np.testing.assert_array_equal(stored_words(between, "bfloat16"), encode(between, "bfloat16"))
+    with_nan = between.copy()
+    with_nan[7, 3] = np.nan
+    np.testing.assert_array_equal(stored_words(with_nan, "float16"), encode(with_nan, "float16"))
+    beyond = between.copy()
+    beyond[2, 1] = 65520.0
+    with pytest.raises(RowOverflowError, match="does not fit float16"):
+        stored_words(beyond, "float16")
