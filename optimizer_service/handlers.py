@@ -24,12 +24,14 @@ from lookup_table.core.wire import (
     decode_array,
     describe,
     encode_array,
+    encode_rows,
     pack,
     pack_view,
     unpack,
 )
 from lookup_table.errors import LookupTableError
 from optimizer_service.appkeys import CONFIG, METRICS, REPLICA, STORE, UPDATER
+from optimizer_service.engine.answers import group_dtype
 from optimizer_service.engine.plan import Applied, WritePlan
 from optimizer_service.errors import BadRequestError, NotOwnerError
 from optimizer_service.push import Push, check_sender, parse_push, parse_rows_request
@@ -117,16 +119,25 @@ async def post_rows(request: web.Request) -> web.Response:
         values_of[table] = values
         new[table] = int(ids.shape[0] - np.count_nonzero(found))
         metrics.count_rows_read(table, ids.shape[0] - new[table], new[table])
+    # each table's rows in its stored width (`encode_rows`): a 16-bit table's in half
+    # the bytes; grouped tables' as one array, in the group's order
+    dtypes = {table: app[CONFIG].table(table).dtype for table, _ in parsed.reads}
     doc: dict[str, Any] = {}
-    if parsed.groups:  # rows of grouped tables as one array, in the group's order
+    if parsed.groups:
         doc["groups"] = [
             {
-                "rows": encode_array(np.concatenate([values_of.pop(t) for t in group])),
+                **encode_rows(
+                    np.concatenate([values_of.pop(t) for t in group]), group_dtype(dtypes, group)
+                ),
                 "new": [new.pop(t) for t in group],
             }
             for group in parsed.groups
         ]
-    doc["rows"] = {table: encode_array(values) for table, values in values_of.items()}
+    sent = {table: encode_rows(values, dtypes[table]) for table, values in values_of.items()}
+    doc["rows"] = {table: wire["rows"] for table, wire in sent.items()}
+    row_dtypes = {table: wire["row_dtype"] for table, wire in sent.items() if "row_dtype" in wire}
+    if row_dtypes:  # the 16-bit tables sent alone: their rows are words
+        doc["row_dtypes"] = row_dtypes
     doc["new"] = new
     return msgpack_response(doc)
 

@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 
 from lookup_table.core.rows import blocks
 from lookup_table.core.segments import segment_bounds
-from lookup_table.core.wire import decode_array, decode_ids
+from lookup_table.core.wire import decode_array, decode_ids, decode_rows
 from lookup_table.errors import (
     CorruptValueError,
     DataLossError,
@@ -119,7 +119,7 @@ def updated_rows(results: Sequence[Mapping[str, Any]]) -> UpdatedRows:
         for i, group in enumerate(r.get("updated_groups", [])):
             where = f"updated_groups[{i}]"
             ids = decode_ids(group["ids"], field=f"{where}.ids")
-            rows = decode_array(group["rows"], field=f"{where}.rows", dtype="<f4", ndim=2)
+            rows = decode_rows(group, field=where)
             cut = cut_group(group["tables"], group["counts"], [ids, rows], where)
             for name, (table_ids, table_rows) in cut:
                 parts.setdefault(name, []).append((table_ids, table_rows))
@@ -128,7 +128,7 @@ def updated_rows(results: Sequence[Mapping[str, Any]]) -> UpdatedRows:
                 blocks.append(RowGroup(tuple(n for n, _ in cut), bounds, ids, rows))
         for name, doc in r.get("updated", {}).items():
             ids = decode_ids(doc["ids"], field=f"updated.{name}.ids")
-            rows = decode_array(doc["rows"], field=f"updated.{name}.rows", dtype="<f4", ndim=2)
+            rows = decode_rows(doc, field=f"updated.{name}")
             parts.setdefault(name, []).append((ids, rows))
     out = UpdatedRows()
     for block in blocks:  # one replica's: sorted already, checked for all its tables at once
@@ -192,7 +192,7 @@ def rows_answer(
         )
     for i, (sent, got) in enumerate(zip(groups, answered, strict=True)):
         where = f"groups[{i}]"
-        rows = decode_array(got["rows"], field=f"{where}.rows", dtype="<f4", ndim=2)
+        rows = decode_rows(got, field=where)
         new = got["new"]
         if not isinstance(new, list) or len(new) != len(sent["tables"]):
             raise LookupTableError(
@@ -202,8 +202,12 @@ def rows_answer(
             cut_group(sent["tables"], sent["counts"], [rows], where), new, strict=True
         ):
             out[name] = (table_rows, int(fresh))
+    row_dtypes = doc.get("row_dtypes", {})
     for name, value in doc["rows"].items():
-        got = decode_array(value, field=f"rows.{name}", dtype="<f4", ndim=2)
+        alone = {"rows": value}
+        if name in row_dtypes:  # a 16-bit table's words
+            alone["row_dtype"] = row_dtypes[name]
+        got = decode_rows(alone, field=f"rows.{name}")
         out[name] = (got, int(doc["new"][name]))
     return out
 

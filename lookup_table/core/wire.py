@@ -5,6 +5,10 @@ Bodies are msgpack maps (`application/msgpack`). A numeric array is the map
 (numpy's `dtype.str`; never a list of floats); string ids are a plain list of str.
 Errors are JSON `{"error": "what is wrong"}` with a 4xx/5xx status.
 
+Rows a replica answers with travel in their table's stored width (`encode_rows`): a
+16-bit table's as its `<u2` words with `row_dtype` beside them, which `decode_rows` turns
+back into float32, exactly.
+
 Decoding validates everything a client can get wrong and raises `WireError`
 (a ValueError) whose message names the field path, e.g.
 `tables.user.grads: expected shape (3, 16), got (3, 8)`.
@@ -21,6 +25,7 @@ import msgpack
 import numpy as np
 from numpy.typing import NDArray
 
+from lookup_table.core.precision import RowDtype, stored_words, widened
 from lookup_table.errors import WireError
 
 __all__ = [
@@ -29,8 +34,10 @@ __all__ = [
     "decode_array",
     "describe",
     "decode_ids",
+    "decode_rows",
     "encode_array",
     "encode_ids",
+    "encode_rows",
     "pack",
     "pack_view",
     "unpack",
@@ -41,6 +48,9 @@ _MAX_DIM = 2**31  # no real array has a longer axis; bigger ones are hostile
 _REPR = reprlib.Repr()  # Python 3.11's Repr takes no keyword arguments
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 2, 60, 60, 6, 6
 _ALLOWED_DTYPES: dict[str, np.dtype[Any]] = {"<f4": np.dtype("<f4"), "<i8": np.dtype("<i8")}
+# 16-bit rows' words: taken only where a caller asks for them (`decode_rows`)
+_WORD_DTYPES: dict[str, np.dtype[Any]] = {"<u2": np.dtype("<u2")}
+_ROW_DTYPES = ("float16", "bfloat16")  # the `row_dtype`s that travel as words
 _MAX_DIMS = 8
 
 
@@ -121,10 +131,9 @@ def decode_array(
             f"{sorted(map(str, keys))}"
         )
     dt, shape, data = obj["dtype"], obj["shape"], obj["data"]
-    if not isinstance(dt, str) or dt not in _ALLOWED_DTYPES:
-        raise WireError(
-            f"{field}.dtype: expected one of {sorted(_ALLOWED_DTYPES)}, got {describe(dt)}"
-        )
+    allowed = _WORD_DTYPES if dtype in _WORD_DTYPES else _ALLOWED_DTYPES
+    if not isinstance(dt, str) or dt not in allowed:
+        raise WireError(f"{field}.dtype: expected one of {sorted(allowed)}, got {describe(dt)}")
     if dtype is not None and dt != dtype:
         raise WireError(f"{field}.dtype: expected {dtype!r}, got {describe(dt)}")
     if (
@@ -146,7 +155,7 @@ def decode_array(
         size = len(data)
     else:
         raise WireError(f"{field}.data: expected binary data, got {type(data).__name__}")
-    np_dtype = _ALLOWED_DTYPES[dt]
+    np_dtype = allowed[dt]
     count = math.prod(shape)
     if count * np_dtype.itemsize != size:
         raise WireError(
@@ -159,6 +168,36 @@ def decode_array(
         raise WireError(
             f"{field}.shape: {describe(shape)} is not a valid array shape: {exc}"
         ) from None
+
+
+def encode_rows(rows: NDArray[np.float32], dtype: RowDtype) -> dict[str, Any]:
+    """Rows (n, dim) of a table of `dtype`, as an answer carries them: `{"rows": array}`,
+    the float32 array for float32; for float16 and bfloat16 their `<u2` words (half the
+    bytes) and `"row_dtype"`. The rows must hold values of `dtype` already (stored or
+    rounded to it): these are exact, others would be rounded to nearest."""
+    if dtype not in _ROW_DTYPES:
+        return {"rows": encode_array(rows)}
+    words = np.ascontiguousarray(stored_words(rows, dtype), dtype="<u2")
+    data = words.reshape(-1).data.cast("B") if words.size else b""
+    return {"rows": {"dtype": "<u2", "shape": list(words.shape), "data": data}, "row_dtype": dtype}
+
+
+def decode_rows(obj: Mapping[str, Any], *, field: str) -> NDArray[np.float32]:
+    """The float32 rows (n, dim) of a map `encode_rows` made (`obj["rows"]` and, for a
+    16-bit table, `obj["row_dtype"]`): a read-only view for float32, a new array else.
+
+    Raises:
+        WireError: an unknown `row_dtype`, or rows of another dtype or not 2-D.
+    """
+    row_dtype = obj.get("row_dtype")
+    if row_dtype is None:
+        return decode_array(obj["rows"], field=f"{field}.rows", dtype="<f4", ndim=2)
+    if row_dtype not in _ROW_DTYPES:
+        raise WireError(
+            f"{field}.row_dtype: expected one of {list(_ROW_DTYPES)}, got {describe(row_dtype)}"
+        )
+    words = decode_array(obj["rows"], field=f"{field}.rows", dtype="<u2", ndim=2)
+    return widened(words.view(np.uint16), row_dtype)
 
 
 def decode_ids(obj: Any, *, field: str) -> NDArray[Any]:

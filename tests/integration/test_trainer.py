@@ -187,13 +187,17 @@ def _train_fresh(
     in_graph: bool = False,
     replicas: int = 1,
     flush_pushes: int = 1,
+    tables: str | None = None,
+    through_owner: dict[str, Any] | None = None,
     **trainer_kwargs: Any,
 ) -> TrainedRun:
     """Train 14 batches on a new cluster from fixed weights; returns the losses, the
     service's dense weights and rows afterwards, how many layers were fed rows and the
     rows the trainer created. `in_graph` drops the layers' `feature`, so every lookup
     runs inside the graph step (a py_function each, nothing prefetched); `flush_pushes`
-    > 1 writes the rows behind (`service.row_flush_pushes`), read through the owner."""
+    > 1 writes the rows behind (`service.row_flush_pushes`), read through the owner;
+    `through_owner`, if given, gets the rows read through their owner after training,
+    before the pause that writes them."""
     import keras
 
     from trainer import Trainer
@@ -206,7 +210,12 @@ def _train_fresh(
     if flush_pushes > 1:
         store = f"[service]\nrow_flush_pushes = {flush_pushes}\nrow_flush_s = 600\n"
     path = _cluster_file(
-        tmp_path / f"{tag}.toml", mode="async", workers=1, replicas=replicas, store=store
+        tmp_path / f"{tag}.toml",
+        mode="async",
+        workers=1,
+        replicas=replicas,
+        store=store,
+        tables=tables,
     )
     with _running(path, tmp_path / f"run-{tag}"):
         config = load_config(path)
@@ -233,6 +242,9 @@ def _train_fresh(
 
         async def stored() -> tuple[Any, Any]:
             async with EmbeddingStore(config) as store, OptimizerClient(config) as client:
+                if through_owner is not None:  # as trainers read them: POST /v1/rows
+                    owned = await client.rows(ids)
+                    through_owner.update({t: rows for t, (rows, _) in owned.items()})
                 await client.pause()  # rows written behind: written now
                 try:
                     rows = {t: await store.lookup(t, i, create=False) for t, i in ids.items()}
@@ -383,6 +395,39 @@ def test_answered_rows_with_two_replicas_train_as_reading_them(
     by the one replica that owns it, so the number of replicas changes no value)."""
     kept = _train_fresh(tmp_path, "kept", replicas=2)
     _assert_same_training(read_after_every_push, kept)
+
+
+# the compact options, one dim each: each dim's tables travel as one group of 16-bit words
+_COMPACT_TABLES = "".join(
+    f'\n[[tables]]\nname = "C{i}"\n'
+    + (
+        'dim = 8\ndtype = "float16"\noptimizer = { name = "rowwise_adam", learning_rate = 0.02 }\n'
+        if i <= 13
+        else 'dim = 4\ndtype = "bfloat16"\noptimizer = { name = "adam", learning_rate = 0.02 }\n'
+    )
+    for i in range(1, 27)
+)
+
+
+@pytest.mark.timeout(420)
+def test_compact_rows_answered_and_read_through_their_owner_train_as_read_from_memcached(
+    tmp_path: Path,
+) -> None:
+    """float16 (rowwise_adam) and bfloat16 (adam) tables, rows written behind: the pushes'
+    answers and the reads through the owner carry them as 16-bit words. The rows read
+    through the owner are, bit for bit, those memcached holds once written, and training
+    is the same as reading every row after each push (written through, nothing taken
+    from an answer): the same losses, dense weights and stored rows."""
+    read = _train_fresh(tmp_path, "c-read", tables=_COMPACT_TABLES, read_your_writes=False)
+    owned: dict[str, Any] = {}
+    kept = _train_fresh(
+        tmp_path, "c-kept", tables=_COMPACT_TABLES, flush_pushes=5, through_owner=owned
+    )
+    assert read[3] == kept[3] == 26
+    _assert_same_training(read, kept)
+    assert owned.keys() == kept[2].keys()
+    for table, rows in kept[2].items():
+        np.testing.assert_array_equal(owned[table].view(np.uint32), rows.view(np.uint32))
 
 
 @pytest.mark.timeout(420)
