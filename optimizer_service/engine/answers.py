@@ -56,13 +56,13 @@ class Answer:
             for group in self.groups:  # as the push came: one array each, in its order
                 if all(name in updated for name in group):
                     parts = [updated.pop(name) for name in group]
-                    rows = np.concatenate([rows for _, rows in parts])
+                    block = np.concatenate([rows for _, rows in parts])
                     grouped.append(
                         {
                             "tables": list(group),
                             "counts": [int(ids.shape[0]) for ids, _ in parts],
                             "ids": encode_array(np.concatenate([ids for ids, _ in parts])),
-                            **encode_rows(rows, group_dtype(self.dtypes, group)),
+                            **encode_rows(block, group_dtype(self.dtypes, group)),
                         }
                     )
             if grouped:
