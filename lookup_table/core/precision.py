@@ -391,12 +391,13 @@ def encode(
 
 def stored_words(rows: NDArray[np.float32], dtype: RowDtype) -> NDArray[Any]:
     """`encode(rows, dtype)` (to nearest) of rows that hold `dtype`'s values already, as a
-    replica's rows do: float16's words in one compiled pass (numpy's cast takes several
-    times as long); a NaN or a value beyond float16 takes `encode` (which refuses it)."""
+    replica's rows do, in one compiled pass (numpy's float16 cast takes several times as
+    long); a NaN, an inf or a value beyond float16 takes `encode` (which refuses the
+    last two)."""
     values = np.ascontiguousarray(rows, dtype=np.float32)
-    if dtype == "float16" and values.ndim == 2:
+    if dtype != "float32" and values.ndim == 2:
         out = np.empty(values.shape, np.uint16)
-        if _f16_words(values, out):
+        if (_f16_words if dtype == "float16" else _bf16_words)(values, out):
             return out
     return encode(values, dtype)
 
@@ -427,6 +428,20 @@ def _f16_words(values, out):  # type: ignore[no-untyped-def]  # pragma: no cover
             if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x477FE000):
                 return False
             out[i, j] = np.uint16(f16_nearest_bits(b))
+    return True
+
+
+@compiled(types.boolean(_VALUES, _WORDS))
+def _bf16_words(values, out):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """bfloat16 words of `values` to nearest (`_bf16_nearest`); False, leaving the rest,
+    at the first NaN or inf."""
+    bits = values.view(np.uint32)
+    for i in range(bits.shape[0]):
+        for j in range(bits.shape[1]):
+            b = bits[i, j]
+            if (b & np.uint32(0x7FFFFFFF)) >= np.uint32(0x7F800000):
+                return False
+            out[i, j] = np.uint16(bf16_nearest_bits(b))
     return True
 
 

@@ -538,6 +538,17 @@ def test_stored_words_are_encodes_and_refuse_what_encode_refuses() -> None:
     between = (rng.standard_normal((500, 16)) * 300).astype(np.float32)  # not float16's own
     np.testing.assert_array_equal(stored_words(between, "float16"), encode(between, "float16"))
     np.testing.assert_array_equal(stored_words(between, "bfloat16"), encode(between, "bfloat16"))
+    every_bf16 = decode(np.arange(2**16, dtype=np.uint16).reshape(-1, 2), "bfloat16")
+    finite_bf16 = every_bf16[np.isfinite(every_bf16).all(axis=1)]
+    np.testing.assert_array_equal(
+        stored_words(finite_bf16, "bfloat16"), encode(finite_bf16, "bfloat16")
+    )
+    odd = between.copy()
+    odd[4, 4] = np.nan  # a quiet NaN of its sign, as `encode` makes it
+    np.testing.assert_array_equal(stored_words(odd, "bfloat16"), encode(odd, "bfloat16"))
+    odd[4, 4] = np.inf
+    with pytest.raises(RowOverflowError):
+        stored_words(odd, "bfloat16")
     with_nan = between.copy()
     with_nan[7, 3] = np.nan
     np.testing.assert_array_equal(stored_words(with_nan, "float16"), encode(with_nan, "float16"))
