@@ -151,13 +151,12 @@ class _TableCache:
         keys among those are set there, never inserted a second time (a stale twin in
         another slot would be flushed too)."""
         young = self.young
-        if 2 * (young.size + ids.shape[0]) > young.capacity:
+        if self._crowded(ids.shape[0]):
             self._make_room(ids.shape[0])
             if self.young is not young:
                 ids, tabs, values, stamps = self._set_held(ids, tabs, values, stamps)
         placed = self.young.insert(ids, tabs, values, stamps)
-        if not placed.all():
-            self._insert_left(ids, tabs, values, stamps, placed)
+        self._insert_left(ids, tabs, values, stamps, placed)
 
     def _put_once(
         self,
@@ -171,13 +170,16 @@ class _TableCache:
         """One probe sequence per key (`IntMap.upsert`; `keep`: held keys left as they
         are) where the young map has room for every key as a new one; the keys whose
         probes ran out go to a fresh generation. False, nothing done, where it has not."""
-        young = self.young
-        if 2 * (young.size + ids.shape[0]) > young.capacity:
+        if self._crowded(ids.shape[0]):
             return False
-        placed, _ = young.upsert(ids, tabs, values, each, keep=keep)
-        if not placed.all():
-            self._insert_left(ids, tabs, values, each, placed)
+        placed, _ = self.young.upsert(ids, tabs, values, each, keep=keep)
+        self._insert_left(ids, tabs, values, each, placed)
         return True
+
+    def _crowded(self, incoming: int) -> bool:
+        """Whether `incoming` new keys would fill the young map past half: probe
+        sequences stay short below that load."""
+        return 2 * (self.young.size + incoming) > self.young.capacity
 
     def _insert_left(
         self,
@@ -187,8 +189,10 @@ class _TableCache:
         stamps: NDArray[np.int64],
         placed: NDArray[np.bool_],
     ) -> None:
-        """Put the keys not `placed` (their probe sequences ran out) in a fresh generation,
-        as `_insert_new` puts keys."""
+        """Put the keys not `placed` (their probe sequences ran out), if any, in a fresh
+        generation, as `_insert_new` puts keys."""
+        if placed.all():
+            return
         left = ~placed
         self._rotate()
         ids, tabs, values, stamps = self._set_held(
@@ -290,7 +294,7 @@ class _TableCache:
     def _make_room(self, incoming: int) -> None:
         if self.young.capacity < self.max_capacity:
             self._grow()
-        if 2 * (self.young.size + incoming) > self.young.capacity:
+        if self._crowded(incoming):
             self._rotate()
 
     def _grow(self) -> None:
