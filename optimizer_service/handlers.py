@@ -34,7 +34,13 @@ from optimizer_service.appkeys import CONFIG, METRICS, REPLICA, STORE, UPDATER
 from optimizer_service.engine.answers import group_dtype
 from optimizer_service.engine.plan import Applied, WritePlan
 from optimizer_service.errors import BadRequestError, NotOwnerError
-from optimizer_service.push import Push, check_sender, parse_push, parse_rows_request
+from optimizer_service.push import (
+    Push,
+    RowsRequest,
+    check_sender,
+    parse_push,
+    parse_rows_request,
+)
 from optimizer_service.responses import (
     COUNTED,
     PUSHED_BY,
@@ -89,7 +95,7 @@ async def post_gradients(request: web.Request) -> web.StreamResponse:
     check_sender(obj, config=app[CONFIG], replica=app[REPLICA])
     push = parse_push(obj, config=app[CONFIG], replica=app[REPLICA])
     request[PUSHED_BY] = (push.worker, push.push_id)
-    if push.answer:
+    if push.answer or push.reads is not None:
         return await _answered(request, push)
     # a client that goes away (aiohttp may cancel the handler then) does not stop the
     # push half-way: it completes alone (a retry of its push_id is a duplicate)
@@ -111,7 +117,16 @@ async def post_rows(request: web.Request) -> web.Response:
         raise BadRequestError(str(exc), reason="malformed") from None
     check_sender(obj, config=app[CONFIG], replica=app[REPLICA])
     parsed = parse_rows_request(obj, config=app[CONFIG], replica=app[REPLICA])
-    got = await app[UPDATER].read_rows(parsed.reads)
+    return msgpack_response(await _read(app, parsed))
+
+
+async def _read(
+    app: web.Application, parsed: RowsRequest, plan: WritePlan | None = None
+) -> dict[str, Any]:
+    """The rows of a read (`POST /v1/rows`, a push's `read`: with its `plan`) as the answer
+    sends them, each table's in its stored width (`encode_rows`: a 16-bit table's in half
+    the bytes), grouped tables' as one array in the group's order."""
+    got = await app[UPDATER].read_rows(parsed.reads, after=plan)
     metrics = app[METRICS]
     values_of: dict[str, NDArray[np.float32]] = {}
     new: dict[str, int] = {}
@@ -119,8 +134,6 @@ async def post_rows(request: web.Request) -> web.Response:
         values_of[table] = values
         new[table] = int(ids.shape[0] - np.count_nonzero(found))
         metrics.count_rows_read(table, ids.shape[0] - new[table], new[table])
-    # each table's rows in its stored width (`encode_rows`): a 16-bit table's in half
-    # the bytes; grouped tables' as one array, in the group's order
     dtypes = {table: app[CONFIG].table(table).dtype for table, _ in parsed.reads}
     doc: dict[str, Any] = {}
     if parsed.groups:
@@ -139,7 +152,7 @@ async def post_rows(request: web.Request) -> web.Response:
     if row_dtypes:  # the 16-bit tables sent alone: their rows are words
         doc["row_dtypes"] = row_dtypes
     doc["new"] = new
-    return msgpack_response(doc)
+    return doc
 
 
 async def _apply(
@@ -182,6 +195,14 @@ async def _answered(request: web.Request, push: Push) -> web.StreamResponse:
     response[COUNTED] = True
     await response.prepare(request)
     await response.write(pack_view(first.to_wire()))
+    if push.reads is not None:  # after the answer, which the trainer waits for first
+        read: dict[str, Any]
+        try:
+            read = {"read": await _read(request.app, push.reads, plan)}
+        except Exception as exc:  # the outcome still follows; the client retries or raises
+            status, read, _ = error_answer(exc)
+            read["status"] = status
+        await response.write(pack_view(read))
     try:
         result = await asyncio.shield(applying)
         outcome = result.to_wire()

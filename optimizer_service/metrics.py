@@ -82,8 +82,8 @@ class ServiceMetrics:
         )
         self.rows_read = _TableCounter(
             "lookup_table_rows_read",
-            "Rows trainers read through this replica (POST /v1/rows), by table and whether "
-            "they existed (new: no row yet, answered with its initial value)",
+            "Rows trainers read through this replica (POST /v1/rows, a push's read), by table "
+            "and whether they existed (new: no row yet, answered with its initial value)",
             ("table", "row"),
             own,
         )

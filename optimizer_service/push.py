@@ -51,6 +51,7 @@ _PUSH_KEYS = {
     "groups",
     "dense",
     "answer",
+    "read",
     "stats",
     *SENDER_KEYS,
 }
@@ -84,6 +85,10 @@ class Push:
     loss: float | None = None
     """The training loss the worker reports with it (`stats.loss`; NaN or Inf allowed:
     that a loss diverged is worth a metric)."""
+    reads: RowsRequest | None = None
+    """Rows to read once the push's new values are computed (`read`, a `POST /v1/rows`
+    body's tables and groups): its answer carries them, so that a trainer reads the rows
+    of its next batch without a request of their own."""
 
     @property
     def num_rows(self) -> int:
@@ -194,6 +199,7 @@ def parse_push(obj: Any, *, config: ClusterConfig, replica: int = 0) -> Push:
             ) from None
         dense[name] = grad
     answer = _parse_answer(obj.get("answer", []), replica)
+    reads = None if obj.get("read") is None else _parse_reads(obj["read"], config, replica)
     examples, loss = _parse_stats(obj.get("stats", {}))
     return Push(
         push_id=push_id,
@@ -205,7 +211,24 @@ def parse_push(obj: Any, *, config: ClusterConfig, replica: int = 0) -> Push:
         groups=tuple(groups),
         examples=examples,
         loss=loss,
+        reads=reads,
     )
+
+
+def _parse_reads(raw: Any, config: ClusterConfig, replica: int) -> RowsRequest:
+    """A push's `read`: `{tables: {name: {ids}}, groups: [{tables, counts, ids}]}`, as the
+    body of `POST /v1/rows` (without the sender, which the push carries)."""
+    if not isinstance(raw, Mapping) or "tables" not in raw or not set(raw) <= {"tables", "groups"}:
+        got = sorted(map(str, raw)) if isinstance(raw, Mapping) else describe(raw)
+        raise BadRequestError(
+            f"read: expected a map with tables (and groups), as POST /v1/rows takes; got {got}"
+        )
+    try:
+        return parse_rows_request(raw, config=config, replica=replica)
+    except BadRequestError as exc:
+        raise BadRequestError(f"read: {exc}", reason=exc.reason) from None
+    except NotOwnerError as exc:
+        raise NotOwnerError(f"read: {exc}") from None
 
 
 def _parse_stats(raw: Any) -> tuple[int | None, float | None]:

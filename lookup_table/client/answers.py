@@ -213,11 +213,16 @@ def rows_answer(
 
 
 async def two_part_answer(
-    resp: aiohttp.ClientResponse, first: Callable[[dict[str, Any]], None]
+    resp: aiohttp.ClientResponse,
+    first: Callable[[dict[str, Any]], None],
+    then: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Read a streamed answer: hand its first map to `first` on arrival, return the second.
-    A reply cut before the second map raises ClientPayloadError (the push is retried)."""
+    """Read a streamed answer: hand its first map to `first` on arrival (and, with `then`,
+    the second to `then`: a push's `read`), return the last: the outcome. A middle map
+    that is an error (`{error, status, ...}`) is returned as the outcome. A reply cut
+    before its last map raises ClientPayloadError (the push is retried)."""
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, use_list=True)
+    parts = 2 if then is None else 3
     docs: list[Any] = []
     async for chunk in resp.content.iter_any():
         unpacker.feed(chunk)
@@ -227,9 +232,13 @@ async def two_part_answer(
             docs.append(doc)
             if len(docs) == 1:
                 first(doc)
-    if len(docs) != 2:
-        raise aiohttp.ClientPayloadError(f"the answer was cut after {len(docs)} of 2 maps")
-    outcome: dict[str, Any] = docs[1]
+            elif len(docs) == 2 and then is not None:
+                if "error" in doc:
+                    return dict(doc)
+                then(doc)
+    if len(docs) != parts:
+        raise aiohttp.ClientPayloadError(f"the answer was cut after {len(docs)} of {parts} maps")
+    outcome: dict[str, Any] = docs[-1]
     return outcome
 
 

@@ -115,7 +115,9 @@ class OptimizerClient:
         version: int = 0,
         push_id: str | None = None,
         answer: Sequence[str] = (),
+        reads: Mapping[str, Any] | None = None,
         on_answer: Callable[[dict[str, Any]], None] | None = None,
+        on_read: Callable[[dict[str, tuple[NDArray[np.float32], int]]], None] | None = None,
         examples: int | None = None,
         loss: float | None = None,
     ) -> dict[str, Any]:
@@ -132,6 +134,12 @@ class OptimizerClient:
         dense parameters after it (replica 0 answers whenever "dense" is asked).
         `stamps` maps each replica that applied the push and keeps a row cache to
         (epoch, seq): the push was its seq-th change of its rows since epoch.
+        `reads` (`{table: ids}`) are rows to read as `rows` does, with the push (a
+        trainer's next batch, without a request of its own): `read` in the summary is
+        what `rows` returns for them, read once the push's new values are computed (its
+        own rows as it changed them; read-only arrays); the replicas send it after their
+        answer, and `on_read(read)` (on the client's loop) gets it once every replica's
+        arrived.
         Replicas send that answer as soon as they computed it, before writing:
         `on_answer(answer)` (called on the client's loop) gets it then, while `push`
         returns only once every replica wrote the push (or raises if one failed).
@@ -169,12 +177,14 @@ class OptimizerClient:
                     continue
                 split[k][name] = (sub_ids, g[mine])
         parts = [wire_tables(self.config, mine, grads=True) for mine in split]
+        read = _Reads(self.config, reads) if reads else None
         bodies: dict[int, bytes] = {}
         every = self.config.mode == "sync"  # each replica counts every worker's push
         want_dense = "dense" in answer
         for k in range(n_replicas):
             singles, groups = parts[k]
-            if every or singles or groups or (k == 0 and (dense or want_dense)):
+            reading = read is not None and k in read.requests
+            if every or singles or groups or reading or (k == 0 and (dense or want_dense)):
                 body: dict[str, Any] = {
                     "push_id": push_id,
                     "worker": self.worker,
@@ -189,6 +199,8 @@ class OptimizerClient:
                 asked = [a for a in answer if a != "dense" or k == 0]
                 if asked:
                     body["answer"] = asked
+                if read is not None and reading:
+                    body["read"] = read.body(k)
                 if stats and not bodies:  # one replica counts them
                     body["stats"] = stats
                 bodies[k] = pack(body)
@@ -205,6 +217,20 @@ class OptimizerClient:
                 if on_answer is not None:
                     on_answer(dict(merged))
 
+        docs_read: dict[int, dict[str, Any]] = {}
+        got_read: dict[str, Any] = {}
+
+        def read_answered(k: int, doc: dict[str, Any]) -> None:
+            if read is None or k in docs_read:  # a retry answers again: the first stands
+                return
+            if not isinstance(doc.get("read"), dict):
+                raise LookupTableError(f"replica {k} answered a push's read without its rows")
+            docs_read[k] = doc["read"]
+            if len(docs_read) == len(read.requests):
+                got_read.update(read.rows(docs_read, copy=False))
+                if on_read is not None:
+                    on_read(dict(got_read))
+
         results = await asyncio.gather(
             *(
                 self._request(
@@ -212,7 +238,12 @@ class OptimizerClient:
                     "POST",
                     "/v1/gradients",
                     body,
-                    first=functools.partial(answered, k) if answer else None,
+                    first=functools.partial(answered, k) if answer or read else None,
+                    then=(
+                        functools.partial(read_answered, k)
+                        if read is not None and k in read.requests
+                        else None
+                    ),
                 )
                 for k, body in bodies.items()
             )
@@ -226,10 +257,13 @@ class OptimizerClient:
             "version": max((int(r.get("version", 0)) for r in results), default=version),
             "created": created(results),
         }
-        if answer:
+        if answer or read:
+            # (merged is empty only when no replica was asked: a read asks one)
             summary.update(merged or merged_answer(answers, answer, copy=False))
             if "params" in summary:  # the caller's own, writable
                 summary["params"] = {n: p.copy() for n, p in summary["params"].items()}
+        if read is not None:
+            summary["read"] = got_read
         return summary
 
     async def rows(self, tables: Mapping[str, Any]) -> dict[str, tuple[NDArray[np.float32], int]]:
@@ -249,64 +283,11 @@ class OptimizerClient:
         """
         n_replicas = len(self.config.optimizers)
         await self._agree(range(n_replicas))
-        split: list[dict[str, tuple[IdArray, None]]] = [{} for _ in range(n_replicas)]
-        unique: dict[str, tuple[Any, NDArray[np.intp], list[tuple[int, Any]]]] = {}
-        for name, ids in tables.items():
-            id_array = as_ids(ids, table=name)
-            uniq = cast(IdArray, np.unique(id_array))
-            inverse = np.searchsorted(uniq, id_array)
-            owners = (
-                owner_of(name, uniq, n_replicas)
-                if n_replicas > 1
-                else np.zeros(uniq.shape[0], dtype=np.intp)
-            )
-            where: list[tuple[int, Any]] = []
-            for k in range(n_replicas):
-                mine = np.flatnonzero(owners == k) if n_replicas > 1 else slice(None)
-                sub = uniq[mine]
-                if sub.shape[0]:
-                    split[k][name] = (sub, None)
-                    where.append((k, mine))
-            unique[name] = (uniq, inverse, where)
-        ks = [k for k in range(n_replicas) if split[k]]
-        requests = {k: wire_tables(self.config, split[k], grads=False) for k in ks}
-        bodies = {
-            k: pack(
-                {
-                    "tables": singles,
-                    **({"groups": groups} if groups else {}),
-                    **self.config.sender(k),
-                }
-            )
-            for k, (singles, groups) in requests.items()
-        }
-        docs = dict(
-            zip(
-                ks,
-                await asyncio.gather(
-                    *(self._request(k, "POST", "/v1/rows", bodies[k]) for k in ks)
-                ),
-                strict=True,
-            )
-        )
-        answered = {k: rows_answer(docs[k], requests[k][1], k) for k in ks}
-        out: dict[str, tuple[NDArray[np.float32], int]] = {}
-        for name, (uniq, inverse, where) in unique.items():
-            dim = self.config.table(name).dim
-            rows = np.empty((uniq.shape[0], dim), dtype=np.float32)
-            new = 0
-            for k, mine in where:
-                got, their_new = answered[k][name]
-                n = uniq[mine].shape[0]
-                if got.shape != (n, dim):
-                    raise LookupTableError(
-                        f"replica {k} answered {got.shape} rows of table {name!r} for {n} ids "
-                        f"of dim {dim}"
-                    )
-                rows[mine] = got
-                new += their_new
-            out[name] = (rows[inverse], new)
-        return out
+        reads = _Reads(self.config, tables)
+        ks = list(reads.requests)
+        bodies = {k: pack({**reads.body(k), **self.config.sender(k)}) for k in ks}
+        docs = await asyncio.gather(*(self._request(k, "POST", "/v1/rows", bodies[k]) for k in ks))
+        return reads.rows(dict(zip(ks, docs, strict=True)))
 
     async def tables(self, *, replica: int = 0) -> dict[str, Any]:
         """`GET /v1/tables` of replica `replica`: the cluster file it runs (not checked)."""
@@ -461,10 +442,12 @@ class OptimizerClient:
         body: bytes | None,
         *,
         first: Callable[[dict[str, Any]], None] | None = None,
+        then: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
         """One request with retries. With `first`, a 2xx reply is two msgpack maps (an
         answer, handed to `first` as soon as it arrives, then the outcome, returned or
-        raised as an error answer would be)."""
+        raised as an error answer would be); with `then` too, three: the second (a
+        push's `read`) is handed to `then`."""
         url = self.config.optimizers[replica] + path
         delay = self.backoff_s
         for attempt in range(self.max_retries + 1):
@@ -476,7 +459,7 @@ class OptimizerClient:
                         if first is None:
                             result: dict[str, Any] = unpack(await resp.read())
                             return result
-                        outcome = await two_part_answer(resp, first)
+                        outcome = await two_part_answer(resp, first, then)
                         if "error" not in outcome:
                             return outcome
                         status = int(outcome.get("status", 500))
@@ -510,6 +493,81 @@ class OptimizerClient:
             f"optimizer replica {replica} ({url}) failed after {self.max_retries + 1} attempts: "
             f"{problem}; is it running? (deploy/cluster.sh status)"
         )
+
+
+class _Reads:
+    """Rows to read through their owners (`OptimizerClient.rows`, a push's `reads`): each
+    table's unique ids split by owner, the request of each replica, and its answers put
+    back into the order of the ids asked."""
+
+    def __init__(self, config: ClusterConfig, tables: Mapping[str, Any]) -> None:
+        self.config = config
+        n_replicas = len(config.optimizers)
+        split: list[dict[str, tuple[IdArray, None]]] = [{} for _ in range(n_replicas)]
+        # per table: its unique ids, where each id asked is among them (None: they are
+        # the ids asked, as a trainer asks: sorted and distinct), and each replica's share
+        # of them (None: all, one replica)
+        self.unique: dict[str, tuple[Any, NDArray[np.intp] | None, list[tuple[int, Any]]]] = {}
+        for name, ids in tables.items():
+            id_array = as_ids(ids, table=name)
+            inverse: NDArray[np.intp] | None = None
+            uniq = id_array
+            if id_array.dtype != np.int64 or not bool((id_array[1:] > id_array[:-1]).all()):
+                uniq = cast(IdArray, np.unique(id_array))
+                inverse = np.searchsorted(uniq, id_array)
+            where: list[tuple[int, Any]] = []
+            if n_replicas == 1:
+                if uniq.shape[0]:
+                    split[0][name] = (uniq, None)
+                    where.append((0, None))
+            else:
+                owners = owner_of(name, uniq, n_replicas)
+                for k in range(n_replicas):
+                    mine = np.flatnonzero(owners == k)
+                    if mine.shape[0]:
+                        split[k][name] = (uniq[mine], None)
+                        where.append((k, mine))
+            self.unique[name] = (uniq, inverse, where)
+        self.requests = {
+            k: wire_tables(config, split[k], grads=False) for k in range(n_replicas) if split[k]
+        }
+
+    def body(self, k: int) -> dict[str, Any]:
+        """Replica `k`'s read: `{tables, groups}` (groups only when there are some)."""
+        singles, groups = self.requests[k]
+        return {"tables": singles, **({"groups": groups} if groups else {})}
+
+    def rows(
+        self, docs: Mapping[int, Mapping[str, Any]], *, copy: bool = True
+    ) -> dict[str, tuple[Any, int]]:
+        """`{table: (rows in the order of its ids, how many had no row)}` from each
+        replica's answer (`rows_answer`): the caller's own arrays, or (`copy=False`)
+        perhaps read-only views of the answer's bytes."""
+        answered = {k: rows_answer(docs[k], self.requests[k][1], k) for k in self.requests}
+        out: dict[str, tuple[Any, int]] = {}
+        for name, (uniq, inverse, where) in self.unique.items():
+            dim = self.config.table(name).dim
+            new = 0
+            rows: NDArray[np.float32] | None = None
+            if len(where) != 1 or where[0][1] is not None:
+                rows = np.empty((uniq.shape[0], dim), dtype=np.float32)
+            for k, mine in where:
+                got, their_new = answered[k][name]
+                n = uniq.shape[0] if mine is None else mine.shape[0]
+                if got.shape != (n, dim):
+                    raise LookupTableError(
+                        f"replica {k} answered {got.shape} rows of table {name!r} for {n} ids "
+                        f"of dim {dim}"
+                    )
+                if rows is None:  # the one replica's, as they came
+                    rows = got if inverse is not None or not copy else np.array(got)
+                else:
+                    rows[mine] = got
+                new += their_new
+            if rows is None:  # no ids
+                rows = np.empty((0, dim), dtype=np.float32)
+            out[name] = (rows if inverse is None else rows[inverse], new)
+        return out
 
 
 def _shown(value: Any) -> str:

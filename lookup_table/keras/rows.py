@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 from numpy.typing import NDArray
 
-from lookup_table.client import RowReader
+from lookup_table.client import PushReads, RowReader
 from lookup_table.client.answers import RowGroup, UpdatedRows
 from lookup_table.core.keys import IdArray, as_ids
 from lookup_table.core.segments import (
@@ -305,11 +305,12 @@ async def lookup_batch(
     known: Sequence[Known | None] | None = None,
     *,
     create: bool = True,
+    along: PushReads | None = None,
 ) -> BatchRows:
     """The rows of every (table, unique ids, skipped or None) of a batch, in one
     `lookup_many` (one request per node), written into one array per dim: skipped ids'
     rows are zeros (left to a push's answer). The `known` rows (per entry, or None) are
-    not read but put in."""
+    not read but put in. `along`: rows read through their owners go with a push."""
     known = known if known is not None else [None] * len(wanted)
     lefts: list[NDArray[np.bool_] | None] = []  # per entry, the ids not read
     for (_, _, skip), know in zip(wanted, known, strict=True):
@@ -325,7 +326,7 @@ async def lookup_batch(
         table: got[0] if len(got) == 1 else cast(IdArray, np.unique(np.concatenate(got)))
         for table, got in parts.items()
     }
-    rows = await store.lookup_many(union, create=create) if union else {}
+    rows = await store.lookup_many(union, create=create, along=along) if union else {}
     dims = [store.config.table(table).dim for table, _, _ in wanted]
     counts = [int(ids.shape[0]) for _, ids, _ in wanted]
     starts: list[int] = []

@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 from numpy.typing import NDArray
 
-from lookup_table.client import OptimizerClient, RowReader
+from lookup_table.client import OptimizerClient, PushReads, RowReader
 from lookup_table.client.answers import UpdatedRows
 from lookup_table.config import ClusterConfig
 from lookup_table.core.keys import IdArray
@@ -124,6 +124,8 @@ class TrainingSession:
         self._updated: RowPatch = {}
         self._dense_fresh = False
         self._unsettled: concurrent.futures.Future[Any] | None = None
+        # the next batch's reads through their owners, which this step's push takes along
+        self._along: PushReads | None = None
         # answered rows: every answer's rows, taken for later batches while the replicas'
         # stamps show that no other push changed their rows (`_take_answer`)
         self._answered = RowCache(
@@ -262,11 +264,13 @@ class TrainingSession:
         answered: Mapping[str, IdArray] | None = None,
         create: bool = True,
         earlier: bool = False,
+        along: PushReads | None = None,
     ) -> Prefetched:
         """Fetch the rows of a batch ahead. Ids in `answered` (table -> sorted unique ids
         that a push in flight will answer with) are not read: that answer, which
         `newer` gets, brings their rows. With `earlier`, neither are the ids whose rows
-        earlier answers brought, while those are current (`_known_rows`)."""
+        earlier answers brought, while those are current (`_known_rows`). `along`: rows
+        read through their owners go with the next push."""
         pre = Prefetched()
         columns = list(self._columns(features))
         if not columns:
@@ -283,7 +287,7 @@ class TrainingSession:
             layers.append((i, fed, skip is None))
         known = self._known_rows(wanted) if earlier else None
         pre.from_answers = sum(int(k[1].shape[0]) for k in known or () if k is not None)
-        batch = self._submit(lookup_batch(self._reader, wanted, known, create=create))
+        batch = self._submit(lookup_batch(self._reader, wanted, known, create=create, along=along))
         for k, (i, fed, whole) in enumerate(layers):
             part = BatchPart(batch, k)
             if whole:
@@ -457,13 +461,20 @@ class TrainingSession:
         self._dense_fresh = False
         ahead = None
         if self._read_your_writes and upcoming is not None:
-            # sent now, so it overlaps this step; the answer of the last push (if not
-            # written yet) and of this step's push patch it; rows of earlier answers
-            # are not read while they are current
+            # the answer of the last push (if not written yet) and of this step's push
+            # patch it; rows of earlier answers are not read while they are current;
+            # those read through their owners come with this step's push's answer,
+            # the rest (from memcached) are read while it computes
             pushed = self._pushed_ids(features)
-            ahead = self._prefetch(upcoming, answered=pushed, earlier=True)
+            self._along = PushReads()
+            ahead = self._prefetch(upcoming, answered=pushed, earlier=True, along=self._along)
             ahead.newer = list(self._unsettled_rows)
-        out = compute()
+        try:
+            out = compute()
+        finally:
+            if self._along is not None:  # no push took them: they are read alone
+                self._loop.call_soon_threadsafe(self._along.close)
+                self._along = None
         if ahead is not None:
             if ahead.from_answers and not self._answers_current:
                 # this step's push showed another push since our last one: the rows taken
@@ -642,21 +653,32 @@ class TrainingSession:
         self.settle_answered()
         answer = ("rows", "dense") if self.dense_refresh_steps == 1 else ("rows",)
         answered: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        along, self._along = self._along, None
+        version = self.version
 
         def on_answer(doc: dict[str, Any]) -> None:
             if not answered.done():
                 answered.set_result(doc)
 
-        pushing = self._submit(
-            self._client.push(
-                payload,
-                dense=dense,
-                version=self.version,
-                answer=answer,
-                on_answer=on_answer,
-                **stats,
-            )
-        )
+        async def push() -> dict[str, Any]:
+            reads = along.take() if along is not None else None
+            try:
+                return await self._client.push(
+                    payload,
+                    dense=dense,
+                    version=version,
+                    answer=answer,
+                    reads=reads,
+                    on_answer=on_answer,
+                    on_read=along.answered if along is not None else None,
+                    **stats,
+                )
+            except Exception as exc:
+                if along is not None:  # the next batch's rows fail with it
+                    along.failed(exc)
+                raise
+
+        pushing = self._submit(push())
         pushing.add_done_callback(self._count_created)
         concurrent.futures.wait([answered, pushing], return_when=concurrent.futures.FIRST_COMPLETED)
         doc = answered.result() if answered.done() else pushing.result()

@@ -139,6 +139,44 @@ class Answers:
         config = self.state.config
         return {t: config.table(t).dtype for t in updated or ()}
 
+    async def rows_after(
+        self, reads: Sequence[tuple[str, IdArray]], plan: WritePlan | None
+    ) -> list[tuple[NDArray[np.float32], NDArray[np.bool_]]]:
+        """`rows_now`, but the rows `plan` changes (a push's, computed, perhaps not written
+        yet) as it changes them: what a push's `read` answers (its own rows new)."""
+        done = {
+            u.table: (u.ids, u.rows) if u.answer is None else u.answer
+            for u in (plan.updates if plan is not None else ())
+        }
+        if not done:
+            return await self.rows_now(reads)
+        theirs: list[tuple[NDArray[np.bool_], NDArray[np.intp]] | None] = []
+        rest: list[tuple[str, IdArray]] = []
+        for table, ids in reads:
+            changed = done.get(table)
+            if changed is None or not changed[0].shape[0] or not ids.shape[0]:
+                theirs.append(None)
+                rest.append((table, ids))
+                continue
+            at = np.minimum(np.searchsorted(changed[0], ids), changed[0].shape[0] - 1)
+            hit = changed[0][at] == ids
+            theirs.append((hit, at) if hit.any() else None)
+            rest.append((table, ids[~hit]) if hit.any() else (table, ids))
+        got = await self.rows_now(rest)
+        out: list[tuple[NDArray[np.float32], NDArray[np.bool_]]] = []
+        for (table, ids), mine, (rows, found) in zip(reads, theirs, got, strict=True):
+            if mine is None:
+                out.append((rows, found))
+                continue
+            hit, at = mine
+            every = np.empty((ids.shape[0], rows.shape[1]), dtype=np.float32)
+            every[~hit] = rows
+            every[hit] = done[table][1][at[hit]]
+            exists = np.ones(ids.shape[0], dtype=bool)  # the push writes them
+            exists[~hit] = found
+            out.append((every, exists))
+        return out
+
     async def rows_now(
         self, reads: Sequence[tuple[str, IdArray]]
     ) -> list[tuple[NDArray[np.float32], NDArray[np.bool_]]]:

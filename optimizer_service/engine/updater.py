@@ -416,14 +416,15 @@ class Updater:
         )
 
     async def read_rows(
-        self, reads: Sequence[tuple[str, IdArray]]
+        self, reads: Sequence[tuple[str, IdArray]], *, after: WritePlan | None = None
     ) -> list[tuple[NDArray[np.float32], NDArray[np.bool_]]]:
         """`POST /v1/rows`: the rows of each (table, unique ids of this replica's) as this
         replica knows them, and which exist; an id without a row gets its initial value
-        and nothing is created (its first push writes it). Waits while paused, as a push
+        and nothing is created (its first push writes it). `after`: a push's plan, whose
+        rows read as it changes them (a push's `read`). Waits while paused, as a push
         does: a restore's rows are what a read after it sees."""
         async with self._admitted():
-            return await self.answers.rows_now(reads)
+            return await self.answers.rows_after(reads, after)
 
     async def close(self) -> None:
         """Write the rows and the dense state behind; wait briefly for background

@@ -23,13 +23,18 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from lookup_table import EmbeddingStore, initial_rows
-from lookup_table.client import OptimizerClient
+from lookup_table.client import OptimizerClient, PushReads, RowReader
 from lookup_table.core.keys import as_ids
 from lookup_table.core.keyspace import Kind, is_journal_header
 from lookup_table.core.optimizers import make_optimizer
 from lookup_table.core.precision import round_to
-from lookup_table.core.wire import decode_rows, encode_ids, pack, unpack
-from lookup_table.errors import ClusterMismatchError, PushRejectedError, StorageFormatError
+from lookup_table.core.wire import decode_rows, encode_array, encode_ids, pack, unpack
+from lookup_table.errors import (
+    ClusterMismatchError,
+    PushRejectedError,
+    ReplicaUnavailableError,
+    StorageFormatError,
+)
 from lookup_table.ops.checkpoint.listing import decode_bodies, namespace_keys
 from optimizer_service.app import UPDATER, make_app
 from optimizer_service.engine.journal import MAX_JOURNAL_SLOTS, Journal
@@ -379,6 +384,133 @@ async def test_rows_read_through_the_owner_are_its_newest_and_create_nothing(
     two = dataclasses.replace(config, optimizers=("http://a:1", "http://b:1"))
     with pytest.raises(NotOwnerError, match="rows belong to other replicas"):
         parse_rows_request({"tables": {"t": {"ids": encode_ids(IDS)}}}, config=two, replica=1)
+
+
+async def test_a_push_reads_rows_along_as_post_rows_reads_them_after_it(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    """A push's `read` (how a trainer reads its next batch): its answer carries what
+    `POST /v1/rows` would answer once the push's new values are computed: its own rows
+    new, others from the replica's memory, unseen ids initial and counted new; a retry
+    answers the read again; a push of no gradients reads alone; a bad `read` is a 4xx
+    naming it, and the push is not applied."""
+    config, server, updater, ref, rng = await _replica(memcached_nodes, aiohttp_server, 5)
+    url = str(server.make_url("")).rstrip("/")
+    config = dataclasses.replace(config, optimizers=(url,))
+    await _push(updater, config, ref, rng)
+    unseen = np.array([5, 10**15], dtype=np.int64)
+    ask = {"t": np.concatenate([IDS[::-1], unseen, IDS[:3]]), "s": WORDS}
+    spec = config.table("t")
+    fresh = initial_rows(spec.initializer, seed=spec.seed, ids=unseen, dim=spec.dim)
+    async with OptimizerClient(config) as client:
+        before = await client.rows(ask)
+        g = rng.standard_normal((IDS.shape[0], 8), dtype=np.float32)
+        answered: list[dict[str, Any]] = []
+        push_id = uuid.uuid4().hex
+        summary = await client.push(
+            {"t": (IDS, g)}, push_id=push_id, reads=ask, on_read=answered.append
+        )
+        ref.step("t", g)
+        assert summary["applied"] and len(answered) == 1
+        rows, new = summary["read"]["t"]
+        assert answered[0]["t"][0] is rows
+        np.testing.assert_array_equal(rows[: IDS.shape[0]], ref.state["t"][0][::-1])  # after
+        assert not np.array_equal(rows[: IDS.shape[0]], before["t"][0][: IDS.shape[0]])
+        np.testing.assert_array_equal(rows[IDS.shape[0] : -3], fresh)
+        np.testing.assert_array_equal(rows[-3:], ref.state["t"][0][:3])
+        assert new == unseen.shape[0]
+        np.testing.assert_array_equal(summary["read"]["s"][0], ref.state["s"][0])
+        after = await client.rows(ask)
+        for table in ask:
+            np.testing.assert_array_equal(summary["read"][table][0], after[table][0])
+        again = await client.push({"t": (IDS, g)}, push_id=push_id, reads=ask)
+        assert again["duplicate"] and not again["applied"]
+        np.testing.assert_array_equal(again["read"]["t"][0], rows)
+        alone = await client.push({}, reads={"t": IDS[:4]})
+        np.testing.assert_array_equal(alone["read"]["t"][0], ref.state["t"][0][:4])
+        version = updater.version
+        sender = config.sender(0)
+        grads = {"t": {"ids": encode_ids(IDS), "grads": encode_array(g)}}
+        for bad, pattern in [
+            ({"tables": {"nope": {"ids": encode_ids(IDS)}}}, "read: tables: unknown table 'nope'"),
+            ({"tables": {"t": {"ids": ["a"]}}}, "read: tables.t.ids: table 't' has id_type"),
+            ({"t": {"ids": encode_ids(IDS)}}, r"read: expected a map with tables \(and groups"),
+            ([1, 2], r"read: expected a map with tables \(and groups\), as POST /v1/rows takes"),
+        ]:
+            body = {"push_id": uuid.uuid4().hex, "tables": grads, "read": bad, **sender}
+            with pytest.raises(PushRejectedError, match=pattern) as info:
+                await client._request(0, "POST", "/v1/gradients", pack(body))
+            assert info.value.status == 400
+        assert updater.version == version  # none of them applied
+        np.testing.assert_array_equal((await client.rows({"t": IDS}))["t"][0], ref.state["t"][0])
+    two = dataclasses.replace(config, optimizers=("http://a:1", "http://b:1"))
+    with pytest.raises(NotOwnerError, match="read: tables.t.ids: .* belong to other replicas"):
+        parse_push(
+            {"push_id": "p", "read": {"tables": {"t": {"ids": encode_ids(IDS)}}}},
+            config=two,
+            replica=1,
+        )
+
+
+async def test_reads_left_to_a_push_come_with_it_or_are_read_alone(
+    memcached_nodes: list[str], aiohttp_server: Any
+) -> None:
+    """`RowReader.lookup_many(..., along=reads)` (a trainer's next batch): the rows read
+    through their owner come with the push that takes them, without a `POST /v1/rows`;
+    asked after a push took them, or left when no push came (`close`), they are read by
+    a request of their own; a push that fails fails them with its error."""
+    config = _config(memcached_nodes)
+    async with EmbeddingStore(config) as store:
+        await store.write_sentinels()
+    registry = CollectorRegistry()
+    server = await aiohttp_server(make_app(config, replica=0, registry=registry))
+    config = dataclasses.replace(config, optimizers=(str(server.make_url("")).rstrip("/"),))
+
+    def alone() -> float:
+        got = registry.get_sample_value(
+            "lookup_table_http_requests_total", {"endpoint": "/v1/rows", "status": "200"}
+        )
+        return got or 0.0
+
+    async def lookup(reads: PushReads) -> asyncio.Future[Any]:
+        looking = asyncio.ensure_future(reader.lookup_many({"t": IDS[:50]}, along=reads))
+        await asyncio.sleep(0)  # its first step asks
+        return looking
+
+    g = np.random.default_rng(0).standard_normal((10, 8), dtype=np.float32)
+    async with EmbeddingStore(config) as store, OptimizerClient(config) as client:
+        reader = RowReader(store, client)
+        reads = PushReads()
+        looking = await lookup(reads)
+        summary = await client.push(
+            {"t": (IDS[:10], g)}, reads=reads.take(), on_read=reads.answered
+        )
+        rows = (await looking)["t"]
+        assert alone() == 0
+        np.testing.assert_array_equal(rows, summary["read"]["t"][0])
+        np.testing.assert_array_equal(rows, (await client.rows({"t": IDS[:50]}))["t"][0])
+        assert alone() == 1
+        late = PushReads()
+        assert late.take() is None  # a push went without them
+        assert late.ask({"t": IDS[:50]}) is None
+        np.testing.assert_array_equal(
+            (await reader.lookup_many({"t": IDS[:50]}, along=late))["t"], rows
+        )
+        assert alone() == 2
+        left = PushReads()
+        looking = await lookup(left)
+        left.close()
+        np.testing.assert_array_equal((await looking)["t"], rows)
+        assert alone() == 3
+        failed = PushReads()
+        looking = await lookup(failed)
+        assert failed.take() is not None
+        failed.close()  # taken: the push answers or fails them, not `close`
+        assert not looking.done()
+        failed.failed(ReplicaUnavailableError("replica 0 failed after 7 attempts"))
+        with pytest.raises(ReplicaUnavailableError, match="after 7 attempts"):
+            await looking
+        assert alone() == 3
 
 
 async def test_a_new_id_is_read_from_memcached_once_then_known_until_its_push_creates_it(

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -235,6 +236,10 @@ def _train_fresh(
                 # from the third step on, ids of earlier batches come from their answers
                 # (with every replica's stamps following on)
                 assert trainer.rows_answered > 0
+            if trainer_kwargs.get("read_your_writes", True) and not in_graph and store:
+                # read through their owner: the first batch's rows alone, every later
+                # batch's with the push before it
+                assert _reads_alone(config) == 1
         ids = {
             table: np.unique(np.concatenate([np.asarray(b.features[f]) for b in batches]))
             for table, f in features.items()
@@ -254,6 +259,23 @@ def _train_fresh(
 
         rows, dense = asyncio.run(stored())
     return np.array([loss for _, loss in result.losses]), dense, rows, fed, created
+
+
+def _reads_alone(config: Any) -> int:
+    """`POST /v1/rows` requests the replicas answered (their /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0
+    for url in config.optimizers:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as got:
+            text = got.read().decode()
+        total += sum(
+            int(s.value)
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "lookup_table_http_requests_total" and s.labels["endpoint"] == "/v1/rows"
+        )
+    return total
 
 
 def _assert_same_training(a: Any, b: Any) -> None:
