@@ -29,7 +29,7 @@ from benchmarks.harness.cpu import cpu_snapshot, cpu_usage, memcached_work
 from benchmarks.harness.data import first_batches
 from benchmarks.harness.options import Options
 from benchmarks.harness.report import machine_info, report_head, save
-from lookup_table.client import OptimizerClient, RowReader
+from lookup_table.client import OptimizerClient, PushReads, RowReader
 from lookup_table.config import ServiceConfig, load_config
 from lookup_table.store import EmbeddingStore
 from trainer.data.criteo import CATEGORICAL_NAMES
@@ -79,16 +79,27 @@ async def replay(
             n: rng.standard_normal(s).astype(np.float32) * 0.05 for n, s in DENSE_SHAPES.items()
         }
         await client.dense_init(params)
-        previous: Batch = {}
+        # the first batch's rows, read alone (a trainer's first step)
+        reading: asyncio.Future[Any] | None = asyncio.ensure_future(reader.lookup_many(batches[0]))
         for i, batch in enumerate(batches):
             if i == warmup:
                 start = cpu_snapshot(pids, nodes)
+            if reading is not None:
+                await reading
+            # a trainer's reads of the next batch, the ids this push does not answer
+            # with: rows written behind go with the push (`PushReads`), the rest are read
+            # from memcached meanwhile
+            upcoming = batches[i + 1] if i + 1 < len(batches) else {}
             reads = {
-                name: np.setdiff1d(ids, previous.get(name, ids[:0]), assume_unique=True)
-                for name, ids in batch.items()
+                name: left
+                for name, ids in upcoming.items()
+                if (left := np.setdiff1d(ids, batch.get(name, ids[:0]), assume_unique=True)).size
             }
-            # a trainer's reads: rows written behind through their owner, the rest from memcached
-            await reader.lookup_many({n: ids for n, ids in reads.items() if ids.shape[0]})
+            along = PushReads()
+            reading = (
+                asyncio.ensure_future(reader.lookup_many(reads, along=along)) if reads else None
+            )
+            await asyncio.sleep(0)  # its first step hands the push its reads
             tables = {
                 name: (ids, (rng.standard_normal((ids.shape[0], 16)) * 1e-3).astype(np.float32))
                 for name, ids in batch.items()
@@ -97,8 +108,15 @@ async def replay(
                 n: (rng.standard_normal(v.shape) * 1e-4).astype(np.float32)
                 for n, v in params.items()
             }
-            await client.push(tables, dense=dense, answer=("rows", "dense"))
-            previous = batch
+            await client.push(
+                tables,
+                dense=dense,
+                answer=("rows", "dense"),
+                reads=along.take(),
+                on_read=along.answered,
+            )
+        if reading is not None:
+            await reading
         usage = cpu_usage(start, cpu_snapshot(pids, nodes), len(batches) - warmup)
     out: dict[str, float] = dict(usage["cpu_ms_per_step"])
     out["optimizer-0"] = out["optimizer"]  # `optimizer`: all the replicas together
