@@ -62,7 +62,9 @@ from benchmarks.train.report import (
     TARGET_CPU_RATIO,
     TARGET_LAZY_AUC_GAP,
     TARGET_LAZY_CPU_RATIO,
+    TARGET_LAZY_INFRA_CPU,
     TARGET_LAZY_RATIO,
+    TARGET_LAZY_TRAINER_CPU,
     TARGET_RATIO,
     TARGET_TORCH_AUC_GAP,
     TARGET_TORCHREC_RATIO,
@@ -435,6 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "distributed/lazy_adam examples/s": TARGET_LAZY_RATIO,
             "distributed/lazy_adam examples per CPU-second": TARGET_LAZY_CPU_RATIO,
             "abs eval AUC gap distributed - lazy_adam": TARGET_LAZY_AUC_GAP,
+            "trainer CPU / lazy_adam step CPU (max)": TARGET_LAZY_TRAINER_CPU,
+            "(replicas + memcached) CPU / lazy_adam step CPU (max)": TARGET_LAZY_INFRA_CPU,
         },
         "torch_targets": {
             "distributed/torchrec examples/s": TARGET_TORCHREC_RATIO,

@@ -27,6 +27,10 @@ TARGET_AUC_GAP = 0.01
 TARGET_LAZY_RATIO = 0.5
 TARGET_LAZY_CPU_RATIO = 0.5
 TARGET_LAZY_AUC_GAP = 0.005
+# each side's CPU a step against lazy Adam's whole step: the trainer's, and the replicas'
+# and memcached's together
+TARGET_LAZY_TRAINER_CPU = 1.0
+TARGET_LAZY_INFRA_CPU = 1.0
 # the PyTorch baselines: distributed against TorchRec on the CPU, and each baseline's AUC
 # against lazy Adam's (the check that it trains the same model)
 TARGET_TORCHREC_RATIO = 1.0
@@ -182,6 +186,10 @@ def _against_lazy_adam(
     ratio = dist["examples_per_s"] / lazy["examples_per_s"]
     cpu_ratio = dist["examples_per_cpu_s"] / lazy["examples_per_cpu_s"]
     gap = dist["eval_auc"] - lazy["eval_auc"]
+    lazy_step = lazy["total_cpu_ms_per_step"]
+    per_process = dist["cpu_ms_per_step"]
+    trainer = per_process["trainer"] / lazy_step
+    infra = sum(v for k, v in per_process.items() if k != "trainer") / lazy_step
     return {
         "ratio_distributed_vs_lazy_adam": ratio,
         "ratio_distributed_vs_lazy_adam_median_of_paired_rounds": statistics.median(
@@ -190,6 +198,8 @@ def _against_lazy_adam(
         ),
         "ratio_examples_per_cpu_s_vs_lazy_adam": cpu_ratio,
         "auc_gap_distributed_minus_lazy_adam": gap,
+        "ratio_trainer_cpu_vs_lazy_adam_step": trainer,
+        "ratio_infrastructure_cpu_vs_lazy_adam_step": infra,
         "lazy_adam_acceptance": {
             f"distributed/lazy_adam examples/s >= {TARGET_LAZY_RATIO}": ratio >= TARGET_LAZY_RATIO,
             f"distributed/lazy_adam examples per CPU-second >= {TARGET_LAZY_CPU_RATIO}": (
@@ -197,6 +207,12 @@ def _against_lazy_adam(
             ),
             f"|eval AUC distributed - lazy_adam| <= {TARGET_LAZY_AUC_GAP}": (
                 abs(gap) <= TARGET_LAZY_AUC_GAP
+            ),
+            f"trainer CPU / lazy_adam step CPU <= {TARGET_LAZY_TRAINER_CPU}": (
+                trainer <= TARGET_LAZY_TRAINER_CPU
+            ),
+            f"(replicas + memcached) CPU / lazy_adam step CPU <= {TARGET_LAZY_INFRA_CPU}": (
+                infra <= TARGET_LAZY_INFRA_CPU
             ),
         },
     }
@@ -299,6 +315,12 @@ def render_table(summary: Mapping[str, Any], params: Mapping[str, Any]) -> str:
             "eval AUC distributed - lazy Adam: "
             f"{summary['auc_gap_distributed_minus_lazy_adam']:+.4f}  "
             f"target |gap| <= {TARGET_LAZY_AUC_GAP}: {met(lazy[2])}",
+            "trainer CPU per step / lazy Adam's whole step: "
+            f"{summary['ratio_trainer_cpu_vs_lazy_adam_step']:.2f}  target <= "
+            f"{TARGET_LAZY_TRAINER_CPU}: {met(lazy[3])}",
+            "(replicas + memcached) CPU per step / lazy Adam's whole step: "
+            f"{summary['ratio_infrastructure_cpu_vs_lazy_adam_step']:.2f}  target <= "
+            f"{TARGET_LAZY_INFRA_CPU}: {met(lazy[4])}",
         ]
     lines += _torch_lines(summary)
     ok = list(summary["acceptance"].values())

@@ -312,7 +312,16 @@ def test_train_benchmark_quick_run_writes_its_report(quick_runs: QuickRuns) -> N
     assert summary["auc_gap_distributed_minus_lazy_adam"] == pytest.approx(
         summary["distributed"]["eval_auc"] - summary["lazy_adam"]["eval_auc"]
     )
-    assert len(summary["lazy_adam_acceptance"]) == 3 and len(report["lazy_adam_targets"]) == 3
+    per_process = summary["distributed"]["cpu_ms_per_step"]
+    lazy_step = summary["lazy_adam"]["total_cpu_ms_per_step"]
+    assert summary["ratio_trainer_cpu_vs_lazy_adam_step"] == pytest.approx(
+        per_process["trainer"] / lazy_step
+    )
+    assert summary["ratio_infrastructure_cpu_vs_lazy_adam_step"] == pytest.approx(
+        (per_process["optimizer"] + per_process["memcached-1"] + per_process["memcached-2"])
+        / lazy_step
+    )
+    assert len(summary["lazy_adam_acceptance"]) == 5 and len(report["lazy_adam_targets"]) == 5
     costs = report["profile"]["costs"]
     assert set(costs) == {"trainer", "optimizer", "memcached-1", "memcached-2"}
     for c in costs.values():  # the split adds up to the process's CPU
