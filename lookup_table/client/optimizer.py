@@ -547,27 +547,32 @@ class _Reads:
         out: dict[str, tuple[Any, int]] = {}
         for name, (uniq, inverse, where) in self.unique.items():
             dim = self.config.table(name).dim
-            new = 0
-            rows: NDArray[np.float32] | None = None
-            if len(where) != 1 or where[0][1] is not None:
-                rows = np.empty((uniq.shape[0], dim), dtype=np.float32)
-            for k, mine in where:
-                got, their_new = answered[k][name]
-                n = uniq.shape[0] if mine is None else mine.shape[0]
-                if got.shape != (n, dim):
-                    raise LookupTableError(
-                        f"replica {k} answered {got.shape} rows of table {name!r} for {n} ids "
-                        f"of dim {dim}"
-                    )
-                if rows is None:  # the one replica's, as they came
-                    rows = got if inverse is not None or not copy else np.array(got)
-                else:
+            if len(where) == 1 and where[0][1] is None:  # one replica's, all of them
+                k = where[0][0]
+                rows, new = _replica_rows(answered[k], k, name, uniq.shape[0], dim)
+                if inverse is None and copy:
+                    rows = np.array(rows)
+            else:
+                rows, new = np.empty((uniq.shape[0], dim), dtype=np.float32), 0
+                for k, mine in where:
+                    got, their_new = _replica_rows(answered[k], k, name, mine.shape[0], dim)
                     rows[mine] = got
-                new += their_new
-            if rows is None:  # no ids
-                rows = np.empty((0, dim), dtype=np.float32)
+                    new += their_new
             out[name] = (rows if inverse is None else rows[inverse], new)
         return out
+
+
+def _replica_rows(
+    answered: Mapping[str, tuple[NDArray[np.float32], int]], k: int, name: str, n: int, dim: int
+) -> tuple[NDArray[np.float32], int]:
+    """Replica `k`'s (rows, how many had no row) of table `name`, checked to be `n` rows
+    of `dim`."""
+    rows, new = answered[name]
+    if rows.shape != (n, dim):
+        raise LookupTableError(
+            f"replica {k} answered {rows.shape} rows of table {name!r} for {n} ids of dim {dim}"
+        )
+    return rows, new
 
 
 def _shown(value: Any) -> str:

@@ -81,6 +81,14 @@ class Answer:
         return out
 
 
+def _new_rows(plan: WritePlan | None) -> dict[str, tuple[IdArray, NDArray[np.float32]]]:
+    """Per table `plan` updates, its unique ids and their new rows as a push's answer
+    sends them (a 16-bit table's as rounded for storage)."""
+    if plan is None:
+        return {}
+    return {u.table: (u.ids, u.rows) if u.answer is None else u.answer for u in plan.updates}
+
+
 class Answers:
     """A push's answer and the rows read through this replica."""
 
@@ -104,13 +112,12 @@ class Answers:
             stamp = (self.state.epoch, plan.seq)
         updated: dict[str, tuple[IdArray, NDArray[np.float32]]] | None = None
         if "rows" in push.answer:
-            done = {u.table: u for u in plan.updates} if plan is not None else {}
+            done = _new_rows(plan)
             updated = {}
             reads = []
             for t in push.tables:
-                u = done.get(t.table)
-                if u is not None:
-                    ids, rows = (u.ids, u.rows) if u.answer is None else u.answer
+                if t.table in done:
+                    ids, rows = done[t.table]
                     if ids is t.ids or (ids.shape == t.ids.shape and np.array_equal(ids, t.ids)):
                         updated[t.table] = (t.ids, rows)
                         continue
@@ -144,10 +151,7 @@ class Answers:
     ) -> list[tuple[NDArray[np.float32], NDArray[np.bool_]]]:
         """`rows_now`, but the rows `plan` changes (a push's, computed, perhaps not written
         yet) as it changes them: what a push's `read` answers (its own rows new)."""
-        done = {
-            u.table: (u.ids, u.rows) if u.answer is None else u.answer
-            for u in (plan.updates if plan is not None else ())
-        }
+        done = _new_rows(plan)
         if not done:
             return await self.rows_now(reads)
         theirs: list[tuple[NDArray[np.bool_], NDArray[np.intp]] | None] = []
@@ -160,8 +164,9 @@ class Answers:
                 continue
             at = np.minimum(np.searchsorted(changed[0], ids), changed[0].shape[0] - 1)
             hit = changed[0][at] == ids
-            theirs.append((hit, at) if hit.any() else None)
-            rest.append((table, ids[~hit]) if hit.any() else (table, ids))
+            some = bool(hit.any())
+            theirs.append((hit, at) if some else None)
+            rest.append((table, ids[~hit]) if some else (table, ids))
         got = await self.rows_now(rest)
         out: list[tuple[NDArray[np.float32], NDArray[np.bool_]]] = []
         for (table, ids), mine, (rows, found) in zip(reads, theirs, got, strict=True):
