@@ -445,6 +445,13 @@ class DistributedEmbedding(keras.layers.Layer):
             if isinstance(inputs, tf.RaggedTensor):
                 return tf.RaggedTensor.from_row_splits(emb, inputs.row_splits)
             return tf.reshape(emb, tf.concat([tf.shape(inputs), [self.dim]], axis=0))
+        if _one_id_per_group(inputs):
+            # each group's combination is its one row (weight 1), or for a padding id
+            # the zero row it gathered (weight 0): the same floats and gradients
+            # without the segment sums, which cost a step many ops per layer
+            if inputs.shape.rank == 1:
+                return emb
+            return tf.reshape(emb, tf.concat([tf.shape(inputs)[:-1], [self.dim]], axis=0))
         contributes = tf.cast(index < num_rows, tf.float32)
         weighted = isinstance(inputs, tf.SparseTensor) and sparse_weights is not None
         w = weights * contributes if weighted else contributes
@@ -454,6 +461,15 @@ class DistributedEmbedding(keras.layers.Layer):
         in_shape = tf.shape(inputs)
         lead = tf.cond(tf.size(in_shape) > 1, lambda: in_shape[:-1], lambda: in_shape)
         return tf.reshape(out, tf.concat([lead, [self.dim]], axis=0))
+
+
+def _one_id_per_group(inputs: Any) -> bool:
+    """Whether a combiner's groups of dense `inputs` hold one id each, by their static
+    shape: 1-D ids, or a last axis of 1."""
+    if not isinstance(inputs, tf.Tensor) or inputs.shape.rank is None:
+        return False
+    rank = int(inputs.shape.rank)
+    return rank == 1 or (rank > 1 and inputs.shape[-1] == 1)
 
 
 def distributed_layers(model: keras.Model) -> list[DistributedEmbedding]:

@@ -470,6 +470,7 @@ ZERO_WEIGHTS = [1.5, 0.0, 0.5, 2.0, 0.0, 1.25, 0.0, 1.0, 1.75, 0.6]
 PRUNED_WEIGHTS = [1.5, 0.0, -0.5, 2.0, 0.75, -1.0, 0.0, 0.3, -2.0, 1.25]
 KINDS = [
     "dense_1d",
+    "dense_column",
     "dense_2d",
     "dense_3d",
     "ragged",
@@ -501,6 +502,9 @@ def dense_as_sparse(ids: NDArray[np.int64]) -> Any:
 def combiner_case(kind: str) -> Case:
     if kind == "dense_1d":  # a 1-D batch is (b, 1): one id per example, as for keras.Input(())
         return Case(tf.constant(DENSE_1D), None, dense_as_sparse(DENSE_1D.reshape(-1, 1)))
+    if kind == "dense_column":  # (b, 1): one id per example on a last axis of 1
+        column = DENSE_1D.reshape(-1, 1)
+        return Case(tf.constant(column), None, dense_as_sparse(column))
     if kind in ("dense_2d", "dense_3d"):
         ids = DENSE_2D if kind == "dense_2d" else DENSE_3D
         return Case(tf.constant(ids), None, dense_as_sparse(ids))
@@ -566,7 +570,7 @@ def test_combiner_matches_safe_embedding_lookup_sparse(combiner: str, kind: str,
 
 
 @pytest.mark.parametrize(
-    "kind", ["dense_1d", "dense_2d", "dense_3d", "ragged", "sparse_zero_weights"]
+    "kind", ["dense_1d", "dense_column", "dense_2d", "dense_3d", "ragged", "sparse_zero_weights"]
 )
 @pytest.mark.parametrize("combiner", COMBINERS)
 def test_padding_is_excluded_from_combiners(combiner: str, kind: str, mode: str) -> None:
@@ -582,6 +586,32 @@ def test_padding_is_excluded_from_combiners(combiner: str, kind: str, mode: str)
     ref_weights = None if case.weights is None else tf.sparse.retain(case.weights, keep)
     assert_matches(got, sparse_reference(ref_ids, ref_weights, combiner))
     assert not np.any(got.out.numpy()[~nonempty]), "a row of padding only must be zeros"
+
+
+@pytest.mark.parametrize("padding_id", [None, PAD])
+@pytest.mark.parametrize("kind", ["dense_1d", "dense_column"])
+@pytest.mark.parametrize("combiner", COMBINERS)
+def test_one_id_per_example_combines_to_its_row_exactly(
+    combiner: str, kind: str, padding_id: int | None
+) -> None:
+    """One id per group (1-D ids, or a last axis of 1): every combiner gives that id's row,
+    a padding id zeros, to the last bit, and the graph (which skips the segment sums)
+    gives the eager path's floats and gradients."""
+    case = combiner_case(kind)
+    ids, _ = contributing(case.ref_ids, None, combiner, padding_id=padding_id)
+    got = {}
+    for mode in MODES:
+        layer, source = bound_layer(combiner, padding_id=padding_id)
+        got[mode] = run_layer(layer, source, case.inputs, ids, mode)
+    flat = DENSE_1D
+    want = source.table[source.row_index(flat)]
+    if padding_id is not None:
+        want[flat == padding_id] = 0.0
+    for result in got.values():
+        out = result.out.numpy()
+        assert out.shape == (flat.shape[0], DIM)
+        np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(got["graph"].grad, got["eager"].grad)
 
 
 def test_negative_ids_are_real_ids(mode: str) -> None:
