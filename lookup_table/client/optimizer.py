@@ -30,7 +30,7 @@ from lookup_table.client.requests import push_stats, wire_tables
 from lookup_table.config import ClusterConfig
 from lookup_table.core.keys import IdArray, as_ids
 from lookup_table.core.sharding import owner_of
-from lookup_table.core.wire import CONTENT_TYPE, encode_array, pack, unpack
+from lookup_table.core.wire import CONTENT_TYPE, encode_array, pack, pack_view, unpack
 from lookup_table.errors import (
     ClusterMismatchError,
     LookupTableError,
@@ -178,7 +178,7 @@ class OptimizerClient:
                 split[k][name] = (sub_ids, g[mine])
         parts = [wire_tables(self.config, mine, grads=True) for mine in split]
         read = _Reads(self.config, reads) if reads else None
-        bodies: dict[int, bytes] = {}
+        bodies: dict[int, bytes | memoryview] = {}
         every = self.config.mode == "sync"  # each replica counts every worker's push
         want_dense = "dense" in answer
         for k in range(n_replicas):
@@ -203,7 +203,8 @@ class OptimizerClient:
                     body["read"] = read.body(k)
                 if stats and not bodies:  # one replica counts them
                     body["stats"] = stats
-                bodies[k] = pack(body)
+                # a push's body is a megabyte: the packer's own buffer, not a copy of it
+                bodies[k] = pack_view(body)
         answers: dict[int, dict[str, Any]] = {}
         # decoded once, when every replica answered: for `on_answer` and the summary
         merged: dict[str, Any] = {}
@@ -439,7 +440,7 @@ class OptimizerClient:
         replica: int,
         method: str,
         path: str,
-        body: bytes | None,
+        body: bytes | memoryview | None,
         *,
         first: Callable[[dict[str, Any]], None] | None = None,
         then: Callable[[dict[str, Any]], None] | None = None,
