@@ -449,13 +449,12 @@ class DistributedEmbedding(keras.layers.Layer):
             # each group's combination is its one row (weight 1), or for a padding id
             # the zero row it gathered (weight 0): the same floats and gradients
             # without the segment sums, which cost a step many ops per layer
-            if inputs.shape.rank == 1:
-                return emb
-            return tf.reshape(emb, tf.concat([tf.shape(inputs)[:-1], [self.dim]], axis=0))
-        contributes = tf.cast(index < num_rows, tf.float32)
-        weighted = isinstance(inputs, tf.SparseTensor) and sparse_weights is not None
-        w = weights * contributes if weighted else contributes
-        out = combine_segments(emb * w[:, None], w, segments, groups, self.combiner)
+            out = emb
+        else:
+            contributes = tf.cast(index < num_rows, tf.float32)
+            weighted = isinstance(inputs, tf.SparseTensor) and sparse_weights is not None
+            w = weights * contributes if weighted else contributes
+            out = combine_segments(emb * w[:, None], w, segments, groups, self.combiner)
         if isinstance(inputs, tf.RaggedTensor | tf.SparseTensor) or inputs.shape.rank == 1:
             return out
         in_shape = tf.shape(inputs)
