@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -135,6 +136,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "import and says which it skipped; on fails at once if one cannot run; off skips "
         f"them (install: {INSTALL})",
     )
+    options.add_argument(
+        "--tf-intra-op-threads",
+        type=int,
+        default=0,
+        help="TensorFlow's intra-op threads in every process that runs it: the local "
+        "methods (this process) and the trainer (TF_NUM_INTRAOP_THREADS); 0: TensorFlow's "
+        "own choice, a thread per core (default 0)",
+    )
     options.count(
         "--seeds",
         full=1,
@@ -164,6 +173,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     if args.seeds > 1 and "--rounds" in options.defaulted:
         args.rounds = args.seeds
+    if args.tf_intra_op_threads < 0:
+        options.error(
+            f"--tf-intra-op-threads must be 0 (TensorFlow's choice) or more, got "
+            f"{args.tf_intra_op_threads}"
+        )
     if args.rounds % args.seeds:
         options.error(
             f"--rounds must be a multiple of --seeds (round k trains with seed k mod seeds), got "
@@ -175,6 +189,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.tf_intra_op_threads:  # read when TensorFlow starts; the roles inherit it
+        os.environ["TF_NUM_INTRAOP_THREADS"] = str(args.tf_intra_op_threads)
     if (role := begin(args, {"trainer": trainer_role, "torch": torch_role})) is not None:
         return role
     started = time.time()
@@ -352,6 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "disturbed_share": DISTURBED_SHARE,
         "variants": args.variants,
         "seeds": list(seeds),
+        "tf_intra_op_threads": args.tf_intra_op_threads,  # 0: TensorFlow's choice
     }
     table = render_table(summary, params)
     print()
