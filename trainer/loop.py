@@ -28,6 +28,7 @@ from lookup_table.keras import distributed_layers
 from lookup_table.keras.rows import FedLayer
 from lookup_table.keras.session import TrainingSession
 from lookup_table.keras.steps import GraphStep, fed_train_step
+from lookup_table.keras.tensors import aligned_empty, as_tensor
 from trainer.metrics import auc, logloss
 
 __all__ = ["Trainer", "TrainResult"]
@@ -57,6 +58,14 @@ def _split(batch: Any) -> tuple[Mapping[str, Any], NDArray[np.float32]]:
         return batch.features, np.asarray(batch.labels, np.float32)
     features, labels = batch
     return features, np.asarray(labels, np.float32)
+
+
+def _stacked(columns: list[NDArray[Any]]) -> Any:
+    """1-D columns of one dtype and length as the rows of one tensor (shared with
+    TensorFlow, not copied again: `as_tensor`)."""
+    out = aligned_empty((len(columns), columns[0].shape[0]), columns[0].dtype)
+    np.stack(columns, out=out)
+    return as_tensor(out)
 
 
 def _as_tensor(value: Any) -> Any:
@@ -174,8 +183,7 @@ class Trainer(TrainingSession):
             else:
                 singles[name] = _as_tensor(value)
         packs = tuple(
-            (tuple(names), tf.constant(np.stack([features[n] for n in names])))
-            for names in stacks.values()
+            (tuple(names), _stacked([features[n] for n in names])) for names in stacks.values()
         )
         return singles, packs
 

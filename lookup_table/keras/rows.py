@@ -23,6 +23,7 @@ from lookup_table.core.segments import (
     unique_segments,
 )
 from lookup_table.keras.layer import DistributedEmbedding
+from lookup_table.keras.tensors import aligned_empty, aligned_zeros
 
 __all__ = [
     "WHOLE",
@@ -339,10 +340,11 @@ async def lookup_batch(
     zeroed = {dim for dim, (_, _, skip) in zip(dims, wanted, strict=True) if skip is not None}
     tables: dict[int, NDArray[np.float32]] = {}
     for dim, total in totals.items():
+        # aligned: the graph step takes them without a copy (`as_tensor`)
         if dim in zeroed:
-            tables[dim] = np.zeros((total + 1, dim), np.float32)
+            tables[dim] = aligned_zeros((total + 1, dim), np.float32)
         else:
-            tables[dim] = np.empty((total + 1, dim), np.float32)
+            tables[dim] = aligned_empty((total + 1, dim), np.float32)
             tables[dim][total] = 0.0
     names = [table for table, _, _ in wanted]
     if len(set(names)) == len(names):  # each table's rows read are one entry's, in order

@@ -22,6 +22,7 @@ from lookup_table.keras.rows import (
     patch_rows,
 )
 from lookup_table.keras.session import TrainingSession
+from lookup_table.keras.tensors import aligned_empty, as_tensor
 
 __all__ = ["FedBatch", "GraphStep", "fed_train_step", "feed_layers"]
 
@@ -64,7 +65,7 @@ class FedBatch:
             if block is not None:  # the lookup's table of this dim is this one already
                 table = block.tables[dim]
             else:
-                table = np.empty((total + 1, dim), np.float32)
+                table = aligned_empty((total + 1, dim), np.float32)
                 listed = cast(Sequence[NDArray[np.float32]], rows)
                 np.concatenate([listed[k] for k in group], out=table[:total])
                 table[total] = 0.0
@@ -76,7 +77,8 @@ class FedBatch:
             tables.append(table)
         bounds = segment_bounds(i.index.shape[0] for i in self.ids)
         if self.ids:
-            index = np.concatenate([i.index for i in self.ids]).astype(np.int64, copy=False)
+            index = aligned_empty(int(bounds[-1]), np.int64)
+            np.concatenate([i.index for i in self.ids], out=index)
             place_segments(
                 index,
                 bounds,
@@ -86,7 +88,8 @@ class FedBatch:
             )
         else:
             index = np.zeros(0, np.int64)
-        self.args = ([tf.constant(t) for t in tables], tf.constant(index), tf.constant(bounds))
+        # shared with TensorFlow, not copied: neither is written to again
+        self.args = ([as_tensor(t) for t in tables], as_tensor(index), tf.constant(bounds))
 
     def _fits(self, block: BatchRows) -> bool:
         """Whether `block`'s entries are the fed layers' rows, in order (its tables are

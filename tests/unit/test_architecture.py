@@ -26,6 +26,7 @@ LAYERS = [
     ("lookup_table.keras.rows", 5),  # a batch's ids and rows, fetched ahead, patched
     ("lookup_table.keras.session", 5),  # the cluster side of training (store, client, layers)
     ("lookup_table.keras.steps", 5),  # the graph step that Trainer and model.fit run
+    ("lookup_table.keras.tensors", 5),  # numpy arrays handed to TensorFlow without a copy
     ("lookup_table.keras.fit", 5),  # RemoteOptimizer: Keras' model.fit on the session
     ("lookup_table.keras.serving", 5),  # the SavedModel writer: a model and rows given, no cluster
     # the Keras facade (layer, optimizer, callback) and keras.export, whose bound model's
