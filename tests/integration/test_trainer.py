@@ -196,9 +196,9 @@ def _train_fresh(
     service's dense weights and rows afterwards, how many layers were fed rows and the
     rows the trainer created. `in_graph` drops the layers' `feature`, so every lookup
     runs inside the graph step (a py_function each, nothing prefetched); `flush_pushes`
-    > 1 writes the rows behind (`service.row_flush_pushes`), read through the owner;
-    `through_owner`, if given, gets the rows read through their owner after training,
-    before the pause that writes them."""
+    is `service.row_flush_pushes`: 1 writes every push's rows through to memcached, more
+    writes them behind, read through their owner; `through_owner`, if given, gets the
+    rows read through their owner after training, before the pause that writes them."""
     import keras
 
     from trainer import Trainer
@@ -207,9 +207,8 @@ def _train_fresh(
 
     source = SyntheticSource(20_000, seed=5)
     batches = list(source.batches(256))[:14]  # consecutive batches share hot ids
-    store = ""
-    if flush_pushes > 1:
-        store = f"[service]\nrow_flush_pushes = {flush_pushes}\nrow_flush_s = 600\n"
+    behind = flush_pushes > 1
+    store = f"[service]\nrow_flush_pushes = {flush_pushes}\nrow_flush_s = 600\n"
     path = _cluster_file(
         tmp_path / f"{tag}.toml",
         mode="async",
@@ -232,14 +231,15 @@ def _train_fresh(
             result = trainer.fit(batches)
             fed = len(trainer.fed_layers)
             created = trainer.rows_created
-            if trainer_kwargs.get("read_your_writes", True) and not in_graph and not store:
+            if trainer_kwargs.get("read_your_writes", True) and not in_graph and not behind:
                 # from the third step on, ids of earlier batches come from their answers
                 # (with every replica's stamps following on)
                 assert trainer.rows_answered > 0
-            if trainer_kwargs.get("read_your_writes", True) and not in_graph and store:
+            if trainer_kwargs.get("read_your_writes", True) and not in_graph and behind:
                 # read through their owner: the first batch's rows alone, every later
-                # batch's with the push before it
+                # batch's with the push before it, none kept from the answers
                 assert _reads_alone(config) == 1
+                assert trainer.rows_answered == 0
         ids = {
             table: np.unique(np.concatenate([np.asarray(b.features[f]) for b in batches]))
             for table, f in features.items()
@@ -351,7 +351,8 @@ def _train_in_turns(
 
     source = SyntheticSource(20_000, seed=5)
     batches = list(source.batches(256))[:12]
-    store = f"[store]\ntrainer_cache_mb = {cache_mb}\n"
+    # rows written through: rows read through their owner are not kept from answers
+    store = f"[store]\ntrainer_cache_mb = {cache_mb}\n[service]\nrow_flush_pushes = 1\n"
     path = _cluster_file(tmp_path / f"{tag}.toml", mode="async", workers=2, store=store)
     with _running(path, tmp_path / f"run-{tag}"):
         config = load_config(path)
