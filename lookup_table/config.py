@@ -175,6 +175,13 @@ class TableSpec:
     rounding: Rounding = "stochastic"
 
     @property
+    def plain_rows(self) -> bool:
+        """Whether its rows may be held outside memcached (written behind by the replicas,
+        kept from answers by trainers): int64 ids, no `ttl_s` (memcached expires those),
+        no `admit_after` (each lookup counts a sighting in memcached)."""
+        return self.id_type == "int64" and self.ttl_s is None and self.admit_after == 1
+
+    @property
     def counter_ttl_s(self) -> int:
         """How long an admission counter lives after the last sighting it counted."""
         if self.admit_ttl_s is not None:
@@ -258,13 +265,7 @@ class ClusterConfig:
         memcached may not hold their newest values yet (docs/write-behind.md). Not for
         string ids or `ttl_s` (the replicas do not cache those: written through), nor for
         `admit_after` (its lookups count sightings in memcached: written through too)."""
-        spec = self.table(name)
-        return (
-            self.service.row_flush_pushes > 1
-            and spec.id_type == "int64"
-            and spec.ttl_s is None
-            and spec.admit_after == 1
-        )
+        return self.service.row_flush_pushes > 1 and self.table(name).plain_rows
 
     @property
     def node_addresses(self) -> tuple[str, ...]:

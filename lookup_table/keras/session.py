@@ -132,14 +132,10 @@ class TrainingSession:
             {
                 t.name: (t.dim, 0)
                 for t in config.tables
-                # not TTL rows (memcached expires them), nor ids counted for admission
-                # (each training lookup of one is a sighting); nor rows read through their
-                # owner: those ride on the next push, from the replica's own cache, so
-                # keeping them here would cost the trainer more than the read it saves
-                if t.id_type == "int64"
-                and t.ttl_s is None
-                and t.admit_after == 1
-                and not config.reads_through_owner(t.name)
+                # not rows read through their owner: those ride on the next push, from
+                # the replica's own cache, so keeping them here would cost the trainer
+                # more than the read it saves
+                if t.plain_rows and not config.reads_through_owner(t.name)
             },
             config.store.trainer_cache_mb * 2**20 if self._read_your_writes else 0,
         )
