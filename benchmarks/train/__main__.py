@@ -48,15 +48,14 @@ from benchmarks.train.distributed import (
     run_distributed,
     trainer_role,
 )
-from benchmarks.train.lazy_adam import run_lazy_adam
 from benchmarks.train.local import (
     DENSE_LR,
     EMBEDDING_LR,
     VOCABULARY,
     dense_weights,
-    run_local,
     save_weights,
 )
+from benchmarks.train.processes import TF_METHODS, run_method_process, tf_role
 from benchmarks.train.report import (
     METHODS,
     TARGET_AUC_GAP,
@@ -76,13 +75,12 @@ from benchmarks.train.report import (
     render_table,
     summarize,
 )
-from benchmarks.train.steps import LocalRound, data_digest
+from benchmarks.train.steps import data_digest
 from benchmarks.train.torch_baselines import (
     INSTALL,
     ROWWISE_ADAGRAD,
     TORCH_METHODS,
     grouped,
-    run_torch_method,
     skipped,
     torch_role,
 )
@@ -141,8 +139,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=0,
         help="TensorFlow's intra-op threads in every process that runs it: the local "
-        "methods (this process) and the trainer (TF_NUM_INTRAOP_THREADS); 0: TensorFlow's "
-        "own choice, a thread per core (default 0)",
+        "methods' and the trainer's (TF_NUM_INTRAOP_THREADS); 0: TensorFlow's own choice, a "
+        "thread per core (default 0)",
     )
     options.count(
         "--seeds",
@@ -152,7 +150,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "default to N and writes train_variants.json",
     )
     options.roles(
-        ["trainer", "torch"],
+        ["trainer", "local", "torch"],
         "--config",
         "--run-dir",
         "--output",
@@ -191,7 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.tf_intra_op_threads:  # read when TensorFlow starts; the roles inherit it
         os.environ["TF_NUM_INTRAOP_THREADS"] = str(args.tf_intra_op_threads)
-    if (role := begin(args, {"trainer": trainer_role, "torch": torch_role})) is not None:
+    if (
+        role := begin(args, {"trainer": trainer_role, "local": tf_role, "torch": torch_role})
+    ) is not None:
         return role
     started = time.time()
     # before TensorFlow: torchrec cannot be imported after it
@@ -220,7 +220,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     digest = data_digest(train + evals)
     demo = load_config(DEMO_CONFIG)
     columns = list(source.schema.categorical)
-    dims = {c: demo.table(c).dim for c in columns}
     seeds = range(MODEL_SEED, MODEL_SEED + args.seeds)
     # both sides start from these dense weights (build_model's, seeded), one set a seed
     initial_dense = {
@@ -265,16 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return r
 
         def run_method(k: int, method: str, seed: int, attempt: int) -> dict[str, Any]:
-            local = LocalRound(
-                train, evals, source.schema, dims, args.warmup, initial_dense[seed], seed
-            )
-            if method in ("lazy_adam", "mlp_floor"):
-                return run_lazy_adam(local, floor=method == "mlp_floor")
-            if method == "local":
-                return run_local(local)
-            if method in TORCH_METHODS:
-                r = run_torch_method(
+            if method in TF_METHODS or method in TORCH_METHODS:
+                r = run_method_process(
                     args,
+                    "local" if method in TF_METHODS else "torch",
                     method,
                     Path(tmp) / f"{method}{k}-{attempt}",
                     initial_weights=weights_paths[seed],
@@ -423,6 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
             "mlp_floor": "lazy_adam's step without the tables' update: the MLP alone trained on "
             "embeddings held constant",
+            "processes": "every method's round in a process of its own (--role local for local, "
+            "lazy_adam and mlp_floor; --role torch; --role trainer)",
             "distributed": {
                 "cluster": "deploy/demo.toml's tables and optimizers, fresh ports and namespace, "
                 "workers = 1; 2 memcached nodes + 1 optimizer replica "

@@ -9,25 +9,21 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.harness.cluster import DEMO_CONFIG, run_role
-from benchmarks.harness.data import demo_batches
 from benchmarks.train.lazy_adam import BETA_1, BETA_2, EPSILON
 from benchmarks.train.local import (
     DENSE_LR,
     EMBEDDING_LR,
     VOCABULARY,
     initial_tables,
-    load_weights,
 )
-from benchmarks.train.steps import LocalRound, data_digest, run_in_process
+from benchmarks.train.processes import method_role
+from benchmarks.train.steps import LocalRound, run_in_process
 from trainer.data import Batch
 
 TORCH_METHODS = ("torchrec", "torch_sparse_adam")
@@ -213,43 +209,11 @@ def run_torchrec(r: LocalRound) -> dict[str, Any]:
     return _run("torchrec", r, embed, None)
 
 
-def run_torch_method(
-    args: argparse.Namespace, method: str, work_dir: Path, *, initial_weights: Path, seed: int
-) -> dict[str, Any]:
-    """One round of `method` in a process of its own (`--role torch`): TensorFlow's and
-    torch's thread pools in one process take CPU from each other, which a PyTorch user's
-    process does not pay."""
-    work_dir.mkdir(parents=True)
-    output = work_dir / f"{method}.json"
-    cmd = [sys.executable, "-m", "benchmarks.train", "--role", "torch", "--method", method]
-    cmd += ["--output", str(output), "--initial-weights", str(initial_weights)]
-    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-    cmd += ["--batch-size", str(args.batch_size), "--eval-batches", str(args.eval_batches)]
-    cmd += ["--model-seed", str(seed)]
-    return run_role(
-        cmd,
-        output,
-        work_dir / f"{method}.log",
-        timeout_s=120 + 10 * args.steps,
-        what=f"the {method} process",
-    )
-
-
 def torch_role(args: argparse.Namespace) -> int:
-    """A PyTorch baseline's round in this process: its packages imported before
-    TensorFlow (which draws the initial rows), then `run_torchrec` or
-    `run_torch_sparse_adam`; the result, with the data's digest, to `args.output`."""
+    """A PyTorch baseline's round in this process (`--role torch`): its packages imported
+    before TensorFlow (which draws the initial rows), then `run_torchrec` or
+    `run_torch_sparse_adam`."""
     if (why := missing(args.method)) is not None:
         raise RuntimeError(f"{args.method}: {why}")
-    from lookup_table.config import load_config
-
-    source, train, evals = demo_batches(args.steps, args.batch_size, args.eval_batches)
-    demo = load_config(DEMO_CONFIG)
-    dims = {c: demo.table(c).dim for c in source.schema.categorical}
-    dense = load_weights(Path(args.initial_weights))
-    local = LocalRound(train, evals, source.schema, dims, args.warmup, dense, args.model_seed)
     run = {"torchrec": run_torchrec, "torch_sparse_adam": run_torch_sparse_adam}[args.method]
-    result = run(local)
-    result["data_digest"] = data_digest([*train, *evals])
-    Path(args.output).write_text(json.dumps(result))
-    return 0
+    return method_role(args, run)
