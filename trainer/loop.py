@@ -28,7 +28,7 @@ from lookup_table.keras import distributed_layers
 from lookup_table.keras.rows import FedLayer
 from lookup_table.keras.session import TrainingSession
 from lookup_table.keras.steps import GraphStep, fed_train_step
-from lookup_table.keras.tensors import aligned_empty, as_tensor
+from lookup_table.keras.tensors import aligned_empty, as_tensor, copied_tensor
 from trainer.metrics import auc, logloss
 
 __all__ = ["Trainer", "TrainResult"]
@@ -234,7 +234,7 @@ class Trainer(TrainingSession):
                 ]
                 self._graph_step = GraphStep(self, candidates, self._make_graph_step)
             loss_t, records, row_grads, dense_grads = self._graph_step(
-                (self._packed(features), tf.constant(labels)), features
+                (self._packed(features), copied_tensor(labels)), features
             )
             # the push waits for the step's gradients anyway: the loss costs no extra wait
             loss_value = float(loss_t)

@@ -22,7 +22,7 @@ from lookup_table.keras.rows import (
     patch_rows,
 )
 from lookup_table.keras.session import TrainingSession
-from lookup_table.keras.tensors import aligned_empty, as_tensor
+from lookup_table.keras.tensors import aligned_empty, as_tensor, copied_tensor
 
 __all__ = ["FedBatch", "GraphStep", "fed_train_step", "feed_layers"]
 
@@ -89,7 +89,7 @@ class FedBatch:
         else:
             index = np.zeros(0, np.int64)
         # shared with TensorFlow, not copied: neither is written to again
-        self.args = ([as_tensor(t) for t in tables], as_tensor(index), tf.constant(bounds))
+        self.args = ([as_tensor(t) for t in tables], as_tensor(index), copied_tensor(bounds))
 
     def _fits(self, block: BatchRows) -> bool:
         """Whether `block`'s entries are the fed layers' rows, in order (its tables are

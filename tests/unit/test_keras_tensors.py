@@ -11,7 +11,7 @@ import tensorflow as tf
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lookup_table.keras.tensors import ALIGN, aligned_empty, aligned_zeros, as_tensor
+from lookup_table.keras.tensors import ALIGN, aligned_empty, aligned_zeros, as_tensor, copied_tensor
 
 pytestmark = pytest.mark.unit
 
@@ -88,3 +88,28 @@ def test_a_read_only_array_is_copied() -> None:
     np.testing.assert_array_equal(t.numpy(), a)
     a.flags.writeable = True
     assert not _shares(a, t)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: aligned_zeros((256, 16), np.float32), id="aligned"),
+        pytest.param(lambda: _unaligned(4096).reshape(256, 16), id="unaligned"),
+        pytest.param(lambda: aligned_zeros((256, 16), np.int64)[:, :8], id="not contiguous"),
+        pytest.param(lambda: np.zeros(27, np.int64), id="a few numbers"),
+        pytest.param(lambda: aligned_zeros((256, 16), np.float16), id="float16"),
+        pytest.param(lambda: aligned_zeros((0, 16), np.float32), id="empty"),
+    ],
+)
+def test_a_copied_tensor_keeps_its_values_when_the_array_is_written_again(
+    make: object,
+) -> None:
+    a = make()  # type: ignore[operator]
+    a[...] = np.arange(a.size).reshape(a.shape)
+    expected = a.copy()
+    t = copied_tensor(a)
+    assert t.dtype == tf.as_dtype(a.dtype) and t.shape == a.shape
+    a[...] = -1
+    np.testing.assert_array_equal(t.numpy(), expected)
+    if a.size:  # a kernel reads it
+        np.testing.assert_array_equal(tf.gather(t, [0, 1]).numpy(), expected[[0, 1]])
