@@ -189,9 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.tf_intra_op_threads:  # read when TensorFlow starts; the roles inherit it
         os.environ["TF_NUM_INTRAOP_THREADS"] = str(args.tf_intra_op_threads)
-    if (
-        role := begin(args, {"trainer": trainer_role, "local": tf_role, "torch": torch_role})
-    ) is not None:
+    roles = {"trainer": trainer_role, "local": tf_role, "torch": torch_role}
+    if (role := begin(args, roles)) is not None:
         return role
     started = time.time()
     # before TensorFlow: torchrec cannot be imported after it

@@ -19,7 +19,7 @@ from benchmarks.train.local import (
     build_local_model,
     dense_weights,
 )
-from benchmarks.train.steps import LocalRound, run_in_process
+from benchmarks.train.steps import LocalRound, run_in_process, stacked_columns
 from trainer.data import Batch
 
 # deploy/demo.toml's tables: Adam with Keras' defaults but the learning rate
@@ -119,18 +119,6 @@ class LazyAdamTables:
         self.items.scatter_nd_update(unique[:, None], tf.concat([w, m, v, t[:, None]], axis=1))
 
 
-def stacked_inputs(batch: Batch, columns: Sequence[str], numeric: Sequence[str]) -> tuple[Any, Any]:
-    """A batch as two tensors: its ids (batch, columns) int64 and its numbers (batch,
-    numeric) float32."""
-    import tensorflow as tf
-
-    ids = np.stack([np.asarray(batch.features[c]) for c in columns], axis=1).astype(
-        np.int64, copy=False
-    )
-    numbers = np.stack([np.asarray(batch.features[c]) for c in numeric], axis=1)
-    return tf.constant(ids), tf.constant(numbers.astype(np.float32, copy=False))
-
-
 def run_lazy_adam(r: LocalRound, *, floor: bool = False) -> dict[str, Any]:
     """Train with lazy Adam on the tables (or, `floor`, the MLP alone on constant
     embeddings) in this process; time, CPU, eval, as `run_local`."""
@@ -184,9 +172,10 @@ def run_lazy_adam(r: LocalRound, *, floor: bool = False) -> dict[str, Any]:
         return mlp(tables.lookup(ids), numbers)
 
     def tensors(batch: Batch) -> tuple[Any, Any]:
-        # the columns stacked into one tensor of ids and one of numbers, as the PyTorch
-        # baselines take them: 39 tensors a step would cost the step call ~2 ms in Python
-        return stacked_inputs(batch, columns, numeric)
+        # two tensors, as the PyTorch baselines take them: 39 tensors a step would cost
+        # the step call ~2 ms in Python
+        ids, numbers = stacked_columns(batch, columns, numeric)
+        return tf.constant(ids), tf.constant(numbers)
 
     method = "mlp_floor" if floor else "lazy_adam"
     return run_in_process(method, step, predict, tensors, r)

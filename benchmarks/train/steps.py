@@ -41,6 +41,16 @@ def timing(
     }
 
 
+def stacked_columns(
+    batch: Batch, columns: Sequence[str], numeric: Sequence[str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """A batch as a locally trained method takes it: its ids (batch, columns) int64 and its
+    numbers (batch, numeric) float32, each one array (one tensor a step, not one a column)."""
+    ids = np.stack([np.asarray(batch.features[c]) for c in columns], axis=1)
+    numbers = np.stack([np.asarray(batch.features[c]) for c in numeric], axis=1)
+    return ids.astype(np.int64, copy=False), numbers.astype(np.float32, copy=False)
+
+
 @dataclass(frozen=True)
 class LocalRound:
     """What a method trained in this process gets: the same batches, model shape and

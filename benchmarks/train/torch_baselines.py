@@ -23,7 +23,7 @@ from benchmarks.train.local import (
     initial_tables,
 )
 from benchmarks.train.processes import method_role
-from benchmarks.train.steps import LocalRound, run_in_process
+from benchmarks.train.steps import LocalRound, run_in_process, stacked_columns
 from trainer.data import Batch
 
 TORCH_METHODS = ("torchrec", "torch_sparse_adam")
@@ -128,9 +128,8 @@ def _run(method: str, r: LocalRound, embed: Any, sparse_step: Any) -> dict[str, 
             return torch.sigmoid(logits(inputs))
 
     def tensors(batch: Batch) -> tuple[Any, Any]:
-        ids = np.stack([np.asarray(batch.features[c]) for c in columns], axis=1)
-        values = np.stack([np.asarray(batch.features[c]) for c in numeric], axis=1)
-        return torch.from_numpy(ids % VOCABULARY), torch.from_numpy(values.astype(np.float32))
+        ids, numbers = stacked_columns(batch, columns, numeric)
+        return torch.from_numpy(ids % VOCABULARY), torch.from_numpy(numbers)
 
     def labels(values: np.ndarray) -> Any:
         return torch.from_numpy(np.asarray(values, dtype=np.float32))
