@@ -88,7 +88,8 @@ class FedBatch:
             )
         else:
             index = np.zeros(0, np.int64)
-        # shared with TensorFlow, not copied: neither is written to again
+        # the tables and the index shared with TensorFlow, not copied: neither is written
+        # to again (the bounds, a few numbers, are copied into aligned memory)
         self.args = ([as_tensor(t) for t in tables], as_tensor(index), copied_tensor(bounds))
 
     def _fits(self, block: BatchRows) -> bool:

@@ -56,7 +56,7 @@ def as_tensor(array: NDArray[Any]) -> tf.Tensor:
 def copied_tensor(array: NDArray[Any]) -> tf.Tensor:
     """A tensor of `array`'s values in memory of its own (the caller may write `array`
     again): an aligned copy shared through `as_tensor`. Between graph steps, where the
-    trainer's thread comes back to TensorFlow with cold caches, this costs a fraction of
+    trainer's thread comes back to TensorFlow with cold caches, this costs less than
     `tf.constant`'s conversion path, even for a few numbers."""
     if array.dtype not in _SHARED or not array.size:
         return tf.constant(array)
