@@ -365,3 +365,23 @@ def test_memcached_options_prints_what_a_node_of_the_cluster_file_runs_with(
         f"hashpower={hashpower_for(64)},{LRU_OPTIONS},slab_sizes={slab_sizes([row])}",
     ]
     assert "-240-272-304-" in done.stdout
+
+
+def test_nodes_of_string_tables_only_keep_memcacheds_own_slab_classes(tmp_path: Path) -> None:
+    """A string id's key has no one size: no class is added, and `up` says so."""
+    config = tmp_path / "cluster.toml"
+    config.write_text(
+        f'namespace = "s{uuid.uuid4().hex[:8]}"\nmemcached = ["127.0.0.1:{free_port()}"]\n'
+        '[[tables]]\nname = "word"\ndim = 16\nid_type = "string"\n'
+    )
+    args = ["--config", str(config), "--run-dir", str(tmp_path / "run"), "--memory-mb", "16"]
+    options = localcluster("memcached-options", *args[:2], "--memory-mb", "16", cwd=tmp_path)
+    assert options.returncode == 0, options.stderr
+    assert "slab_sizes" not in options.stdout
+    try:
+        up = localcluster("up", *args, cwd=tmp_path)
+        assert up.returncode == 0, up.stderr
+        assert "default slab classes" in up.stdout and "rows of [" not in up.stdout, up.stdout
+    finally:
+        down = cluster_command("down", *args)
+    assert down.returncode == 0, down.stderr

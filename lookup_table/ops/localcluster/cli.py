@@ -133,8 +133,10 @@ def cluster_up(config_path: str, run_dir: Path, *, memory_mb: int) -> int:
 def _row_classes(config: ClusterConfig) -> tuple[list[int], str | None]:
     """The row item sizes of the cluster file's int64 tables and the nodes' `-o slab_sizes`
     that gives each a class of its own (None, memcached's defaults, where it takes too
-    many classes)."""
+    many classes, or no int64 table: string ids' keys have no one size)."""
     rows = sorted(set(row_item_bytes(config).values()))
+    if not rows:
+        return rows, None
     try:
         return rows, slab_sizes(rows)
     except ValueError as exc:
