@@ -65,6 +65,7 @@ def plot_training(summaries: Sequence[Mapping[str, Any]], path: str | Path) -> P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
 
     fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -98,6 +99,7 @@ def plot_training(summaries: Sequence[Mapping[str, Any]], path: str | Path) -> P
     ax_auc.set_ylabel("AUC")
     ax_auc.set_title("eval AUC")
     for ax in (ax_loss, ax_auc):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 2.5 in a short run
         ax.grid(alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
         if handles:

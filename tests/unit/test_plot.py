@@ -84,3 +84,24 @@ def test_help_says_how_to_combine_the_workers() -> None:
     from trainer.cli import _parser
 
     assert "python -m trainer.plot" in " ".join(_parser().format_help().split())
+
+
+def test_a_short_runs_steps_are_whole_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from matplotlib.figure import Figure
+
+    saved: list[Figure] = []
+    save = Figure.savefig
+
+    def keep(fig: Figure, *args: Any, **kwargs: Any) -> None:
+        saved.append(fig)
+        save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    plot_training([_summary(0, steps=20)], tmp_path / "short.png")
+    (fig,) = saved
+    for ax in fig.axes:
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
