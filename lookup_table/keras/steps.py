@@ -301,6 +301,13 @@ class GraphStep:
         with session.lookups():
             return self._call(data, batch.args), batch
 
+    @property
+    def traces(self) -> int:
+        """How many times the step was traced: once for batches of one layout and size,
+        whatever their counts of unique ids."""
+        functions = [*self._flat.values(), *([self._fn] if self._fn is not None else [])]
+        return sum(int(f.experimental_get_tracing_count()) for f in functions)
+
     def _flat_step(self, data: Any, args: Any) -> tuple[Any, list[Any], Hashable]:
         """The step that takes the tensors of (data, *args) alone, those tensors and their
         layout; None when they cannot be taken apart or there are too many layouts."""
@@ -325,8 +332,17 @@ class GraphStep:
         flat, tensors, _ = self._flat_step(data, args)
         if flat is None:
             self._fn.get_concrete_function(data, *args)
-        else:
-            flat.get_concrete_function(*tensors)
+            return
+        # one trace for every batch of this size: the row tables and the index have as
+        # many rows as a batch has unique ids, so a trace of this batch's counts would fit
+        # no other batch (a second trace, and TF's warning when several steps do so)
+        varying = len(args[0]) + 1  # (tables, index, bounds) are the last tensors
+        lead = len(tensors) - varying - 1
+        specs = [
+            tf.TensorSpec([None, *t.shape[1:]], t.dtype) if lead <= k < lead + varying else t
+            for k, t in enumerate(tensors)
+        ]
+        flat.get_concrete_function(*specs)
 
     def _call(self, data: Any, args: Any) -> Any:
         """The step on (data, *args): their tensors alone when it can (a tf.function binds

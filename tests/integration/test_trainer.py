@@ -170,6 +170,8 @@ def test_trainer_in_process_learns_and_evaluation_writes_nothing(cluster: Path) 
         losses = np.array([loss for _, loss in result.losses])
         assert losses[-10:].mean() < losses[:10].mean()
         assert result.versions[-1] >= 55  # dense weights refreshed as pushes land
+        # one trace for batches of every count of unique ids
+        assert trainer._graph_step is not None and trainer._graph_step.traces == 1
         created = trainer.rows_created
     # each push reported its examples and loss to the service's /metrics
     assert worker_metrics(config, "lookup_table_worker_examples_total") == {"0": 60 * 512}
