@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -377,7 +378,7 @@ def plot(
 ) -> None:
     compared = summary.get("variants", {})
     varied = len(compared) > 1
-    ratios = [2.2, 1.3 + 0.3 * varied, 1.5 + 0.3 * varied] + ([1.3] if costs else [])
+    ratios = [2.2, 1.6 + 0.3 * varied, 1.7 + 0.3 * varied] + ([1.3] if costs else [])
     ratios += [1.3, 1.3] if varied else []
     with figure(
         path,
@@ -449,11 +450,19 @@ def _plot_rate(ax_rate: Any, summary: Mapping[str, Any]) -> None:
     bars = ax_rate.bar(
         x, [summary[m]["examples_per_s"] for m in methods], color=[_color(m) for m in methods]
     )
-    ax_rate.bar_label(bars, fmt="%.0f")
+    # inside the bars: above them, the rounds' dots would cover the figures
+    ax_rate.bar_label(
+        bars,
+        labels=[f"{summary[m]['examples_per_s'] / 1000:.1f}k" for m in methods],
+        label_type="center",
+        fontsize=8,
+        color="white",
+        fontweight="bold",
+    )
     for i, m in enumerate(methods):
         pts = summary[m]["examples_per_s_rounds"]
         ax_rate.plot([i] * len(pts), pts, "k.", ms=5)
-    ax_rate.set_xticks(x, [label(m).replace(" ", "\n", 1) for m in methods], fontsize=8)
+    ax_rate.set_xticks(x, _tick_labels(methods), fontsize=7)
     ax_rate.set_ylabel("examples/s (median of rounds; dots: rounds)")
     title = f"distributed / Keras dense = {summary['ratio_distributed_vs_local']:.2f}"
     if "ratio_distributed_vs_lazy_adam" in summary:
@@ -464,19 +473,27 @@ def _plot_rate(ax_rate: Any, summary: Mapping[str, Any]) -> None:
     ax_rate.grid(alpha=0.3, axis="y")
 
 
+def _tick_labels(methods: Sequence[str]) -> list[str]:
+    """The methods' labels in lines narrow enough for a bar each."""
+    return [textwrap.fill(label(m), 10, break_long_words=False) for m in methods]
+
+
 def _plot_cpu(ax_cpu: Any, summary: Mapping[str, Any]) -> None:
     methods = methods_in(summary)
     x = np.arange(len(methods))
+    tallest = max(summary[m]["total_cpu_ms_per_step"] for m in methods)
     for i, m in enumerate(methods):
         bottom = 0.0
         for k, v in summary[m]["cpu_ms_per_step"].items():
             color = _color(m) if k in (m, "trainer") else CPU_COLORS.get(k, "tab:gray")
             ax_cpu.bar(i, v, bottom=bottom, color=color, edgecolor="white")
-            ax_cpu.text(i, bottom + v / 2, f"{k}\n{v:.0f}", ha="center", va="center", fontsize=7)
+            if v >= 0.05 * tallest:  # a thinner part's name would cover its neighbours'
+                text = f"{v:.0f}" if k == m else f"{k}\n{v:.0f}"  # the method's own: its tick
+                ax_cpu.text(i, bottom + v / 2, text, ha="center", va="center", fontsize=7)
             bottom += v
         wall = summary[m]["step_ms_median"]
         ax_cpu.plot([i - 0.4, i + 0.4], [wall * (os.cpu_count() or 1)] * 2, "k--", lw=1)
-    ax_cpu.set_xticks(x, [label(m).replace(" ", "\n", 1) for m in methods], fontsize=8)
+    ax_cpu.set_xticks(x, _tick_labels(methods), fontsize=7)
     ax_cpu.set_ylabel("CPU ms per step (dashed: wall ms/step x cores)")
     ax_cpu.set_title("where the CPU goes")
     ax_cpu.grid(alpha=0.3, axis="y")
