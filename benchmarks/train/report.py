@@ -488,7 +488,7 @@ def _plot_cpu(ax_cpu: Any, summary: Mapping[str, Any]) -> None:
             color = _color(m) if k in (m, "trainer") else CPU_COLORS.get(k, "tab:gray")
             ax_cpu.bar(i, v, bottom=bottom, color=color, edgecolor="white")
             if v >= 0.05 * tallest:  # a thinner part's name would cover its neighbours'
-                text = f"{v:.0f}" if k == m else f"{k}\n{v:.0f}"  # the method's own: its tick
+                text = f"{v:.0f}" if k == m else f"{k}\n{v:.0f}"  # its own: named below
                 ax_cpu.text(i, bottom + v / 2, text, ha="center", va="center", fontsize=7)
             bottom += v
         wall = summary[m]["step_ms_median"]
