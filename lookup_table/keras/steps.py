@@ -336,13 +336,10 @@ class GraphStep:
         # one trace for every batch of this size: the row tables and the index have as
         # many rows as a batch has unique ids, so a trace of this batch's counts would fit
         # no other batch (a second trace, and TF's warning when several steps do so)
-        varying = len(args[0]) + 1  # (tables, index, bounds) are the last tensors
-        lead = len(tensors) - varying - 1
-        specs = [
-            tf.TensorSpec([None, *t.shape[1:]], t.dtype) if lead <= k < lead + varying else t
-            for k, t in enumerate(tensors)
-        ]
-        flat.get_concrete_function(*specs)
+        tables, index, bounds = args  # FedBatch.args: the last tensors, in this order
+        data_tensors = tensors[: len(tensors) - len(tables) - 2]
+        relaxed = [tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in (*tables, index)]
+        flat.get_concrete_function(*data_tensors, *relaxed, bounds)
 
     def _call(self, data: Any, args: Any) -> Any:
         """The step on (data, *args): their tensors alone when it can (a tf.function binds
